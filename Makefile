@@ -1,0 +1,35 @@
+# Two commands set up a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.atomc-installed
+# The CPU build of torch these machines carry; pinned first so nothing resolves another torch.
+TORCH  ?= torch==2.13.0
+
+.PHONY: install demo test golden bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]" "$(TORCH)"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/python examples/demo.py
+
+test: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+golden: install
+	$(BIN)/python tests/make_golden.py
+
+bench: install
+	$(BIN)/python bench/profile_bench.py
+	$(BIN)/python bench/partition_bench.py
+	$(BIN)/python bench/schedule_bench.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

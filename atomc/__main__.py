@@ -1,0 +1,5 @@
+import sys
+
+from atomc.cli import main
+
+sys.exit(main())

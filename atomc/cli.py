@@ -1,0 +1,60 @@
+"""`atomc` command line: one subcommand per stage, each reading the previous stage's JSON.
+
+Every stage registers its own subcommand from `atomc/<stage>/cli.py` (a `register(subparsers)`
+function that sets `func`). User errors (AtomcError) print one line and exit 2; `--debug`
+shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from atomc import __version__
+from atomc.errors import AtomcError
+
+# Stage modules that add subcommands, in the order `atomc --help` lists them.
+COMMANDS = [
+    "atomc.profile.cli",
+    "atomc.partition.cli",
+    "atomc.codegen.cli",
+    "atomc.schedule.cli",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="atomc",
+        description="Compile PyTorch models into swappable sub-models and train them beyond GPU memory.",
+    )
+    parser.add_argument("--version", action="version", version=f"atomc {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        result = args.func(args)
+    except AtomcError as e:
+        if args.debug:
+            raise
+        print(f"atomc {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"atomc {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,329 @@
+"""The IR every stage passes on: frozen dataclasses with JSON round trips.
+
+model.py -trace-> OpGraph -profile-> Profile -partition-> Plan -codegen-> package
+
+The IR holds no torch objects: nodes are named by their torch.fx names, modules and
+parameters by fully qualified name (FQN). Each document is written with `kind` and
+`schema_version`; the loader rejects other kinds, other versions and malformed fields with a
+message that names the file and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar, Union
+
+from atomc.errors import IRError
+from atomc.jsonio import read_json, write_json
+
+SCHEMA_VERSION = 1
+
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------------------------------------
+# generic (de)serialisation of nested frozen dataclasses
+
+
+def to_data(obj: Any) -> Any:
+    """Plain JSON data for a dataclass tree (tuples become lists)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_data(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_data(x) for x in obj]
+    if isinstance(obj, dict):
+        return {str(k): to_data(v) for k, v in obj.items()}
+    return obj
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def from_data(tp: Any, data: Any, where: str) -> Any:
+    """Build a value of type `tp` from JSON data; IRError names `where` on mismatch."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return data
+    if origin in (Union, types.UnionType):
+        if data is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return from_data(arg, data, where)
+            except IRError as e:
+                errors.append(str(e))
+        raise IRError(errors[0] if errors else f"{where}: unexpected null")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(data, dict):
+            raise IRError(f"{where}: expected an object for {tp.__name__}, got {type(data).__name__}")
+        hints = _hints(tp)
+        kwargs = {}
+        for f in dataclasses.fields(tp):
+            if not f.init:
+                continue
+            if f.name in data:
+                kwargs[f.name] = from_data(hints[f.name], data[f.name], f"{where}.{f.name}")
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise IRError(f"{where}: missing field '{f.name}' of {tp.__name__}")
+        return tp(**kwargs)
+    if origin is tuple:
+        if not isinstance(data, list):
+            raise IRError(f"{where}: expected a list, got {type(data).__name__}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(from_data(args[0], x, f"{where}[{i}]") for i, x in enumerate(data))
+        if len(args) != len(data):
+            raise IRError(f"{where}: expected {len(args)} items, got {len(data)}")
+        return tuple(from_data(a, x, f"{where}[{i}]") for i, (a, x) in enumerate(zip(args, data)))
+    if origin is dict:
+        if not isinstance(data, dict):
+            raise IRError(f"{where}: expected an object, got {type(data).__name__}")
+        return {k: from_data(args[1], v, f"{where}.{k}") for k, v in data.items()}
+    if tp is float:
+        if isinstance(data, bool) or not isinstance(data, (int, float)):
+            raise IRError(f"{where}: expected a number, got {data!r}")
+        return float(data)
+    if tp is int:
+        if isinstance(data, bool) or not isinstance(data, int):
+            raise IRError(f"{where}: expected an integer, got {data!r}")
+        return data
+    if tp in (str, bool):
+        if not isinstance(data, tp):
+            raise IRError(f"{where}: expected {tp.__name__}, got {data!r}")
+        return data
+    raise IRError(f"{where}: cannot read type {tp!r}")  # a bug in the IR definition
+
+
+class Document:
+    """A top-level IR type written to its own JSON file."""
+
+    KIND: ClassVar[str] = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.KIND, "schema_version": SCHEMA_VERSION, **to_data(self)}
+
+    @classmethod
+    def from_json(cls: type[T], data: Any, source: str = "<data>") -> T:
+        kind = cls.KIND  # type: ignore[attr-defined]
+        if not isinstance(data, dict):
+            raise IRError(f"{source}: expected a JSON object for a {kind}, got {type(data).__name__}")
+        seen_kind = data.get("kind")
+        if seen_kind != kind:
+            raise IRError(
+                f"{source} is a {seen_kind or 'document without a kind'}, expected a {kind}; "
+                f"give the file that `atomc` wrote for this stage"
+            )
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise IRError(
+                f"{source} has schema_version {version!r}; this atomc reads version {SCHEMA_VERSION}: "
+                f"regenerate it with this atomc"
+            )
+        body = {k: v for k, v in data.items() if k not in ("kind", "schema_version")}
+        return from_data(cls, body, source)
+
+    def save(self, path: str | Path) -> Path:
+        return write_json(path, self.to_json())
+
+    @classmethod
+    def load(cls: type[T], path: str | Path) -> T:
+        return cls.from_json(read_json(path, cls.KIND), str(path))  # type: ignore[attr-defined]
+
+    def content_hash(self) -> str:
+        """sha256 of the canonical JSON; names this exact document in later stages."""
+        canon = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------
+# traced graph
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without the "torch." prefix
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class OpNode:
+    """One torch.fx node, in topological order."""
+
+    name: str
+    op: str  # placeholder | get_attr | call_module | call_function | call_method | output
+    target: str  # module FQN, attribute FQN, qualified function name or method name
+    module_fqn: str  # the module the node runs in ("" at top level); the module itself for call_module
+    module_type: str  # class name of the called module, or of the innermost owning module
+    block: str  # FQN of the repeated block the node belongs to ("" outside blocks)
+    inputs: tuple[str, ...]  # names of nodes whose values this node reads
+    outputs: tuple[TensorSpec, ...]  # flattened tensor outputs
+    param_fqns: tuple[str, ...]  # canonical FQNs of parameters the node reads
+    buffer_fqns: tuple[str, ...]
+    signature: str  # equal signatures cost the same: measured once
+
+
+@dataclass(frozen=True)
+class OpGraph(Document):
+    KIND: ClassVar[str] = "atomc.graph"
+
+    model_path: str
+    config: str | None
+    batch_size: int
+    options: dict[str, int]  # model-file keyword options, e.g. {"seq_len": 2048}
+    frontend: str  # "fx" or "export"
+    dtype: str  # parameter dtype
+    nodes: tuple[OpNode, ...]
+    params: dict[str, TensorSpec]  # canonical FQN -> spec; tied weights appear once
+    buffers: dict[str, TensorSpec]
+    aliases: dict[str, str]  # other FQN of a tied parameter -> canonical FQN
+    blocks: tuple[str, ...] = ()  # FQNs of repeated blocks in order (e.g. blocks.0 .. blocks.95)
+
+    def structure_hash(self) -> str:
+        """Hash of what the model computes (nodes and parameters), not where it came from."""
+        data = {"nodes": to_data(self.nodes), "params": to_data(self.params), "frontend": self.frontend}
+        canon = json.dumps(data, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+    def num_params(self) -> int:
+        return sum(_numel(s.shape) for s in self.params.values())
+
+    def node_index(self) -> dict[str, int]:
+        return {n.name: i for i, n in enumerate(self.nodes)}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# profile
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """A GPU as the estimator sees it; files live in profiles/ and cite their sources."""
+
+    name: str
+    description: str
+    memory_bytes: int
+    peak_tflops: dict[str, float]  # dtype -> dense tensor-core or FMA peak, TFLOP/s
+    mem_gbps: float  # device memory bandwidth, GB/s
+    h2d_gbps: float  # achievable pinned host-to-device, GB/s
+    d2h_gbps: float
+    compute_efficiency: float  # fraction of peak FLOP/s large matmuls reach
+    launch_overhead_us: float
+    sources: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    name: str
+    param_bytes: int  # bytes of parameters first used here (a tied weight counts once)
+    output_bytes: int
+    saved_bytes: int  # tensors autograd keeps for the backward
+    peak_fwd_bytes: int  # working memory while running forward (inputs, params, outputs, temporaries)
+    peak_bwd_bytes: int
+    fwd_ms: float
+    bwd_ms: float
+    load_ms: float  # host-to-device copy of param_bytes
+    fwd_flops: int
+    bwd_flops: int
+    source: str  # "measured", "reused" (same signature measured elsewhere) or "estimated"
+
+
+@dataclass(frozen=True)
+class Profile(Document):
+    KIND: ClassVar[str] = "atomc.profile"
+
+    graph: OpGraph
+    costs: tuple[NodeCost, ...]  # same order as graph.nodes
+    mode: str  # "measured" or "estimated"
+    device: str  # what the numbers are for: "cpu", "cuda:0 (NVIDIA H100 ...)", or a target name
+    hardware: HardwareProfile | None
+    h2d_gbps: float  # bandwidth load_ms was computed or measured with
+    d2h_gbps: float
+    num_unique: int  # operators actually measured or estimated
+    num_reused: int  # operators that reused an equal signature's numbers
+    atomc_version: str = ""
+    notes: tuple[str, ...] = ()
+
+    def totals(self) -> dict[str, float]:
+        keys = ("param_bytes", "output_bytes", "saved_bytes", "fwd_ms", "bwd_ms", "load_ms",
+                "fwd_flops", "bwd_flops")
+        return {k: sum(getattr(c, k) for c in self.costs) for k in keys}
+
+
+# ---------------------------------------------------------------------------------------------
+# plan
+
+
+@dataclass(frozen=True)
+class CutTensor:
+    """A value crossing a cut: produced by node `name` before it, read after it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class Submodel:
+    index: int
+    start: int  # first node index in the profile's graph (inclusive)
+    stop: int  # last node index + 1
+    first_node: str
+    last_node: str
+    layers: tuple[str, ...]  # module FQNs whose operators fall in this range
+    param_bytes: int  # unique parameters (and buffers) resident while it computes
+    peak_bytes: int  # resident + working memory for C micro-batches
+    fwd_ms: float  # one micro-batch
+    bwd_ms: float  # one micro-batch, recomputation included when activations are recomputed
+    load_ms: float
+    offload_ms: float  # gradients back to the host
+    slack_memory_bytes: int  # capacity - (this computing + next loading); >= 0 when feasible
+    slack_fwd_ms: float  # C*t_fwd(this) - t_load(next)
+    slack_bwd_ms: float  # C*t_bwd(this) - max(t_load(previous), t_offload(this))
+    inputs: tuple[CutTensor, ...]  # values it reads from earlier sub-models or the model's inputs
+    outputs: tuple[CutTensor, ...]  # values later sub-models or the model's output read
+
+
+@dataclass(frozen=True)
+class Plan(Document):
+    KIND: ClassVar[str] = "atomc.plan"
+
+    profile_hash: str
+    graph_hash: str  # OpGraph.structure_hash(): codegen retraces and compares
+    model_path: str
+    config: str | None
+    batch_size: int  # micro-batch size the profile was taken with
+    options: dict[str, int]
+    device: str
+    capacity_bytes: int
+    reserve_bytes: int
+    accum: int  # C: micro-batches each sub-model computes before the next
+    accum_fixed: bool  # given by the user (--accum) rather than searched
+    activations: str  # "recompute" or "keep"
+    submodels: tuple[Submodel, ...]
+    cut_bytes: int  # bytes crossing all cuts, one micro-batch
+    predicted_step_ms: float
+    predicted_utilisation: float  # GPU compute-busy fraction of the step
+    physical_bound_accum: float  # the C the per-block FLOP/byte argument asks for (DESIGN 4)
+    feasible: bool
+    binding: str  # "" when feasible; else the sub-model and constraint that fail
+    atomc_version: str = ""
+    notes: tuple[str, ...] = field(default_factory=tuple)
