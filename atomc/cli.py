@@ -17,9 +17,6 @@ from atomc.errors import AtomcError
 # Stage modules that add subcommands, in the order `atomc --help` lists them.
 COMMANDS = [
     "atomc.profile.cli",
-    "atomc.partition.cli",
-    "atomc.codegen.cli",
-    "atomc.schedule.cli",
 ]
 
 
@@ -53,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"atomc {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `atomc ... | head`: the reader left; not an error of ours
+        sys.stderr.close()
+        return 0
     return int(result or 0)
 
 

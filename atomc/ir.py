@@ -227,6 +227,7 @@ class HardwareProfile:
     compute_efficiency: float  # fraction of peak FLOP/s large matmuls reach
     launch_overhead_us: float
     sources: tuple[str, ...]
+    default_dtype: str = "float32"  # the compute dtype estimates assume unless told otherwise
 
 
 @dataclass(frozen=True)

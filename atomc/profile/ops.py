@@ -1,0 +1,203 @@
+"""Run one traced operator alone: its module or function, with inputs of the recorded shapes.
+
+Profiling each operator alone, with its own freshly materialised inputs and parameters, is
+what lets a model larger than the device be profiled (ATOM III-D): only one operator's
+tensors are on the device at a time. On the meta device the same code counts FLOPs and the
+bytes autograd saves without allocating anything.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+from atomc.trace.graph import tensors_in
+
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.iand,
+                      operator.ior, operator.ixor, operator.ilshift, operator.irshift}
+
+
+@dataclass
+class OpCall:
+    """A ready-to-run operator: call `fn()`; `grad_inputs` are what its backward differentiates."""
+
+    fn: Callable[[], Any]
+    grad_inputs: list[torch.Tensor]
+    params: list[torch.Tensor]
+    input_bytes: int
+    param_bytes: int
+
+
+def is_inplace(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.endswith("__")
+    if node.op == "call_function":
+        if node.target in _INPLACE_OPERATORS:
+            return True
+        name = getattr(node.target, "__name__", "")
+        return name.endswith("_") and not name.startswith("_")
+    return False
+
+
+def _materialise(value: Any, device: torch.device, seed: int) -> Any:
+    """A tensor of the same shape, strides and dtype on `device`; other values kept.
+
+    Strides matter: `.contiguous()` on a transposed input copies, on a contiguous one it
+    does nothing. Integer tensors are zeros, which are valid indices for any lookup.
+    """
+    gen_device = device if device.type != "meta" else None
+
+    def make(v: Any) -> Any:
+        if isinstance(v, torch.device):
+            return device
+        if not isinstance(v, torch.Tensor):
+            return v
+        t = torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=device)
+        if gen_device is not None:
+            if v.dtype.is_floating_point or v.dtype.is_complex:
+                t.normal_(generator=_generator(gen_device, seed))
+            elif v.dtype == torch.bool:
+                t.fill_(True)
+            else:
+                t.zero_()
+        if v.dtype.is_floating_point:
+            t.requires_grad_(True)
+        return t
+
+    return tree_map(make, value)
+
+
+_GENERATORS: dict[str, torch.Generator] = {}
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    key = str(device)
+    if key not in _GENERATORS:
+        _GENERATORS[key] = torch.Generator(device=device)
+    return _GENERATORS[key].manual_seed(seed)
+
+
+def materialise_module(module: nn.Module, device: torch.device) -> nn.Module:
+    """A copy of a (possibly meta) module with real, initialised storage on `device`."""
+    mod = copy.deepcopy(module)
+    if device.type == "meta":
+        return mod.to(device)
+    mod = mod.to_empty(device=device)
+    with torch.no_grad():
+        for sub in mod.modules():
+            reset = getattr(sub, "reset_parameters", None)
+            if callable(reset):
+                reset()
+        for p in mod.parameters(recurse=False):  # parameters no reset_parameters covers
+            if not torch.isfinite(p).all():
+                p.normal_(0, 0.02)
+    return mod
+
+
+def build_call(gm: fx.GraphModule, node: fx.Node, values: dict[str, Any], device: torch.device,
+               seed: int = 0) -> OpCall:
+    """Prepare `node` to run alone on `device` with inputs shaped as in `values`."""
+    def arg_value(n: fx.Node) -> Any:
+        return values[n.name]
+
+    args = _materialise(fx.node.map_arg(node.args, arg_value), device, seed)
+    kwargs = _materialise(fx.node.map_arg(node.kwargs, arg_value), device, seed + 1)
+    params: list[torch.Tensor] = []
+    if node.op == "call_module":
+        module = materialise_module(gm.get_submodule(str(node.target)), device)
+        params = [p for p in module.parameters() if p.requires_grad]
+        target: Callable[..., Any] = module
+    elif node.op == "call_method":
+        method = str(node.target)
+
+        def target(self_arg: Any, *a: Any, **k: Any) -> Any:
+            return getattr(self_arg, method)(*a, **k)
+    else:
+        target = node.target  # type: ignore[assignment]
+    inputs = tensors_in((args, kwargs))
+    grad_inputs = [t for t in inputs if t.requires_grad] + params
+    clone_first = is_inplace(node)
+
+    def fn() -> Any:
+        if clone_first:
+            first, *rest = args
+            return target(first.clone(), *rest, **kwargs)
+        return target(*args, **kwargs)
+
+    return OpCall(
+        fn=fn, grad_inputs=grad_inputs, params=params,
+        input_bytes=sum(t.numel() * t.element_size() for t in inputs),
+        param_bytes=sum(p.numel() * p.element_size() for p in params),
+    )
+
+
+def differentiable_outputs(out: Any) -> list[torch.Tensor]:
+    return [t for t in tensors_in(out) if t.requires_grad and t.grad_fn is not None]
+
+
+def backward_fn(call: OpCall, outputs: list[torch.Tensor]) -> Callable[[], Any] | None:
+    """The operator's backward on fixed output gradients, repeatable (graph retained)."""
+    targets = [t for t in call.grad_inputs if t.requires_grad]
+    if not outputs or not targets:
+        return None
+    grads = [torch.ones_like(t) for t in outputs]
+
+    def fn() -> Any:
+        return torch.autograd.grad(outputs, targets, grads, retain_graph=True, allow_unused=True)
+
+    return fn
+
+
+@dataclass
+class MetaStats:
+    """What an operator costs regardless of the device: FLOPs and bytes."""
+
+    fwd_flops: int
+    bwd_flops: int
+    output_bytes: int  # outputs that are new storage (views cost nothing)
+    saved_bytes: int  # tensors autograd keeps, parameters excluded
+    input_bytes: int
+    param_bytes: int
+    has_backward: bool
+
+
+def analyse(gm: fx.GraphModule, node: fx.Node, values: dict[str, Any]) -> MetaStats:
+    """FLOPs and saved bytes of `node`, on meta tensors."""
+    meta = torch.device("meta")
+    call = build_call(gm, node, values, meta)
+    param_ids = {id(p) for p in call.params}
+    inputs = [t for t in call.grad_inputs if id(t) not in param_ids]
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        if id(base) not in param_ids and id(t) not in param_ids:
+            saved[id(base)] = base.numel() * base.element_size()
+        return t
+
+    with torch.enable_grad(), FlopCounterMode(display=False) as fwd_counter, \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = call.fn()
+    outs = tensors_in(out)
+    output_bytes = sum(t.numel() * t.element_size() for t in outs
+                       if not any(torch._C._is_alias_of(t, i) for i in inputs))
+    grad_outs = differentiable_outputs(out)
+    bwd = backward_fn(call, grad_outs)
+    bwd_flops = 0
+    if bwd is not None:
+        with FlopCounterMode(display=False) as bwd_counter:
+            bwd()
+        bwd_flops = bwd_counter.get_total_flops()
+    return MetaStats(
+        fwd_flops=fwd_counter.get_total_flops(), bwd_flops=bwd_flops, output_bytes=output_bytes,
+        saved_bytes=sum(saved.values()), input_bytes=call.input_bytes, param_bytes=call.param_bytes,
+        has_backward=bwd is not None,
+    )

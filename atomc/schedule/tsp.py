@@ -1,0 +1,140 @@
+"""Schedule stage: the pipeline order of the data-parallel groups (DT-FM eq. 4).
+
+input:  the coarsened graph, a symmetric n x n matrix of pipeline edge costs between groups
+output: the open-loop travelling salesman path (visit every group once, any start, any end)
+        of least total cost: the order of the stages, and that cost
+
+Exact Held-Karp dynamic programming up to EXACT_MAX_NODES groups: best[S, j] is the cheapest
+path that visits the set S and ends at j, built layer by layer (|S| = 2, 3, ...) with numpy, so
+2**n * n**2 work runs in a handful of array operations. Beyond that the state space is too big;
+the stated heuristic is nearest-neighbour paths from every start, each improved by 2-opt until
+no reversal helps: a good path, not a proven optimum.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+EXACT_MAX_NODES = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _layers(n: int) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]:
+    """For each subset size k >= 2: the subsets S, S minus each j, and whether j is in S."""
+    masks = np.arange(1 << n)
+    bits = (masks[:, None] >> np.arange(n)[None, :]) & 1
+    size = bits.sum(axis=1)
+    out = []
+    for k in range(2, n + 1):
+        subset = masks[size == k]
+        prev = subset[:, None] ^ (1 << np.arange(n))[None, :]
+        member = bits[subset].astype(bool)
+        out.append((subset, prev, member))
+    return tuple(out)
+
+
+def _held_karp(weights: np.ndarray, keep_parents: bool):
+    """best[b, S, j] over a batch of matrices; parents[k][S-index, j] when asked."""
+    batch, n, _ = weights.shape
+    best = np.full((batch, 1 << n, n), np.inf)
+    best[:, 1 << np.arange(n), np.arange(n)] = 0.0
+    into = weights.transpose(0, 2, 1)[:, None, :, :]  # into[b, 0, j, i] = w[b, i, j]
+    parents = []
+    for subset, prev, member in _layers(n):
+        # Ending at j: come from the best path over S - {j} ending at some i, plus edge i -> j.
+        # An i outside S - {j} has best = inf, so it never wins.
+        candidates = best[:, prev, :] + into
+        layer = candidates.min(axis=-1)
+        layer[:, ~member] = np.inf
+        best[:, subset, :] = layer
+        if keep_parents:
+            parents.append(candidates[0].argmin(axis=-1))
+    return best, parents
+
+
+def open_loop_tsp_costs(weights: np.ndarray) -> np.ndarray:
+    """Least open-path cost of each matrix in a (batch, n, n) stack."""
+    weights = np.asarray(weights, dtype=np.float64)
+    batch, n, _ = weights.shape
+    if n <= 1:
+        return np.zeros(batch)
+    if n == 2:
+        return weights[:, 0, 1].copy()
+    if n <= EXACT_MAX_NODES:
+        best, _ = _held_karp(weights, keep_parents=False)
+        return best[:, (1 << n) - 1, :].min(axis=-1)
+    return np.array([_heuristic(w)[0] for w in weights])
+
+
+def open_loop_tsp(weights: np.ndarray) -> tuple[float, tuple[int, ...], bool]:
+    """(cost, order, exact): the cheapest open path through all nodes of a symmetric matrix."""
+    weights = np.asarray(weights, dtype=np.float64)
+    n = weights.shape[0]
+    if weights.shape != (n, n):
+        raise ValueError(f"open_loop_tsp needs a square matrix, got shape {weights.shape}")
+    if n <= 1:
+        return 0.0, tuple(range(n)), True
+    if n > EXACT_MAX_NODES:
+        cost, order = _heuristic(weights)
+        return cost, order, False
+    best, parents = _held_karp(weights[None], keep_parents=True)
+    full = (1 << n) - 1
+    end = int(best[0, full].argmin())
+    cost = float(best[0, full, end])
+    order = [end]
+    subset, node = full, end
+    for k in range(n, 1, -1):
+        layer_subsets = _layers(n)[k - 2][0]
+        row = int(np.searchsorted(layer_subsets, subset))
+        prev_node = int(parents[k - 2][row, node])
+        subset ^= 1 << node
+        node = prev_node
+        order.append(node)
+    order.reverse()
+    return cost, tuple(order), True
+
+
+def path_cost(weights: np.ndarray, order: tuple[int, ...] | list[int]) -> float:
+    return float(sum(weights[a, b] for a, b in zip(order[:-1], order[1:])))
+
+
+def _heuristic(weights: np.ndarray) -> tuple[float, tuple[int, ...]]:
+    n = weights.shape[0]
+    best_cost, best_order = np.inf, None
+    for start in range(n):
+        order = [start]
+        left = set(range(n)) - {start}
+        while left:
+            last = order[-1]
+            nxt = min(left, key=lambda x: (weights[last, x], x))
+            order.append(nxt)
+            left.remove(nxt)
+        order = _two_opt(weights, order)
+        cost = path_cost(weights, order)
+        if cost < best_cost:
+            best_cost, best_order = cost, tuple(order)
+    assert best_order is not None
+    return float(best_cost), best_order
+
+
+def _two_opt(weights: np.ndarray, order: list[int]) -> list[int]:
+    """Reverse order[i..j] while that shortens the path (an open path has no edge at its ends)."""
+    n = len(order)
+    improved = True
+    while improved:
+        improved = False
+        for i in range(n - 1):
+            for j in range(i + 1, n):
+                before = after = 0.0
+                if i > 0:
+                    before += weights[order[i - 1], order[i]]
+                    after += weights[order[i - 1], order[j]]
+                if j < n - 1:
+                    before += weights[order[j], order[j + 1]]
+                    after += weights[order[i], order[j + 1]]
+                if after < before - 1e-12:
+                    order[i : j + 1] = order[i : j + 1][::-1]
+                    improved = True
+    return order

@@ -1,0 +1,74 @@
+"""Frontends that turn an nn.Module into a torch.fx GraphModule.
+
+Tried in order: torch.fx.symbolic_trace (module-level graph, readable generated code), then
+torch.export (ATen-level graph) for models symbolic tracing rejects: control flow on shapes,
+cache objects in outputs, unsupported builtins. When both fail, the error names each failure
+and the line of the model file it happened on.
+"""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+
+import torch
+from torch import fx, nn
+
+from atomc.errors import TraceError
+
+
+class LeafTracer(fx.Tracer):
+    """symbolic_trace's tracer with user-given module types kept whole."""
+
+    def __init__(self, leaf_types: tuple[type, ...] = ()):
+        super().__init__()
+        self.leaf_types = leaf_types
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if self.leaf_types and isinstance(m, self.leaf_types):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+
+def trace_fx(model: nn.Module, leaf_types: tuple[type, ...]) -> fx.GraphModule:
+    tracer = LeafTracer(leaf_types)
+    graph = tracer.trace(model)
+    return fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+
+
+def trace_export(model: nn.Module, inputs: tuple) -> fx.GraphModule:
+    program = torch.export.export(model, inputs, strict=False)
+    gm = program.module()
+    # The unlifted module carries pytree and guard plumbing; the compute graph is what we need.
+    return gm
+
+
+def trace(model: nn.Module, inputs: tuple, leaf_types: tuple[type, ...], model_path: Path,
+          frontend: str = "auto") -> tuple[fx.GraphModule, str]:
+    """(GraphModule, frontend name). `frontend` is "auto", "fx" or "export"."""
+    failures: list[str] = []
+    if frontend in ("auto", "fx"):
+        try:
+            return trace_fx(model, leaf_types), "fx"
+        except Exception as e:  # symbolic tracing raises many kinds; all mean "try the next"
+            failures.append(f"torch.fx.symbolic_trace: {_describe(e, model_path)}")
+    if frontend in ("auto", "export"):
+        try:
+            return trace_export(model, inputs), "export"
+        except Exception as e:
+            failures.append(f"torch.export: {_describe(e, model_path)}")
+    raise TraceError(
+        f"cannot trace the model in {model_path}: " + "; ".join(failures)
+        + ". Make the failing line traceable (e.g. avoid Python control flow on tensor values), "
+        "or mark the module that contains it as a leaf (LEAF_MODULES in the model file)"
+    )
+
+
+def _describe(exc: BaseException, model_path: Path) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    message = f"{type(exc).__name__}: {first}"[:300]
+    where = ""
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if Path(frame.filename).resolve() == model_path.resolve():
+            where = f" (at {model_path.name}:{frame.lineno}: {(frame.line or '').strip()})"
+    return message + where

@@ -1,0 +1,187 @@
+"""GraphModule + values on meta tensors -> OpGraph (the IR the later stages read)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_flatten
+
+from atomc.ir import OpGraph, OpNode, TensorSpec
+
+DTYPE_NAMES = {v: k for k, v in vars(torch).items() if isinstance(v, torch.dtype)}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_spec(t: torch.Tensor) -> TensorSpec:
+    return TensorSpec(tuple(int(d) for d in t.shape), dtype_name(t.dtype), int(t.numel() * t.element_size()))
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(value)
+    return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+
+def target_name(node: fx.Node) -> str:
+    if node.op in ("call_function",):
+        return fx.node._get_qualified_name(node.target)  # type: ignore[arg-type]
+    return str(node.target)
+
+
+class ValueRecorder(fx.Interpreter):
+    """Runs the graph (on meta tensors for big models) and keeps every node's value."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm, garbage_collect_values=False)
+        self.values: dict[str, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        self.values[n.name] = result
+        return result
+
+
+def normalise_get_attrs(gm: fx.GraphModule) -> None:
+    """One get_attr per user, placed right before it.
+
+    torch.export hoists every parameter access to the top of the graph, and both frontends
+    share one get_attr between users. Either would make a parameter look like an activation
+    crossing a cut; next to its user, each sub-model reads its own parameters.
+    """
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "get_attr":
+            continue
+        for user in list(node.users):
+            with graph.inserting_before(user):
+                copy = graph.get_attr(node.target)
+            copy.meta = dict(node.meta)
+            user.replace_input_with(node, copy)
+        graph.erase_node(node)
+    # export's guard-checking plumbing: takes the inputs, returns nothing, used by nobody
+    for node in list(graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn" and not node.users:
+            graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+
+
+def find_blocks(model: nn.Module) -> list[str]:
+    """FQNs of repeated blocks: children of ModuleList/Sequential containers of one class."""
+    blocks: list[str] = []
+    for fqn, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(module.named_children())
+        if len(children) < 2 or len({type(c) for _, c in children}) != 1:
+            continue
+        if any(fqn == b or fqn.startswith(b + ".") for b in blocks):
+            continue  # a container inside a block: the outer block is the repeat unit
+        prefix = f"{fqn}." if fqn else ""
+        blocks.extend(f"{prefix}{name}" for name, _ in children)
+    return blocks
+
+
+def build_opgraph(gm: fx.GraphModule, model: nn.Module, values: dict[str, Any], *, model_path: str,
+                  config: str | None, batch_size: int, options: dict[str, int], frontend: str) -> OpGraph:
+    canonical: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    params: dict[str, TensorSpec] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in canonical:
+            aliases[fqn] = canonical[id(p)]
+        else:
+            canonical[id(p)] = fqn
+            params[fqn] = tensor_spec(p)
+    buffers = {fqn: tensor_spec(b) for fqn, b in model.named_buffers()}
+    buffer_ids = {id(b): fqn for fqn, b in model.named_buffers()}
+    blocks = find_blocks(model)
+    modules = dict(gm.named_modules())
+
+    nodes: list[OpNode] = []
+    for node in gm.graph.nodes:
+        value = values.get(node.name)
+        outputs = tuple(tensor_spec(t) for t in tensors_in(value)) if node.op != "output" else ()
+        param_fqns: list[str] = []
+        buffer_fqns: list[str] = []
+        module_fqn, module_type, extra = "", "", ""
+        if node.op == "call_module":
+            mod = modules[str(node.target)]
+            module_fqn, module_type = str(node.target), type(mod).__name__
+            extra = mod.extra_repr()
+            param_fqns = _unique(canonical[id(p)] for _, p in mod.named_parameters(remove_duplicate=False))
+            buffer_fqns = [buffer_ids[id(b)] for b in mod.buffers() if id(b) in buffer_ids]
+        else:
+            module_fqn, module_type = _owner(node)
+            if node.op == "get_attr":
+                attr = _fetch(gm, str(node.target))
+                if isinstance(attr, nn.Parameter) or id(attr) in canonical:
+                    param_fqns = [canonical[id(attr)]]
+                elif id(attr) in buffer_ids:
+                    buffer_fqns = [buffer_ids[id(attr)]]
+        block = next((b for b in reversed(blocks)
+                      if module_fqn == b or module_fqn.startswith(b + ".")
+                      or (node.op == "get_attr" and str(node.target).startswith(b + "."))), "")
+        inputs = tuple(n.name for n in node.all_input_nodes)
+        nodes.append(OpNode(
+            name=node.name, op=node.op, target=target_name(node), module_fqn=module_fqn,
+            module_type=module_type, block=block, inputs=inputs, outputs=outputs,
+            param_fqns=tuple(param_fqns), buffer_fqns=tuple(buffer_fqns),
+            signature=_signature(node, module_type, extra, values, params, param_fqns),
+        ))
+    dtypes = {s.dtype for s in params.values()}
+    return OpGraph(
+        model_path=model_path, config=config, batch_size=batch_size, options=dict(options),
+        frontend=frontend, dtype=dtypes.pop() if len(dtypes) == 1 else "mixed", nodes=tuple(nodes),
+        params=params, buffers=buffers, aliases=aliases, blocks=tuple(blocks),
+    )
+
+
+def _unique(names) -> list[str]:
+    return list(dict.fromkeys(names))
+
+
+def _fetch(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _owner(node: fx.Node) -> tuple[str, str]:
+    """Innermost module a non-module node was traced inside (from nn_module_stack)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return "", ""
+    fqn, cls = list(stack.values())[-1]
+    name = cls if isinstance(cls, str) else cls.__name__
+    return str(fqn), name.rsplit(".", 1)[-1]
+
+
+def _describe_arg(a: Any, values: dict[str, Any]) -> str:
+    if isinstance(a, fx.Node):
+        v = values.get(a.name)
+        if isinstance(v, torch.Tensor):
+            return f"T{tuple(v.shape)}:{dtype_name(v.dtype)}"
+        return f"V{type(v).__name__}"  # non-tensor values (sizes, devices) do not change cost
+    if isinstance(a, (list, tuple)):
+        return "(" + ",".join(_describe_arg(x, values) for x in a) + ")"
+    if isinstance(a, dict):
+        return "{" + ",".join(f"{k}={_describe_arg(v, values)}" for k, v in sorted(a.items())) + "}"
+    return repr(a)
+
+
+def _signature(node: fx.Node, module_type: str, extra: str, values: dict[str, Any],
+               params: dict[str, TensorSpec], param_fqns: list[str]) -> str:
+    """Equal signature, equal cost: target, module hyperparameters, argument shapes, dtypes."""
+    parts = [node.op, target_name(node) if node.op != "call_module" else module_type, extra,
+             _describe_arg(node.args, values), _describe_arg(node.kwargs, values),
+             ",".join(f"{params[f].shape}:{params[f].dtype}" for f in param_fqns if f in params)]
+    if node.op in ("placeholder", "output", "get_attr"):
+        parts.append(node.name)  # never shared: they carry no compute but name distinct values
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
