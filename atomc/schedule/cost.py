@@ -81,6 +81,16 @@ class CostModel:
         lb = np.maximum(sub.min(axis=2).max(axis=1), sub.min(axis=1).max(axis=1))
         return lb, sub.max(axis=(1, 2)) <= lb
 
+    def edge_bounds_and_soft(self, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Lower bound of eq. 3 and a smooth stand-in for it: the mean over all devices of both
+        groups of their fastest link to the other group. The stand-in moves with every swap
+        that brings a device closer to a neighbour group, where the bottleneck stays flat."""
+        sub = self.pp_link_s[a[:, :, None], b[:, None, :]]
+        row, col = sub.min(axis=2), sub.min(axis=1)
+        lb = np.maximum(row.max(axis=1), col.max(axis=1))
+        soft = (row.sum(axis=1) + col.sum(axis=1)) / (2 * sub.shape[1])
+        return lb, soft
+
     def edges(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """Exact eq. 3 for each pair of groups; rows of a and b must be sorted (cache keys)."""
         out = np.empty(len(a))

@@ -71,9 +71,19 @@ class _Stop(Exception):
 @dataclass
 class _State:
     groups: np.ndarray  # (pp, dp), rows sorted
-    group_dp: np.ndarray  # (pp,)
-    edges: np.ndarray  # (pp, pp) exact coarsened graph
-    total: float
+    group_dp: np.ndarray  # (pp,) eq. 2 of each group
+    edges: np.ndarray  # (pp, pp) exact coarsened graph (eq. 3)
+    soft: np.ndarray  # (pp, pp) smooth stand-in of each edge (CostModel.edge_bounds_and_soft)
+    total: float  # DP + 2*PP: what the search minimises
+    tie: float  # mean group DP + 2 * open path over soft edges: breaks ties of total
+
+    def beats(self, other: "_State") -> bool:
+        """Lexicographic (total, tie). The model's max and bottleneck terms are flat over wide
+        plateaus (a swap rarely moves the slowest group or pair); the tie-breaker rewards swaps
+        that improve groups and pairs that are not the slowest yet, so descent keeps going."""
+        if self.total < other.total * (1 - _EPS):
+            return True
+        return self.total <= other.total * (1 + _EPS) and self.tie < other.tie * (1 - _EPS)
 
 
 class Searcher:
@@ -109,6 +119,14 @@ class Searcher:
             self.last_improvement = self.evaluations
             self.history.append((self.evaluations, time.perf_counter() - self.start, state.total))
 
+    def _tsp(self, edges: np.ndarray) -> float:
+        return float(self.model.tsp_costs(edges[None])[0])
+
+    def _set_pairs(self, matrix: np.ndarray, pairs: np.ndarray, values: np.ndarray) -> None:
+        m = self.model
+        matrix[m.pair_j[pairs], m.pair_k[pairs]] = values
+        matrix[m.pair_k[pairs], m.pair_j[pairs]] = values
+
     # -- evaluations ------------------------------------------------------------------------------
 
     def full(self, groups: np.ndarray) -> _State:
@@ -116,9 +134,14 @@ class Searcher:
         m = self.model
         groups = np.sort(groups, axis=1)
         group_dp = m.group_dp_costs(groups)
-        edges = m.edge_matrix(groups)
-        total = float(group_dp.max()) + 2.0 * float(m.tsp_costs(edges[None])[0])
-        state = _State(groups, group_dp, edges, total)
+        edges, soft = np.zeros((m.pp, m.pp)), np.zeros((m.pp, m.pp))
+        every = np.arange(len(m.pair_j))
+        a, b = groups[m.pair_j], groups[m.pair_k]
+        self._set_pairs(edges, every, m.edges(a, b))
+        self._set_pairs(soft, every, m.edge_bounds_and_soft(a, b)[1])
+        total = float(group_dp.max()) + 2.0 * self._tsp(edges)
+        tie = float(group_dp.mean()) + 2.0 * self._tsp(soft)
+        state = _State(groups, group_dp, edges, soft, total, tie)
         self._offer(state)
         return state
 
@@ -131,57 +154,61 @@ class Searcher:
         dp_s = float(group_dp.max())
         if dp_s >= bound:
             return None
-        if 2.0 * float(m.tsp_costs(m.bound_matrix(groups)[None])[0]) + dp_s >= bound * (1 - _EPS):
+        if 2.0 * self._tsp(m.bound_matrix(groups)) + dp_s >= bound * (1 - _EPS):
             return None
         edges = m.edge_matrix(groups)
-        total = dp_s + 2.0 * float(m.tsp_costs(edges[None])[0])
+        total = dp_s + 2.0 * self._tsp(edges)
         if total >= bound * (1 - _EPS):
             return None
-        state = _State(groups, group_dp, edges, total)
+        state = _State(groups, group_dp, edges, np.zeros_like(edges), total, 0.0)
         self._offer(state)
         return state
 
     def try_swap(self, s: _State, j: int, x: int, k: int, y: int) -> _State | None:
-        """The state after swapping groups[j][x] with groups[k][y], if its cost is lower."""
+        """The state after swapping groups[j][x] with groups[k][y], if it beats s."""
         self._tick()
         m = self.model
         groups = s.groups.copy()
         groups[j, x], groups[k, y] = s.groups[k, y], s.groups[j, x]
         groups[j].sort()
         groups[k].sort()
-        two = m.group_dp_costs(groups[[j, k]])
         group_dp = s.group_dp.copy()
-        group_dp[j], group_dp[k] = two
+        group_dp[j], group_dp[k] = m.group_dp_costs(groups[[j, k]])
         dp_s = float(group_dp.max())
-        bound = s.total * (1 - _EPS)
-        if dp_s >= bound:
+        ceiling = s.total * (1 + _EPS)  # above this it cannot beat s, not even on the tie-breaker
+        if dp_s > ceiling:
             return None
         pairs = np.union1d(self._touching[j], self._touching[k])
         a, b = groups[m.pair_j[pairs]], groups[m.pair_k[pairs]]
-        lb, _ = m.edge_bounds(a, b)
+        lb, soft_values = m.edge_bounds_and_soft(a, b)
         edges = s.edges.copy()
-        edges[m.pair_j[pairs], m.pair_k[pairs]] = lb
-        edges[m.pair_k[pairs], m.pair_j[pairs]] = lb
-        pp_lb = float(m.tsp_costs(edges[None])[0])
-        if dp_s + 2.0 * pp_lb >= bound:
+        self._set_pairs(edges, pairs, lb)
+        pp_lb = self._tsp(edges)
+        if dp_s + 2.0 * pp_lb > ceiling:
             return None
         exact = m.edges(a, b)
         if np.array_equal(exact, lb):
             pp_s = pp_lb
         else:
-            edges[m.pair_j[pairs], m.pair_k[pairs]] = exact
-            edges[m.pair_k[pairs], m.pair_j[pairs]] = exact
-            pp_s = float(m.tsp_costs(edges[None])[0])
+            self._set_pairs(edges, pairs, exact)
+            pp_s = self._tsp(edges)
         total = dp_s + 2.0 * pp_s
-        if total >= bound:
+        if total > ceiling:
             return None
-        state = _State(groups, group_dp, edges, total)
+        soft = s.soft.copy()
+        self._set_pairs(soft, pairs, soft_values)
+        tie = float(group_dp.mean()) + 2.0 * self._tsp(soft) if total >= s.total * (1 - _EPS) else 0.0
+        state = _State(groups, group_dp, edges, soft, total, tie)
+        if not state.beats(s):
+            return None
+        if tie == 0.0:  # skipped above because total alone decided; keep it correct for later ties
+            state.tie = float(group_dp.mean()) + 2.0 * self._tsp(soft)
         self._offer(state)
         return state
 
     # -- local search -----------------------------------------------------------------------------
 
-    def candidates_ours(self, s: _State) -> list[tuple[int, int, int, int]]:
+    def candidates_ours(self, s: _State) -> list[tuple[float, int, int, int, int]]:
         """DT-FM's swap candidates for every pair of groups, best gain first."""
         m, g = self.model, s.groups
         pp, dp = g.shape
@@ -201,9 +228,10 @@ class Searcher:
         gain = term[jj, :, kk][:, :, None] + term[kk, :, jj][:, None, :]  # (pairs, 2, 2)
         order = np.argsort(-gain.ravel(), kind="stable")
         p, e1, e2 = np.unravel_index(order, gain.shape)
-        return list(zip(jj[p].tolist(), ends[jj[p], e1].tolist(), kk[p].tolist(), ends[kk[p], e2].tolist()))
+        return list(zip(gain.ravel()[order].tolist(), jj[p].tolist(), ends[jj[p], e1].tolist(),
+                        kk[p].tolist(), ends[kk[p], e2].tolist()))
 
-    def candidates_kl(self, s: _State) -> list[tuple[int, int, int, int]]:
+    def candidates_kl(self, s: _State) -> list[tuple[float, int, int, int, int]]:
         """Kernighan-Lin's best swaps for every pair of groups, best gain first. The weight is
         the data-parallel link cost, so the gain is the drop of the summed within-group cost
         (DT-FM's GAIN_KL with affinities = -cost)."""
@@ -225,11 +253,13 @@ class Searcher:
         order = np.argsort(-top_gain.ravel(), kind="stable")
         p, t = np.unravel_index(order, top_gain.shape)
         cell = top[p, t]
-        return list(zip(jj[p].tolist(), (cell // dp).tolist(), kk[p].tolist(), (cell % dp).tolist()))
+        return list(zip(top_gain.ravel()[order].tolist(), jj[p].tolist(), (cell // dp).tolist(),
+                        kk[p].tolist(), (cell % dp).tolist()))
 
     def local_search(self, s: _State, propose) -> _State:
+        """Take the first candidate, in gain order, that beats the current state, until none does."""
         while True:
-            for j, x, k, y in propose(s):
+            for _gain, j, x, k, y in propose(s):
                 better = self.try_swap(s, j, x, k, y)
                 if better is not None:
                     s = better

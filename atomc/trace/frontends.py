@@ -8,7 +8,11 @@ and the line of the model file it happened on.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -36,8 +40,21 @@ def trace_fx(model: nn.Module, leaf_types: tuple[type, ...]) -> fx.GraphModule:
     return fx.GraphModule(tracer.root, graph, model.__class__.__name__)
 
 
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """torch.export logs warnings and partial graphs about failures we report in one line."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        logging.disable(previous)
+
+
 def trace_export(model: nn.Module, inputs: tuple) -> fx.GraphModule:
-    program = torch.export.export(model, inputs, strict=False)
+    with _quiet_torch_logs():
+        program = torch.export.export(model, inputs, strict=False)
     gm = program.module()
     # The unlifted module carries pytree and guard plumbing; the compute graph is what we need.
     return gm

@@ -1,0 +1,133 @@
+"""Profiles: invariants of measured and estimated runs, reuse of equal operators, the CLI."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from atomc.cli import main
+from atomc.errors import ProfileError
+from atomc.ir import Profile
+from atomc.profile import hardware_names, load_hardware, profile_model
+from atomc.trace import trace_model
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+import gpt  # noqa: E402
+
+COMPUTE = ("call_module", "call_function", "call_method")
+
+
+@pytest.fixture(scope="module")
+def measured() -> Profile:
+    return profile_model(trace_model(EXAMPLES / "gpt.py", "mini", 2), device="cpu", repeats=2)
+
+
+def unique_bytes(profile: Profile) -> int:
+    g = profile.graph
+    return sum(s.num_bytes for s in g.params.values()) + sum(s.num_bytes for s in g.buffers.values())
+
+
+def test_measured_reuses_identical_blocks(measured):
+    g = measured.graph
+    num_compute = sum(1 for n in g.nodes if n.op in COMPUTE)
+    assert measured.mode == "measured" and measured.device.startswith("cpu")
+    assert measured.num_unique + measured.num_reused == num_compute
+    # four identical blocks: only the first block's operators (and the ones outside) are timed
+    assert measured.num_reused >= 3 * len([n for n in g.nodes if n.block == "h.0"])
+    first = {}
+    for node, cost in zip(g.nodes, measured.costs):
+        if node.op in COMPUTE:
+            if node.signature in first:
+                assert cost.source == "reused"
+                ref = first[node.signature]
+                assert (cost.fwd_ms, cost.bwd_ms, cost.saved_bytes) == (ref.fwd_ms, ref.bwd_ms, ref.saved_bytes)
+            else:
+                assert cost.source == "measured"
+                first[node.signature] = cost
+
+
+def test_param_bytes_sum_to_unique_parameters(measured):
+    assert sum(c.param_bytes for c in measured.costs) == unique_bytes(measured)
+    by_name = dict(zip((n.name for n in measured.graph.nodes), measured.costs))
+    assert by_name["lm_head"].param_bytes == 0  # its weight is wte's, already counted
+    assert by_name["wte"].param_bytes == 256 * 128 * 4
+
+
+def test_measured_costs_are_sane(measured):
+    g = measured.graph
+    by_name = dict(zip((n.name for n in g.nodes), measured.costs))
+    linear = by_name["h_0_mlp_c_fc"]
+    assert linear.fwd_ms > 0 and linear.bwd_ms > 0 and linear.load_ms > 0
+    assert linear.fwd_flops == 2 * 2 * 64 * 128 * 512  # 2*batch*seq*in*out
+    assert linear.bwd_flops == 2 * linear.fwd_flops
+    assert linear.output_bytes == 2 * 64 * 512 * 4
+    assert linear.saved_bytes == 2 * 64 * 128 * 4  # its input (the weight is not counted)
+    assert linear.peak_fwd_bytes >= linear.output_bytes
+    assert measured.h2d_gbps > 0
+
+
+def test_estimated_profile_is_positive_and_monotone():
+    totals = []
+    for config in ("gpt3-small", "gpt3-medium", "gpt3-large", "gpt3-xl"):
+        p = profile_model(trace_model(EXAMPLES / "gpt.py", config, 1, {"seq_len": 512}), target="a100-40gb")
+        assert p.mode == "estimated" and p.hardware is not None and p.hardware.name == "a100-40gb"
+        for node, cost in zip(p.graph.nodes, p.costs):
+            if cost.fwd_flops > 0:
+                assert cost.fwd_ms > 0 and cost.bwd_ms > 0, node.name
+            if cost.param_bytes > 0:
+                assert cost.load_ms > 0
+        t = p.totals()
+        totals.append((t["fwd_ms"], t["bwd_ms"], t["load_ms"], t["param_bytes"]))
+        assert t["param_bytes"] == unique_bytes(p)
+    for smaller, larger in zip(totals, totals[1:]):
+        assert all(a < b for a, b in zip(smaller, larger))
+
+
+def test_gpt3_175b_estimates_without_weights():
+    traced = trace_model(EXAMPLES / "gpt.py", "gpt3-175b", 1)
+    assert all(p.is_meta for p in traced.model.parameters())
+    p = profile_model(traced, target="v100-32gb")
+    assert abs(p.graph.num_params() / 175e9 - 1) < 0.03
+    assert p.num_unique < 40 and p.num_reused > 2800
+    flops = p.totals()["fwd_flops"]
+    assert 2 * 170e9 * 2048 < flops < 2 * 180e9 * 2048 * 1.1  # ~2 FLOPs per parameter per token
+
+
+def test_hardware_profiles_cite_sources():
+    names = hardware_names()
+    for required in ("gtx-1080", "gtx-1080-ti", "v100-32gb", "t4", "rtx-3090", "rtx-4090",
+                     "a100-40gb", "a100-80gb", "h100-80gb"):
+        assert required in names
+    for name in names:
+        hw = load_hardware(name)
+        assert hw.sources and hw.memory_bytes > 0 and hw.h2d_gbps > 0
+        assert hw.default_dtype in hw.peak_tflops
+
+
+def test_bad_profile_requests():
+    traced = trace_model(EXAMPLES / "gpt.py", "tiny", 1)
+    with pytest.raises(ProfileError, match="valid names"):
+        profile_model(traced, target="gtx-9999")
+    with pytest.raises(ProfileError, match="not both"):
+        profile_model(traced, device="cpu", target="t4")
+    with pytest.raises(ProfileError, match="no peak for bfloat16"):
+        profile_model(traced, target="v100-32gb", compute_dtype="bfloat16")
+    with pytest.raises(ProfileError, match="expected cpu, cuda or cuda:N"):
+        profile_model(traced, device="tpu")
+
+
+def test_cli_profile_writes_json(tmp_path, capsys):
+    out = tmp_path / "tiny.profile.json"
+    assert main(["profile", str(EXAMPLES / "gpt.py"), "--config", "tiny", "--batch-size", "2",
+                 "--device", "cpu", "--repeats", "1", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "reused from an equal signature" in text and "per block" in text and "h.1" in text
+    data = json.loads(out.read_text())
+    assert data["kind"] == "atomc.profile" and data["graph"]["batch_size"] == 2
+    assert Profile.load(out).mode == "measured"
+    assert main(["profiles"]) == 0
+    assert "v100-32gb" in capsys.readouterr().out

@@ -1,0 +1,247 @@
+"""Tracing: the example GPT, residual branches, tied weights, an export-only model, bad files."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from atomc.cli import main
+from atomc.errors import ModelFileError, TraceError
+from atomc.trace import trace_model
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+import gpt  # noqa: E402
+
+HEADER = "import torch\nfrom torch import nn\nimport torch.nn.functional as F\n"
+
+
+def write_model(tmp_path: Path, body: str, name: str = "model.py") -> Path:
+    path = tmp_path / name
+    path.write_text(HEADER + textwrap.dedent(body))
+    return path
+
+
+RESIDUAL = """
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.c(self.b(h) + x)   # skip over two layers
+
+def build_model(config=None):
+    return Net()
+
+def example_inputs(model, batch_size):
+    return (torch.randn(batch_size, 8),)
+"""
+
+EXPORT_ONLY = """
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.shape[0] > 1:          # Python control flow on a shape: symbolic tracing fails
+            x = self.a(x)
+        return self.b(x).sum(dim=-1)
+
+def build_model(config=None):
+    return Net()
+
+def example_inputs(model, batch_size):
+    return (torch.randn(batch_size, 8),)
+"""
+
+UNTRACEABLE = """
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > 0:             # control flow on a tensor value: neither frontend can trace
+            return self.a(x)
+        return x
+
+def build_model(config=None):
+    return Net()
+
+def example_inputs(model, batch_size):
+    return (torch.randn(batch_size, 8),)
+"""
+
+
+def test_gpt_tiny_graph():
+    traced = trace_model(EXAMPLES / "gpt.py", "tiny", 2)
+    g = traced.graph
+    assert g.frontend == "fx"
+    assert g.blocks == ("h.0", "h.1")
+    assert g.aliases == {"lm_head.weight": "wte.weight"}
+    assert g.nodes[0].op == "placeholder" and g.nodes[-1].op == "output"
+    names = [n.name for n in g.nodes]
+    assert len(set(names)) == len(names)
+    index = g.node_index()
+    for i, n in enumerate(g.nodes):  # topological order
+        assert all(index[x] < i for x in n.inputs)
+    # each block's nodes carry its FQN, and equal blocks have equal signature sequences
+    sigs = {b: [n.signature for n in g.nodes if n.block == b] for b in g.blocks}
+    assert sigs["h.0"] == sigs["h.1"] and len(sigs["h.0"]) > 10
+    # the tied weight is read by two nodes but is one parameter
+    readers = [n.name for n in g.nodes if "wte.weight" in n.param_fqns]
+    assert readers == ["wte", "lm_head"]
+    assert "lm_head.weight" not in g.params
+
+
+def test_output_shapes_equal_eager():
+    traced = trace_model(EXAMPLES / "gpt.py", "tiny", 3, device="cpu")
+    model = traced.model
+    seen: dict[str, tuple] = {}
+    hooks = [m.register_forward_hook(lambda mod, inp, out, name=name: seen.__setitem__(name, tuple(out.shape)))
+             for name, m in model.named_modules() if name and not list(m.children())]
+    with torch.no_grad():
+        out = model(*traced.inputs)
+    for h in hooks:
+        h.remove()
+    by_module = {n.target: n for n in traced.graph.nodes if n.op == "call_module"}
+    assert set(by_module) == set(seen)
+    for name, shape in seen.items():
+        assert by_module[name].outputs[0].shape == shape, name
+    last = [n for n in traced.graph.nodes if n.name == "lm_head"][0]
+    assert last.outputs[0].shape == tuple(out.shape)
+
+
+def test_meta_trace_allocates_no_weights():
+    traced = trace_model(EXAMPLES / "gpt.py", "gpt3-xl", 1)
+    assert all(p.is_meta for p in traced.model.parameters())
+    assert abs(traced.graph.num_params() / gpt.NOMINAL_PARAMS["gpt3-xl"] - 1) < 0.03
+
+
+@pytest.mark.parametrize("config", sorted(gpt.NOMINAL_PARAMS))
+def test_gpt3_parameter_counts(config):
+    with torch.device("meta"):
+        model = gpt.build_model(config)
+    count = sum(p.numel() for p in model.parameters())
+    assert abs(count / gpt.NOMINAL_PARAMS[config] - 1) < 0.03
+
+
+def test_seq_len_option():
+    traced = trace_model(EXAMPLES / "gpt.py", "tiny", 2, {"seq_len": 8})
+    assert traced.graph.nodes[0].outputs[0].shape == (2, 8)
+    assert traced.graph.params["wpe.weight"].shape == (8, 32)
+
+
+def test_residual_branches(tmp_path):
+    g = trace_model(write_model(tmp_path, RESIDUAL), batch_size=4).graph
+    add = next(n for n in g.nodes if n.target.endswith("add"))
+    assert set(add.inputs) == {"b", "x"}  # the skip reads the model input directly
+
+
+def test_export_only_model(tmp_path):
+    path = write_model(tmp_path, EXPORT_ONLY)
+    traced = trace_model(path, batch_size=4)
+    assert traced.graph.frontend == "export"
+    assert any("aten.linear" in n.target for n in traced.graph.nodes)
+    # parameters are read next to their users, not hoisted to the top of the graph
+    g = traced.graph
+    for i, n in enumerate(g.nodes):
+        if n.op == "get_attr":
+            user = next(m for m in g.nodes if n.name in m.inputs)
+            assert g.node_index()[user.name] == i + 1 or g.nodes[i + 1].op == "get_attr"
+    assert set(g.params) == {"a.weight", "a.bias", "b.weight", "b.bias"}
+    with pytest.raises(TraceError, match="symbolic_trace"):
+        trace_model(path, batch_size=4, frontend="fx")
+
+
+def test_untraceable_names_both_frontends(tmp_path):
+    path = write_model(tmp_path, UNTRACEABLE)
+    with pytest.raises(TraceError) as info:
+        trace_model(path, batch_size=2)
+    text = str(info.value)
+    assert "torch.fx.symbolic_trace" in text and "torch.export" in text
+    assert "model.py:" in text  # the source line
+
+
+LEAFY = """
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Inner()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.inner(x))
+
+LEAF_MODULES = (Inner,)
+
+def build_model(config=None):
+    return Net()
+
+def example_inputs(model, batch_size):
+    return (torch.randn(batch_size, 8),)
+"""
+
+
+def test_user_leaf_modules(tmp_path):
+    g = trace_model(write_model(tmp_path, LEAFY), batch_size=2).graph
+    assert [(n.op, n.target) for n in g.nodes] == [
+        ("placeholder", "x"), ("call_module", "inner"), ("call_module", "head"), ("output", "output")]
+    inner = g.nodes[1]
+    assert inner.module_type == "Inner"
+    assert inner.param_fqns == ("inner.a.weight", "inner.a.bias", "inner.b.weight", "inner.b.bias")
+
+
+def test_bad_model_files(tmp_path):
+    with pytest.raises(ModelFileError, match="does not exist"):
+        trace_model(tmp_path / "missing.py")
+    broken = tmp_path / "broken.py"
+    broken.write_text("def build_model(:\n")
+    with pytest.raises(ModelFileError, match=r"broken.py:1: syntax error"):
+        trace_model(broken)
+    empty = tmp_path / "empty.py"
+    empty.write_text("x = 1\n")
+    with pytest.raises(ModelFileError, match=r"does not define build_model\(\) and example_inputs\(\)"):
+        trace_model(empty)
+    raising = write_model(tmp_path, RESIDUAL.replace("return Net()", "raise RuntimeError('no GPU here')"),
+                          "raising.py")
+    with pytest.raises(ModelFileError, match=r"raising.py:\d+: build_model\(\) raised RuntimeError"):
+        trace_model(raising)
+    with pytest.raises(ModelFileError, match="takes no option 'seq_len'"):
+        trace_model(write_model(tmp_path, RESIDUAL, "r.py"), options={"seq_len": 4})
+
+
+def test_cli_errors_exit_2(tmp_path, capsys):
+    empty = tmp_path / "empty.py"
+    empty.write_text("x = 1\n")
+    untraceable = write_model(tmp_path, UNTRACEABLE, "u.py")
+    cases = [
+        (["profile", str(tmp_path / "missing.py")], "does not exist"),
+        (["profile", str(empty)], "does not define build_model"),
+        (["profile", str(untraceable), "--target", "t4"], "torch.export"),
+        (["profile", str(EXAMPLES / "gpt.py"), "--target", "gtx-9999"], "valid names: a100-40gb"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
+        assert len(err.strip().splitlines()) == 1
