@@ -21,7 +21,7 @@ import numpy as np
 
 from atomc.errors import LayoutError
 from atomc.ir import Plan
-from atomc.schedule.matching import bottleneck_matching
+from atomc.schedule.matching import bottleneck_values
 from atomc.schedule.network import Network, symmetric
 from atomc.schedule.tsp import open_loop_tsp, open_loop_tsp_costs
 
@@ -105,15 +105,11 @@ class CostModel:
                 out[i] = value
         if missing:
             idx = np.array([i for i, _ in missing])
-            lb, tight = self.edge_bounds(a[idx], b[idx])
-            for (i, key), bound, is_tight in zip(missing, lb, tight):
-                if is_tight:
-                    value = float(bound)
-                else:
-                    value = bottleneck_matching(self.pp_link_s[np.ix_(a[i], b[i])])[0]
-                    self.num_matchings += 1
-                if len(self._edges) > 2_000_000:  # a long search; keep memory bounded
-                    self._edges.clear()
+            values = bottleneck_values(self.pp_link_s[a[idx][:, :, None], b[idx][:, None, :]])
+            self.num_matchings += len(missing)
+            if len(self._edges) > 2_000_000:  # a long search; keep memory bounded
+                self._edges.clear()
+            for (i, key), value in zip(missing, values.tolist()):
                 self._edges[key] = value
                 out[i] = value
         return out
