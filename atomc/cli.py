@@ -17,6 +17,9 @@ from atomc.errors import AtomcError
 # Stage modules that add subcommands, in the order `atomc --help` lists them.
 COMMANDS = [
     "atomc.profile.cli",
+    "atomc.codegen.cli",
+    "atomc.runtime.cli",
+    "atomc.schedule.cli",
 ]
 
 

@@ -298,9 +298,14 @@ class Submodel:
     offload_ms: float  # gradients back to the host
     slack_memory_bytes: int  # capacity - (this computing + next loading); >= 0 when feasible
     slack_fwd_ms: float  # C*t_fwd(this) - t_load(next)
-    slack_bwd_ms: float  # C*t_bwd(this) - max(t_load(previous), t_offload(this))
+    slack_bwd_ms: float  # C*t_bwd(this) - max(t_load(previous), t_offload(next)): next's gradients leave meanwhile
     inputs: tuple[CutTensor, ...]  # values it reads from earlier sub-models or the model's inputs
     outputs: tuple[CutTensor, ...]  # values later sub-models or the model's output read
+    # added by the partition stage (defaults keep older plan files readable):
+    checkpoint_ms: float = 0.0  # its C micro-batches' checkpoints, streamed in during its backward
+    optimizer_ms: float = 0.0  # CPU AdamW over its fp32 masters
+    slack_optimizer_ms: float = 0.0  # C*t_bwd + t_offload(this) - (t_offload + t_opt)(next)
+    crossing: tuple[CutTensor, ...] = ()  # every value crossing the cut after it (incl. pass-through)
 
 
 @dataclass(frozen=True)
@@ -328,3 +333,6 @@ class Plan(Document):
     binding: str  # "" when feasible; else the sub-model and constraint that fail
     atomc_version: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    cpu_adam_gbps: float = 0.0  # CPU optimizer throughput assumed (GB/s of fp32 masters)
+    search_tier: int = 0  # 0: every constraint; 1: loads may stall; 2: memory only
+    early_prefetch: bool = False  # sub-model 1 is loaded for the next step during sub-model 0's update

@@ -21,11 +21,12 @@ import numpy as np
 
 from atomc.errors import LayoutError
 from atomc.ir import Plan
-from atomc.schedule.matching import bottleneck_values
+from atomc.schedule.matching import refined_values
 from atomc.schedule.network import Network, symmetric
 from atomc.schedule.tsp import open_loop_tsp, open_loop_tsp_costs
 
 BITS_PER_BYTE = 8
+SEARCH_EXACT_MAX_STAGES = 10  # Held-Karp over 2**10 subsets: about a millisecond per call
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class CostModel:
         self.dp_link_s = 2.0 * (delay_s + self.c_dp_bytes * BITS_PER_BYTE / (dp * bandwidth_bps))
         np.fill_diagonal(self.pp_link_s, 0.0)
         np.fill_diagonal(self.dp_link_s, 0.0)
-        self._edges: dict[tuple[bytes, bytes], float] = {}
+        self._edges: dict[tuple[bytes, bytes], tuple[float, float]] = {}
         iu = np.triu_indices(pp, k=1)
         self.pair_j, self.pair_k = iu[0], iu[1]
         self.num_matchings = 0  # bottleneck matchings solved (cache misses that needed networkx)
@@ -81,38 +82,33 @@ class CostModel:
         lb = np.maximum(sub.min(axis=2).max(axis=1), sub.min(axis=1).max(axis=1))
         return lb, sub.max(axis=(1, 2)) <= lb
 
-    def edge_bounds_and_soft(self, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Lower bound of eq. 3 and a smooth stand-in for it: the mean over all devices of both
-        groups of their fastest link to the other group. The stand-in moves with every swap
-        that brings a device closer to a neighbour group, where the bottleneck stays flat."""
-        sub = self.pp_link_s[a[:, :, None], b[:, None, :]]
-        row, col = sub.min(axis=2), sub.min(axis=1)
-        lb = np.maximum(row.max(axis=1), col.max(axis=1))
-        soft = (row.sum(axis=1) + col.sum(axis=1)) / (2 * sub.shape[1])
-        return lb, soft
-
     def edges(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """Exact eq. 3 for each pair of groups; rows of a and b must be sorted (cache keys)."""
-        out = np.empty(len(a))
+        return self.edges_refined(a, b)[0]
+
+    def edges_refined(self, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Exact eq. 3 and its refined tie-breaking value (matching.refined_values) for each
+        pair of groups; rows of a and b must be sorted, since they make the cache keys."""
+        values, refined = np.empty(len(a)), np.empty(len(a))
         missing = []
         for i in range(len(a)):
             ka, kb = a[i].tobytes(), b[i].tobytes()
             key = (ka, kb) if ka < kb else (kb, ka)
-            value = self._edges.get(key)
-            if value is None:
+            hit = self._edges.get(key)
+            if hit is None:
                 missing.append((i, key))
             else:
-                out[i] = value
+                values[i], refined[i] = hit
         if missing:
             idx = np.array([i for i, _ in missing])
-            values = bottleneck_values(self.pp_link_s[a[idx][:, :, None], b[idx][:, None, :]])
+            new_values, new_refined = refined_values(self.pp_link_s[a[idx][:, :, None], b[idx][:, None, :]])
             self.num_matchings += len(missing)
             if len(self._edges) > 2_000_000:  # a long search; keep memory bounded
                 self._edges.clear()
-            for (i, key), value in zip(missing, values.tolist()):
-                self._edges[key] = value
-                out[i] = value
-        return out
+            for (i, key), value, ref in zip(missing, new_values.tolist(), new_refined.tolist()):
+                self._edges[key] = (value, ref)
+                values[i], refined[i] = value, ref
+        return values, refined
 
     def edge_matrix(self, groups: np.ndarray) -> np.ndarray:
         """The coarsened graph: exact eq. 3 between every two groups (rows of groups sorted)."""
@@ -147,7 +143,10 @@ class CostModel:
                     edge_s=edge_s, exact_order=exact)
 
     def tsp_costs(self, edge_matrices: np.ndarray) -> np.ndarray:
-        return open_loop_tsp_costs(edge_matrices)
+        """PP cost of each coarsened graph, for the search: exact Held-Karp while it takes
+        milliseconds (SEARCH_EXACT_MAX_STAGES), the TSP heuristic above; `evaluate` is exact
+        up to 16 stages either way."""
+        return open_loop_tsp_costs(edge_matrices, exact_max_nodes=SEARCH_EXACT_MAX_STAGES)
 
 
 def check_degrees(network: Network, pp: int, dp: int) -> None:

@@ -11,10 +11,14 @@ costs, asking networkx's Hopcroft-Karp for a perfect matching each time, finds t
 
 The search only needs values, thousands per second, for many pairs of groups at once.
 `bottleneck_values` runs the same threshold search on a whole batch in lockstep and answers
-"is there a perfect matching?" with Ryser's formula for the permanent of the 0/1 matrix of
-allowed pairs (the number of perfect matchings), one matrix product per step for the batch.
-It is exact while the integer sums fit a float64 mantissa (n <= RYSER_MAX_N); above that each
-pair goes through networkx. Tests check both against brute force over all permutations.
+"is there a perfect matching?" with the deficiency form of Hall's theorem (Konig-Ore): the
+largest matching has n - max over row sets S of (|S| - |N(S)|) pairs, where N(S) are the
+columns some row of S may use. For n <= HALL_MAX_N the 2**n neighbourhoods are a few array
+operations; above that each pair goes through networkx. Tests check both against brute force
+over all permutations.
+
+The deficiency also says how far a pair of groups is from a cheaper edge: how many of its
+pairs must stay at the bottleneck value. The search breaks ties with it (`refined_values`).
 """
 
 from __future__ import annotations
@@ -23,41 +27,55 @@ import functools
 
 import numpy as np
 
-RYSER_MAX_N = 10  # n**n * 2**n < 2**53: every partial sum of the permanent is an exact integer
+HALL_MAX_N = 12  # 2**12 row sets per matrix: still a small array
 
 
 @functools.lru_cache(maxsize=None)
-def _ryser_tables(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Column-subset indicators (n, 2**n) and Ryser's signs (-1)**(n - |S|)."""
-    subsets = ((np.arange(1 << n)[None, :] >> np.arange(n)[:, None]) & 1).astype(np.float64)
-    signs = np.where((n - subsets.sum(axis=0)) % 2 == 0, 1.0, -1.0)
-    return subsets, signs
+def _popcount_table(n: int) -> np.ndarray:
+    table = np.zeros(1 << n, dtype=np.int64)
+    for bit in range(n):
+        table[1 << bit : 1 << (bit + 1)] = table[: 1 << bit] + 1
+    return table
+
+
+def max_matching_sizes(allowed: np.ndarray) -> np.ndarray:
+    """Size of a maximum matching of each (n, n) boolean matrix in a batch (n <= HALL_MAX_N)."""
+    batch, n = allowed.shape[0], allowed.shape[-1]
+    row_masks = (allowed.astype(np.int64) << np.arange(n)).sum(axis=-1)  # columns each row may use
+    neighbours = np.zeros((batch, 1), dtype=np.int64)
+    for r in range(n):  # neighbours[:, S] for row sets S over rows 0..r
+        neighbours = np.concatenate([neighbours, neighbours | row_masks[:, r : r + 1]], axis=1)
+    popcount = _popcount_table(n)
+    deficiency = (popcount[None, :] - popcount[neighbours]).max(axis=1)
+    return n - deficiency
 
 
 def has_perfect_matching(allowed: np.ndarray) -> np.ndarray:
-    """For a (batch, n, n) boolean stack: whether each admits a perfect matching (n <= RYSER_MAX_N).
-
-    perm(A) = sum over column sets S of (-1)**(n-|S|) * prod over rows of (row sum over S), and
-    for a 0/1 matrix perm(A) counts the perfect matchings.
-    """
-    n = allowed.shape[-1]
-    subsets, signs = _ryser_tables(n)
-    row_sums = allowed.astype(np.float64) @ subsets  # (batch, n, 2**n)
-    return (row_sums.prod(axis=1) @ signs) > 0.5
+    return max_matching_sizes(allowed) == allowed.shape[-1]
 
 
 def bottleneck_values(costs: np.ndarray) -> np.ndarray:
     """bottleneck_value of each matrix in a (batch, n, n) stack, exactly."""
+    return refined_values(costs)[0]
+
+
+def refined_values(costs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(values, refined) for a (batch, n, n) stack. values: the exact bottleneck. refined: a
+    value between the next lower cost in the matrix and the bottleneck, by the share of the n
+    pairs that must stay at the bottleneck (Hall's deficiency below it); equal to the value
+    when none could be lower. A search minimising it moves towards a cheaper edge before the
+    edge itself moves."""
     costs = np.asarray(costs, dtype=np.float64)
     batch, n = costs.shape[0], costs.shape[-1]
     if batch == 0 or n == 0:
-        return np.zeros(batch)
-    if n > RYSER_MAX_N:
-        return np.array([bottleneck_value(c) for c in costs])
+        return np.zeros(batch), np.zeros(batch)
+    if n > HALL_MAX_N:
+        values = np.array([bottleneck_value(c) for c in costs])
+        return values, values.copy()
     lb = np.maximum(costs.min(axis=2).max(axis=1), costs.min(axis=1).max(axis=1))
     flat = np.sort(costs.reshape(batch, -1), axis=1)
-    # lo: an index whose threshold has no perfect matching (or the bound, checked first);
-    # hi: one that has (the largest cost allows every pair).
+    # Invariant: no perfect matching at flat[lo] (or lo is the bound, checked first), one at
+    # flat[hi] (the largest cost allows every pair).
     lo = (flat < lb[:, None]).sum(axis=1)
     feasible = has_perfect_matching(costs <= lb[:, None, None])
     hi = np.where(feasible, lo, n * n - 1)
@@ -70,7 +88,13 @@ def bottleneck_values(costs: np.ndarray) -> np.ndarray:
         ok = has_perfect_matching(costs <= flat[rows, mid][:, None, None])
         hi = np.where(open_ & ok, mid, hi)
         lo = np.where(open_ & ~ok, mid, lo)
-    return flat[rows, hi]
+    values = flat[rows, hi]
+    below = costs < values[:, None, None]
+    stuck = n - max_matching_sizes(below)  # pairs that must stay at the bottleneck value
+    next_lower = np.where(below, costs, -np.inf).max(axis=(1, 2))
+    next_lower = np.where(np.isfinite(next_lower), next_lower, values)
+    refined = next_lower + (values - next_lower) * stuck / n
+    return values, refined
 
 
 def lower_bound(cost: np.ndarray) -> float:

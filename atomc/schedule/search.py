@@ -5,20 +5,29 @@ output: the best partition found (D_PP groups of D_DP device indices), its cost,
         search's history (best total cost against evaluations and seconds)
 
 Strategies:
-- "ours": hybrid genetic algorithm (steady state: two parents, crossover, local search, the
-  offspring replaces the worst member when better) whose local search takes DT-FM's swap
-  candidates: for two groups C_j, C_k the two ends of each group's fastest internal link,
-  four swaps, ranked by DT-FM's gain (expected pipeline cost of a device towards the other
-  group minus its fastest internal link, both sides).
+- "ours": hybrid genetic algorithm (steady state: two parents, crossover, local search; the
+  offspring replaces the worst member when it is better) whose local search takes DT-FM's
+  swap candidates: for two groups C_j, C_k the two ends of each group's fastest internal
+  link, four swaps, ranked by DT-FM's gain (a device's expected pipeline cost towards the
+  other group minus its fast internal link, both sides).
 - "kl": the same algorithm with Kernighan-Lin's gain instead (the decrease of the summed
   within-group link cost), taking its four best swaps of every pair of groups.
 - "random": random partitions; the best is kept.
 
-Both local searches try their candidates best-gain first and keep the first swap that lowers
-the exact cost, until none does. Exact costs are cheap because a swap only changes two
-groups: eq. 2 of two groups, 2*D_PP - 3 pipeline edges (cached by the pair of device sets),
-and a lower bound (each edge's bound from row and column minima, then Held-Karp) rejects most
-swaps before any matching is solved.
+Both local searches try their candidates best gain first and take the first swap that beats
+the current layout, until none does. "Beats" is lexicographic on (total, tie-breaker): the
+model's max (slowest group) and bottleneck (slowest pair) terms are flat over wide plateaus,
+where no single swap changes the total; the tie-breaker (mean group cost, and each pipeline
+edge refined by how many of its pairs must stay at the bottleneck) still moves, so descent
+goes on across them. Exact costs are cheap because a swap only changes two groups: eq. 2 of
+two groups and the 2*D_PP - 3 pipeline edges touching them (cached by the pair of device
+sets); a lower bound (every device's fastest partner in the other group, then Held-Karp)
+rejects most swaps before any matching is solved.
+
+The population starts from random partitions plus two built from the links alone: devices
+in nearest-neighbour order cut into consecutive blocks (groups inside fast clusters) and
+dealt round-robin (groups across clusters, so pipelines can stay inside one). Ties between
+equal gains or equal links are broken at random.
 
 Seeded with numpy's Generator: with an evaluation budget the result is reproducible; with a
 time budget it is a prefix of that same trajectory, cut where the time ran out.
@@ -28,6 +37,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -36,7 +46,9 @@ from atomc.schedule.cost import CostModel
 
 STRATEGIES = ("ours", "kl", "random")
 CANDIDATES_PER_PAIR = 4  # DT-FM's four swaps; the KL variant keeps as many of its best
+POPULATION_SIZE = 12
 _EPS = 1e-12  # relative: an improvement must beat rounding
+_JITTER = 1e-9  # relative noise that only reorders exact ties
 
 
 @dataclass
@@ -60,7 +72,7 @@ class SearchResult:
     total_s: float
     evaluations: int
     elapsed_s: float
-    stopped: str  # "time", "evaluations", "converged" or "exhaustive"
+    stopped: str  # "time", "evaluations", "converged" or "complete"
     history: list[tuple[int, float, float]] = field(default_factory=list)  # (evals, s, best total)
 
 
@@ -73,17 +85,17 @@ class _State:
     groups: np.ndarray  # (pp, dp), rows sorted
     group_dp: np.ndarray  # (pp,) eq. 2 of each group
     edges: np.ndarray  # (pp, pp) exact coarsened graph (eq. 3)
-    soft: np.ndarray  # (pp, pp) smooth stand-in of each edge (CostModel.edge_bounds_and_soft)
+    refined: np.ndarray  # (pp, pp) the edges refined for tie-breaking (matching.refined_values)
     total: float  # DP + 2*PP: what the search minimises
-    tie: float  # mean group DP + 2 * open path over soft edges: breaks ties of total
+    tie: float  # mean group DP + 2 * open path over refined edges
 
     def beats(self, other: "_State") -> bool:
-        """Lexicographic (total, tie). The model's max and bottleneck terms are flat over wide
-        plateaus (a swap rarely moves the slowest group or pair); the tie-breaker rewards swaps
-        that improve groups and pairs that are not the slowest yet, so descent keeps going."""
         if self.total < other.total * (1 - _EPS):
             return True
         return self.total <= other.total * (1 + _EPS) and self.tie < other.tie * (1 - _EPS)
+
+
+Proposer = Callable[[_State], list]
 
 
 class Searcher:
@@ -96,9 +108,8 @@ class Searcher:
         self.history: list[tuple[int, float, float]] = []
         self.last_improvement = 0
         self.start = time.perf_counter()
-        pp = model.pp
         # For each group j: the pair indices (into model.pair_j/pair_k) whose edge touches j.
-        self._touching = [np.flatnonzero((model.pair_j == j) | (model.pair_k == j)) for j in range(pp)]
+        self._touching = [np.flatnonzero((model.pair_j == j) | (model.pair_k == j)) for j in range(model.pp)]
 
     # -- budget and bookkeeping -----------------------------------------------------------------
 
@@ -131,38 +142,36 @@ class Searcher:
 
     def full(self, groups: np.ndarray) -> _State:
         self._tick()
+        return self._evaluate(groups)
+
+    def _evaluate(self, groups: np.ndarray) -> _State:
         m = self.model
         groups = np.sort(groups, axis=1)
         group_dp = m.group_dp_costs(groups)
-        edges, soft = np.zeros((m.pp, m.pp)), np.zeros((m.pp, m.pp))
+        edges, refined = np.zeros((m.pp, m.pp)), np.zeros((m.pp, m.pp))
         every = np.arange(len(m.pair_j))
-        a, b = groups[m.pair_j], groups[m.pair_k]
-        self._set_pairs(edges, every, m.edges(a, b))
-        self._set_pairs(soft, every, m.edge_bounds_and_soft(a, b)[1])
+        values, refined_values = m.edges_refined(groups[m.pair_j], groups[m.pair_k])
+        self._set_pairs(edges, every, values)
+        self._set_pairs(refined, every, refined_values)
         total = float(group_dp.max()) + 2.0 * self._tsp(edges)
-        tie = float(group_dp.mean()) + 2.0 * self._tsp(soft)
-        state = _State(groups, group_dp, edges, soft, total, tie)
+        tie = float(group_dp.mean()) + 2.0 * self._tsp(refined)
+        state = _State(groups, group_dp, edges, refined, total, tie)
         self._offer(state)
         return state
 
-    def bounded(self, groups: np.ndarray, bound: float) -> _State | None:
-        """A random partition's state if it beats `bound`, else None (most are rejected by bounds)."""
+    def bounded(self, groups: np.ndarray, bound: float) -> None:
+        """Offer a random partition, proving most of them no better than `bound` by bounds alone."""
         self._tick()
         m = self.model
         groups = np.sort(groups, axis=1)
-        group_dp = m.group_dp_costs(groups)
-        dp_s = float(group_dp.max())
+        dp_s = float(m.group_dp_costs(groups).max())
         if dp_s >= bound:
-            return None
-        if 2.0 * self._tsp(m.bound_matrix(groups)) + dp_s >= bound * (1 - _EPS):
-            return None
-        edges = m.edge_matrix(groups)
-        total = dp_s + 2.0 * self._tsp(edges)
-        if total >= bound * (1 - _EPS):
-            return None
-        state = _State(groups, group_dp, edges, np.zeros_like(edges), total, 0.0)
-        self._offer(state)
-        return state
+            return
+        if dp_s + 2.0 * self._tsp(m.bound_matrix(groups)) >= bound * (1 - _EPS):
+            return
+        total = dp_s + 2.0 * self._tsp(m.edge_matrix(groups))
+        if total < bound * (1 - _EPS):
+            self._evaluate(groups)
 
     def try_swap(self, s: _State, j: int, x: int, k: int, y: int) -> _State | None:
         """The state after swapping groups[j][x] with groups[k][y], if it beats s."""
@@ -180,13 +189,13 @@ class Searcher:
             return None
         pairs = np.union1d(self._touching[j], self._touching[k])
         a, b = groups[m.pair_j[pairs]], groups[m.pair_k[pairs]]
-        lb, soft_values = m.edge_bounds_and_soft(a, b)
+        lb, _ = m.edge_bounds(a, b)
         edges = s.edges.copy()
         self._set_pairs(edges, pairs, lb)
         pp_lb = self._tsp(edges)
         if dp_s + 2.0 * pp_lb > ceiling:
             return None
-        exact = m.edges(a, b)
+        exact, refined_values = m.edges_refined(a, b)
         if np.array_equal(exact, lb):
             pp_s = pp_lb
         else:
@@ -195,18 +204,19 @@ class Searcher:
         total = dp_s + 2.0 * pp_s
         if total > ceiling:
             return None
-        soft = s.soft.copy()
-        self._set_pairs(soft, pairs, soft_values)
-        tie = float(group_dp.mean()) + 2.0 * self._tsp(soft) if total >= s.total * (1 - _EPS) else 0.0
-        state = _State(groups, group_dp, edges, soft, total, tie)
+        refined = s.refined.copy()
+        self._set_pairs(refined, pairs, refined_values)
+        tie = float(group_dp.mean()) + 2.0 * self._tsp(refined)
+        state = _State(groups, group_dp, edges, refined, total, tie)
         if not state.beats(s):
             return None
-        if tie == 0.0:  # skipped above because total alone decided; keep it correct for later ties
-            state.tie = float(group_dp.mean()) + 2.0 * self._tsp(soft)
         self._offer(state)
         return state
 
     # -- local search -----------------------------------------------------------------------------
+
+    def _jitter(self, shape: tuple[int, ...], scale: float) -> np.ndarray:
+        return self.rng.random(shape) * (_JITTER * max(scale, 1e-300))
 
     def candidates_ours(self, s: _State) -> list[tuple[float, int, int, int, int]]:
         """DT-FM's swap candidates for every pair of groups, best gain first."""
@@ -214,6 +224,7 @@ class Searcher:
         pp, dp = g.shape
         w = m.pp_link_s
         inside = w[g[:, :, None], g[:, None, :]]
+        inside = inside + self._jitter(inside.shape, float(w.max()))
         inside[:, np.arange(dp), np.arange(dp)] = np.inf
         flat = inside.reshape(pp, -1).argmin(axis=1)
         ends = np.stack([flat // dp, flat % dp], axis=1)  # positions of the fastest link's two ends
@@ -222,11 +233,12 @@ class Searcher:
         onehot = np.zeros((m.network.num_devices, pp))
         onehot[g, np.arange(pp)[:, None]] = 1.0 / dp
         mean_to = w @ onehot  # mean_to[d, k]: expected pipeline cost of d towards group k
-        # term[j, e, k]: what device e of group j's fast link gains by going to group k.
+        # term[j, e, k]: what end e of group j's fast link gains by going to group k.
         term = mean_to[dev] - w[dev, partner][:, :, None]  # (pp, 2, pp)
         jj, kk = m.pair_j, m.pair_k
         gain = term[jj, :, kk][:, :, None] + term[kk, :, jj][:, None, :]  # (pairs, 2, 2)
-        order = np.argsort(-gain.ravel(), kind="stable")
+        noisy = gain + self._jitter(gain.shape, float(np.abs(gain).max()))
+        order = np.argsort(-noisy.ravel(), kind="stable")
         p, e1, e2 = np.unravel_index(order, gain.shape)
         return list(zip(gain.ravel()[order].tolist(), jj[p].tolist(), ends[jj[p], e1].tolist(),
                         kk[p].tolist(), ends[kk[p], e2].tolist()))
@@ -234,7 +246,7 @@ class Searcher:
     def candidates_kl(self, s: _State) -> list[tuple[float, int, int, int, int]]:
         """Kernighan-Lin's best swaps for every pair of groups, best gain first. The weight is
         the data-parallel link cost, so the gain is the drop of the summed within-group cost
-        (DT-FM's GAIN_KL with affinities = -cost)."""
+        (DT-FM's GAIN_KL with affinity = -cost)."""
         m, g = self.model, s.groups
         pp, dp = g.shape
         w = m.dp_link_s
@@ -243,20 +255,21 @@ class Searcher:
         to_group = w @ onehot  # summed cost from d to the members of group k
         jj, kk = m.pair_j, m.pair_k
         a, b = g[jj], g[kk]  # (pairs, dp)
-        da = to_group[a, jj[:, None]] - to_group[a, kk[:, None]]  # leaving j for k
+        da = to_group[a, jj[:, None]] - to_group[a, kk[:, None]]  # a leaves j for k
         db = to_group[b, kk[:, None]] - to_group[b, jj[:, None]]
         gain = da[:, :, None] + db[:, None, :] + 2.0 * w[a[:, :, None], b[:, None, :]]
         flat = gain.reshape(len(jj), -1)
+        noisy = flat + self._jitter(flat.shape, float(np.abs(flat).max()))
         keep = min(CANDIDATES_PER_PAIR, flat.shape[1])
-        top = np.argpartition(-flat, keep - 1, axis=1)[:, :keep]
-        top_gain = np.take_along_axis(flat, top, axis=1)
-        order = np.argsort(-top_gain.ravel(), kind="stable")
-        p, t = np.unravel_index(order, top_gain.shape)
+        top = np.argpartition(-noisy, keep - 1, axis=1)[:, :keep]
+        top_noisy = np.take_along_axis(noisy, top, axis=1)
+        order = np.argsort(-top_noisy.ravel(), kind="stable")
+        p, t = np.unravel_index(order, top.shape)
         cell = top[p, t]
-        return list(zip(top_gain.ravel()[order].tolist(), jj[p].tolist(), (cell // dp).tolist(),
+        return list(zip(flat[p, cell].tolist(), jj[p].tolist(), (cell // dp).tolist(),
                         kk[p].tolist(), (cell % dp).tolist()))
 
-    def local_search(self, s: _State, propose) -> _State:
+    def local_search(self, s: _State, propose: Proposer) -> _State:
         """Take the first candidate, in gain order, that beats the current state, until none does."""
         while True:
             for _gain, j, x, k, y in propose(s):
@@ -273,10 +286,29 @@ class Searcher:
         m = self.model
         return self.rng.permutation(m.network.num_devices).reshape(m.pp, m.dp)
 
+    def link_seeds(self) -> list[np.ndarray]:
+        """Devices in nearest-neighbour order (each next device the closest unvisited one),
+        cut into consecutive blocks and dealt round-robin."""
+        m = self.model
+        n = m.network.num_devices
+        link = m.pp_link_s + m.dp_link_s
+        order = [0]
+        left = np.ones(n, bool)
+        left[0] = False
+        for _ in range(n - 1):
+            row = np.where(left, link[order[-1]], np.inf)
+            nxt = int(row.argmin())
+            order.append(nxt)
+            left[nxt] = False
+        order_arr = np.array(order)
+        blocks = order_arr.reshape(m.pp, m.dp)
+        dealt = order_arr.reshape(m.dp, m.pp).T.copy()
+        return [blocks, dealt]
+
     def crossover(self, p1: np.ndarray, p2: np.ndarray) -> np.ndarray:
         """Devices keep the group both parents agree on; the rest take either parent's group at
-        random (parent 2's groups renamed to parent 1's they overlap most), then sizes are
-        repaired by moving random extra members to groups that are short."""
+        random (parent 2's groups renamed to the parent-1 groups they overlap most), then sizes
+        are repaired by moving random extra members to groups that are short."""
         pp, dp = p1.shape
         n = pp * dp
         lab1, lab2 = np.empty(n, np.int64), np.empty(n, np.int64)
@@ -311,11 +343,15 @@ class Searcher:
             groups[j, x], groups[k, y] = groups[k, y], groups[j, x]
         return groups
 
-    def genetic(self, propose, population_size: int) -> None:
+    def genetic(self, propose: Proposer, population_size: int, link_seeds: bool) -> None:
         population: list[_State] = []
         keys: set[bytes] = set()
-        while len(population) < population_size:
-            s = self.local_search(self.full(self.random_groups()), propose)
+        starts = self.link_seeds() if link_seeds else []
+        attempts = 0
+        while len(population) < population_size and attempts < 4 * population_size:
+            attempts += 1
+            groups = starts.pop(0) if starts else self.random_groups()
+            s = self.local_search(self.full(groups), propose)
             key = _key(s.groups)
             if key not in keys:
                 population.append(s)
@@ -329,7 +365,7 @@ class Searcher:
             s = self.local_search(self.full(child), propose)
             worst = max(range(len(population)), key=lambda i: population[i].total)
             key = _key(s.groups)
-            if key not in keys and s.total < population[worst].total:
+            if key not in keys and s.beats(population[worst]):
                 keys.discard(_key(population[worst].groups))
                 population[worst] = s
                 keys.add(key)
@@ -344,9 +380,9 @@ class Searcher:
             assert self.best is not None
             self.bounded(self.random_groups(), self.best.total)
 
-    def run(self, strategy: str, population_size: int = 16) -> SearchResult:
+    def run(self, strategy: str, population_size: int = POPULATION_SIZE, link_seeds: bool = True) -> SearchResult:
         m = self.model
-        stopped = "exhaustive"
+        stopped = "complete"
         try:
             if m.pp == 1 or m.dp == 1:
                 # One group of everything, or groups of one device: every partition is the
@@ -355,9 +391,9 @@ class Searcher:
             elif strategy == "random":
                 self.random_search()
             elif strategy == "ours":
-                self.genetic(self.candidates_ours, population_size)
+                self.genetic(self.candidates_ours, population_size, link_seeds)
             elif strategy == "kl":
-                self.genetic(self.candidates_kl, population_size)
+                self.genetic(self.candidates_kl, population_size, link_seeds)
             else:
                 raise UsageError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
         except _Stop as stop:
@@ -378,7 +414,9 @@ def _key(groups: np.ndarray) -> bytes:
 
 
 def search(model: CostModel, strategy: str = "ours", seed: int = 0, budget: Budget | None = None,
-           population_size: int = 16) -> SearchResult:
+           population_size: int = POPULATION_SIZE, link_seeds: bool = True) -> SearchResult:
+    """Best partition `strategy` finds within `budget`. link_seeds=False starts the genetic
+    algorithm from random partitions only (DT-FM's setting)."""
     if strategy not in STRATEGIES:
         raise UsageError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
-    return Searcher(model, seed, budget or Budget()).run(strategy, population_size)
+    return Searcher(model, seed, budget or Budget()).run(strategy, population_size, link_seeds)

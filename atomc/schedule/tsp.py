@@ -54,15 +54,16 @@ def _held_karp(weights: np.ndarray, keep_parents: bool):
     return best, parents
 
 
-def open_loop_tsp_costs(weights: np.ndarray) -> np.ndarray:
-    """Least open-path cost of each matrix in a (batch, n, n) stack."""
+def open_loop_tsp_costs(weights: np.ndarray, exact_max_nodes: int = EXACT_MAX_NODES) -> np.ndarray:
+    """Least open-path cost of each matrix in a (batch, n, n) stack (the heuristic's cost
+    above exact_max_nodes)."""
     weights = np.asarray(weights, dtype=np.float64)
     batch, n, _ = weights.shape
     if n <= 1:
         return np.zeros(batch)
     if n == 2:
         return weights[:, 0, 1].copy()
-    if n <= EXACT_MAX_NODES:
+    if n <= min(exact_max_nodes, EXACT_MAX_NODES):
         best, _ = _held_karp(weights, keep_parents=False)
         return best[:, (1 << n) - 1, :].min(axis=-1)
     return np.array([_heuristic(w)[0] for w in weights])

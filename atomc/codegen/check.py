@@ -1,0 +1,318 @@
+"""Codegen, step 3: check and tidy rendered sources with libcst; copy the model file's helpers.
+
+Input: rendered source text, and the model file for helpers. Output: source text that parses,
+whose imports are exactly those it uses (sorted: standard library, third party, the package),
+and that uses no undefined name; and `_helpers.py`, the top-level functions and classes of the
+model file the graph calls, with everything they need from that file (other functions,
+constants, imports), so the generated package imports without the model file.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import libcst as cst
+from libcst.metadata import (BuiltinScope, GlobalScope, ImportAssignment, MetadataWrapper,
+                             PositionProvider, ScopeProvider)
+
+from atomc.errors import CodegenError
+
+_MODULE_DUNDERS = {"__name__", "__file__", "__doc__", "__spec__", "__package__", "__loader__",
+                   "__builtins__", "__class__", "__annotations__", "__dict__", "__path__"}
+
+
+def parse(code: str, filename: str) -> cst.Module:
+    try:
+        return cst.parse_module(code)
+    except cst.ParserSyntaxError as e:
+        raise CodegenError(f"generated {filename} does not parse ({e.message} at line "
+                           f"{e.raw_line}); this is a bug in atomc's templates: please report it "
+                           f"with the plan") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# imports
+
+
+@dataclass(frozen=True)
+class _Import:
+    module: str  # "torch.nn.functional" or ".submodel_0"; "" for `import x`
+    name: str  # the imported name (module path for `import x`)
+    asname: str | None
+
+    def group(self) -> int:
+        root = (self.module or self.name)
+        if root == "__future__":
+            return 0
+        if root.startswith("."):
+            return 3
+        top = root.split(".")[0]
+        return 1 if top in sys.stdlib_module_names else 2
+
+
+def _dotted(node: cst.BaseExpression) -> str:
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        return f"{_dotted(node.value)}.{node.attr.value}"
+    raise ValueError(node)
+
+
+def _imports_of(stmt: cst.CSTNode) -> list[_Import] | None:
+    """The imports a top-level `import`/`from ... import` line makes; None for anything else."""
+    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+        return None
+    small = stmt.body[0]
+    if isinstance(small, cst.Import):
+        return [_Import("", _dotted(a.name), a.asname.name.value if a.asname else None)
+                for a in small.names]
+    if isinstance(small, cst.ImportFrom):
+        if isinstance(small.names, cst.ImportStar):
+            return None
+        module = "." * len(small.relative) + (_dotted(small.module) if small.module else "")
+        return [_Import(module, _dotted(a.name), a.asname.name.value if a.asname else None)
+                for a in small.names]
+    return None
+
+
+def _format_imports(imports: list[_Import]) -> list[str]:
+    """Sorted import lines, grouped; `from m import a, b` merged per module."""
+    lines: list[tuple[int, str, str]] = []
+    froms: dict[str, list[_Import]] = {}
+    for imp in set(imports):
+        if imp.module:
+            froms.setdefault(imp.module, []).append(imp)
+        else:
+            text = f"import {imp.name}" + (f" as {imp.asname}" if imp.asname else "")
+            lines.append((imp.group(), imp.name, text))
+    for module, items in froms.items():
+        items = sorted(items, key=lambda i: (_member_rank(i.name), i.name.lower(), i.name))
+        names = [f"{i.name} as {i.asname}" if i.asname else i.name for i in items]
+        lines.append((items[0].group(), module, f"from {module} import {', '.join(names)}"))
+    # isort's order, as ruff checks it: per section `import x` lines, then `from x import y`
+    lines.sort(key=lambda t: (t[0], t[2].startswith("from"), t[1].lower(), t[2]))
+    out: list[str] = []
+    previous = None
+    for group, _, text in lines:
+        if previous is not None and group != previous:
+            out.append("")
+        out.append(text)
+        previous = group
+    return out
+
+
+def _member_rank(name: str) -> int:
+    """isort's order-by-type: CONSTANTS, then Classes, then functions and variables."""
+    if name.isupper() and len(name) > 1:
+        return 0
+    return 1 if name[:1].isupper() else 2
+
+
+def _used_bindings(wrapper: MetadataWrapper) -> set[tuple[int, str]]:
+    """(id of the import node, bound name) for every import binding that something reads."""
+    scopes = wrapper.resolve(ScopeProvider)
+    used: set[tuple[int, str]] = set()
+    for scope in {id(s): s for s in scopes.values() if s is not None}.values():
+        if not isinstance(scope, GlobalScope):
+            continue
+        for assignment in scope.assignments:
+            if isinstance(assignment, ImportAssignment) and len(assignment.references) > 0:
+                used.add((id(assignment.node), assignment.name))
+    return used
+
+
+def tidy_imports(code: str, filename: str) -> str:
+    """Drop unused imports, sort and group the rest, and put them right after the docstring."""
+    module = parse(code, filename)
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    used = _used_bindings(wrapper)
+    keep: list[_Import] = []
+    body: list[cst.BaseStatement] = []
+    for stmt in module.body:
+        imports = _imports_of(stmt)
+        if imports is None:
+            body.append(stmt)
+            continue
+        small = stmt.body[0]  # type: ignore[attr-defined]
+        for imp in imports:
+            bound = {imp.asname} if imp.asname else ({imp.name} if imp.module else
+                                                      {imp.name, imp.name.split(".")[0]})
+            if imp.group() == 0 or any((id(small), b) in used for b in bound):
+                keep.append(imp)
+    docstring: list[cst.BaseStatement] = []
+    if body and _is_docstring(body[0]):
+        docstring, body = [body[0]], body[1:]
+    import_stmts = []
+    blank = False
+    for i, line in enumerate(_format_imports(keep)):
+        if not line:
+            blank = True
+            continue
+        stmt = cst.parse_statement(line + "\n")
+        lead = [cst.EmptyLine()] if (blank or (i == 0 and docstring)) else []
+        import_stmts.append(stmt.with_changes(leading_lines=lead))
+        blank = False
+    if body and import_stmts:
+        comments = [ln for ln in body[0].leading_lines if ln.comment is not None]
+        blank = [cst.EmptyLine()] * (2 if _is_definition(body[0]) else 1)
+        body[0] = body[0].with_changes(leading_lines=[*blank, *comments])
+    elif body and docstring:
+        comments = [ln for ln in body[0].leading_lines if ln.comment is not None]
+        body[0] = body[0].with_changes(leading_lines=[cst.EmptyLine(), *comments])
+    return module.with_changes(body=[*docstring, *import_stmts, *body]).code
+
+
+def _is_definition(stmt: cst.CSTNode) -> bool:
+    return isinstance(stmt, (cst.ClassDef, cst.FunctionDef))
+
+
+def _is_docstring(stmt: cst.CSTNode) -> bool:
+    return (isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1
+            and isinstance(stmt.body[0], cst.Expr)
+            and isinstance(stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString)))
+
+
+# ---------------------------------------------------------------------------------------------
+# undefined names
+
+
+def undefined_names(code: str, filename: str) -> list[tuple[str, int]]:
+    """(name, line) of every name read but bound nowhere (builtins count as bound)."""
+    wrapper = MetadataWrapper(parse(code, filename), unsafe_skip_copy=True)
+    scopes = wrapper.resolve(ScopeProvider)
+    positions = wrapper.resolve(PositionProvider)
+    missing: list[tuple[str, int]] = []
+    for scope in {id(s): s for s in scopes.values() if s is not None}.values():
+        for access in scope.accesses:
+            if access.referents:
+                continue
+            node = access.node
+            name = node.value if isinstance(node, cst.Name) else getattr(node, "value", str(node))
+            if not isinstance(name, str) or name in _MODULE_DUNDERS:
+                continue
+            missing.append((name, positions[node].start.line))
+    return sorted(set(missing), key=lambda t: (t[1], t[0]))
+
+
+def check_source(code: str, filename: str) -> str:
+    """Parse, tidy imports, refuse undefined names; the tidied code."""
+    tidied = tidy_imports(code, filename)
+    missing = undefined_names(tidied, filename)
+    if missing:
+        listed = ", ".join(f"{name} (line {line})" for name, line in missing[:8])
+        raise CodegenError(f"generated {filename} uses undefined names: {listed}; this is a bug in "
+                           f"atomc's code generation: please report it with the plan")
+    return tidied
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def copy_helpers(model_path: Path, wanted: dict[str, str], is_installed, header: str) -> str:
+    """`_helpers.py`: the model file's top-level definitions `wanted` (name -> who needs it) and
+    everything they read from the model file, in the file's order, with the imports they use.
+
+    `is_installed(module_name)` says whether an import can be kept (stdlib or installed package).
+    """
+    try:
+        source = model_path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise CodegenError(f"cannot read {model_path} to copy its helpers ({e}); keep the model file "
+                           f"next to the plan while generating code") from None
+    module = parse(source, str(model_path))
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    scopes = wrapper.resolve(ScopeProvider)
+    positions = wrapper.resolve(PositionProvider)
+    body = list(module.body)
+    spans = [(positions[getattr(s, "decorators", None)[0] if getattr(s, "decorators", None) else s]
+               .start.line, positions[s].end.line) for s in body]
+
+    def statement_of(node: cst.CSTNode) -> int:
+        line = positions[node].start.line
+        for i, (start, end) in enumerate(spans):
+            if start <= line <= end:
+                return i
+        raise AssertionError(line)
+
+    all_scopes = list({id(s): s for s in scopes.values() if s is not None}.values())
+    global_scope = next(s for s in all_scopes if isinstance(s, GlobalScope))
+    binders: dict[str, list[int]] = {}
+    for assignment in global_scope.assignments:
+        if isinstance(assignment.scope, BuiltinScope):
+            continue
+        binders.setdefault(assignment.name, []).append(statement_of(assignment.node))
+    deps: dict[int, set[int]] = {i: set() for i in range(len(body))}
+    import_names: dict[int, set[str]] = {}  # import statement -> bound names that are read
+    for scope in all_scopes:
+        for access in scope.accesses:
+            user = statement_of(access.node)
+            for ref in access.referents:
+                if ref.scope is not global_scope or isinstance(ref.scope, BuiltinScope):
+                    continue
+                if not hasattr(ref, "node"):
+                    continue
+                where = statement_of(ref.node)
+                deps[user].add(where)
+                if isinstance(ref, ImportAssignment):
+                    import_names.setdefault(where, set()).add(ref.name)
+
+    needed: set[int] = set()
+    reason: dict[int, str] = {}
+    todo: list[int] = []
+    for name, why in sorted(wanted.items()):
+        if name not in binders:
+            raise CodegenError(f"{why} uses {name}, which {model_path.name} does not define at the top "
+                               f"level in its source; atomc cannot copy it into the generated package")
+        for i in binders[name]:
+            if i not in needed:
+                needed.add(i)
+                reason[i] = f"{name} (needed by {why})"
+                todo.append(i)
+    while todo:
+        i = todo.pop()
+        for j in sorted(deps[i]):
+            if j not in needed:
+                needed.add(j)
+                reason[j] = reason[i]
+                todo.append(j)
+
+    for i, stmt in enumerate(body):  # `from __future__ import annotations` changes semantics
+        if any(imp.module == "__future__" for imp in _imports_of(stmt) or []):
+            needed.add(i)
+            import_names.setdefault(i, set()).update(imp.name for imp in _imports_of(stmt) or [])
+
+    out: list[str] = []
+    for i in sorted(needed):
+        stmt = body[i]
+        imports = _imports_of(stmt)
+        if imports is None:
+            out.append("\n\n" + module.code_for_node(stmt.with_changes(
+                leading_lines=[ln for ln in stmt.leading_lines if ln.comment is not None])))
+            continue
+        for imp in imports:
+            bound = imp.asname or (imp.name if imp.module else imp.name)
+            names = {bound, bound.split(".")[0]} if not imp.module and not imp.asname else {bound}
+            if not names & import_names.get(i, set()):
+                continue
+            target = imp.module or imp.name
+            if target.startswith("."):
+                raise CodegenError(
+                    f"{reason[i]} needs `{module.code_for_node(stmt).strip()}`, a relative import "
+                    f"that does not resolve outside the model's directory; atomc cannot copy it: "
+                    f"import it absolutely from an installed package, or define it in the model file")
+            if target != "__future__" and not is_installed(target):
+                raise CodegenError(
+                    f"{reason[i]} needs module {target}, which is neither the model file nor an "
+                    f"installed package, so the generated package could not import it on another "
+                    f"machine; move what it uses into the model file, or install the module")
+            if imp.module:
+                alias = f" as {imp.asname}" if imp.asname else ""
+                out.append(f"from {imp.module} import {imp.name}{alias}\n")
+            else:
+                out.append(f"import {imp.name}" + (f" as {imp.asname}" if imp.asname else "") + "\n")
+    text = f'"""{header}"""\n\n' + "".join(
+        line if line.endswith("\n") else line + "\n" for line in out)
+    return text

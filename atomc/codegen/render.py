@@ -1,0 +1,846 @@
+"""Codegen, step 2: render each split piece as a readable `nn.Module` with Jinja2 templates.
+
+Input: the pieces of `split.split_plan` and the TracedModel. Output: Python source text per
+sub-model, the package `__init__.py`, and the list of the model file's helpers (functions and
+classes the graph calls) that `check.copy_helpers` brings into the package.
+
+The constructor rebuilds each leaf module with the hyperparameters read off the traced
+instance (`nn.Linear(32, 96)`), verified by building it again on the meta device and comparing
+its parameters, buffers and `extra_repr`. `forward` is straight-line code, one statement per
+graph node, with the traced shape as a comment.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import enum
+import importlib
+import importlib.metadata
+import importlib.resources
+import inspect
+import math
+import operator
+import pprint
+import site
+import sys
+import sysconfig
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import jinja2
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from atomc import __version__
+from atomc.errors import CodegenError
+from atomc.ir import OpGraph, Plan
+from atomc.codegen.split import Piece
+from atomc.trace import TracedModel
+from atomc.trace.graph import dtype_name
+
+# Names the generated modules bind at top level (or that read badly as locals).
+_RESERVED = {"self", "torch", "nn", "F", "operator", "math", "device", "l", "O", "I"}
+
+_DROPOUT_OPS = {"aten.dropout.default", "aten.native_dropout.default", "aten.feature_dropout.default",
+                "aten.alpha_dropout.default", "aten.feature_alpha_dropout.default"}
+
+_VIEW_OPS = {"aten.view.default", "aten._unsafe_view.default"}
+
+_INFIX = dict(fx.graph.magic_methods)
+_INFIX.pop("getitem")
+_INFIX_OPERATORS = {getattr(operator, name): fmt for name, fmt in _INFIX.items() if hasattr(operator, name)}
+
+_SKIP_CTOR_PARAMS = {"device", "dtype"}
+
+
+class _Expr:
+    """Source text to paste as is (a local name, `self.training`, `device`)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+# ---------------------------------------------------------------------------------------------
+# Where functions and classes come from
+
+
+@lru_cache(maxsize=None)
+def _site_roots() -> tuple[Path, ...]:
+    roots = set()
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            roots.add(Path(path).resolve())
+    try:
+        roots.update(Path(p).resolve() for p in site.getsitepackages())
+        roots.add(Path(site.getusersitepackages()).resolve())
+    except AttributeError:  # virtualenvs with an old site module
+        pass
+    return tuple(sorted(roots))
+
+
+@lru_cache(maxsize=None)
+def _distributed_packages() -> frozenset[str]:
+    try:
+        return frozenset(importlib.metadata.packages_distributions())
+    except Exception:  # broken metadata of some unrelated distribution
+        return frozenset()
+
+
+def is_installed(module_name: str) -> bool:
+    """True when a fresh interpreter elsewhere can import `module_name`: stdlib or installed."""
+    top = module_name.split(".")[0]
+    if top in sys.stdlib_module_names or top in sys.builtin_module_names:
+        return True
+    module = sys.modules.get(module_name)
+    file = getattr(module, "__file__", None) if module is not None else None
+    if file is not None:
+        path = Path(file).resolve()
+        if any(path.is_relative_to(root) for root in _site_roots()):
+            return True
+    return top in _distributed_packages()
+
+
+def _resolve(path: str) -> Any:
+    """The object a dotted path names, importing the longest module prefix."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:cut]))
+        except Exception:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(path)
+
+
+class Resolver:
+    """Turns callables and classes into source expressions, and records needed helpers."""
+
+    def __init__(self, traced: TracedModel):
+        self.model_module: ModuleType = traced.module
+        self.model_path = Path(getattr(traced.module, "__file__", "") or traced.graph.model_path)
+        self.helpers: dict[str, Any] = {}  # name in the model file -> object
+        self.helper_users: dict[str, str] = {}  # name -> what needed it (for error messages)
+
+    def _describe(self, obj: Any) -> str:
+        try:
+            line = inspect.getsourcelines(obj)[1]
+            return f"{getattr(obj, '__qualname__', obj)!s} ({self.model_path.name}:{line})"
+        except (OSError, TypeError):
+            return str(getattr(obj, "__qualname__", obj))
+
+    def helper(self, obj: Any, why: str) -> str:
+        """Name of a model-file function or class, to be copied into `_helpers.py`."""
+        name = getattr(obj, "__name__", None)
+        qualname = getattr(obj, "__qualname__", name) or ""
+        if isinstance(obj, type(lambda: 0)) and name == "<lambda>":
+            raise CodegenError(f"{why} calls a lambda ({self._describe(obj)}); atomc can only copy "
+                               f"functions defined with def at the top level of "
+                               f"{self.model_path.name}: give it a name with def")
+        if "<locals>" in qualname:
+            raise CodegenError(
+                f"{why} uses {qualname}, which is defined inside another function (a closure over "
+                f"its local state); atomc can only copy top-level functions and classes of "
+                f"{self.model_path.name} into the generated package: move it to the top level")
+        if name is None or getattr(self.model_module, name, None) is not obj or qualname != name:
+            raise CodegenError(
+                f"{why} uses {obj!r}, which is not a top-level function or class of "
+                f"{self.model_path.name} under its own name; atomc cannot copy it into the "
+                f"generated package: define it at the top level of the model file with def or class")
+        self.helpers[name] = obj
+        self.helper_users.setdefault(name, why)
+        return name
+
+    def function(self, fn: Any, imports: set[str], why: str) -> str:
+        if isinstance(fn, torch._ops.OpOverload):
+            imports.add("import torch")
+            return f"torch.ops.{fn}"
+        if isinstance(fn, torch._ops.OpOverloadPacket):
+            imports.add("import torch")
+            return f"torch.ops.{fn}"
+        if isinstance(fn, torch._ops.HigherOrderOperator):
+            raise CodegenError(f"{why} calls the higher-order operator {fn}; atomc cannot generate "
+                               f"code for it: avoid torch.cond/torch.no_grad regions inside forward")
+        name = getattr(fn, "__name__", None)
+        module = getattr(fn, "__module__", None)
+        if module == self.model_module.__name__ or name == "<lambda>":
+            return self.helper(fn, why)
+        if name is not None:
+            if getattr(F, name, None) is fn:
+                imports.add("import torch.nn.functional as F")
+                return f"F.{name}"
+            if getattr(torch, name, None) is fn:
+                imports.add("import torch")
+                return f"torch.{name}"
+            if getattr(builtins, name, None) is fn:
+                return name
+            if getattr(operator, name, None) is fn:
+                imports.add("import operator")
+                return f"operator.{name}"
+            if getattr(math, name, None) is fn:
+                imports.add("import math")
+                return f"math.{name}"
+        if "<locals>" in (getattr(fn, "__qualname__", "") or ""):
+            return self.helper(fn, why)
+        try:
+            path = fx.node._get_qualified_name(fn)
+        except Exception:
+            path = None
+        if path is None or not _resolves_to(path, fn):
+            raise CodegenError(
+                f"{why} calls {fn!r}, which atomc cannot name from the generated package "
+                f"(no importable module path); define it at the top level of the model file")
+        top = path.split(".")[0]
+        if top == "torch":
+            imports.add("import torch")
+            return path
+        mod_path = module if module and path.startswith(module + ".") else path.rpartition(".")[0]
+        if mod_path in sys.modules and sys.modules[mod_path] is self.model_module:
+            return self.helper(fn, why)
+        if not is_installed(mod_path):
+            where = getattr(sys.modules.get(mod_path), "__file__", "?")
+            raise CodegenError(
+                f"{why} calls {path}, defined in module {mod_path} ({where}), which is neither the "
+                f"model file nor an installed package, so the generated package could not import "
+                f"it on another machine; move the function into the model file or install its module")
+        imports.add(f"import {mod_path}")
+        return path
+
+    def cls(self, klass: type, imports: set[str], why: str) -> str:
+        name = klass.__name__
+        if getattr(nn, name, None) is klass:
+            imports.add("from torch import nn")
+            return f"nn.{name}"
+        if klass.__module__ == self.model_module.__name__:
+            return self.helper(klass, why)
+        if "<locals>" in klass.__qualname__:
+            raise CodegenError(f"{why} uses class {klass.__qualname__}, which is defined inside a "
+                               f"function; move it to the top level of the model file")
+        module = klass.__module__
+        if not is_installed(module):
+            raise CodegenError(
+                f"{why} uses class {module}.{klass.__qualname__}, defined in "
+                f"{getattr(sys.modules.get(module), '__file__', '?')}, which is neither the model "
+                f"file nor an installed package; move the class into the model file or install it")
+        path = f"{module}.{klass.__qualname__}"
+        if not _resolves_to(path, klass):
+            raise CodegenError(f"{why} uses class {path}, which cannot be imported under that name")
+        if module.split(".")[0] == "torch":
+            imports.add("import torch")
+        else:
+            imports.add(f"import {module}")
+        return path
+
+
+def _resolves_to(path: str, obj: Any) -> bool:
+    try:
+        return _resolve(path) is obj
+    except Exception:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Constants
+
+
+def render_constant(value: Any, resolver: Resolver, imports: set[str], why: str,
+                    device_type: str | None = None) -> str:
+    """Python source for a constant argument; CodegenError for what cannot be written down."""
+    r = lambda v: render_constant(v, resolver, imports, why, device_type)  # noqa: E731
+    if isinstance(value, _Expr):
+        return value.text
+    if value is None or isinstance(value, (bool, str)):
+        return repr(value)
+    if isinstance(value, int):
+        return repr(value)
+    if isinstance(value, float):
+        if math.isinf(value):
+            return 'float("inf")' if value > 0 else 'float("-inf")'
+        if math.isnan(value):
+            return 'float("nan")'
+        return repr(value)
+    if isinstance(value, complex):
+        return repr(value)
+    if value is Ellipsis:
+        return "..."
+    if isinstance(value, torch.dtype):
+        imports.add("import torch")
+        return f"torch.{dtype_name(value)}"
+    if isinstance(value, torch.device):
+        if device_type is not None and value.type == device_type:
+            return "device"  # traced on this device: run on whatever device the inputs are on
+        imports.add("import torch")
+        return f"torch.device({str(value)!r})"
+    if isinstance(value, (torch.memory_format, torch.layout)):
+        imports.add("import torch")
+        return str(value)
+    if isinstance(value, torch.Size):
+        imports.add("import torch")
+        return f"torch.Size({r(list(value))})"
+    if isinstance(value, slice):
+        return f"slice({r(value.start)}, {r(value.stop)}, {r(value.step)})"
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        items = [r(v) for v in value]
+        return f"({items[0]},)" if len(items) == 1 else "(" + ", ".join(items) + ")"
+    if isinstance(value, list):
+        return "[" + ", ".join(r(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{r(k)}: {r(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, enum.Enum):
+        return f"{resolver.cls(type(value), imports, why)}.{value.name}"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        ctor = resolver.cls(type(value), imports, why)
+        fields = [f for f in dataclasses.fields(value) if f.init]
+        args = ", ".join(f"{f.name}={r(getattr(value, f.name))}" for f in fields)
+        return f"{ctor}({args})"
+    if isinstance(value, torch.Tensor):
+        raise CodegenError(f"{why} has a tensor constant of shape {list(value.shape)}; atomc cannot "
+                           f"write tensor values into code: register it as a buffer in the model")
+    raise CodegenError(f"{why} has a constant {value!r} of type {type(value).__name__}, which atomc "
+                       f"cannot write as code; pass it as a plain number, string or tuple")
+
+
+def describe_value(value: Any) -> str:
+    """Shape comment: `[2, 16, 32] float32`, `int 16`, `3 x [2, 16, 32] float32`."""
+    if isinstance(value, torch.Tensor):
+        return f"{list(value.shape)} {dtype_name(value.dtype)}"
+    if isinstance(value, torch.Size):
+        return f"size {tuple(value)}"
+    if isinstance(value, bool):
+        return f"bool {value}"
+    if isinstance(value, (int, float)):
+        return f"{type(value).__name__} {value}"
+    if isinstance(value, torch.device):
+        return "device"
+    if isinstance(value, (tuple, list)):
+        parts = [describe_value(v) for v in value]
+        if parts and len(set(parts)) == 1:
+            return f"{len(parts)} x {parts[0]}"
+        return "(" + ", ".join(parts) + ")"
+    if value is None:
+        return "None"
+    return type(value).__name__
+
+
+def boundary_spec(value: Any) -> dict[str, Any]:
+    if isinstance(value, torch.Tensor):
+        return {"shape": [int(d) for d in value.shape], "dtype": dtype_name(value.dtype)}
+    if isinstance(value, int) and not isinstance(value, bool):
+        return {"kind": "int"}
+    return {"kind": "other"}
+
+
+def py_literal(value: Any, indent: int = 0, width: int = 100) -> str:
+    """Deterministic Python literal (pprint), continuation lines indented by `indent`."""
+    text = pprint.pformat(value, width=max(40, width - indent), sort_dicts=False)
+    return text.replace("\n", "\n" + " " * indent)
+
+
+# ---------------------------------------------------------------------------------------------
+# Leaf modules
+
+
+def _simple_attrs(module: nn.Module) -> dict[str, Any]:
+    kinds = (int, float, bool, str, tuple, type(None))
+    return {k: v for k, v in vars(module).items()
+            if not k.startswith("_") and k != "training" and isinstance(v, kinds)}
+
+
+def _same_module(a: nn.Module, b: nn.Module) -> str:
+    """'' when `b` rebuilds `a` (same parameters, buffers, hyperparameters); else the difference."""
+    if type(a) is not type(b):
+        return f"class {type(b).__name__} instead of {type(a).__name__}"
+    if a.extra_repr() != b.extra_repr():
+        return f"{b.extra_repr()!r} instead of {a.extra_repr()!r}"
+    sa = {k: tuple(v.shape) for k, v in a.state_dict(keep_vars=True).items()}
+    sb = {k: tuple(v.shape) for k, v in b.state_dict(keep_vars=True).items()}
+    if sa != sb:
+        return f"state {sb} instead of {sa}"
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    if pa.keys() != pb.keys():
+        return f"parameters {sorted(pb)} instead of {sorted(pa)}"
+    attrs_a, attrs_b = _simple_attrs(a), _simple_attrs(b)
+    for key, value in attrs_a.items():
+        if key in attrs_b and attrs_b[key] != value:
+            return f"{key}={attrs_b[key]!r} instead of {value!r}"
+    return ""
+
+
+def _signature_args(module: nn.Module) -> tuple[list[Any], dict[str, Any]] | None:
+    """Constructor arguments read back from same-named attributes, defaults left out."""
+    try:
+        sig = inspect.signature(type(module).__init__)
+    except (TypeError, ValueError):
+        return None
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    positional = True
+    for name, p in list(sig.parameters.items())[1:]:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            return None
+        if name in _SKIP_CTOR_PARAMS:
+            positional = False
+            continue
+        if not hasattr(module, name):
+            if p.default is p.empty:
+                return None
+            positional = False
+            continue
+        value = getattr(module, name)
+        if isinstance(value, torch.Tensor) or (value is None and isinstance(p.default, bool)):
+            value = value is not None  # `bias=True` stored as a Parameter (or None)
+        if isinstance(value, nn.Module) or callable(value) and not isinstance(value, type):
+            return None
+        if p.default is not p.empty:
+            positional = False
+            try:
+                if type(value) is type(p.default) and value == p.default:
+                    continue
+            except Exception:
+                pass
+        if positional and p.kind is not p.KEYWORD_ONLY:
+            args.append(value)
+        else:
+            kwargs[name] = value
+    return args, kwargs
+
+
+def _repr_args(module: nn.Module) -> tuple[list[Any], dict[str, Any]] | None:
+    """Constructor arguments parsed from `extra_repr()`, which torch writes in call syntax."""
+    text = module.extra_repr()
+    collect = lambda *a, **k: (list(a), k)  # noqa: E731
+    try:
+        return eval(f"_collect({text})", {"_collect": collect, "torch": torch, "inf": math.inf,
+                                          "nan": math.nan, "__builtins__": {}})
+    except Exception:
+        return None
+
+
+def module_constructor(module: nn.Module, fqn: str, resolver: Resolver, imports: set[str]) -> str:
+    """`nn.Linear(32, 96)`: source that rebuilds `module`, checked by rebuilding it on meta."""
+    why = f"module {fqn} ({type(module).__name__})"
+    klass = type(module)
+    failures = []
+    for args_kwargs in (_signature_args(module), _repr_args(module)):
+        if args_kwargs is None:
+            continue
+        args, kwargs = args_kwargs
+        try:
+            with torch.device("meta"):
+                rebuilt = klass(*args, **kwargs)
+        except Exception as e:
+            failures.append(f"{type(e).__name__}: {e}")
+            continue
+        difference = _same_module(module, rebuilt)
+        if difference:
+            failures.append(difference)
+            continue
+        ctor = resolver.cls(klass, imports, why)
+        parts = [render_constant(a, resolver, imports, why) for a in args]
+        parts += [f"{k}={render_constant(v, resolver, imports, why)}" for k, v in kwargs.items()]
+        text = f"{ctor}({', '.join(parts)})"
+        dtypes = {t.dtype for t in list(module.parameters()) + list(module.buffers())
+                  if t.is_floating_point()}
+        if len(dtypes) == 1 and (dtype := dtypes.pop()) != torch.get_default_dtype():
+            imports.add("import torch")
+            text += f".to(torch.{dtype_name(dtype)})"
+        return text
+    detail = f" ({'; '.join(failures)})" if failures else ""
+    raise CodegenError(
+        f"cannot rebuild {why} from its attributes{detail}: atomc rebuilds leaf modules by reading "
+        f"each constructor argument back from the attribute of the same name; store every "
+        f"constructor argument of {klass.__name__} as self.<name>, or do not make it a leaf module")
+
+
+# ---------------------------------------------------------------------------------------------
+# Sub-models
+
+
+class Namer:
+    """Local variable names: the fx node names, renamed where they clash with module names."""
+
+    def __init__(self, reserved: set[str], graph_names: set[str]):
+        self.reserved = set(reserved)
+        self.graph_names = set(graph_names)  # every node name of the model: never reused
+        self.names: dict[str, str] = {}
+
+    def __call__(self, node_name: str) -> str:
+        if node_name not in self.names:
+            name = node_name
+            n = 1
+            while name in self.reserved or (name != node_name and name in self.graph_names):
+                name = f"{node_name}_{n}"
+                n += 1
+            self.names[node_name] = name
+        return self.names[node_name]
+
+
+@dataclass
+class SubmodelSource:
+    index: int
+    class_name: str
+    module_name: str  # submodel_0
+    text: str
+    param_names: dict[str, str]  # local -> canonical FQN (parameters and persistent buffers)
+    param_locals: list[str]  # which of param_names are parameters
+    inputs: dict[str, dict[str, Any]]
+    outputs: dict[str, dict[str, Any]]
+    helpers: list[str] = field(default_factory=list)
+
+
+def _environment() -> jinja2.Environment:
+    root = importlib.resources.files("atomc.templates")
+    loader = jinja2.FunctionLoader(lambda name: (root / name).read_text(encoding="utf-8"))
+    return jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined, autoescape=False,
+                              keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
+
+
+class PieceRenderer:
+    def __init__(self, piece: Piece, traced: TracedModel, plan: Plan, resolver: Resolver,
+                 helper_names: set[str]):
+        self.piece = piece
+        self.traced = traced
+        self.plan = plan
+        self.resolver = resolver
+        self.imports: set[str] = {"import torch", "from torch import nn"}
+        self.values = traced.values
+        self.device_type = traced.device.type
+        self.namer = Namer(_RESERVED | helper_names, {n.name for n in traced.gm.graph.nodes})
+        self.canon_params: dict[int, str] = {}
+        self.canon_buffers: dict[int, str] = {}
+        for fqn, p in traced.model.named_parameters(remove_duplicate=False):
+            self.canon_params.setdefault(id(p), fqn)
+        for fqn, b in traced.model.named_buffers(remove_duplicate=False):
+            self.canon_buffers.setdefault(id(b), fqn)
+        self.uses_device = False
+        self.why = f"sub-model {piece.index}"
+        self.attr_expr: dict[str, str] = {}  # get_attr target -> `self.…`
+
+    # -- constructor --------------------------------------------------------------------------
+
+    def constructor(self) -> tuple[list[str], dict[str, str], list[str]]:
+        lines: list[str] = []
+        owner: dict[str, str] = {}  # canonical FQN -> local path holding it
+        order: list[tuple[str, str, bool]] = []  # (local path, FQN, is parameter) for PARAM_NAMES
+        module_nodes = [n for n in self.piece.graph.nodes if n.op == "call_module"]
+        local_modules = list(dict.fromkeys(str(n.target) for n in module_nodes))
+        standalone = [self.piece.attrs[str(n.target)] for n in self.piece.graph.nodes
+                      if n.op == "get_attr"]
+        standalone = list({a.local: a for a in standalone}.values())
+
+        module_lines: list[str] = []
+        tie_lines: list[str] = []
+        frozen: list[str] = []
+        module_params: list[tuple[str, str, bool]] = []
+        for local in local_modules:
+            fqn, module = self.piece.modules[local]
+            ctor = module_constructor(module, fqn, self.resolver, self.imports)
+            note = f"  # {fqn}" if fqn.replace(".", "_") != local or "." in fqn else ""
+            module_lines.append(f"self.{local} = {ctor}{note}")
+            non_persistent = {f"{prefix}.{name}".lstrip(".")
+                              for prefix, m in module.named_modules()
+                              for name in getattr(m, "_non_persistent_buffers_set", ())}
+            for name, p in module.named_parameters(remove_duplicate=False):
+                self._hold(owner, f"{local}.{name}", self.canon_params[id(p)], True, tie_lines,
+                           module_params)
+                if not p.requires_grad:
+                    frozen.append(f"self.{local}.{name}.requires_grad_(False)")
+            for name, b in module.named_buffers(remove_duplicate=False):
+                if name in non_persistent or id(b) not in self.canon_buffers:
+                    continue
+                self._hold(owner, f"{local}.{name}", self.canon_buffers[id(b)], False, tie_lines,
+                           module_params)
+
+        attr_lines: list[str] = []
+        own_params: list[tuple[str, str, bool]] = []
+        for attr in standalone:
+            if attr.fqn in owner:
+                self.attr_expr[attr.local] = f"self.{owner[attr.fqn]}"
+                continue
+            self.attr_expr[attr.local] = f"self.{attr.local}"
+            owner[attr.fqn] = attr.local
+            shape = ", ".join(str(int(d)) for d in attr.value.shape) or "()"
+            dtype = attr.value.dtype
+            dtype_arg = "" if dtype == torch.get_default_dtype() else f", dtype=torch.{dtype_name(dtype)}"
+            empty = f"torch.empty({shape}{dtype_arg})"
+            if attr.is_buffer:
+                attr_lines.append(f"self.register_buffer({attr.local!r}, {empty})  # {attr.fqn}")
+            else:
+                grad = "" if attr.value.requires_grad else ", requires_grad=False"
+                attr_lines.append(f"self.{attr.local} = nn.Parameter({empty}{grad})  # {attr.fqn}")
+            own_params.append((attr.local, attr.fqn, not attr.is_buffer))
+        # nn.Module lists its own attributes before its children's
+        order = own_params + module_params
+        lines = attr_lines + module_lines + tie_lines + frozen
+        param_names = {local: fqn for local, fqn, _ in order}
+        param_locals = [local for local, _, is_param in order if is_param]
+        return lines, param_names, param_locals
+
+    @staticmethod
+    def _hold(owner: dict[str, str], path: str, fqn: str, is_param: bool, ties: list[str],
+              order: list[tuple[str, str, bool]]) -> None:
+        if fqn in owner:
+            if owner[fqn].split(".")[0] != path.split(".")[0]:  # the module ties its own
+                ties.append(f"self.{path} = self.{owner[fqn]}  # tied: one {fqn}")
+            return
+        owner[fqn] = path
+        order.append((path, fqn, is_param))
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def arg(self, value: Any) -> str:
+        if isinstance(value, fx.Node):
+            if value.op == "get_attr":
+                return self.attr_expr[str(value.target)]
+            return self.namer(value.name)
+        if isinstance(value, (tuple, list)) and any(isinstance(v, fx.Node) for v in _flat(value)):
+            items = [self.arg(v) for v in value]
+            if isinstance(value, list):
+                return "[" + ", ".join(items) + "]"
+            return f"({items[0]},)" if len(items) == 1 else "(" + ", ".join(items) + ")"
+        if isinstance(value, dict) and any(isinstance(v, fx.Node) for v in _flat(value)):
+            return "{" + ", ".join(f"{self.arg(k)}: {self.arg(v)}" for k, v in value.items()) + "}"
+        if isinstance(value, slice) and any(isinstance(v, fx.Node) for v in _flat(value)):
+            return f"slice({self.arg(value.start)}, {self.arg(value.stop)}, {self.arg(value.step)})"
+        text = render_constant(value, self.resolver, self.imports, self.why,
+                               device_type=self.device_type)
+        if text == "device":
+            self.uses_device = True
+        return text
+
+    def operand(self, value: Any) -> str:
+        text = self.arg(value)
+        if isinstance(value, fx.Node) or text.isidentifier() or text.replace(".", "").isalnum():
+            return text
+        return f"({text})"
+
+    def index(self, value: Any) -> str:
+        if isinstance(value, slice):
+            parts = ["" if v is None else self.arg(v) for v in (value.start, value.stop, value.step)]
+            text = f"{parts[0]}:{parts[1]}"
+            return text + (f":{parts[2]}" if parts[2] else "")
+        if isinstance(value, tuple) and value:
+            items = [self.index(v) for v in value]
+            return ", ".join(items) + ("," if len(items) == 1 else "")
+        if value is None:
+            return "None"
+        return self.arg(value)
+
+    def call_args(self, args: tuple, kwargs: dict) -> str:
+        parts = [self.arg(a) for a in args] + [f"{k}={self.arg(v)}" for k, v in kwargs.items()]
+        return ", ".join(parts)
+
+    def expression(self, node: fx.Node) -> str:
+        self.why = f"node {node.name} of sub-model {self.piece.index}"
+        if node.op == "call_module":
+            return f"self.{node.target}({self.call_args(node.args, node.kwargs)})"
+        if node.op == "call_method":
+            obj = self.operand(node.args[0])
+            return f"{obj}.{node.target}({self.call_args(node.args[1:], node.kwargs)})"
+        if node.op != "call_function":
+            raise AssertionError(node.op)
+        fn = node.target
+        args, kwargs = node.args, node.kwargs
+        if fn is operator.getitem and not kwargs:
+            return f"{self.operand(args[0])}[{self.index(args[1])}]"
+        if fn is builtins.getattr and len(args) == 2 and isinstance(args[1], str) \
+                and args[1].isidentifier() and not kwargs:
+            return f"{self.operand(args[0])}.{args[1]}"
+        if fn in _INFIX_OPERATORS and not kwargs:
+            return _INFIX_OPERATORS[fn].format(*(self.operand(a) for a in args))
+        if str(fn) in _VIEW_OPS:
+            # export records a view wherever the tracing device's strides allowed one (it drops
+            # `.contiguous()` when it was a no-op there); reshape is that view where the running
+            # device's strides allow it too, and a copy where they do not
+            fn = torch.ops.aten.reshape.default
+        if str(fn) in _DROPOUT_OPS and len(args) >= 3 and isinstance(args[2], bool):
+            args = (*args[:2], _Expr("self.training"), *args[3:])  # export bakes the mode in
+        callee = self.resolver.function(fn, self.imports, self.why)
+        return f"{callee}({self.call_args(args, kwargs)})"
+
+    def statement(self, node: fx.Node) -> str:
+        if node.op == "call_function" and node.target is operator.setitem and not node.users:
+            target, idx, value = node.args
+            return f"{self.operand(target)}[{self.index(idx)}] = {self.arg(value)}"
+        expr = self.expression(node)
+        comment = describe_value(self.values.get(node.name))
+        if not node.users:
+            return f"{expr}  # {comment}"
+        return f"{self.namer(node.name)} = {expr}  # {comment}"
+
+    def forward(self, op_nodes: dict[str, Any]) -> tuple[list[str], list[str]]:
+        graph = self.piece.graph
+        params = [self.namer(n.name) for n in graph.nodes if n.op == "placeholder"]
+        body: list[str] = []
+        for name in self.piece.inputs:
+            body.append(f"# {name}: {describe_value(self.values.get(name))}")
+        block = None
+        code: list[str] = []
+        for node in graph.nodes:
+            if node.op in ("placeholder", "get_attr"):
+                continue
+            if node.op == "output":
+                code.append(self._return(node))
+                continue
+            op = op_nodes.get(node.name)
+            node_block = op.block if op is not None else ""
+            if node_block != block and node_block:
+                code.append("")
+                code.append(f"# {node_block}")
+            block = node_block
+            code.append(self.statement(node))
+        if self.uses_device:
+            body.append(f"device = {self._device_source()}  # where this sub-model runs")
+        return params, body + code
+
+    def _return(self, node: fx.Node) -> str:
+        self.why = f"the output of sub-model {self.piece.index}"
+        value = node.args[0]
+        if self.piece.is_last:
+            return f"return {self.arg(value)}"
+        items = [self.arg(v) for v in value]
+        if len(items) == 1:
+            return f"return ({items[0]},)"
+        return "return (" + ", ".join(items) + ")"
+
+    def _device_source(self) -> str:
+        for name in self.piece.inputs:
+            if isinstance(self.values.get(name), torch.Tensor):
+                return f"{self.namer(name)}.device"
+        if self.attr_expr:
+            return f"{next(iter(self.attr_expr.values()))}.device"
+        for local in self.piece.modules:
+            return f"next(self.{local}.parameters()).device"
+        return "torch.get_default_device()"
+
+
+def _flat(value: Any) -> list[Any]:
+    if isinstance(value, (tuple, list)):
+        return [x for v in value for x in _flat(v)]
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in _flat(v)]
+    if isinstance(value, slice):
+        return [value.start, value.stop, value.step]
+    return [value]
+
+
+def _summary(piece: Piece, graph: OpGraph) -> str:
+    """What a sub-model computes: its blocks and top-level modules, partial ones marked."""
+    nodes = graph.nodes
+    totals: dict[str, int] = {}
+    for op in nodes:
+        key = op.block or op.module_fqn.split(".")[0]
+        if key and op.op not in ("placeholder", "output", "get_attr"):
+            totals[key] = totals.get(key, 0) + 1
+    mine: dict[str, int] = {}
+    for op in nodes[piece.start:piece.stop]:
+        key = op.block or op.module_fqn.split(".")[0]
+        if key and op.op not in ("placeholder", "output", "get_attr"):
+            mine[key] = mine.get(key, 0) + 1
+    parts = [k if mine[k] == totals[k] else f"{k} (part)" for k in mine]
+    return ", ".join(parts) if parts else "no modules"
+
+
+def render_submodel(piece: Piece, traced: TracedModel, plan: Plan, plan_hash: str,
+                    resolver: Resolver, helper_names: set[str], env: jinja2.Environment) -> SubmodelSource:
+    renderer = PieceRenderer(piece, traced, plan, resolver, helper_names)
+    op_nodes = {op.name: op for op in traced.graph.nodes}
+    init_lines, param_names, param_locals = renderer.constructor()
+    params, forward_lines = renderer.forward(op_nodes)
+    helpers = sorted(resolver.helpers)
+    if helpers:
+        renderer.imports.add(f"from ._helpers import {', '.join(helpers)}")
+    num = len(plan.submodels)
+    values = traced.values
+    inputs = {name: boundary_spec(values.get(name)) for name in piece.inputs}
+    outputs = {name: boundary_spec(values.get(name)) for name in piece.outputs}
+    text = env.get_template("submodel.py.jinja").render(
+        index=piece.index,
+        num_submodels=num,
+        class_name=f"Submodel{piece.index}",
+        model_path=plan.model_path,
+        config=plan.config,
+        batch_size=plan.batch_size,
+        options=plan.options,
+        plan_hash=plan_hash,
+        graph_hash=plan.graph_hash,
+        atomc_version=__version__,
+        frontend=traced.graph.frontend,
+        first_node=piece.start,
+        last_node=piece.stop - 1,
+        summary=_summary(piece, traced.graph),
+        is_last=piece.is_last,
+        imports="\n".join(sorted(renderer.imports)),
+        inputs_literal=py_literal(tuple(piece.inputs), indent=4),
+        outputs_literal=py_literal(tuple(piece.outputs), indent=4),
+        init_lines=init_lines,
+        params=params,
+        forward_lines=forward_lines,
+    )
+    return SubmodelSource(piece.index, f"Submodel{piece.index}", f"submodel_{piece.index}", text,
+                          param_names, param_locals, inputs, outputs)
+
+
+def render_package_init(subs: list[SubmodelSource], traced: TracedModel, plan: Plan, plan_hash: str,
+                        env: jinja2.Environment) -> str:
+    graph = traced.graph
+    holders: dict[str, list[tuple[int, str]]] = {}
+    for sub in subs:
+        for local in sub.param_locals:
+            holders.setdefault(sub.param_names[local], []).append((sub.index, local))
+    tied = {fqn: h for fqn, h in holders.items() if len({i for i, _ in h}) > 1}
+    covered = {fqn for sub in subs for fqn in sub.param_names.values()}
+    original_names = [name for name, _ in _state_dict_names(traced.model)
+                      if graph.aliases.get(name, name) in covered]
+    aliases = {a: c for a, c in graph.aliases.items() if c in covered}
+    plan_info = {
+        "plan_hash": plan_hash,
+        "graph_hash": plan.graph_hash,
+        "profile_hash": plan.profile_hash,
+        "model_path": plan.model_path,
+        "config": plan.config,
+        "batch_size": plan.batch_size,
+        "options": dict(plan.options),
+        "frontend": graph.frontend,
+        "accum": plan.accum,
+        "activations": plan.activations,
+        "device": plan.device,
+        "capacity_bytes": plan.capacity_bytes,
+        "node_ranges": [[s.start, s.stop] for s in plan.submodels],
+        "atomc_version": __version__,
+    }
+    tensors = [{"inputs": s.inputs, "outputs": s.outputs} for s in subs]
+    return env.get_template("package_init.py.jinja").render(
+        num_submodels=len(subs),
+        model_path=plan.model_path,
+        config=plan.config,
+        batch_size=plan.batch_size,
+        plan_hash=plan_hash,
+        atomc_version=__version__,
+        accum=plan.accum,
+        activations=plan.activations,
+        frontend=graph.frontend,
+        submodels=[(s.module_name, s.class_name) for s in subs],
+        model_inputs=py_literal(tuple(n.name for n in graph.nodes if n.op == "placeholder")),
+        boundaries=py_literal(tensors),
+        plan=py_literal(plan_info),
+        param_names=py_literal([s.param_names for s in subs]),
+        tied=py_literal(tied),
+        aliases=py_literal(aliases),
+        original_names=py_literal(tuple(original_names)),
+    )
+
+
+def _state_dict_names(model: nn.Module) -> list[tuple[str, Any]]:
+    """The original model's state-dict names in its own order (aliases of tied weights included)."""
+    return [(k, v) for k, v in model.state_dict(keep_vars=True).items()]

@@ -1,0 +1,272 @@
+"""Codegen, step 1: cut the traced graph where the plan says, with torch.fx `split_module`.
+
+Input: a TracedModel and a Plan (consecutive node ranges). Output: one `Piece` per sub-model,
+an fx Graph ready to be rendered as an `nn.Module`:
+
+- its placeholders are the values it receives, in boundary order. Boundaries form a chain:
+  sub-model i+1 receives exactly what sub-model i returns, and sub-model 0 receives the
+  model's inputs. A value read further on (a skip connection, an early model output) is passed
+  through the sub-models in between, so a runtime only ever hands one sub-model's outputs to
+  the next, and a pipeline stage only talks to its neighbours;
+- parameters and buffers are its own (`get_attr` nodes), never inputs;
+- it returns the values the next sub-model receives, or, for the last, the model's output in
+  the original structure (tensor, tuple, dict...).
+
+Two adjustments to the plan's node ranges keep boundaries simple; neither moves compute:
+operators whose results nothing reads and that have no side effects are dropped, and an
+indexing (`getitem`) of a tuple-valued result follows the producer, so that tensors, not
+tuples of tensors, cross cuts.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.split_module import split_module
+from torch.utils._pytree import tree_unflatten
+
+from atomc.errors import CodegenError
+from atomc.ir import Plan
+from atomc.trace import TracedModel
+
+
+@dataclass
+class Attr:
+    """A parameter or buffer a sub-model reads directly (export graphs, or `self.w` in forward)."""
+
+    local: str  # attribute name in the generated class
+    fqn: str  # canonical FQN in the original model
+    value: torch.Tensor  # the traced model's tensor (meta or real): shape, dtype, requires_grad
+    is_buffer: bool
+    persistent: bool
+
+
+@dataclass
+class Piece:
+    index: int
+    start: int  # node range of the plan (original graph indices)
+    stop: int
+    graph: fx.Graph
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]  # for the last piece: the model output's leaves, flattened
+    is_last: bool
+    modules: dict[str, tuple[str, nn.Module]] = field(default_factory=dict)  # local -> (FQN, module)
+    attrs: dict[str, Attr] = field(default_factory=dict)  # get_attr target -> attribute
+
+
+def assign_nodes(traced: TracedModel, plan: Plan) -> dict[str, int]:
+    """Node name -> sub-model index, from the plan's ranges (checked to cover the graph)."""
+    nodes = list(traced.gm.graph.nodes)
+    subs = plan.submodels
+    if not subs:
+        raise CodegenError("the plan has no sub-models; give a plan written by `atomc partition`")
+    expected = 0
+    for sub in subs:
+        if sub.start != expected or sub.stop <= sub.start:
+            raise CodegenError(
+                f"sub-model {sub.index} covers nodes {sub.start}..{sub.stop - 1}, expected a "
+                f"non-empty range starting at {expected}: a plan's sub-models are consecutive "
+                f"ranges covering the graph; regenerate the plan")
+        expected = sub.stop
+    if expected != len(nodes):
+        raise CodegenError(f"the plan's sub-models cover {expected} nodes but the traced graph has "
+                           f"{len(nodes)}; the plan was made for another graph: regenerate it")
+    part: dict[str, int] = {}
+    for i, sub in enumerate(subs):
+        for node in nodes[sub.start:sub.stop]:
+            part[node.name] = i
+    for node in nodes:
+        if node.op == "placeholder" and part[node.name] != 0:
+            raise CodegenError(f"input {node.name} is in sub-model {part[node.name]}; the model's "
+                               f"inputs must be in sub-model 0: cut after the last input node")
+    return part
+
+
+def _is_container(value: Any) -> bool:
+    return isinstance(value, (tuple, list)) and not isinstance(value, torch.Tensor)
+
+
+def _canonical_names(model: nn.Module) -> tuple[dict[int, str], dict[int, str]]:
+    params: dict[int, str] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        params.setdefault(id(p), fqn)
+    buffers: dict[int, str] = {}
+    for fqn, b in model.named_buffers(remove_duplicate=False):
+        buffers.setdefault(id(b), fqn)
+    return params, buffers
+
+
+def _fetch(root: Any, path: str) -> Any:
+    obj = root
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _is_persistent(gm: nn.Module, path: str) -> bool:
+    owner_path, _, name = path.rpartition(".")
+    owner = gm.get_submodule(owner_path) if owner_path else gm
+    return name not in getattr(owner, "_non_persistent_buffers_set", set())
+
+
+def output_structure(gm: fx.GraphModule, output: fx.Node) -> Any:
+    """The model's output as the original forward returns it, with fx Nodes as leaves.
+
+    torch.export graphs return a flat list and rebuild the structure with a pytree spec;
+    symbolic traces return the structure itself.
+    """
+    value = output.args[0]
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is not None and info.out_spec is not None:
+        leaves = list(value) if isinstance(value, (tuple, list)) else [value]
+        return tree_unflatten(leaves, info.out_spec)
+    return value
+
+
+def _leaves(structure: Any) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(structure, lambda n: found.append(n) or n)
+    return list(dict.fromkeys(found))
+
+
+def split_plan(traced: TracedModel, plan: Plan) -> list[Piece]:
+    part = assign_nodes(traced, plan)
+    num = len(plan.submodels)
+
+    # Work on a copy: the traced graph stays as the profile saw it.
+    with warnings.catch_warnings():  # torch's own pytree spec copy warns about its own API
+        warnings.simplefilter("ignore", FutureWarning)
+        graph = copy.deepcopy(traced.gm.graph)
+    gm = fx.GraphModule(traced.gm, graph, traced.gm.__class__.__name__)
+    values = traced.values
+
+    for node in graph.nodes:  # getitem on a tuple-valued result follows its producer
+        if (node.op == "call_function" and node.target is operator.getitem
+                and isinstance(node.args[0], fx.Node) and _is_container(values.get(node.args[0].name))
+                and node.args[0].op != "placeholder"):
+            part[node.name] = part[node.args[0].name]
+    graph.eliminate_dead_code()
+    graph.lint()
+
+    output_node = next(n for n in graph.nodes if n.op == "output")
+    structure = output_structure(traced.gm, output_node)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    by_name = {n.name: n for n in graph.nodes}
+
+    _check_name_clashes(graph, part)
+    qualnames: dict[str, str] = {}
+    split = split_module(gm, traced.model, lambda n: part[n.name], qualname_map=qualnames,
+                         keep_original_order=True, keep_original_node_name=True)
+
+    # The chain: a value is live at cut k (between k and k+1) when produced at or before k and
+    # read after k. Placeholders count as produced by sub-model 0.
+    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    last_use: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op in ("get_attr", "output"):
+            continue
+        uses = [part[u.name] for u in node.users if u.op != "output"]
+        if output_node in node.users:
+            uses.append(num - 1)
+        if uses:
+            last_use[node.name] = max(uses)
+    live: list[list[str]] = []
+    for k in range(num - 1):
+        names = [name for name, last in last_use.items() if part[name] <= k < last]
+        live.append(sorted(names, key=order.__getitem__))
+
+    canon_params, canon_buffers = _canonical_names(traced.model)
+    pieces: list[Piece] = []
+    for k, sub in enumerate(plan.submodels):
+        inputs = tuple(n.name for n in placeholders) if k == 0 else tuple(live[k - 1])
+        is_last = k == num - 1
+        new = fx.Graph()
+        env: dict[str, fx.Node] = {}
+        for name in inputs:
+            env[name] = new.placeholder(name)
+            env[name].meta = dict(by_name[name].meta)
+        piece = Piece(k, sub.start, sub.stop, new, inputs, (), is_last)
+        submod_name = f"submod_{k}"
+        if hasattr(split, submod_name):
+            submod = getattr(split, submod_name)
+            val_map: dict[fx.Node, fx.Node] = {}
+            for ph in [n for n in submod.graph.nodes if n.op == "placeholder"]:
+                if ph.name in env:
+                    val_map[ph] = env[ph.name]
+                    continue
+                original = by_name[ph.name]
+                if original.op != "get_attr":
+                    raise AssertionError(f"split_module gave {submod_name} an input {ph.name} "
+                                         f"outside the chain")  # a bug in the live-set computation
+                val_map[ph] = _own_attr(new, piece, ph.name, str(original.target), gm,
+                                        canon_params, canon_buffers)
+            new.graph_copy(submod.graph, val_map)
+            for node in new.nodes:
+                env.setdefault(node.name, node)
+                if node.op == "call_module":
+                    target = str(node.target)
+                    fqn = qualnames.get(f"{submod_name}.{target}", target)
+                    piece.modules[target] = (fqn, _fetch(submod, target))
+                elif node.op == "get_attr" and str(node.target) not in piece.attrs:
+                    raise CodegenError(f"node {node.name} reads {node.target}, a module attribute "
+                                       f"that is neither a parameter nor a buffer; atomc cannot "
+                                       f"generate code for it")
+        if is_last:
+            result = fx.node.map_arg(structure, lambda n: env[n.name])
+            piece.outputs = tuple(n.name for n in _leaves(structure))
+        else:
+            piece.outputs = tuple(live[k])
+            result = tuple(env[name] for name in live[k])
+        new.output(result)
+        new.lint()
+        pieces.append(piece)
+    return pieces
+
+
+def _own_attr(graph: fx.Graph, piece: Piece, node_name: str, path: str, gm: fx.GraphModule,
+              canon_params: dict[int, str], canon_buffers: dict[int, str]) -> fx.Node:
+    """A get_attr node in the piece for a parameter or buffer split_module made an input."""
+    value = _fetch(gm, path)
+    if not isinstance(value, torch.Tensor):
+        raise CodegenError(f"node {node_name} reads {path}, a {type(value).__name__}; atomc generates "
+                           f"code for parameters and buffers only")
+    if id(value) in canon_params:
+        fqn, is_buffer, persistent = canon_params[id(value)], False, True
+    elif id(value) in canon_buffers:
+        fqn, is_buffer = canon_buffers[id(value)], True
+        persistent = _is_persistent(gm, path)
+        if not persistent:
+            raise CodegenError(
+                f"buffer {fqn} is registered with persistent=False: its value is not in the state "
+                f"dict, so the generated sub-model could not be given it; register it as a "
+                f"persistent buffer, or compute it inside forward")
+    else:
+        raise CodegenError(
+            f"node {node_name} reads {path}, a tensor that is neither a parameter nor a buffer of "
+            f"the model (a constant captured by the tracer); its value cannot be carried into "
+            f"generated code: register it with register_buffer() in the model")
+    local = fqn.replace(".", "_")
+    attr = piece.attrs.get(local)
+    if attr is None:
+        piece.attrs[local] = Attr(local, fqn, value, is_buffer, persistent)
+    node = graph.create_node("get_attr", local, name=node_name)
+    return node
+
+
+def _check_name_clashes(graph: fx.Graph, part: dict[str, int]) -> None:
+    """split_module names a module `a.b_c` and `a_b.c` alike; refuse rather than mix them up."""
+    seen: dict[tuple[int, str], str] = {}
+    for node in graph.nodes:
+        if node.op != "call_module":
+            continue
+        key = (part[node.name], str(node.target).replace(".", "_"))
+        other = seen.setdefault(key, str(node.target))
+        if other != node.target:
+            raise CodegenError(f"modules {other} and {node.target} would both be named {key[1]} in "
+                               f"sub-model {key[0]}; rename one of them in the model")

@@ -1,0 +1,327 @@
+"""Layout runner, placement: a Layout and the launched world -> this rank's tasklet and its groups.
+
+input:  a DT-FM layout (D_PP stages x D_DP replicas, rank = replica * D_PP + stage, each stage a
+        range of the plan's sub-models, each tasklet on a device of the network) and the world
+        torchrun launched (RANK, WORLD_SIZE, and optionally ATOMC_DEVICE: the device this process
+        runs on)
+output: a `Placement` (this rank's (replica, stage), its sub-model range, the world rank of every
+        tasklet) and, once torch.distributed is up, a `Groups` (data-parallel group of the stage,
+        pipeline group of the replica, groups of the stages that hold a tied weight)
+
+A layout names *logical* ranks; torchrun hands out *world* ranks (on several machines in
+rendezvous order). When every process says which device it runs on (ATOMC_DEVICE), tasklets
+follow devices: the tasklet the layout put on device d runs on the process that claims d.
+Otherwise logical rank = world rank, which is what one machine with one process per tasklet gets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from atomc.errors import LayoutError
+
+
+@dataclass(frozen=True)
+class LayoutView:
+    """What the runner needs from a Layout document (see `layout_view`)."""
+
+    pp: int  # D_PP: pipeline stages
+    dp: int  # D_DP: data-parallel replicas
+    stage_ranges: tuple[tuple[int, int], ...]  # stage -> sub-models [start, stop)
+    devices: tuple[tuple[str, ...], ...]  # [replica][stage] -> device name
+    plan_hash: str = ""  # the plan the stage ranges cut ("" when the layout does not say)
+    num_submodels: int = 0  # sub-models of that plan (0: unknown)
+    # one-way delay (ms) and bandwidth (Gbit/s) between devices, when the layout carries its network
+    delay_ms: dict[tuple[str, str], float] = field(default_factory=dict)
+    bandwidth_gbps: dict[tuple[str, str], float] = field(default_factory=dict)
+    predicted: dict[str, float] = field(default_factory=dict)  # the schedule's cost, seconds
+    source: str = "<layout>"
+    digest: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+    def rank(self, replica: int, stage: int) -> int:
+        return replica * self.pp + stage
+
+    def tasklet(self, rank: int) -> tuple[int, int]:
+        return divmod(rank, self.pp)
+
+    def device_of(self, rank: int) -> str:
+        replica, stage = self.tasklet(rank)
+        return self.devices[replica][stage]
+
+    def text(self) -> str:
+        """Short text form: the replica x stage grid of devices and sub-model ranges."""
+        width = max(len(d) for row in self.devices for d in row)
+        head = "          " + "  ".join(
+            f"stage {j} [{a}:{b})".ljust(width) for j, (a, b) in enumerate(self.stage_ranges))
+        rows = [f"replica {i} " + "  ".join(d.ljust(max(width, len(f"stage {j} [00:00)")))
+                                           for j, d in enumerate(row))
+                for i, row in enumerate(self.devices)]
+        return "\n".join([f"layout {self.source}: {self.pp} stages x {self.dp} replicas", head, *rows])
+
+    def check(self, num_submodels: int | None = None) -> "LayoutView":
+        where = self.source
+        if self.pp < 1 or self.dp < 1:
+            raise LayoutError(f"{where}: D_PP={self.pp}, D_DP={self.dp}; both must be at least 1")
+        if len(self.stage_ranges) != self.pp:
+            raise LayoutError(f"{where}: {len(self.stage_ranges)} stage ranges for {self.pp} stages; "
+                              f"expected one sub-model range per stage: rerun `atomc schedule`")
+        expect = 0
+        for j, (a, b) in enumerate(self.stage_ranges):
+            if a != expect or b <= a:
+                raise LayoutError(f"{where}: stage {j} covers sub-models [{a}, {b}); stages must cover "
+                                  f"consecutive non-empty ranges starting at {expect}: rerun `atomc schedule`")
+            expect = b
+        if len(self.devices) != self.dp or any(len(row) != self.pp for row in self.devices):
+            raise LayoutError(f"{where}: the device matrix is not {self.dp} replicas x {self.pp} stages")
+        flat = [d for row in self.devices for d in row]
+        if len(set(flat)) != len(flat):
+            dup = sorted({d for d in flat if flat.count(d) > 1})
+            raise LayoutError(f"{where}: devices {dup} run more than one tasklet; a layout puts one "
+                              f"tasklet on each device")
+        n = num_submodels if num_submodels is not None else self.num_submodels
+        if n and expect != n:
+            raise LayoutError(f"{where}: the stages cover sub-models [0, {expect}) but the plan has {n}; "
+                              f"the layout was scheduled for another plan: rerun `atomc schedule` "
+                              f"with this plan")
+        return self
+
+
+def layout_view(obj: Any, source: str = "<layout>") -> LayoutView:
+    """A LayoutView from a schedule `Layout` document, its JSON data, or a LayoutView."""
+    if isinstance(obj, LayoutView):
+        return obj
+    if isinstance(obj, (str, Path)):
+        return load_layout(obj)
+    if hasattr(obj, "to_json"):
+        return _from_data(obj.to_json(), source)
+    if isinstance(obj, dict):
+        return _from_data(obj, source)
+    raise LayoutError(f"{source}: expected a Layout, got {type(obj).__name__}")
+
+
+def load_layout(path: str | Path) -> LayoutView:
+    p = Path(path)
+    if not p.is_file():
+        raise LayoutError(f"layout file {p} does not exist; write one with `atomc schedule ... -o {p}`")
+    try:
+        data = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LayoutError(f"{p} is not valid JSON ({e}); expected the layout `atomc schedule` wrote") from None
+    return _from_data(data, str(p))
+
+
+def _from_data(data: Any, source: str) -> LayoutView:
+    """Read the fields of an `atomc.layout` document (schedule stage, DESIGN section 8)."""
+    if not isinstance(data, dict):
+        raise LayoutError(f"{source}: expected a JSON object for a layout, got {type(data).__name__}")
+    kind = data.get("kind")
+    if kind == "SCAFFOLD-layout-view":  # SCAFFOLD: removed once atomc.schedule writes layouts
+        return LayoutView(pp=data["pp"], dp=data["dp"],
+                          stage_ranges=tuple(tuple(r) for r in data["stage_ranges"]),
+                          devices=tuple(tuple(r) for r in data["devices"]),
+                          plan_hash=data.get("plan_hash", ""), num_submodels=data.get("num_submodels", 0),
+                          delay_ms={tuple(k.split("|")): v for k, v in data.get("delay_ms", {}).items()},
+                          source=source, digest=hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]).check()
+    if kind not in (None, "atomc.layout"):
+        raise LayoutError(f"{source} is a {kind}, expected an atomc.layout; give the file "
+                          f"`atomc schedule` wrote")
+    try:
+        from atomc.schedule.layout import Layout  # the schedule stage's own reader, when present
+    except ImportError:  # pragma: no cover - the schedule stage ships with atomc
+        Layout = None
+    if Layout is not None and kind == "atomc.layout":
+        from atomc.errors import IRError
+
+        try:
+            doc = Layout.from_json(data, source)
+        except IRError as e:
+            raise LayoutError(str(e)) from None
+        return _from_document(doc, data, source)
+    raise LayoutError(f"{source}: not an atomc.layout document (no 'kind'); write it with `atomc schedule`")
+
+
+def _from_document(doc: Any, data: dict, source: str) -> LayoutView:
+    pp, dp = int(doc.pp), int(doc.dp)
+    names = [d.name for d in doc.network.devices]
+    # devices[stage][replica] are device indices in the layout (DT-FM's D_PP x D_DP matrix)
+    matrix = doc.devices
+    devices = tuple(tuple(names[matrix[j][i]] for j in range(pp)) for i in range(dp))
+    delay, bandwidth = {}, {}
+    for a, na in enumerate(names):
+        for b, nb in enumerate(names):
+            if a != b:
+                delay[(na, nb)] = float(doc.network.delay_ms[a][b])
+                bandwidth[(na, nb)] = float(doc.network.bandwidth_gbps[a][b])
+    predicted = {}
+    cost = getattr(doc, "cost", None)
+    if cost is not None:
+        for key in ("dp_s", "pp_s", "total_s"):
+            if hasattr(cost, key):
+                predicted[key] = float(getattr(cost, key))
+    digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+    view = LayoutView(pp=pp, dp=dp, stage_ranges=tuple((int(a), int(b)) for a, b in doc.stage_ranges),
+                      devices=devices, plan_hash=str(getattr(doc, "plan_hash", "") or ""),
+                      num_submodels=int(getattr(doc, "num_submodels", 0) or 0),
+                      delay_ms=delay, bandwidth_gbps=bandwidth, predicted=predicted, source=source,
+                      digest=digest)
+    return view.check()
+
+
+# ---------------------------------------------------------------------------------------------
+# this process in the layout
+
+
+@dataclass(frozen=True)
+class Placement:
+    layout: LayoutView
+    rank: int  # logical rank: replica * D_PP + stage
+    world_rank: int
+    world_of: tuple[int, ...]  # logical rank -> world rank
+
+    @property
+    def replica(self) -> int:
+        return self.layout.tasklet(self.rank)[0]
+
+    @property
+    def stage(self) -> int:
+        return self.layout.tasklet(self.rank)[1]
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def submodels(self) -> tuple[int, int]:
+        return self.layout.stage_ranges[self.stage]
+
+    @property
+    def device_name(self) -> str:
+        return self.layout.device_of(self.rank)
+
+    def world(self, replica: int, stage: int) -> int:
+        return self.world_of[self.layout.rank(replica, stage)]
+
+    @property
+    def prev(self) -> int | None:
+        """World rank of the previous stage of this replica (None on the first stage)."""
+        return self.world(self.replica, self.stage - 1) if self.stage > 0 else None
+
+    @property
+    def next(self) -> int | None:
+        return self.world(self.replica, self.stage + 1) if self.stage < self.pp - 1 else None
+
+    def link_delay_ms(self, other_world_rank: int) -> float:
+        other = self.world_of.index(other_world_rank)
+        return self.layout.delay_ms.get((self.device_name, self.layout.device_of(other)), 0.0)
+
+    def describe(self) -> str:
+        a, b = self.submodels
+        return (f"rank {self.world_rank}: replica {self.replica}, stage {self.stage} of "
+                f"{self.pp}x{self.dp}, sub-models [{a}, {b}), device {self.device_name}")
+
+
+def check_world(layout: LayoutView, world_size: int, rank: int) -> None:
+    """Before any rendezvous: the launched world must be the layout's."""
+    if world_size != layout.world_size:
+        raise LayoutError(
+            f"{layout.source} has {layout.pp} stages x {layout.dp} replicas = {layout.world_size} "
+            f"tasklets, but this job was launched with world size {world_size}; launch exactly "
+            f"{layout.world_size} processes (`atomc launch {layout.source} -- SCRIPT` prints the command)")
+    if not 0 <= rank < layout.world_size:
+        raise LayoutError(
+            f"rank {rank} is outside {layout.source}, whose ranks are 0..{layout.world_size - 1} "
+            f"(rank = replica * {layout.pp} + stage); launch with RANK in that range")
+
+
+def assign(layout: LayoutView, world_size: int, world_rank: int,
+           claims: list[str | None] | None = None) -> Placement:
+    """Map world ranks to tasklets. `claims[r]` is the device world rank r runs on, if known."""
+    check_world(layout, world_size, world_rank)
+    if claims is None or all(c is None for c in claims):
+        return Placement(layout, world_rank, world_rank, tuple(range(world_size)))
+    if any(c is None for c in claims):
+        missing = [r for r, c in enumerate(claims) if c is None]
+        raise LayoutError(f"ranks {missing} did not say which device they run on while others did; "
+                          f"set ATOMC_DEVICE for every process or for none")
+    logical_of_device = {layout.device_of(r): r for r in range(layout.world_size)}
+    unknown = sorted({c for c in claims if c not in logical_of_device})
+    if unknown:
+        raise LayoutError(f"devices {unknown} (ATOMC_DEVICE) are not in {layout.source}, whose devices "
+                          f"are {sorted(logical_of_device)}; the rank is outside the layout: run it "
+                          f"on a device the layout names")
+    dup = sorted({c for c in claims if claims.count(c) > 1})
+    if dup:
+        raise LayoutError(f"devices {dup} are claimed by more than one process; give each process "
+                          f"its own ATOMC_DEVICE")
+    world_of = [0] * world_size
+    for r, c in enumerate(claims):
+        world_of[logical_of_device[c]] = r
+    return Placement(layout, logical_of_device[claims[world_rank]], world_rank, tuple(world_of))
+
+
+# ---------------------------------------------------------------------------------------------
+# process groups
+
+
+@dataclass
+class Groups:
+    """torch.distributed groups of one rank (every rank creates every group, in one order)."""
+
+    dp: Any  # this stage's replicas
+    pipeline: Any  # this replica's stages
+    tied: dict[tuple[int, ...], Any]  # stage set -> this replica's group over those stages
+    dp_ranks: tuple[int, ...]
+    pipeline_ranks: tuple[int, ...]
+
+
+def build_groups(placement: Placement, tied_stage_sets: list[tuple[int, ...]]) -> Groups:
+    """New groups for data parallelism, pipelines and tied weights (collective over the world)."""
+    import torch.distributed as dist
+
+    lay = placement.layout
+    dp_group = pipe_group = None
+    dp_ranks: tuple[int, ...] = ()
+    pipe_ranks: tuple[int, ...] = ()
+    for j in range(lay.pp):
+        ranks = tuple(placement.world(i, j) for i in range(lay.dp))
+        g = _new_group(dist, ranks)
+        if j == placement.stage:
+            dp_group, dp_ranks = g, ranks
+    for i in range(lay.dp):
+        ranks = tuple(placement.world(i, j) for j in range(lay.pp))
+        g = _new_group(dist, ranks)
+        if i == placement.replica:
+            pipe_group, pipe_ranks = g, ranks
+    tied: dict[tuple[int, ...], Any] = {}
+    for stages in sorted(set(tied_stage_sets)):
+        if len(stages) < 2:
+            continue
+        for i in range(lay.dp):
+            g = _new_group(dist, tuple(placement.world(i, j) for j in stages))
+            if i == placement.replica and placement.stage in stages:
+                tied[stages] = g
+    return Groups(dp_group, pipe_group, tied, dp_ranks, pipe_ranks)
+
+
+def _new_group(dist: Any, ranks: tuple[int, ...]) -> Any:
+    # sorted: torch wants the same list on every rank; order inside a group does not matter to us
+    return dist.new_group(sorted(ranks))
+
+
+def device_claim() -> str | None:
+    """The device this process runs on, as the layout names it (ATOMC_DEVICE), if set."""
+    value = os.environ.get("ATOMC_DEVICE", "").strip()
+    return value or None

@@ -1,0 +1,462 @@
+"""Layout runner, pipeline: micro-batch schedules and the activation/gradient wires between stages.
+
+input:  the number of micro-batches M, this stage j of D_PP, and the boundary values a stage
+        hands its successor (names from the generated package)
+output: the order of forward (F m) and backward (B m) tasks of one step (GPipe, or 1F1B as in
+        PipeDream-flush), and `Link`s that move one micro-batch's boundary values (forward) or
+        their gradients (backward) to a neighbour with asynchronous isend/irecv
+
+A stage's three slots of DT-FM section 3.5 (receive, compute, send) overlap: receives are posted
+ahead of use, sends are posted and only waited for at the end of the step; on CUDA they run on
+their own streams. All values of one micro-batch travel as ONE byte buffer, whatever their dtypes.
+
+Boundary values that are not tensors (sizes, devices, flags a cut happens to cross) are handled
+by shape agreement: the first message of a link is a header listing every value's name, shape,
+dtype and whether it carries a gradient, and the value itself for non-tensors. Both sides then
+hold fixed buffers; a later micro-batch whose values differ from the header stops the run with an
+error instead of silently reading the wrong bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from atomc.errors import RuntimeMismatchError
+
+TAG_HEADER = 11
+TAG_ACT = 12
+TAG_GRAD = 13
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+# ---------------------------------------------------------------------------------------------
+# schedules
+
+
+def gpipe(num_micro: int) -> list[tuple[str, int]]:
+    """GPipe (Huang et al. 2019): every forward, then every backward."""
+    return [("F", m) for m in range(num_micro)] + [("B", m) for m in range(num_micro)]
+
+
+def one_f_one_b(num_micro: int, stage: int, num_stages: int) -> list[tuple[str, int]]:
+    """1F1B with a flush (PipeDream-flush, Narayanan et al. 2021): stage j runs D_PP - j - 1
+    warm-up forwards, then alternates one forward and one backward, then drains backwards.
+    At most D_PP - j micro-batches are in flight on stage j instead of GPipe's M."""
+    warm = min(num_stages - stage - 1, num_micro)
+    ops = [("F", m) for m in range(warm)]
+    for k in range(num_micro - warm):
+        ops += [("F", warm + k), ("B", k)]
+    ops += [("B", m) for m in range(num_micro - warm, num_micro)]
+    return ops
+
+
+def schedule(name: str, num_micro: int, stage: int, num_stages: int) -> list[tuple[str, int]]:
+    if name == "gpipe":
+        return gpipe(num_micro)
+    if name == "1f1b":
+        return one_f_one_b(num_micro, stage, num_stages)
+    raise RuntimeMismatchError(f"pipeline schedule {name!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+
+
+def max_in_flight(ops: list[tuple[str, int]]) -> int:
+    """Micro-batches whose forward ran and backward did not yet: activations held at once."""
+    live = peak = 0
+    for kind, _ in ops:
+        live += 1 if kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+# ---------------------------------------------------------------------------------------------
+# which values cross which boundary
+
+
+def stage_boundaries(inputs: list[tuple[str, ...]], outputs: list[tuple[str, ...]],
+                     model_inputs: tuple[str, ...], ranges: tuple[tuple[int, int], ...]
+                     ) -> list[tuple[str, ...]]:
+    """Names stage j sends to stage j+1: every value available on stage j (produced there or
+    received) that a later stage reads. Model inputs are not sent: every rank reads the batch."""
+    produced_by: dict[str, int] = {}
+    for i, names in enumerate(outputs[:-1]):
+        for n in names:
+            produced_by.setdefault(n, i)
+    sends: list[tuple[str, ...]] = []
+    for j, (a, b) in enumerate(ranges[:-1]):
+        later = [n for i in range(b, len(inputs)) for n in inputs[i]]
+        names: list[str] = []
+        for n in later:
+            if n in model_inputs or n in names:
+                continue
+            if produced_by.get(n, len(inputs)) < b:
+                names.append(n)
+        sends.append(tuple(names))
+    return sends
+
+
+# ---------------------------------------------------------------------------------------------
+# the header: shape agreement
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    kind: str  # "tensor" or "value"
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    grad: bool = False  # the receiver sends a gradient back for it
+    value: Any = None  # a non-tensor, JSON-encoded (see _encode)
+
+    @property
+    def num_bytes(self) -> int:
+        if self.kind != "tensor":
+            return 0
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * _dtype(self.dtype).itemsize
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise RuntimeMismatchError(f"boundary dtype {name!r} is not a torch dtype")
+    return dt
+
+
+def _encode(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, torch.Size):
+        return {"size": list(v)}
+    if isinstance(v, torch.dtype):
+        return {"dtype": str(v).removeprefix("torch.")}
+    if isinstance(v, torch.device):
+        return {"device": v.type}  # the receiver's own device of that type
+    if isinstance(v, (list, tuple)):
+        return {"tuple" if isinstance(v, tuple) else "list": [_encode(x) for x in v]}
+    raise RuntimeMismatchError(
+        f"a boundary value of type {type(v).__name__} cannot cross a pipeline stage; cut the model "
+        f"elsewhere (a stage boundary may carry tensors, numbers, sizes, dtypes and devices)")
+
+
+def _decode(v: Any, device: torch.device) -> Any:
+    if not isinstance(v, dict):
+        return v
+    if "size" in v:
+        return torch.Size(v["size"])
+    if "dtype" in v:
+        return _dtype(v["dtype"])
+    if "device" in v:
+        return device if device.type == v["device"] else torch.device(v["device"])
+    if "tuple" in v:
+        return tuple(_decode(x, device) for x in v["tuple"])
+    return [_decode(x, device) for x in v["list"]]
+
+
+def describe(values: dict[str, Any], names: tuple[str, ...]) -> tuple[Entry, ...]:
+    out = []
+    for n in names:
+        v = values[n]
+        if isinstance(v, torch.Tensor):
+            # every floating-point tensor carries a gradient back: a swapped stage computes its
+            # forward without autograd and recomputes it, so requires_grad says nothing there
+            out.append(Entry(n, "tensor", tuple(v.shape), str(v.dtype).removeprefix("torch."),
+                             bool(v.is_floating_point() or v.is_complex())))
+        else:
+            out.append(Entry(n, "value", value=_encode(v)))
+    return tuple(out)
+
+
+def header_bytes(entries: tuple[Entry, ...]) -> bytes:
+    data = [[e.name, e.kind, list(e.shape), e.dtype, e.grad, e.value] for e in entries]
+    return json.dumps(data).encode()
+
+
+def parse_header(raw: bytes) -> tuple[Entry, ...]:
+    return tuple(Entry(n, k, tuple(s), d, bool(g), v) for n, k, s, d, g, v in json.loads(raw.decode()))
+
+
+def pack(tensors: list[torch.Tensor], total: int, device: torch.device) -> torch.Tensor:
+    buf = torch.empty(total, dtype=torch.uint8, device=device)
+    off = 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if n:
+            buf[off:off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        off += n
+    return buf
+
+
+def unpack(buf: torch.Tensor, entries: list[Entry]) -> list[torch.Tensor]:
+    out, off = [], 0
+    for e in entries:
+        n = e.num_bytes
+        t = buf[off:off + n].view(_dtype(e.dtype)).view(e.shape) if n else \
+            torch.empty(e.shape, dtype=_dtype(e.dtype), device=buf.device)
+        out.append(t)
+        off += n
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# transport: asynchronous point-to-point with an optional emulated delay
+
+
+class _DelayLine:
+    """Posts each send `delay_s` after it was handed over, in order, from its own thread: the
+    link delay when the kernel cannot add it (no `tc netem`). Bandwidth is left to `tc`."""
+
+    def __init__(self, delay_s: float, name: str):
+        self.delay_s = delay_s
+        self.q: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, post) -> Future:
+        fut: Future = Future()
+        self.q.put((time.monotonic() + self.delay_s, post, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            due, post, fut = item
+            wait = due - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            try:
+                post().wait()
+                fut.set_result(None)
+            except BaseException as e:  # surfaced when the step waits for its sends
+                fut.set_exception(e)
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.thread.join(timeout=5)
+
+
+class Transport:
+    """isend/irecv to world ranks; CUDA sends and receives on their own streams."""
+
+    def __init__(self, device: torch.device, delay_ms: dict[int, float] | None = None, group: Any = None):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.device = device
+        self.group = group
+        self.cuda = device.type == "cuda"
+        self.send_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.recv_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.delay_ms = {k: v for k, v in (delay_ms or {}).items() if v > 0}
+        self._lines: dict[int, _DelayLine] = {}
+        self.pending: list[Any] = []  # (work or future, buffer kept alive)
+        self.bytes_sent = 0
+
+    def _ctx(self, stream: Any) -> Any:
+        return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+    def isend(self, buf: torch.Tensor, dst: int, tag: int) -> None:
+        self.bytes_sent += buf.numel() * buf.element_size()
+        if self.cuda:
+            self.send_stream.wait_stream(torch.cuda.current_stream(self.device))
+            buf.record_stream(self.send_stream)
+
+        def post() -> Any:
+            with self._ctx(self.send_stream):
+                return self.dist.isend(buf, dst, group=self.group, tag=tag)
+
+        delay = self.delay_ms.get(dst, 0.0)
+        if delay > 0:
+            line = self._lines.get(dst)
+            if line is None:
+                line = self._lines[dst] = _DelayLine(delay / 1e3, f"atomc-link-{dst}")
+            self.pending.append((line.submit(post), buf))
+        else:
+            self.pending.append((post(), buf))
+
+    def irecv(self, buf: torch.Tensor, src: int, tag: int) -> Any:
+        with self._ctx(self.recv_stream):
+            return self.dist.irecv(buf, src, group=self.group, tag=tag)
+
+    def finish_recv(self, work: Any, buf: torch.Tensor) -> None:
+        work.wait()
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.recv_stream)
+            buf.record_stream(torch.cuda.current_stream(self.device))
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait for every send posted so far (their buffers may then be reused)."""
+        for work, _ in self.pending:
+            if isinstance(work, Future):
+                work.result(timeout=timeout_s)
+            else:
+                work.wait()
+        self.pending.clear()
+
+    def close(self) -> None:
+        for line in self._lines.values():
+            line.close()
+        self._lines.clear()
+
+
+class Link:
+    """One direction of boundary values between two neighbouring stages, and their gradients.
+
+    The sending side (stage j) calls `send` per micro-batch and `recv_grads` in the backward;
+    the receiving side (stage j+1) calls `recv` and `send_grads`. Receives are posted up to
+    `window` micro-batches ahead of use.
+    """
+
+    def __init__(self, transport: Transport, peer: int, names: tuple[str, ...], *, window: int = 2,
+                 where: str = ""):
+        self.t = transport
+        self.peer = peer
+        self.names = names
+        self.window = max(1, window)
+        self.where = where
+        self.entries: tuple[Entry, ...] | None = None
+        self._recv_q: list[tuple[Any, torch.Tensor]] = []
+        self._grad_q: list[tuple[Any, torch.Tensor]] = []
+        self._acts_expected = 0  # receives still to post this step
+        self._grads_expected = 0
+
+    # ---- sizes ---------------------------------------------------------------------------------
+
+    @property
+    def tensor_entries(self) -> list[Entry]:
+        assert self.entries is not None
+        return [e for e in self.entries if e.kind == "tensor"]
+
+    @property
+    def grad_entries(self) -> list[Entry]:
+        return [e for e in self.tensor_entries if e.grad]
+
+    @property
+    def act_bytes(self) -> int:
+        return sum(e.num_bytes for e in self.tensor_entries)
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(e.num_bytes for e in self.grad_entries)
+
+    # ---- sender side ---------------------------------------------------------------------------
+
+    def send(self, values: dict[str, Any]) -> None:
+        entries = describe(values, self.names)
+        if self.entries is None:
+            self.entries = entries
+            raw = header_bytes(entries)
+            head = torch.tensor(list(raw), dtype=torch.uint8, device=self.t.device)
+            size = torch.tensor([len(raw)], dtype=torch.int64, device=self.t.device)
+            self.t.isend(size, self.peer, TAG_HEADER)
+            self.t.isend(head, self.peer, TAG_HEADER)
+        elif entries != self.entries:
+            changed = [f"{a.name}: {a.shape or a.value} -> {b.shape or b.value}"
+                       for a, b in zip(self.entries, entries) if a != b]
+            raise RuntimeMismatchError(
+                f"{self.where}: boundary values changed between micro-batches ({'; '.join(changed)}); "
+                f"a pipeline needs the same shapes every micro-batch: use a fixed sequence length "
+                f"and equal micro-batches")
+        tensors = [values[e.name] for e in self.tensor_entries]
+        if tensors:
+            self.t.isend(pack(tensors, self.act_bytes, self.t.device), self.peer, TAG_ACT)
+
+    def expect_grads(self, n: int) -> None:
+        self._grads_expected = n
+        self._post_grads()
+
+    def _post_grads(self) -> None:
+        if self.entries is None:
+            return  # posted once the first send fixed the sizes
+        if not self.grad_entries:
+            self._grads_expected = 0
+            return
+        while self._grads_expected > 0 and len(self._grad_q) < self.window:
+            buf = torch.empty(self.grad_bytes, dtype=torch.uint8, device=self.t.device)
+            self._grad_q.append((self.t.irecv(buf, self.peer, TAG_GRAD), buf))
+            self._grads_expected -= 1
+
+    def recv_grads(self) -> dict[str, torch.Tensor]:
+        """Gradients of one micro-batch's values, in send order of the micro-batches."""
+        if self.entries is None or not self.grad_entries:
+            return {}
+        self._post_grads()
+        work, buf = self._grad_q.pop(0)
+        self.t.finish_recv(work, buf)
+        self._post_grads()
+        return dict(zip((e.name for e in self.grad_entries), unpack(buf, self.grad_entries)))
+
+    # ---- receiver side -------------------------------------------------------------------------
+
+    def expect(self, n: int) -> None:
+        self._acts_expected = n
+        if self.entries is not None:
+            self._post_recvs()
+
+    def _post_recvs(self) -> None:
+        if not self.act_bytes:
+            self._acts_expected = 0
+            return
+        while self._acts_expected > 0 and len(self._recv_q) < self.window:
+            buf = torch.empty(self.act_bytes, dtype=torch.uint8, device=self.t.device)
+            self._recv_q.append((self.t.irecv(buf, self.peer, TAG_ACT), buf))
+            self._acts_expected -= 1
+
+    def _recv_header(self) -> None:
+        size = torch.zeros(1, dtype=torch.int64, device=self.t.device)
+        w = self.t.irecv(size, self.peer, TAG_HEADER)
+        self.t.finish_recv(w, size)
+        head = torch.empty(int(size.item()), dtype=torch.uint8, device=self.t.device)
+        w = self.t.irecv(head, self.peer, TAG_HEADER)
+        self.t.finish_recv(w, head)
+        entries = parse_header(bytes(head.cpu().tolist()))
+        names = tuple(e.name for e in entries)
+        if names != self.names:
+            raise RuntimeMismatchError(
+                f"{self.where}: the previous stage sends {list(names)} but this stage expects "
+                f"{list(self.names)}; the ranks run different generated packages: give every rank "
+                f"the same package and layout")
+        self.entries = entries
+
+    def recv(self) -> dict[str, Any]:
+        """One micro-batch's values: tensors (gradient-carrying ones as fresh leaves) and others."""
+        if self.entries is None:
+            self._recv_header()
+        self._post_recvs()
+        tensors: list[torch.Tensor] = []
+        if self.act_bytes:
+            work, buf = self._recv_q.pop(0)
+            self.t.finish_recv(work, buf)
+            self._post_recvs()
+            tensors = unpack(buf, self.tensor_entries)
+        out: dict[str, Any] = {}
+        it = iter(tensors)
+        for e in self.entries:
+            if e.kind == "tensor":
+                t = next(it)
+                out[e.name] = t.requires_grad_(True) if e.grad else t
+            else:
+                out[e.name] = _decode(e.value, self.t.device)
+        return out
+
+    def send_grads(self, grads: dict[str, torch.Tensor | None], values: dict[str, Any]) -> None:
+        ents = self.grad_entries
+        if not ents:
+            return
+        tensors = []
+        for e in ents:
+            g = grads.get(e.name)
+            tensors.append(g if g is not None else torch.zeros_like(values[e.name]))
+        self.t.isend(pack(tensors, self.grad_bytes, self.t.device), self.peer, TAG_GRAD)

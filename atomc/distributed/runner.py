@@ -1,0 +1,699 @@
+"""Layout runner, per rank: a generated package + a DT-FM layout -> pipeline x data-parallel training.
+
+input:  the generated package, the layout (D_PP x D_DP tasklets, stage -> sub-model range), the
+        world torchrun launched, the model file's loss_fn, initial weights, and per step the global
+        batch (every rank reads the same batch; each replica takes its slice of it)
+output: training steps whose losses and parameters are those of single-process training on the
+        same global batch; per-stage checkpoints; metrics
+
+One step on rank (replica i, stage j):
+  1. this replica's slice of the global batch, cut into M micro-batches;
+  2. the stage's tasks in GPipe (or 1F1B) order; activations and their gradients go to the
+     neighbouring stages of the same replica with asynchronous isend/irecv (`pipeline.Link`);
+  3. the gradients of tied weights held by several stages (GPT's wte / lm_head) are summed among
+     those stages of the replica, as Megatron does for its embeddings;
+  4. the stage's gradients are averaged by hand over its data-parallel group (one flat buffer;
+     an all-reduce, or DT-FM's sharded exchange over point-to-point sends) - not DDP;
+  5. optional global-norm clipping (the norm summed over the stages), then the optimizer.
+
+Checkpoints: every `checkpoint_every` steps each rank writes its tasklet's state (weights,
+optimizer, step) to `DIR/step_NNNNNNNN/replica_I.stage_J.pt` atomically (temporary file, fsync,
+rename, with a checksum), all ranks meet at a barrier, and each keeps its two newest files. A
+start (or an elastic restart under torchrun) resumes from the newest step that every rank has.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from atomc.errors import AtomcError, LayoutError, RuntimeMismatchError, UsageError
+from atomc.distributed.groups import (Groups, LayoutView, Placement, assign, build_groups, check_world,
+                                      device_claim, layout_view)
+from atomc.distributed.pipeline import SCHEDULES, Link, Transport, schedule, stage_boundaries
+from atomc.distributed.stage import ResidentStage, StageSpec
+from atomc.runtime.optim import AdamWConfig
+from atomc.runtime.package import SwapPackage, load_swap_package
+
+TAG_DP = 21
+TAG_TIED = 23
+
+
+@dataclass
+class LayoutConfig:
+    package: str | Path
+    layout: Any  # path, Layout document or LayoutView
+    global_batch: int  # samples per optimizer step, all replicas together
+    micro_batch: int | None = None  # samples per micro-batch (default: the plan's batch size)
+    schedule: str = "gpipe"
+    optimizer: AdamWConfig | dict[str, Any] | None = None
+    device: str = "cpu"  # "cpu" or "cuda" (this rank's LOCAL_RANK-th GPU)
+    dtype: str | None = None  # "float64" to train in double precision (tests)
+    swap_stages: tuple[int, ...] = ()  # stages to run with the swap executor whatever their size
+    memory_budget_bytes: int | None = None  # per device; stages that do not fit are swapped
+    checkpoint_dir: str | Path | None = None
+    checkpoint_every: int = 0  # steps; 0: never
+    keep_checkpoints: int = 2
+    dp_reduce: str = "auto"  # "allreduce", "p2p" (sharded exchange), "auto": p2p when delays emulate links
+    emulate_delay: bool = False  # add the layout's link delays in the send path
+    timeout_s: float = 120.0  # every collective and receive
+    seed: int = 0
+    metrics_path: str | Path | None = None
+    window: int = 2  # receives posted ahead
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise UsageError(f"schedule {self.schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+        if self.dp_reduce not in ("auto", "allreduce", "p2p"):
+            raise UsageError(f"dp_reduce {self.dp_reduce!r}: choose auto, allreduce or p2p")
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    table = {"float32": torch.float32, "float64": torch.float64}
+    if name not in table:
+        raise UsageError(f"dtype {name!r}: the layout runner trains in float32 or float64")
+    return table[name]
+
+
+def check_package(pkg: SwapPackage, layout: LayoutView) -> None:
+    """The package must be the one the layout's plan was cut into."""
+    layout.check(pkg.num_submodels)
+    if layout.plan_hash and pkg.plan_hash and layout.plan_hash != pkg.plan_hash:
+        raise LayoutError(
+            f"{layout.source} was scheduled for plan {layout.plan_hash}, but the package {pkg.path} was "
+            f"generated from plan {pkg.plan_hash}; give the package generated from the layout's plan "
+            f"(atomc codegen PLAN.json) or schedule again with --plan for this package's plan")
+
+
+class LayoutTrainer:
+    """One rank of a layout run (see the module docstring)."""
+
+    def __init__(self, cfg: LayoutConfig, loss_fn: Callable[[Any, tuple], torch.Tensor],
+                 initial_state: Callable[[], dict[str, torch.Tensor]] | dict[str, torch.Tensor] | None):
+        import torch.distributed as dist
+
+        self.cfg = cfg
+        self.dist = dist
+        self.layout = layout_view(cfg.layout)
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        world_rank = int(os.environ.get("RANK", "0"))
+        check_world(self.layout, world_size, world_rank)  # before any rendezvous: fail fast
+        self.pkg = load_swap_package(cfg.package)
+        check_package(self.pkg, self.layout)
+        self.opt_cfg = AdamWConfig.coerce(cfg.optimizer)
+        self.dtype = _dtype(cfg.dtype)
+
+        self.device = self._device()
+        if not dist.is_initialized():
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            _loopback_for_gloo()
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        claims: list[Any] = [None] * world_size
+        dist.all_gather_object(claims, device_claim())
+        self.place: Placement = assign(self.layout, world_size, world_rank, claims)
+        self._agree_on_package()
+
+        a, b = self.place.submodels
+        sends = stage_boundaries(self.pkg.inputs, self.pkg.outputs, self.pkg.model_inputs,
+                                 self.layout.stage_ranges)
+        j = self.place.stage
+        self.spec = StageSpec(j, self.layout.pp, a, b, sends[j - 1] if j > 0 else (),
+                              sends[j] if j < self.layout.pp - 1 else (), j == self.layout.pp - 1,
+                              self.pkg.num_submodels)
+        tied_sets = self._tied_stage_sets()
+        self.groups: Groups = build_groups(self.place, list(tied_sets.values()))
+        self.tied_sets = tied_sets  # FQN -> stages holding it
+
+        self.swapped = self._decide_swap()
+        if self.swapped:
+            from atomc.distributed.swapstage import SwappedStage
+
+            self.stage = SwappedStage(self.pkg, self.spec, self.device, loss_fn, self.opt_cfg,
+                                      dtype=self.dtype, seed=cfg.seed)
+        else:
+            self.stage = ResidentStage(self.pkg, self.spec, self.device, loss_fn, self.dtype)
+        flags: list[Any] = [None] * world_size
+        dist.all_gather_object(flags, bool(getattr(self.stage, "batched", False)))
+        self.schedule_name = cfg.schedule
+        if any(flags) and cfg.schedule != "gpipe":
+            # a swapped stage runs each sub-model over all micro-batches (ATOM's order): only GPipe
+            # lets its neighbours wait for that without a deadlock
+            self.schedule_name = "gpipe"
+        self.params = self.stage.named_parameters()
+        self.optimizer = None if self.swapped else self._make_optimizer()
+
+        delays = {}
+        if cfg.emulate_delay:
+            for r in range(world_size):
+                if r != world_rank:
+                    delays[r] = self.place.link_delay_ms(r)
+        self.dp_mode = cfg.dp_reduce if cfg.dp_reduce != "auto" else ("p2p" if cfg.emulate_delay else "allreduce")
+        self.transport = Transport(self.device, delays)
+        where = f"replica {self.place.replica} stage {j}"
+        self.link_in = Link(self.transport, self.place.prev, self.spec.recv, window=cfg.window,
+                            where=where) if j > 0 and self.spec.recv else None
+        self.link_out = Link(self.transport, self.place.next, self.spec.send, window=cfg.window,
+                             where=where) if self.place.next is not None and self.spec.send else None
+        self.step_count = 0
+        self.step_ms: list[float] = []
+        self.losses: dict[int, float] = {}
+        self.resumed_from: int | None = None
+        if self.resume() is None:
+            state = initial_state() if callable(initial_state) else initial_state
+            if state is None:
+                raise UsageError("no initial weights and no checkpoint to resume from; give the "
+                                 "original model's state dict (or a checkpoint directory)")
+            self.stage.load_original(state)
+            if self.swapped:
+                self.stage.after_load()
+
+    # ---- set-up --------------------------------------------------------------------------------
+
+    def _device(self) -> torch.device:
+        if self.cfg.device == "cpu":
+            return torch.device("cpu")
+        if self.cfg.device.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise UsageError("--device cuda asked for, but this machine has no CUDA device; use --device cpu")
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            return torch.device("cuda", local)
+        raise UsageError(f"device {self.cfg.device!r}: expected cpu or cuda")
+
+    def _agree_on_package(self) -> None:
+        mine = (self.pkg.fingerprint(), self.pkg.plan_hash, self.layout.digest or self.layout.source)
+        everyone: list[Any] = [None] * self.dist.get_world_size()
+        self.dist.all_gather_object(everyone, mine)
+        odd = [r for r, x in enumerate(everyone) if x[:2] != mine[:2]]
+        if odd:
+            raise LayoutError(
+                f"ranks {odd} run another generated package (fingerprint {everyone[odd[0]][0]}, plan "
+                f"{everyone[odd[0]][1]}) than rank {self.dist.get_rank()} ({mine[0]}, plan {mine[1]}); "
+                f"give every rank the same package")
+        odd = [r for r, x in enumerate(everyone) if x[2] != mine[2]]
+        if odd:
+            raise LayoutError(f"ranks {odd} read another layout than rank {self.dist.get_rank()}; give "
+                              f"every rank the same layout file")
+
+    def _tied_stage_sets(self) -> dict[str, tuple[int, ...]]:
+        stage_of = {}
+        for j, (a, b) in enumerate(self.layout.stage_ranges):
+            for i in range(a, b):
+                stage_of[i] = j
+        out = {}
+        for fqn, holders in sorted(self.pkg.tied.items()):
+            stages = tuple(sorted({stage_of[i] for i, _ in holders}))
+            if len(stages) > 1:
+                out[fqn] = stages
+        return out
+
+    def _decide_swap(self) -> bool:
+        if self.place.stage in self.cfg.swap_stages:
+            return True
+        budget = self.cfg.memory_budget_bytes
+        if budget is None:
+            return False
+        return stage_resident_bytes(self.pkg, self.spec, self.cfg, self.schedule_in_flight()) > budget
+
+    def schedule_in_flight(self) -> int:
+        from atomc.distributed.pipeline import max_in_flight
+
+        return max_in_flight(schedule(self.cfg.schedule, self.num_micro, self.spec.index, self.spec.num_stages))
+
+    @property
+    def num_micro(self) -> int:
+        per_replica, mb = self._batch_split()
+        return per_replica // mb
+
+    def _batch_split(self) -> tuple[int, int]:
+        dp = self.layout.dp
+        g = self.cfg.global_batch
+        mb = self.cfg.micro_batch or int(self.pkg.plan.get("batch_size") or 1)
+        if g % dp:
+            raise UsageError(f"global batch {g} does not split over {dp} replicas; give a multiple of {dp}")
+        per = g // dp
+        if per % mb:
+            raise UsageError(f"each replica gets {per} samples, not a multiple of the micro-batch {mb}; "
+                             f"give a global batch that is a multiple of {dp} x {mb}")
+        return per, mb
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        decay, plain = [], []
+        flt = self.opt_cfg.decay_filter
+        for fqn, p in self.params:
+            (decay if flt is None or flt(fqn, tuple(p.shape)) else plain).append(p)
+        groups = [{"params": decay, "weight_decay": self.opt_cfg.weight_decay}]
+        if plain:
+            groups.append({"params": plain, "weight_decay": 0.0})
+        kwargs = self.opt_cfg.torch_kwargs()
+        if self.device.type == "cuda" and kwargs.get("fused"):
+            kwargs["fused"] = True
+        return torch.optim.AdamW(groups, **kwargs)
+
+    # ---- data ----------------------------------------------------------------------------------
+
+    def micro_batches(self, batch: Any) -> list[tuple]:
+        """This replica's slice of the global batch, as M micro-batches on the device."""
+        full = batch if isinstance(batch, tuple) else (batch,)
+        per, mb = self._batch_split()
+        lo = self.place.replica * per
+        out = []
+        for m in range(per // mb):
+            parts = []
+            for t in full:
+                if isinstance(t, torch.Tensor):
+                    if t.shape[0] != self.cfg.global_batch:
+                        raise RuntimeMismatchError(
+                            f"an input has leading dimension {t.shape[0]}, but the global batch is "
+                            f"{self.cfg.global_batch}; give the whole global batch to every rank")
+                    parts.append(t[lo + m * mb: lo + (m + 1) * mb].to(self.device))
+                else:
+                    parts.append(t)
+            out.append(tuple(parts))
+        return out
+
+    # ---- a step --------------------------------------------------------------------------------
+
+    def step(self, batch: Any) -> float | None:
+        """One optimizer step on the global batch; the global mean loss on last-stage ranks."""
+        t0 = time.perf_counter()
+        micro = self.micro_batches(batch)
+        M = len(micro)
+        st = self.stage
+        st.begin_step(M, self.step_count) if self.swapped else st.begin_step(M)
+        if self.link_in is not None:
+            self.link_in.expect(M)
+        if self.link_out is not None:
+            self.link_out.expect_grads(M)
+        received: dict[int, dict[str, Any]] = {}
+        losses: list[torch.Tensor] = []
+        if getattr(st, "batched", False):
+            self._run_batched(micro, received, losses)
+        else:
+            for kind, m in schedule(self.schedule_name, M, self.spec.index, self.spec.num_stages):
+                if kind == "F":
+                    received[m] = self.link_in.recv() if self.link_in is not None else {}
+                    out = st.forward(m, received[m], micro[m])
+                    if self.spec.holds_output:
+                        losses.append(out.detach())
+                    elif self.link_out is not None:
+                        self.link_out.send(out)
+                else:
+                    grads = self.link_out.recv_grads() if self.link_out is not None else None
+                    in_grads = st.backward(m, grads)
+                    if self.link_in is not None:
+                        self.link_in.send_grads(in_grads, received.pop(m))
+        self.transport.flush(self.cfg.timeout_s)
+        st.end_step()
+        self._reduce_and_update()
+        self.step_count += 1
+        loss = self._global_loss(losses, M)
+        self.step_ms.append((time.perf_counter() - t0) * 1e3)
+        if loss is not None:
+            self.losses[self.step_count - 1] = loss
+        self._log(loss)
+        if self.cfg.checkpoint_dir and self.cfg.checkpoint_every and \
+                self.step_count % self.cfg.checkpoint_every == 0:
+            self.save_checkpoint()
+        return loss
+
+    def _run_batched(self, micro: list[tuple], received: dict[int, dict[str, Any]],
+                     losses: list[torch.Tensor]) -> None:
+        """A swapped stage: every micro-batch's forward through each sub-model in turn, then the
+        backward in reverse (ATOM's order). Its neighbours run GPipe, which sends and expects
+        the same messages in the same order."""
+        st = self.stage
+        M = len(micro)
+        for m in range(M):
+            received[m] = self.link_in.recv() if self.link_in is not None else {}
+        outs = st.forward_all([received[m] for m in range(M)], micro)
+        if self.spec.holds_output:
+            losses.extend(outs)
+        elif self.link_out is not None:
+            for out in outs:
+                self.link_out.send(out)
+        grads = [self.link_out.recv_grads() if self.link_out is not None else None for _ in range(M)]
+        in_grads = st.backward_all(grads)
+        if self.link_in is not None:
+            for m in range(M):
+                self.link_in.send_grads(in_grads[m], received.pop(m))
+
+    def _global_loss(self, losses: list[torch.Tensor], M: int) -> float | None:
+        if not self.spec.holds_output:
+            return None
+        local = torch.stack([x.to(torch.float64) for x in losses]).sum() / M
+        if self.layout.dp > 1:
+            local = local.to(self.device)
+            self.dist.all_reduce(local, group=self.groups.dp)
+            local = local / self.layout.dp
+        return float(local)
+
+    # ---- gradients, optimizer --------------------------------------------------------------------
+
+    def _grads(self, params: list[tuple[str, Any]]) -> list[torch.Tensor]:
+        out = []
+        for _, p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            out.append(p.grad)
+        return out
+
+    def _reduce_and_update(self) -> None:
+        st = self.stage
+        params = st.grad_params() if self.swapped else self.params
+        # 3. tied weights: sum over the stages of this replica that hold them
+        by_set: dict[tuple[int, ...], list[str]] = {}
+        for fqn, stages in self.tied_sets.items():
+            if self.place.stage in stages:
+                by_set.setdefault(stages, []).append(fqn)
+        named = dict(params)
+        for stages, fqns in sorted(by_set.items()):
+            grads = self._grads([(f, named[f]) for f in fqns])
+            ranks = [self.place.world(self.place.replica, s) for s in stages]
+            self._sum(grads, self.groups.tied[stages], ranks, TAG_TIED, average=False)
+        # 4. data parallelism: average over the replicas of this stage
+        if self.layout.dp > 1:
+            ranks = [self.place.world(i, self.place.stage) for i in range(self.layout.dp)]
+            self._sum(self._grads(params), self.groups.dp, ranks, TAG_DP, average=True)
+        # 5. clipping and the update
+        coef = self._clip_coefficient(params) if self.opt_cfg.max_grad_norm is not None else None
+        if self.swapped:
+            st.update(coef)
+            return
+        if coef is not None:
+            for g in self._grads(params):
+                g.mul_(coef)
+        lr = self.opt_cfg.lr_at(self.step_count)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+
+    def _sum(self, grads: list[torch.Tensor], group: Any, ranks: list[int], tag: int, average: bool) -> None:
+        """Sum (or average) gradients over `ranks` in one flat buffer per dtype."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for dtype, gs in by_dtype.items():
+            flat = torch.cat([g.reshape(-1) for g in gs])
+            if self.dp_mode == "p2p":
+                flat = self._sharded_sum(flat, ranks, tag)
+            else:
+                self.dist.all_reduce(flat, group=group)
+            if average:
+                flat /= len(ranks)
+            off = 0
+            for g in gs:
+                n = g.numel()
+                g.copy_(flat[off:off + n].view_as(g))
+                off += n
+
+    def _sharded_sum(self, flat: torch.Tensor, ranks: list[int], tag: int) -> torch.Tensor:
+        """DT-FM's sharded parameter server (eq. 2) over point-to-point sends: rank k owns shard
+        k, sums it from every peer (in group order, so all ranks end with identical bits) and
+        sends the sum back. Sends go through the transport, so emulated link delays apply."""
+        me = ranks.index(self.dist.get_rank())
+        n = len(ranks)
+        bounds = [flat.numel() * k // n for k in range(n + 1)]
+        shard = lambda k: flat[bounds[k]:bounds[k + 1]]  # noqa: E731
+        t = self.transport
+        recvs = {}
+        for k in range(n):
+            if k != me:
+                t.isend(shard(k).contiguous(), ranks[k], tag)
+                buf = torch.empty_like(shard(me))
+                recvs[k] = (t.irecv(buf, ranks[k], tag), buf)
+        total = None
+        for k in range(n):
+            if k == me:
+                part = shard(me)
+            else:
+                work, part = recvs[k]
+                t.finish_recv(work, part)
+            total = part.clone() if total is None else total + part
+        out = torch.empty_like(flat)
+        out[bounds[me]:bounds[me + 1]] = total
+        back = {}
+        for k in range(n):
+            if k != me:
+                t.isend(total, ranks[k], tag + 1)
+                buf = torch.empty(bounds[k + 1] - bounds[k], dtype=flat.dtype, device=flat.device)
+                back[k] = (t.irecv(buf, ranks[k], tag + 1), buf)
+        for k, (work, buf) in back.items():
+            t.finish_recv(work, buf)
+            out[bounds[k]:bounds[k + 1]] = buf
+        t.flush(self.cfg.timeout_s)
+        return out
+
+    def _clip_coefficient(self, params: list[tuple[str, Any]]) -> float:
+        """torch.nn.utils.clip_grad_norm_'s coefficient for the whole model: squared norms summed
+        over the stages of the replica, a tied weight counted once (on its first stage)."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for fqn, p in params:
+            stages = self.tied_sets.get(fqn)
+            if stages is not None and stages[0] != self.place.stage:
+                continue
+            if p.grad is not None:
+                sq += p.grad.detach().to(torch.float64).pow(2).sum()
+        if self.layout.pp > 1:
+            self.dist.all_reduce(sq, group=self.groups.pipeline)
+        total = math.sqrt(float(sq))
+        return min(1.0, self.opt_cfg.max_grad_norm / (total + 1e-6))
+
+    # ---- results -------------------------------------------------------------------------------
+
+    def stage_state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's weights by original FQN (tied weights under their canonical name)."""
+        if self.swapped:
+            return self.stage.export()
+        return {fqn: p.detach().cpu().clone() for fqn, p in self.params}
+
+    def _log(self, loss: float | None) -> None:
+        if self.cfg.metrics_path is None or loss is None or self.place.replica != 0:
+            return
+        line = {"step": self.step_count - 1, "loss": loss, "step_ms": self.step_ms[-1],
+                "time": time.time(), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+        with open(self.cfg.metrics_path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def all_step_ms(self) -> list[list[float]]:
+        """Every rank's step times (collective)."""
+        out: list[Any] = [None] * self.dist.get_world_size()
+        self.dist.all_gather_object(out, self.step_ms)
+        return out
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+
+    def _ckpt_name(self) -> str:
+        return f"replica_{self.place.replica}.stage_{self.place.stage}.pt"
+
+    def _tasklet_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "kind": "atomc.layout-tasklet",
+            "step": self.step_count,
+            "replica": self.place.replica,
+            "stage": self.place.stage,
+            "submodels": list(self.place.submodels),
+            "plan_hash": self.pkg.plan_hash,
+            "package": self.pkg.fingerprint(),
+            "layout": [self.layout.pp, self.layout.dp, [list(r) for r in self.layout.stage_ranges]],
+            "executor": "swapped" if self.swapped else "resident",
+            "losses": {str(k): v for k, v in self.losses.items()},
+        }
+        if self.swapped:
+            state["swap"] = self.stage.state_dict()
+        else:
+            state["params"] = {fqn: p.detach().cpu() for fqn, p in self.params}
+            state["optimizer"] = self.optimizer.state_dict()
+            state["buffers"] = self.stage.buffers_state()
+        return state
+
+    def save_checkpoint(self) -> Path:
+        from atomc.runtime.checkpoint import save_checkpoint
+
+        root = Path(self.cfg.checkpoint_dir)
+        path = root / f"step_{self.step_count:08d}" / self._ckpt_name()
+        save_checkpoint(path, self._tasklet_state())
+        self.dist.barrier()  # nobody runs ahead by more than one checkpoint: two kept are enough
+        mine = sorted(_own_steps(root, self._ckpt_name()))
+        for s in mine[:-max(1, self.cfg.keep_checkpoints)]:
+            f = root / f"step_{s:08d}" / self._ckpt_name()
+            f.unlink(missing_ok=True)
+            _remove_if_empty(f.parent)
+        return path
+
+    def resume(self) -> int | None:
+        """Load the newest checkpoint every rank has; returns its step (None: nothing to resume)."""
+        if not self.cfg.checkpoint_dir:
+            return None
+        from atomc.runtime.checkpoint import load_checkpoint
+
+        root = Path(self.cfg.checkpoint_dir)
+        mine = _own_steps(root, self._ckpt_name())
+        newest = torch.tensor([max(mine) if mine else -1], dtype=torch.int64)
+        self.dist.all_reduce(newest, op=self.dist.ReduceOp.MIN)
+        step = int(newest.item())
+        if step < 0:
+            return None
+        path = root / f"step_{step:08d}" / self._ckpt_name()
+        state = load_checkpoint(path)
+        self._check_tasklet_state(state, path)
+        if self.swapped:
+            self.stage.load_state_dict(state["swap"])
+        else:
+            named = dict(self.params)
+            with torch.no_grad():
+                for fqn, value in state["params"].items():
+                    named[fqn].copy_(value)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.stage.load_buffers_state(state["buffers"])
+        self.step_count = int(state["step"])
+        self.losses = {int(k): float(v) for k, v in state.get("losses", {}).items()}
+        self.resumed_from = step
+        if self.cfg.metrics_path is not None and self.place.replica == 0 and self.spec.holds_output:
+            _truncate_metrics(Path(self.cfg.metrics_path), step)
+        return step
+
+    def _check_tasklet_state(self, state: Any, path: Path) -> None:
+        if not isinstance(state, dict) or state.get("kind") != "atomc.layout-tasklet":
+            raise RuntimeMismatchError(f"{path} is not a layout checkpoint; give the checkpoint directory "
+                                       f"a layout run wrote")
+        want = (self.pkg.plan_hash, self.pkg.fingerprint(), self.place.replica, self.place.stage,
+                list(self.place.submodels))
+        got = (state.get("plan_hash"), state.get("package"), state.get("replica"), state.get("stage"),
+               list(state.get("submodels", [])))
+        if got != want:
+            raise RuntimeMismatchError(
+                f"{path} holds plan {got[0]} (package {got[1]}), replica {got[2]} stage {got[3]} "
+                f"sub-models {got[4]}, but this rank runs plan {want[0]} (package {want[1]}), replica "
+                f"{want[2]} stage {want[3]} sub-models {want[4]}; resume with the package and layout "
+                f"that wrote it, or use a new --checkpoint-dir")
+        if state.get("executor") != ("swapped" if self.swapped else "resident"):
+            raise RuntimeMismatchError(
+                f"{path} was written by a {state.get('executor')} stage but this stage runs "
+                f"{'swapped' if self.swapped else 'resident'}; resume with the same --swap-stages and "
+                f"memory budget")
+
+    def close(self) -> None:
+        self.transport.close()
+        if hasattr(self.stage, "close"):
+            self.stage.close()
+
+
+def _own_steps(root: Path, name: str) -> list[int]:
+    steps = []
+    if not root.is_dir():
+        return steps
+    for d in root.glob("step_*"):
+        try:
+            s = int(d.name[5:])
+        except ValueError:
+            continue
+        if (d / name).is_file():
+            steps.append(s)
+    return steps
+
+
+def _remove_if_empty(d: Path) -> None:
+    try:
+        leftovers = [p for p in d.iterdir() if not p.name.startswith(".")]
+        if not leftovers:
+            shutil.rmtree(d, ignore_errors=True)
+    except FileNotFoundError:
+        pass
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] < step:
+                keep.append(line)
+        except (ValueError, KeyError):
+            continue
+    from atomc.jsonio import write_atomic
+
+    write_atomic(path, "".join(k + "\n" for k in keep))
+
+
+def _loopback_for_gloo() -> None:
+    """On one machine (rendezvous on loopback) gloo binds to `lo`, not the host's first NIC."""
+    addr = os.environ.get("MASTER_ADDR", "")
+    if "GLOO_SOCKET_IFNAME" not in os.environ and addr in ("127.0.0.1", "localhost", "::1"):
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+
+
+def stage_resident_bytes(pkg: SwapPackage, spec: StageSpec, cfg: LayoutConfig, in_flight: int) -> int:
+    """Device bytes a resident stage needs: weights, gradients and two AdamW moments of its
+    sub-models, plus the activations of the micro-batches in flight (the plan's peaks)."""
+    plan_path = Path(pkg.path) / "plan.json"
+    if not plan_path.is_file():
+        raise RuntimeMismatchError(f"{pkg.path} has no plan.json; a memory budget needs the plan's "
+                                   f"sizes: regenerate the package with `atomc codegen`")
+    from atomc.ir import Plan
+
+    plan = Plan.load(plan_path)
+    subs = plan.submodels[spec.start:spec.stop]
+    weights = sum(s.param_bytes for s in subs)
+    acts = sum(max(s.peak_bytes - s.param_bytes, 0) for s in subs) // max(plan.accum, 1)
+    return 4 * weights + acts * max(in_flight, 1)
+
+
+def run_layout(cfg: LayoutConfig, loss_fn: Callable, initial_state: Any, batch_of: Callable[[int], Any],
+               steps: int, *, final_dir: str | Path | None = None, log: Callable[[str], None] = print) -> LayoutTrainer:
+    """Train `steps` steps (resuming from a checkpoint when there is one); every rank calls this."""
+    trainer = LayoutTrainer(cfg, loss_fn, initial_state)
+    try:
+        if trainer.place.world_rank == 0:
+            log(trainer.layout.text())
+        log(trainer.place.describe() + f", {'swapped' if trainer.swapped else 'resident'}, "
+            f"{trainer.schedule_name}, {trainer.num_micro} micro-batches"
+            + (f", resumed at step {trainer.resumed_from}" if trainer.resumed_from is not None else ""))
+        while trainer.step_count < steps:
+            s = trainer.step_count
+            loss = trainer.step(batch_of(s))
+            if loss is not None and trainer.place.replica == 0:
+                log(f"step {s}: loss {loss:.6f} ({trainer.step_ms[-1]:.1f} ms)")
+        if final_dir is not None:
+            d = Path(final_dir)
+            if trainer.place.replica == 0:
+                from atomc.runtime.checkpoint import save_checkpoint
+
+                save_checkpoint(d / f"final_stage_{trainer.place.stage}.pt",
+                                {"params": trainer.stage_state_dict(),
+                                 "losses": {str(k): v for k, v in trainer.losses.items()},
+                                 "step_ms": trainer.step_ms})
+        trainer.dist.barrier()
+    finally:
+        trainer.close()
+    return trainer
+
+
+def final_state(final_dir: str | Path, num_stages: int) -> tuple[dict[str, torch.Tensor], dict[int, float]]:
+    """Merge the stages' final weights (and the last stage's losses) written by `run_layout`."""
+    from atomc.runtime.checkpoint import load_checkpoint
+
+    params: dict[str, torch.Tensor] = {}
+    losses: dict[int, float] = {}
+    for j in range(num_stages):
+        st = load_checkpoint(Path(final_dir) / f"final_stage_{j}.pt")
+        for k, v in st["params"].items():
+            params.setdefault(k, v)
+        if st["losses"]:
+            losses = {int(k): float(v) for k, v in st["losses"].items()}
+    return params, losses
+
+
+__all__ = ["LayoutConfig", "LayoutTrainer", "run_layout", "final_state", "check_package", "AtomcError"]

@@ -1,0 +1,301 @@
+"""Partition: Profile -> Plan (DESIGN 4, ATOM III-D and Algorithm 1).
+
+`partition(profile, capacity_bytes, ...)` cuts the profiled graph into consecutive sub-models
+that can be swapped through a GPU of `capacity_bytes` (less a reserve) while the next one
+loads, chooses the accumulation degree C, and returns a Plan whose predicted step time and GPU
+utilisation come from the swap simulator (atomc.simulate).
+
+The decision is split as DESIGN 10 asks: cost.py (range costs), search.py (exact dynamic
+programme with block folding), accum.py (choice of C), check.py (an independent checker).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+
+from atomc import __version__
+from atomc.errors import InfeasiblePlanError, UsageError
+from atomc.ir import SCHEMA_VERSION, CutTensor, OpGraph, Plan, Profile, Submodel
+from atomc.partition.accum import Outcome, choose_accum, physical_bound_accum
+from atomc.partition.cost import (
+    ACTIVATIONS,
+    BACKWARD_OVERLAP,
+    DEFAULT_CPU_ADAM_GBPS,
+    FORWARD_OVERLAP,
+    GRADIENT_OFFLOAD,
+    MEMORY,
+    OPTIMIZER,
+    NS_PER_MS,
+    CostParams,
+    NodeFacts,
+    RangeCost,
+    RangeTables,
+    build_tables,
+    derive,
+    live_sets,
+    max_width_for,
+    node_facts,
+    plan_costs,
+    plan_slacks,
+    range_cost,
+    stage_times,
+)
+from atomc.partition.search import SearchResult, block_period, prepare_folding, search
+from atomc.simulate.events import simulate_swap
+from atomc.units import format_bytes
+
+__all__ = ["DEFAULT_MAX_ACCUM", "DEFAULT_RESERVE_BYTES", "partition", "plan_from_cuts"]
+
+DEFAULT_RESERVE_BYTES = 1 << 30  # CUDA context, allocator fragmentation, the loss
+DEFAULT_MAX_ACCUM = 64
+_MIB = 1 << 20
+
+
+def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAULT_RESERVE_BYTES,
+              accum: int | None = None, max_accum: int = DEFAULT_MAX_ACCUM,
+              activations: str = "recompute", fold_blocks: bool = True,
+              cpu_adam_gbps: float = DEFAULT_CPU_ADAM_GBPS) -> Plan:
+    """The best plan for a GPU of `capacity_bytes`; InfeasiblePlanError when nothing fits."""
+    if activations not in ACTIVATIONS:
+        raise UsageError(f"activations {activations!r}: expected one of {', '.join(ACTIVATIONS)}")
+    if accum is not None and accum < 1:
+        raise UsageError(f"--accum {accum} must be 1 or more")
+    if max_accum < 1:
+        raise UsageError(f"--max-accum {max_accum} must be 1 or more")
+    usable = capacity_bytes - reserve_bytes
+    if usable <= 0:
+        raise UsageError(
+            f"GPU memory {format_bytes(capacity_bytes)} leaves nothing after the reserve of "
+            f"{format_bytes(reserve_bytes)}; give a larger --gpu-mem or a smaller --reserve")
+    facts = node_facts(profile)
+    tables = build_tables(facts, max_width_for(facts, usable))
+    folding = None
+    if fold_blocks:
+        g = profile.graph
+        folding = prepare_folding(tables, block_period(
+            tables, g.blocks, tuple(n.block for n in g.nodes), tuple(n.signature for n in g.nodes)))
+
+    def params_for(c: int, usable_bytes: int = usable) -> CostParams:
+        return CostParams(c, usable_bytes, profile.h2d_gbps, profile.d2h_gbps, cpu_adam_gbps, activations)
+
+    first_c = accum or 1
+    _check_operators_fit(profile, facts, tables, params_for(first_c), reserve_bytes)
+
+    def run(c: int) -> Outcome:
+        p = params_for(c)
+        d = derive(tables, p)
+        best = search(tables, p, 0, folding, d)
+        if best is not None:
+            return Outcome(c, True, True, best, _utilisation(tables, p, best))
+        # the best relaxed plan, by simulated step: loads may stall (tier 1) or gradients and
+        # CPU updates may fall behind as well (tier 2, which only an estimate guides)
+        candidates = [r for r in (search(tables, p, 1, folding, d), search(tables, p, 2, folding, d)) if r]
+        if not candidates:
+            return Outcome(c, False, False, None)
+        scored = [(_utilisation(tables, p, r), r) for r in candidates]
+        util, relaxed = max(scored, key=lambda x: x[0])
+        return Outcome(c, False, True, relaxed, util)
+
+    choice = choose_accum(run, max_accum, fixed=accum)
+    if choice.outcome is None:
+        c = accum or 1
+        need = min_capacity_bytes(profile, facts, params_for(c), reserve_bytes)
+        raise InfeasiblePlanError(
+            f"no partition fits {format_bytes(capacity_bytes)} (reserve {format_bytes(reserve_bytes)}) "
+            f"at C={c}: every operator fits alone, but the sub-model computing and the one loading "
+            f"do not fit together; the smallest budget that works is {format_bytes(need)} "
+            f"(--gpu-mem {need // _MIB}MiB)")
+    o = choice.outcome
+    result: SearchResult = o.result  # type: ignore[assignment]
+    notes = [f"accumulation degrees tried: {', '.join(str(c) for c in sorted(choice.tried))}"]
+    if result.folded_positions:
+        notes.append(f"repeated blocks folded {result.folded_positions} of "
+                     f"{facts.num_nodes - 1} cut positions")
+    return plan_from_cuts(profile, tables, params_for(o.accum), result.cuts,
+                          capacity_bytes=capacity_bytes, reserve_bytes=reserve_bytes,
+                          accum_fixed=accum is not None, tier=result.tier, notes=notes,
+                          early_prefetch=result.early_prefetch)
+
+
+def _utilisation(tables: RangeTables, p: CostParams, result: SearchResult) -> float:
+    costs = plan_costs(tables, p, result.cuts)
+    return simulate_swap(stage_times(costs), p.accum, early_prefetch=result.early_prefetch).utilisation
+
+
+def _check_operators_fit(profile: Profile, facts: NodeFacts, tables: RangeTables, p: CostParams,
+                         reserve_bytes: int) -> None:
+    """DESIGN 4.4: every operator must fit alone; else name the largest and a budget that works."""
+    d = derive(tables, p)
+    alone = np.maximum(d.mem_fwd_bytes[:, 1], d.mem_bwd_bytes[:, 1])  # ranges of one node
+    j = int(np.argmax(alone))
+    need = int(alone[j])
+    if need <= p.usable_bytes:
+        return
+    c = range_cost(tables, p, j, j + 1)
+    budget = min_capacity_bytes(profile, facts, p, reserve_bytes)
+    node = profile.graph.nodes[j]
+    where = f" ({node.module_fqn})" if node.module_fqn else ""
+    raise InfeasiblePlanError(
+        f"operator '{node.name}'{where} alone needs {format_bytes(need)} at C={p.accum} "
+        f"(parameters {format_bytes(c.param_bytes)}, gradients {format_bytes(c.grad_bytes)}, "
+        f"working memory {format_bytes(need - c.param_bytes - c.grad_bytes)}), but the GPU leaves "
+        f"{format_bytes(p.usable_bytes)} after the reserve of {format_bytes(reserve_bytes)}; "
+        f"the smallest budget that works is {format_bytes(budget)} (--gpu-mem {budget // _MIB}MiB)")
+
+
+def min_capacity_bytes(profile: Profile, facts: NodeFacts, p: CostParams, reserve_bytes: int) -> int:
+    """Smallest --gpu-mem (to 1 MiB, reserve included) for which some plan meets memory at p.accum.
+
+    Bisection on the memory-only search: feasibility only grows with capacity. The plan that
+    cuts at every allowed position meets memory at its own largest requirement, so that is an
+    upper end that works.
+    """
+    n = facts.num_nodes
+    cuts = [q for q in range(1, n) if build_tables(facts, 1).allowed[q]]
+    bounds = [0, *cuts, n]
+    wide = build_tables(facts, max(b - a for a, b in zip(bounds, bounds[1:])))
+    hi = max(-s.slack for s in plan_slacks(plan_costs(wide, CostParams(
+        p.accum, 0, p.h2d_gbps, p.d2h_gbps, p.cpu_adam_gbps, p.activations), cuts), 0)
+        if s.constraint == MEMORY)
+    lo = 0
+    tables = build_tables(facts, max_width_for(facts, hi))
+    while hi - lo > _MIB:
+        mid = (lo + hi) // 2
+        q = CostParams(p.accum, mid, p.h2d_gbps, p.d2h_gbps, p.cpu_adam_gbps, p.activations)
+        if search(tables, q, 2) is not None:
+            hi = mid
+        else:
+            lo = mid
+    return -(-(hi + reserve_bytes) // _MIB) * _MIB
+
+
+def _cut_tensor(profile: Profile, j: int) -> CutTensor:
+    """A value crossing a cut, named by its node. Non-tensor values (sizes) have dtype "" and no
+    bytes; a node with several tensor outputs crosses as one value of dtype "tuple"."""
+    node = profile.graph.nodes[j]
+    outs = node.outputs
+    if len(outs) == 1:
+        return CutTensor(node.name, outs[0].shape, outs[0].dtype, outs[0].num_bytes)
+    if not outs:
+        return CutTensor(node.name, (), "", 0)
+    return CutTensor(node.name, (), "tuple", sum(o.num_bytes for o in outs))
+
+
+def plan_from_cuts(profile: Profile, tables: RangeTables, p: CostParams, cuts,
+                   capacity_bytes: int, reserve_bytes: int, accum_fixed: bool = False,
+                   tier: int = 0, notes: list[str] | None = None,
+                   early_prefetch: bool = False) -> Plan:
+    """A Plan for given cut positions: costs, slacks, cut tensors and the simulated step."""
+    facts = tables.facts
+    graph = profile.graph
+    costs: list[RangeCost] = plan_costs(tables, p, list(cuts))
+    early_prefetch = early_prefetch and len(costs) > 1
+    sim = simulate_swap(stage_times(costs), p.accum, early_prefetch=early_prefetch)
+    slacks = plan_slacks(costs, p.usable_bytes, early_prefetch)
+    k = len(costs)
+    index = graph.node_index()
+    worst: dict[tuple[int, str], int] = {}  # smallest slack of each (sub-model, constraint)
+    for s in slacks:
+        key = (s.submodel, s.constraint)
+        worst[key] = min(worst.get(key, s.slack), s.slack)
+    crossing = live_sets(facts, [c.stop for c in costs[:-1]])
+    submodels = []
+    for i, c in enumerate(costs):
+        mem = worst[(i, MEMORY)]
+        nxt = costs[i + 1] if i + 1 < k else None
+        prv = costs[i - 1] if i > 0 else None
+        inputs = sorted({index[src] for n in graph.nodes[c.start:c.stop] for src in n.inputs
+                         if index[src] < c.start}
+                        | {j for j in range(c.start, c.stop) if facts.ops[j] == "placeholder"})
+        outputs = [j for j in range(c.start, c.stop) if facts.last_use[j] >= c.stop]
+        if nxt is None and facts.output_index >= 0:
+            out_node = graph.nodes[facts.output_index]
+            outputs = [index[name] for name in out_node.inputs]
+        layers = tuple(dict.fromkeys(n.module_fqn for n in graph.nodes[c.start:c.stop] if n.module_fqn))
+        submodels.append(Submodel(
+            index=i, start=c.start, stop=c.stop,
+            first_node=graph.nodes[c.start].name, last_node=graph.nodes[c.stop - 1].name,
+            layers=layers, param_bytes=c.param_bytes,
+            peak_bytes=max(c.mem_fwd_bytes, c.mem_bwd_bytes),
+            fwd_ms=c.fwd_ns / NS_PER_MS, bwd_ms=c.bwd_ns / NS_PER_MS,
+            load_ms=c.load_fwd_ns / NS_PER_MS, offload_ms=c.offload_ns / NS_PER_MS,
+            slack_memory_bytes=mem,
+            slack_fwd_ms=worst.get((i, FORWARD_OVERLAP), c.accum_fwd_ns) / NS_PER_MS,
+            slack_bwd_ms=min(worst.get((i, BACKWARD_OVERLAP), c.accum_bwd_ns - c.checkpoint_ns),
+                             worst.get((i, GRADIENT_OFFLOAD), c.accum_bwd_ns)) / NS_PER_MS,
+            inputs=tuple(_cut_tensor(profile, j) for j in inputs),
+            outputs=tuple(_cut_tensor(profile, j) for j in outputs),
+            checkpoint_ms=c.checkpoint_ns / NS_PER_MS, optimizer_ms=c.optimizer_ns / NS_PER_MS,
+            slack_optimizer_ms=worst.get((i, OPTIMIZER), c.accum_bwd_ns + c.offload_ns) / NS_PER_MS,
+            crossing=tuple(_cut_tensor(profile, j) for j in crossing[i]) if nxt else (),
+        ))
+    violated = [s for s in slacks if s.slack < 0]
+    binding = ""
+    if violated:
+        # the worst time deficit binds (memory always holds in a returned plan)
+        worst = min(violated, key=lambda s: (s.constraint == MEMORY, s.slack))
+        binding = (f"sub-model {worst.submodel}: {worst.constraint} short by "
+                   f"{-worst.slack / NS_PER_MS:.1f} ms ({worst.detail})"
+                   if worst.constraint != MEMORY else
+                   f"sub-model {worst.submodel}: memory short by {format_bytes(-worst.slack)} ({worst.detail})")
+    bound = physical_bound_accum(profile)
+    all_notes = list(notes or [])
+    all_notes.append(f"physical bound C >= {bound:.1f} (bytes/param * achieved FLOP/s / (2 * H2D B/s "
+                     f"* tokens per micro-batch))")
+    all_notes.append(f"CPU AdamW assumed at {p.cpu_adam_gbps:g} GB/s of fp32 masters")
+    if tier:
+        all_notes.append("no plan meets every constraint at this C: "
+                         + ("loads may stall" if tier == 1 else "loads and gradient offloads may stall"))
+    return Plan(
+        profile_hash=profile_hash(profile), graph_hash=graph_hash(graph),
+        model_path=graph.model_path, config=graph.config, batch_size=graph.batch_size,
+        options=dict(graph.options), device=profile.device, capacity_bytes=capacity_bytes,
+        reserve_bytes=reserve_bytes, accum=p.accum, accum_fixed=accum_fixed,
+        activations=p.activations, submodels=tuple(submodels),
+        cut_bytes=int(sum(int(tables.cut_bytes[q]) for q in cuts)),
+        predicted_step_ms=sim.step_ns / NS_PER_MS, predicted_utilisation=sim.utilisation,
+        physical_bound_accum=bound, feasible=not violated, binding=binding,
+        atomc_version=__version__, notes=tuple(all_notes), cpu_adam_gbps=p.cpu_adam_gbps,
+        search_tier=tier, early_prefetch=early_prefetch,
+    )
+
+
+def _plain(obj):
+    """ir.to_data, specialised for speed on large graphs (same output: tests compare)."""
+    tp = type(obj)
+    if tp in (str, int, float, bool) or obj is None:
+        return obj
+    if tp in (tuple, list):
+        return [_plain(x) for x in obj]
+    if tp is dict:
+        return {str(k): _plain(x) for k, x in obj.items()}
+    fields = _FIELDS.get(tp)
+    if fields is None:
+        import dataclasses
+
+        if not dataclasses.is_dataclass(obj):
+            return obj
+        fields = _FIELDS[tp] = tuple(f.name for f in dataclasses.fields(obj))
+    return {name: _plain(getattr(obj, name)) for name in fields}
+
+
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _digest(data) -> str:
+    canon = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+def profile_hash(profile: Profile) -> str:
+    """Profile.content_hash(), computed faster."""
+    return _digest({"kind": profile.KIND, "schema_version": SCHEMA_VERSION, **_plain(profile)})
+
+
+def graph_hash(graph: OpGraph) -> str:
+    """OpGraph.structure_hash(), computed faster."""
+    return _digest({"nodes": _plain(graph.nodes), "params": _plain(graph.params),
+                    "frontend": graph.frontend})

@@ -1,0 +1,221 @@
+"""An independent checker for plans: Profile + Plan -> the constraints a plan breaks.
+
+It shares no code with cost.py or search.py: it walks the graph node by node with plain
+Python sets and sums, recomputes every sub-model's bytes and times from the profile, and tests
+the constraints of DESIGN 4 as the search states them (see search.py's docstring):
+
+    memory     forward  mem_fwd(P_i) + params(P_{i+1})           <= M
+               backward mem_bwd(P_{i+1}) + params(P_i)           <= M
+                        mem_bwd(P_i) + grads(P_{i+1})            <= M
+               alone    mem_fwd(P_i) <= M,  mem_bwd(P_i) <= M
+               early handover: params(P_0) + grads(P_0) + params(P_1) <= M
+    overlap    forward  C*t_fwd(P_i) >= t_load(P_{i+1})   (P_0 with the early handover:
+                        its update tail hides P_1's update wait and load)
+               backward C*t_bwd(P_i) >= t_ckpt(P_i) + t_load(P_{i-1})
+    gradients  C*t_bwd(P_i) >= t_offload(P_{i+1})
+    optimizer  C*t_bwd(P_i) + t_offload(P_i) >= t_offload(P_{i+1}) + t_adam(P_{i+1})
+
+with mem_fwd = params + C*(values crossing its start cut + values it passes on) + largest
+single-node forward transient (+ C*saved when keeping activations), mem_bwd = params + grads +
+the same boundary + one micro-batch's saved activations (C*saved when keeping) + largest
+backward transient. It also checks the plan's structure and the numbers it records.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from atomc.ir import Plan, Profile
+
+NS_PER_MS = 1_000_000
+
+
+@dataclass(frozen=True)
+class Violation:
+    submodel: int  # -1 for the plan as a whole
+    constraint: str
+    message: str
+
+
+@dataclass(frozen=True)
+class RangeFacts:
+    """One range's costs, recomputed from the profile (ints: ns and bytes)."""
+
+    start: int
+    stop: int
+    fwd_ns: int  # C micro-batches
+    bwd_ns: int  # C micro-batches, recomputation included
+    load_ns: int
+    checkpoint_ns: int
+    offload_ns: int
+    adam_ns: int
+    param_bytes: int
+    grad_bytes: int
+    mem_fwd_bytes: int
+    mem_bwd_bytes: int
+    crossing_out: tuple[str, ...]  # names of values crossing the cut after the range
+
+
+def _copy_ns(num_bytes: int, gbps: float) -> int:
+    if gbps <= 0 or math.isinf(gbps):
+        return 0
+    return int(round(num_bytes / gbps))
+
+
+class Checker:
+    """Recomputes range facts from a profile; `range_facts` is usable on any cut set."""
+
+    def __init__(self, profile: Profile, accum: int, usable_bytes: int, activations: str,
+                 cpu_adam_gbps: float):
+        self.profile = profile
+        self.accum = accum
+        self.usable = usable_bytes
+        self.keep = activations == "keep"
+        self.cpu = cpu_adam_gbps
+        g = profile.graph
+        self.nodes = g.nodes
+        self.costs = profile.costs
+        self.index = {n.name: i for i, n in enumerate(g.nodes)}
+        self.readers: dict[str, list[int]] = {n.name: [] for n in g.nodes}
+        for i, n in enumerate(g.nodes):
+            for src in n.inputs:
+                self.readers[src].append(i)
+        self.value_bytes = {n.name: sum(o.num_bytes for o in n.outputs) for n in g.nodes}
+        self.params = g.params
+        self.buffers = g.buffers
+
+    def crossing(self, q: int) -> list[str]:
+        """Values produced before node q and read at q or later."""
+        return [n.name for n in self.nodes[:q] if any(r >= q for r in self.readers[n.name])]
+
+    def range_facts(self, start: int, stop: int) -> RangeFacts:
+        c = self.accum
+        nodes = self.nodes[start:stop]
+        costs = self.costs[start:stop]
+        fqns = set()
+        for n in nodes:
+            fqns.update(n.param_fqns)
+            fqns.update(n.buffer_fqns)
+        param_bytes = sum((self.params.get(f) or self.buffers[f]).num_bytes for f in fqns)
+        grad_bytes = sum(self.params[f].num_bytes for f in fqns if f in self.params)
+        master_bytes = sum(4 * math.prod(self.params[f].shape) for f in fqns if f in self.params)
+        fwd = sum(int(round(k.fwd_ms * NS_PER_MS)) for k in costs)
+        bwd = sum(int(round(k.bwd_ms * NS_PER_MS)) for k in costs)
+        saved = sum(k.saved_bytes for k in costs)
+        extra_fwd = extra_bwd = 0
+        for n, k in zip(nodes, costs):
+            own = sum((self.params.get(f) or self.buffers[f]).num_bytes
+                      for f in set(n.param_fqns) | set(n.buffer_fqns))
+            own_grad = sum(self.params[f].num_bytes for f in set(n.param_fqns) if f in self.params)
+            extra_fwd = max(extra_fwd, k.peak_fwd_bytes - own)
+            extra_bwd = max(extra_bwd, k.peak_bwd_bytes - own - own_grad)
+        cross_in = self.crossing(start)
+        cross_out = self.crossing(stop)
+        in_bytes = sum(self.value_bytes[name] for name in cross_in
+                       if any(start <= r < stop for r in self.readers[name]))
+        produced_out = sum(self.value_bytes[n.name] for n in nodes
+                           if any(r >= stop for r in self.readers[n.name]))
+        boundary = c * (sum(self.value_bytes[name] for name in cross_in) + produced_out)
+        mem_fwd = param_bytes + boundary + extra_fwd + (c * saved if self.keep else 0)
+        mem_bwd = param_bytes + grad_bytes + boundary + (c * saved if self.keep else saved) + extra_bwd
+        last = stop == len(self.nodes)
+        checkpoint = 0 if last else c * (in_bytes + (saved if self.keep else 0))
+        return RangeFacts(
+            start=start, stop=stop, fwd_ns=c * fwd, bwd_ns=c * (bwd if self.keep else bwd + fwd),
+            load_ns=_copy_ns(param_bytes, self.profile.h2d_gbps),
+            checkpoint_ns=_copy_ns(checkpoint, self.profile.h2d_gbps),
+            offload_ns=_copy_ns(grad_bytes, self.profile.d2h_gbps),
+            adam_ns=_copy_ns(master_bytes, self.cpu),
+            param_bytes=param_bytes, grad_bytes=grad_bytes, mem_fwd_bytes=mem_fwd,
+            mem_bwd_bytes=mem_bwd, crossing_out=tuple(cross_out),
+        )
+
+    def violations(self, cuts: list[int], early_prefetch: bool = False) -> list[Violation]:
+        bounds = [0, *cuts, len(self.nodes)]
+        facts = [self.range_facts(a, b) for a, b in zip(bounds, bounds[1:])]
+        return self.check_facts(facts, early_prefetch)
+
+    def check_facts(self, facts: list[RangeFacts], early_prefetch: bool = False) -> list[Violation]:
+        out = []
+        m = self.usable
+
+        def need(i: int, what: str, num_bytes: int) -> None:
+            if num_bytes > m:
+                out.append(Violation(i, "memory", f"{what}: {num_bytes} bytes > {m}"))
+
+        for i, r in enumerate(facts):
+            need(i, "forward alone", r.mem_fwd_bytes)
+            need(i, "backward alone", r.mem_bwd_bytes)
+        for i in range(len(facts) - 1):
+            left, right = facts[i], facts[i + 1]
+            need(i, "forward + next loading", left.mem_fwd_bytes + right.param_bytes)
+            need(i + 1, "backward + previous loading", right.mem_bwd_bytes + left.param_bytes)
+            need(i, "backward + next's gradients leaving", left.mem_bwd_bytes + right.grad_bytes)
+            if i == 0 and early_prefetch:
+                need(0, "update tail + next loading", left.param_bytes + left.grad_bytes + right.param_bytes)
+                tail = left.offload_ns + left.adam_ns
+                wait = max(right.offload_ns + right.adam_ns - left.bwd_ns, 0) + right.load_ns
+                if tail < wait:
+                    out.append(Violation(0, "forward overlap",
+                                         f"update tail {tail} ns < next's update wait and load {wait} ns"))
+            elif left.fwd_ns < right.load_ns:
+                out.append(Violation(i, "forward overlap",
+                                     f"C*t_fwd {left.fwd_ns} ns < next load {right.load_ns} ns"))
+            if right.bwd_ns < right.checkpoint_ns + left.load_ns:
+                out.append(Violation(i + 1, "backward overlap",
+                                     f"C*t_bwd {right.bwd_ns} ns < checkpoints {right.checkpoint_ns} ns "
+                                     f"+ previous load {left.load_ns} ns"))
+            if left.bwd_ns < right.offload_ns:
+                out.append(Violation(i, "gradient offload",
+                                     f"C*t_bwd {left.bwd_ns} ns < next's offload {right.offload_ns} ns"))
+            if left.bwd_ns + left.offload_ns < right.offload_ns + right.adam_ns:
+                out.append(Violation(i, "optimizer",
+                                     f"C*t_bwd + offload {left.bwd_ns + left.offload_ns} ns < next's "
+                                     f"offload + update {right.offload_ns + right.adam_ns} ns"))
+        return out
+
+
+def check_plan(profile: Profile, plan: Plan) -> list[Violation]:
+    """Everything wrong with `plan` for `profile`: structure, recorded numbers, constraints."""
+    out: list[Violation] = []
+    g = profile.graph
+    n = len(g.nodes)
+    subs = plan.submodels
+    if plan.graph_hash != g.structure_hash():
+        out.append(Violation(-1, "structure", "the plan is for another graph"))
+    if plan.accum < 1:
+        out.append(Violation(-1, "structure", f"accum {plan.accum} < 1"))
+    if not subs:
+        return out + [Violation(-1, "structure", "no sub-models")]
+    expected = 0
+    for i, s in enumerate(subs):
+        if s.index != i or s.start != expected or s.stop <= s.start:
+            out.append(Violation(i, "structure", f"range [{s.start}, {s.stop}) does not follow {expected}"))
+        expected = s.stop
+    if expected != n:
+        out.append(Violation(-1, "structure", f"sub-models end at node {expected}, the graph has {n}"))
+    if out:
+        return out
+    for i, n_ in enumerate(g.nodes):
+        if n_.op == "placeholder" and i >= subs[0].stop:
+            out.append(Violation(-1, "structure", f"placeholder '{n_.name}' is not in the first sub-model"))
+        if n_.op == "output" and i < subs[-1].start:
+            out.append(Violation(-1, "structure", f"output node '{n_.name}' is not in the last sub-model"))
+    checker = Checker(profile, plan.accum, plan.capacity_bytes - plan.reserve_bytes, plan.activations,
+                      plan.cpu_adam_gbps)
+    facts = [checker.range_facts(s.start, s.stop) for s in subs]
+    for i, (s, f) in enumerate(zip(subs, facts)):
+        if s.param_bytes != f.param_bytes:
+            out.append(Violation(i, "recorded", f"param_bytes {s.param_bytes} != {f.param_bytes}"))
+        if round(s.fwd_ms * plan.accum * NS_PER_MS) != f.fwd_ns:
+            out.append(Violation(i, "recorded", f"fwd_ms {s.fwd_ms} does not match the profile"))
+        if s.peak_bytes != max(f.mem_fwd_bytes, f.mem_bwd_bytes):
+            out.append(Violation(i, "recorded", f"peak_bytes {s.peak_bytes} != "
+                                                f"{max(f.mem_fwd_bytes, f.mem_bwd_bytes)}"))
+        if i + 1 < len(subs) and tuple(t.name for t in s.crossing) != f.crossing_out:
+            out.append(Violation(i, "recorded", "the values crossing its end cut are not the ones listed"))
+    out.extend(checker.check_facts(facts, plan.early_prefetch))
+    if plan.feasible and any(v.constraint not in ("structure", "recorded") for v in out):
+        out.append(Violation(-1, "recorded", "the plan says feasible but breaks constraints"))
+    return out

@@ -1,0 +1,624 @@
+"""Cost model of a consecutive node range, for the partition stage (Profile -> Plan).
+
+A sub-model is a node range [start, stop) of the profile's graph. For the swap schedule
+(DESIGN 4 and 7, ATOM Fig. 12) each range needs:
+
+- parameter bytes (params and buffers, each unique FQN once: a tied weight used twice inside
+  one range counts once, and counts again in every other range that uses it), gradient bytes
+  (trainable parameters only) and fp32 master bytes (what the CPU AdamW reads and writes);
+- forward and backward time of one micro-batch; with activations="recompute" the backward
+  repeats the forward first;
+- working memory for C micro-batches: every value crossing the range's start cut (inputs and
+  pass-through values) and every value it produces for later ranges, for all C micro-batches,
+  plus one micro-batch's transient peak (and, when recomputing, one micro-batch's saved
+  activations during the backward; with activations="keep" all C micro-batches' saved
+  activations);
+- transfer times: parameters host-to-device before its forward and again before its
+  backward; its C micro-batches' checkpoints (its inputs, or inputs and saved activations when
+  keeping) streamed in during its own backward, one micro-batch ahead (the last sub-model keeps
+  them: it never leaves); gradients device-to-host after its backward; the CPU optimizer over
+  fp32 masters. The forward's checkpoint copies to the host ride the otherwise idle
+  device-to-host lane and are not modelled.
+
+Everything is integer: times in nanoseconds, sizes in bytes, so that the search, the simulator
+and a brute-force enumeration add up the same numbers exactly.
+
+`RangeTables` holds the C-independent quantities for every range up to `max_width` nodes as
+(start, width) arrays, built with prefix sums, so the search reads any range's cost in O(1);
+`derive` turns them into the C-dependent quantities of one run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from atomc.errors import IRError, UsageError
+from atomc.ir import Profile
+
+NS_PER_MS = 1_000_000
+ACTIVATIONS = ("recompute", "keep")
+# CPU AdamW throughput in GB/s of fp32 master bytes; a vectorised multi-threaded AdamW on a
+# server CPU updates about 2e9 parameters a second. An assumption: override per run.
+DEFAULT_CPU_ADAM_GBPS = 8.0
+
+
+def ms_to_ns(ms: float) -> int:
+    return int(round(ms * NS_PER_MS))
+
+
+def transfer_ns(num_bytes, gbps: float):
+    """Copy time of `num_bytes` at `gbps` GB/s, in ns (bytes / (GB/s) = ns). Works on arrays."""
+    if gbps <= 0 or math.isinf(gbps):
+        return np.zeros_like(np.asarray(num_bytes, dtype=np.int64))
+    return np.rint(np.asarray(num_bytes, dtype=np.float64) / gbps).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """A parameter or buffer and the nodes that read it, in order."""
+
+    fqn: str
+    param_bytes: int  # in the model's dtype: what is loaded and resident
+    grad_bytes: int  # 0 for buffers
+    master_bytes: int  # fp32 master copy the CPU optimizer updates; 0 for buffers
+    uses: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """Per-node numbers the cost model needs, read once from a Profile."""
+
+    names: tuple[str, ...]
+    ops: tuple[str, ...]
+    fwd_ns: np.ndarray
+    bwd_ns: np.ndarray
+    saved_bytes: np.ndarray
+    extra_fwd_bytes: np.ndarray  # forward peak above the node's own parameters
+    extra_bwd_bytes: np.ndarray  # backward peak above its own parameters and their gradients
+    value_bytes: np.ndarray  # bytes of the node's outputs: what crosses a cut when it is live
+    users: tuple[tuple[int, ...], ...]  # sorted indices of nodes reading this node
+    last_use: np.ndarray  # index of the last reader, -1 when none
+    state: tuple[StateTensor, ...]
+    last_placeholder: int  # -1 when the graph has no placeholders
+    output_index: int  # index of the graph's output node, or -1
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.names)
+
+
+def node_facts(profile: Profile) -> NodeFacts:
+    graph = profile.graph
+    nodes = graph.nodes
+    costs = profile.costs
+    if not nodes:
+        raise IRError("the profile's graph has no nodes; profile a model with at least one operator")
+    if len(costs) != len(nodes):
+        raise IRError(
+            f"the profile has {len(costs)} node costs for {len(nodes)} graph nodes; "
+            f"the file is damaged: profile the model again"
+        )
+    index = {}
+    for i, (n, c) in enumerate(zip(nodes, costs)):
+        if c.name != n.name:
+            raise IRError(f"profile cost {i} is for '{c.name}' but node {i} is '{n.name}'; profile again")
+        index[n.name] = i
+    users: list[list[int]] = [[] for _ in nodes]
+    for i, n in enumerate(nodes):
+        for src in n.inputs:
+            j = index.get(src)
+            if j is None or j >= i:
+                raise IRError(
+                    f"node '{n.name}' reads '{src}', which is not an earlier node of the graph; "
+                    f"the graph is not in topological order: trace the model again"
+                )
+            if not users[j] or users[j][-1] != i:
+                users[j].append(i)
+    state_uses: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for fqn in dict.fromkeys(n.param_fqns + n.buffer_fqns):
+            state_uses.setdefault(fqn, []).append(i)
+    state = []
+    for fqn, uses in state_uses.items():
+        if fqn in graph.params:
+            spec = graph.params[fqn]
+            numel = math.prod(spec.shape)
+            state.append(StateTensor(fqn, spec.num_bytes, spec.num_bytes, 4 * numel, tuple(uses)))
+        elif fqn in graph.buffers:
+            state.append(StateTensor(fqn, graph.buffers[fqn].num_bytes, 0, 0, tuple(uses)))
+        else:
+            raise IRError(f"node '{nodes[uses[0]].name}' reads '{fqn}', which the graph's params "
+                          f"and buffers do not list; trace the model again")
+    own_param = np.zeros(len(nodes), dtype=np.int64)
+    own_grad = np.zeros(len(nodes), dtype=np.int64)
+    for s in state:
+        for u in s.uses:
+            own_param[u] += s.param_bytes
+            own_grad[u] += s.grad_bytes
+    peak_fwd = np.array([c.peak_fwd_bytes for c in costs], dtype=np.int64)
+    peak_bwd = np.array([c.peak_bwd_bytes for c in costs], dtype=np.int64)
+    placeholders = [i for i, n in enumerate(nodes) if n.op == "placeholder"]
+    outputs = [i for i, n in enumerate(nodes) if n.op == "output"]
+    return NodeFacts(
+        names=tuple(n.name for n in nodes),
+        ops=tuple(n.op for n in nodes),
+        fwd_ns=np.array([ms_to_ns(c.fwd_ms) for c in costs], dtype=np.int64),
+        bwd_ns=np.array([ms_to_ns(c.bwd_ms) for c in costs], dtype=np.int64),
+        saved_bytes=np.array([c.saved_bytes for c in costs], dtype=np.int64),
+        # the profiler's peaks include the node's own parameters (and, backward, their
+        # gradients); those are counted once per range as resident bytes instead
+        extra_fwd_bytes=np.maximum(peak_fwd - own_param, 0),
+        extra_bwd_bytes=np.maximum(peak_bwd - own_param - own_grad, 0),
+        value_bytes=np.array([sum(o.num_bytes for o in n.outputs) for n in nodes], dtype=np.int64),
+        users=tuple(tuple(u) for u in users),
+        last_use=np.array([u[-1] if u else -1 for u in users], dtype=np.int64),
+        state=tuple(state),
+        last_placeholder=max(placeholders) if placeholders else -1,
+        output_index=outputs[-1] if outputs else -1,
+    )
+
+
+def allowed_cuts(facts: NodeFacts) -> np.ndarray:
+    """allowed[q]: may the plan cut between node q-1 and node q (0 < q < N)?
+
+    The first sub-model holds every placeholder and at least one operator after them; the
+    last holds the output node and at least one operator before it.
+    """
+    n = facts.num_nodes
+    allowed = np.zeros(n + 1, dtype=bool)
+    lo = facts.last_placeholder + 2
+    hi = facts.output_index - 1 if facts.output_index >= 0 else n - 1
+    if lo <= hi:
+        allowed[max(lo, 1):hi + 1] = True
+    return allowed
+
+
+def live_sets(facts: NodeFacts, positions: list[int]) -> list[list[int]]:
+    """For each cut position q (ascending), the nodes whose values cross it: produced before q
+    and read at q or later. One sweep over the graph."""
+    out = []
+    live: set[int] = set()
+    j = 0
+    for q in positions:
+        while j < q:
+            live.add(j)
+            j += 1
+        live = {i for i in live if facts.last_use[i] >= q}
+        out.append(sorted(live))
+    return out
+
+
+@dataclass(frozen=True)
+class RangeTables:
+    """C-independent costs of every range [a, a+w) with 1 <= w <= max_width, as [a, w] arrays."""
+
+    facts: NodeFacts
+    max_width: int
+    valid: np.ndarray  # a + w <= N
+    fwd_ns: np.ndarray
+    bwd_ns: np.ndarray  # without recomputation
+    saved_bytes: np.ndarray
+    param_bytes: np.ndarray  # unique params and buffers
+    grad_bytes: np.ndarray
+    master_bytes: np.ndarray
+    in_bytes: np.ndarray  # values produced before a and read inside the range
+    out_bytes: np.ndarray  # values produced inside and read at a+w or later
+    extra_fwd_bytes: np.ndarray  # largest single-node transient
+    extra_bwd_bytes: np.ndarray
+    start_ok: np.ndarray  # the range may start at a (a == 0 or an allowed cut)
+    end_ok: np.ndarray  # ... and end at a+w
+    cut_bytes: np.ndarray  # [q]: bytes of values crossing the cut before node q, q = 0..N
+    allowed: np.ndarray  # [q]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.facts.num_nodes
+
+    def row_arrays(self) -> list[np.ndarray]:
+        """Every per-range array, for comparing two start positions (block folding)."""
+        cut_start = np.broadcast_to(self.cut_bytes[:-1, None], self.valid.shape)
+        return [self.valid, self.fwd_ns, self.bwd_ns, self.saved_bytes, self.param_bytes,
+                self.grad_bytes, self.master_bytes, self.in_bytes, self.out_bytes,
+                self.extra_fwd_bytes, self.extra_bwd_bytes, self.start_ok, self.end_ok, cut_start]
+
+
+def max_width_for(facts: NodeFacts, usable_bytes: int) -> int:
+    """Widest range whose parameters and gradients alone fit in `usable_bytes` (at least 1).
+
+    Counted with first uses only (a lower bound of a range's resident bytes), so no range that
+    could fit is left out.
+    """
+    n = facts.num_nodes
+    first = np.zeros(n + 1, dtype=np.int64)
+    for s in facts.state:
+        first[s.uses[0] + 1] += s.param_bytes + s.grad_bytes
+    prefix = np.cumsum(first)
+    width = 1
+    stop = 0
+    for a in range(n):  # two pointers: prefix is non-decreasing
+        stop = max(stop, a + 1)
+        while stop < n and prefix[stop + 1] - prefix[a] <= usable_bytes:
+            stop += 1
+        width = max(width, stop - a)
+    return min(width, n)
+
+
+def build_tables(facts: NodeFacts, max_width: int) -> RangeTables:
+    n = facts.num_nodes
+    w_max = max(1, min(max_width, n))
+    starts = np.arange(n)[:, None]
+    widths = np.arange(w_max + 1)[None, :]
+    ends = np.minimum(starts + widths, n)
+    valid = (widths >= 1) & (starts + widths <= n)
+
+    def span(per_node: np.ndarray) -> np.ndarray:
+        prefix = np.concatenate([[0], np.cumsum(per_node, dtype=np.int64)])
+        return prefix[ends] - prefix[starts]
+
+    # unique state: a tensor counts in [a, a+w) when one of its uses lies there. Count it at
+    # its first use after a: the first use overall (prefix sums), or a later use whose
+    # previous use lies before a (a few correction rectangles, e.g. a tied LM head).
+    state_sums = []
+    for attr in ("param_bytes", "grad_bytes", "master_bytes"):
+        first = np.zeros(n, dtype=np.int64)
+        for s in facts.state:
+            first[s.uses[0]] += getattr(s, attr)
+        table = span(first)
+        for s in facts.state:
+            weight = getattr(s, attr)
+            if not weight:
+                continue
+            for prev, use in zip(s.uses, s.uses[1:]):
+                lo = max(prev + 1, use - w_max + 1)
+                rows = np.arange(lo, use + 1)
+                if len(rows):
+                    table[lo:use + 1] += weight * (widths > (use - rows)[:, None])
+        state_sums.append(table)
+    param_bytes, grad_bytes, master_bytes = state_sums
+
+    extra_fwd = np.zeros((n, w_max + 1), dtype=np.int64)
+    extra_bwd = np.zeros((n, w_max + 1), dtype=np.int64)
+    for w in range(1, w_max + 1):
+        last = np.minimum(np.arange(n) + w - 1, n - 1)
+        extra_fwd[:, w] = np.maximum(extra_fwd[:, w - 1], facts.extra_fwd_bytes[last])
+        extra_bwd[:, w] = np.maximum(extra_bwd[:, w - 1], facts.extra_bwd_bytes[last])
+
+    # out_bytes[a, c-a] = sum over j in [a, c) of value_bytes[j] when j is read at c or later
+    out_bytes = np.zeros((n, w_max + 1), dtype=np.int64)
+    for c in range(1, n + 1):
+        lo = max(0, c - w_max)
+        j = np.arange(lo, c)
+        contrib = np.where(facts.last_use[lo:c] >= c, facts.value_bytes[lo:c], 0)
+        suffix = np.cumsum(contrib[::-1])[::-1]
+        out_bytes[j, c - j] = suffix
+
+    # live values at each cut, swept once; in_bytes needs each live value's next reader
+    delta = np.zeros(n + 2, dtype=np.int64)
+    for j in range(n):
+        if facts.last_use[j] > j:
+            delta[j + 1] += facts.value_bytes[j]
+            delta[facts.last_use[j] + 1] -= facts.value_bytes[j]
+    cut_bytes = np.cumsum(delta)[: n + 1]
+    in_bytes = np.zeros((n, w_max + 1), dtype=np.int64)
+    live: set[int] = set()
+    for a in range(n):
+        # values live at cut a: produced before a, read at a or later
+        if a > 0 and facts.last_use[a - 1] >= a:
+            live.add(a - 1)
+        live = {j for j in live if facts.last_use[j] >= a}
+        for j in live:
+            users = facts.users[j]
+            nxt = users[_first_at_least(users, a)]
+            if nxt - a < w_max:
+                in_bytes[a, nxt - a + 1:] += facts.value_bytes[j]
+
+    allowed = allowed_cuts(facts)
+    start_ok = np.broadcast_to(((np.arange(n) == 0) | allowed[:n])[:, None], valid.shape)
+    end_ok = (ends == n) | allowed[ends]
+    return RangeTables(
+        facts=facts, max_width=w_max, valid=valid,
+        fwd_ns=span(facts.fwd_ns), bwd_ns=span(facts.bwd_ns), saved_bytes=span(facts.saved_bytes),
+        param_bytes=param_bytes, grad_bytes=grad_bytes, master_bytes=master_bytes,
+        in_bytes=in_bytes, out_bytes=out_bytes, extra_fwd_bytes=extra_fwd, extra_bwd_bytes=extra_bwd,
+        start_ok=np.ascontiguousarray(start_ok), end_ok=end_ok & valid, cut_bytes=cut_bytes,
+        allowed=allowed,
+    )
+
+
+def _first_at_least(sorted_list: tuple[int, ...], value: int) -> int:
+    import bisect
+
+    return bisect.bisect_left(sorted_list, value)
+
+
+@dataclass(frozen=True)
+class CostParams:
+    """What turns C-independent range facts into one run's costs."""
+
+    accum: int
+    usable_bytes: int  # capacity minus reserve
+    h2d_gbps: float
+    d2h_gbps: float
+    cpu_adam_gbps: float = DEFAULT_CPU_ADAM_GBPS  # 0 or inf: the optimizer is not modelled
+    activations: str = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.accum < 1:
+            raise UsageError(f"accumulation degree {self.accum} must be 1 or more")
+        if self.activations not in ACTIVATIONS:
+            raise UsageError(f"activations {self.activations!r}: expected one of {', '.join(ACTIVATIONS)}")
+        if not self.h2d_gbps > 0 or not self.d2h_gbps > 0:
+            raise UsageError(f"host-device bandwidths must be positive (got H2D {self.h2d_gbps} GB/s, "
+                             f"D2H {self.d2h_gbps} GB/s); check the profile")
+
+
+@dataclass(frozen=True)
+class Derived:
+    """One run's per-range costs; arrays shaped like the tables (or scalars for one range)."""
+
+    fwd_ns: np.ndarray  # C micro-batches
+    bwd_ns: np.ndarray  # C micro-batches, recomputation included
+    load_fwd_ns: np.ndarray  # parameters H2D (before its forward, and again before its backward)
+    checkpoint_ns: np.ndarray  # its C micro-batches' checkpoints H2D, during its own backward
+    offload_ns: np.ndarray  # gradients D2H
+    optimizer_ns: np.ndarray  # CPU AdamW
+    tail_ns: np.ndarray  # first sub-model only: offload + optimizer + refresh its parameters
+    param_bytes: np.ndarray
+    grad_bytes: np.ndarray
+    mem_fwd_bytes: np.ndarray  # resident + forward working memory
+    mem_bwd_bytes: np.ndarray  # resident + gradients + backward working memory
+    ok: np.ndarray | None = field(default=None)  # unary feasibility (tables only)
+
+
+def derive_values(p: CostParams, *, fwd, bwd, saved, params, grads, master, inb, outb,
+                  extra_fwd, extra_bwd, cut_start, is_last) -> Derived:
+    """The C-dependent formulas, shared by the whole-table and the single-range paths."""
+    c = np.int64(p.accum)
+    keep = p.activations == "keep"
+    fwd_c = c * fwd
+    bwd_c = c * (bwd if keep else bwd + fwd)
+    boundary = c * (cut_start + outb)
+    mem_fwd = params + boundary + extra_fwd + (c * saved if keep else 0)
+    mem_bwd = params + grads + boundary + (c * saved if keep else saved) + extra_bwd
+    checkpoint = np.where(is_last, 0, c * (inb + saved) if keep else c * inb)
+    load_fwd = transfer_ns(params, p.h2d_gbps)
+    offload = transfer_ns(grads, p.d2h_gbps)
+    optimizer = transfer_ns(master, p.cpu_adam_gbps)
+    return Derived(
+        fwd_ns=fwd_c, bwd_ns=bwd_c, load_fwd_ns=load_fwd,
+        checkpoint_ns=transfer_ns(checkpoint, p.h2d_gbps),
+        offload_ns=offload, optimizer_ns=optimizer, tail_ns=offload + optimizer + load_fwd,
+        param_bytes=np.asarray(params), grad_bytes=np.asarray(grads),
+        mem_fwd_bytes=np.asarray(mem_fwd), mem_bwd_bytes=np.asarray(mem_bwd),
+    )
+
+
+def derive(tables: RangeTables, p: CostParams) -> Derived:
+    t = tables
+    cut_start = t.cut_bytes[:-1, None]
+    d = derive_values(p, fwd=t.fwd_ns, bwd=t.bwd_ns, saved=t.saved_bytes, params=t.param_bytes,
+                      grads=t.grad_bytes, master=t.master_bytes, inb=t.in_bytes, outb=t.out_bytes,
+                      extra_fwd=t.extra_fwd_bytes, extra_bwd=t.extra_bwd_bytes, cut_start=cut_start,
+                      is_last=(np.arange(t.num_nodes)[:, None] + np.arange(t.max_width + 1)[None, :]
+                               == t.num_nodes))
+    ok = (t.valid & t.start_ok & t.end_ok & (d.mem_fwd_bytes <= p.usable_bytes)
+          & (d.mem_bwd_bytes <= p.usable_bytes))
+    return Derived(**{**d.__dict__, "ok": ok})
+
+
+@dataclass(frozen=True)
+class RangeCost:
+    """One sub-model's costs for one run (ints: ns and bytes)."""
+
+    start: int
+    stop: int
+    fwd_ns: int  # one micro-batch
+    bwd_ns: int  # one micro-batch, recomputation included
+    accum_fwd_ns: int  # C micro-batches
+    accum_bwd_ns: int
+    load_fwd_ns: int
+    checkpoint_ns: int
+    offload_ns: int
+    optimizer_ns: int
+    param_bytes: int
+    grad_bytes: int
+    mem_fwd_bytes: int
+    mem_bwd_bytes: int
+    in_bytes: int
+    out_bytes: int
+
+
+def range_cost(tables: RangeTables, p: CostParams, start: int, stop: int) -> RangeCost:
+    """Costs of [start, stop) from the tables (the range must be at most max_width wide)."""
+    w = stop - start
+    if not (0 <= start < stop <= tables.num_nodes) or w > tables.max_width:
+        raise ValueError(f"range [{start}, {stop}) is outside the tables (max width {tables.max_width})")
+    t = tables
+    d = derive_values(
+        p, fwd=t.fwd_ns[start, w], bwd=t.bwd_ns[start, w], saved=t.saved_bytes[start, w],
+        params=t.param_bytes[start, w], grads=t.grad_bytes[start, w],
+        master=t.master_bytes[start, w], inb=t.in_bytes[start, w], outb=t.out_bytes[start, w],
+        extra_fwd=t.extra_fwd_bytes[start, w], extra_bwd=t.extra_bwd_bytes[start, w],
+        cut_start=t.cut_bytes[start], is_last=stop == tables.num_nodes)
+    recompute_ns = 0 if p.activations == "keep" else t.fwd_ns[start, w]
+    return RangeCost(
+        start=start, stop=stop,
+        fwd_ns=int(t.fwd_ns[start, w]),
+        bwd_ns=int(t.bwd_ns[start, w] + recompute_ns),
+        accum_fwd_ns=int(d.fwd_ns), accum_bwd_ns=int(d.bwd_ns),
+        load_fwd_ns=int(d.load_fwd_ns), checkpoint_ns=int(d.checkpoint_ns),
+        offload_ns=int(d.offload_ns), optimizer_ns=int(d.optimizer_ns),
+        param_bytes=int(d.param_bytes), grad_bytes=int(d.grad_bytes),
+        mem_fwd_bytes=int(d.mem_fwd_bytes),
+        mem_bwd_bytes=int(d.mem_bwd_bytes), in_bytes=int(t.in_bytes[start, w]),
+        out_bytes=int(t.out_bytes[start, w]),
+    )
+
+
+def plan_costs(tables: RangeTables, p: CostParams, cuts: list[int] | tuple[int, ...]) -> list[RangeCost]:
+    bounds = [0, *cuts, tables.num_nodes]
+    return [range_cost(tables, p, a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def first_pair(f_l, b_l, o_l, a_l, l_l, pm_l, g_l, l_r, o_r, a_r, pm_r, b_r, k_r, tier: int,
+               usable_bytes):
+    """The two ways the first sub-model P_0 (left) can hand over to P_1 (right).
+
+    late:  P_1 loads during P_0's forward; after P_0's backward its gradients go out, the CPU
+           updates it and its parameters are refreshed:  max(F_0, L_1) + O_0 + A_0 + L_0.
+    early: P_1's parameters for the next step load during that update tail (the H2D lane is
+           idle then), once P_1's own update is done, so P_0's next forward hides nothing:
+           F_0 + max(O_0 + A_0, max(0, O_1 + A_1 - B_0 - S) + L_1) + L_0, if P_0's parameters
+           and outgoing gradients and P_1's parameters fit together. S = max(0, K_1 + L_0 - B_1)
+           is the stall before P_0's backward (P_1's update starts that much earlier).
+
+    Returns (late_term, late_ok, early_term, early_ok); works elementwise on arrays. In tier 0
+    the late way must hide the load behind the forward (F_0 >= L_1) and the early way behind
+    the tail; tiers 1 and 2 let loads stall.
+    """
+    tail = o_l + a_l
+    late = np.maximum(f_l, l_r) + tail + l_l
+    stall = np.maximum(k_r + l_l - b_r, 0)
+    wait = np.maximum(o_r + a_r - b_l - stall, 0) + l_r
+    early = f_l + np.maximum(tail, wait) + l_l
+    early_ok = pm_l + g_l + pm_r <= usable_bytes
+    if tier == 0:
+        late_ok = f_l >= l_r
+        early_ok = early_ok & (wait <= tail)
+    else:
+        late_ok = np.ones_like(early_ok)
+    return late, late_ok, early, early_ok
+
+
+def choose_first_pair(left: RangeCost, right: RangeCost, tier: int, usable_bytes: int):
+    """(early, term): the handover the search takes for this pair (late on ties), or None."""
+    late, late_ok, early, early_ok = first_pair(
+        left.accum_fwd_ns, left.accum_bwd_ns, left.offload_ns, left.optimizer_ns,
+        left.load_fwd_ns, left.param_bytes, left.grad_bytes, right.load_fwd_ns, right.offload_ns,
+        right.optimizer_ns, right.param_bytes, right.accum_bwd_ns, right.checkpoint_ns, tier,
+        usable_bytes)
+    if late_ok and (not early_ok or late <= early):
+        return False, int(late)
+    if early_ok:
+        return True, int(early)
+    return None
+
+
+def additive_step_ns(costs: list[RangeCost], early_prefetch: bool = False) -> int:
+    """Step time as the search adds it up: pair terms plus the ends (see search.py).
+
+    Equal to the simulator's step whenever the gradient-offload and optimizer constraints
+    hold; the search's fallback tier minimises an estimate built on it when they cannot.
+    """
+    first = costs[0]
+    total = costs[-1].accum_fwd_ns + first.accum_bwd_ns
+    if len(costs) == 1:
+        return total + first.offload_ns + first.optimizer_ns + first.load_fwd_ns
+    second = costs[1]
+    late, _, early, _ = first_pair(
+        first.accum_fwd_ns, first.accum_bwd_ns, first.offload_ns, first.optimizer_ns,
+        first.load_fwd_ns, first.param_bytes, first.grad_bytes, second.load_fwd_ns,
+        second.offload_ns, second.optimizer_ns, second.param_bytes, second.accum_bwd_ns,
+        second.checkpoint_ns, 1, 0)
+    total += int(early if early_prefetch else late)
+    for i, (left, right) in enumerate(zip(costs, costs[1:])):
+        if i:
+            total += max(left.accum_fwd_ns, right.load_fwd_ns)
+        total += max(right.accum_bwd_ns, right.checkpoint_ns + left.load_fwd_ns)
+    return total
+
+
+def estimated_step_ns(costs: list[RangeCost], early_prefetch: bool = False) -> int:
+    """What the search's tier 2 minimises: the additive step plus each pair's gradient-offload
+    and CPU-update overruns, as if each stalled the step."""
+    total = additive_step_ns(costs, early_prefetch)
+    for left, right in zip(costs, costs[1:]):
+        total += max(right.offload_ns - left.accum_bwd_ns, 0)
+        total += max(right.offload_ns + right.optimizer_ns - left.accum_bwd_ns - left.offload_ns, 0)
+    return total
+
+
+# constraint names, and the search tier from which each is relaxed (memory never is)
+MEMORY = "memory"
+FORWARD_OVERLAP = "forward overlap"
+BACKWARD_OVERLAP = "backward overlap"
+GRADIENT_OFFLOAD = "gradient offload"
+OPTIMIZER = "optimizer"
+TIME_CONSTRAINTS = (FORWARD_OVERLAP, BACKWARD_OVERLAP, GRADIENT_OFFLOAD, OPTIMIZER)
+
+
+@dataclass(frozen=True)
+class Slack:
+    """How much room one constraint of one sub-model has; negative when it is violated."""
+
+    submodel: int  # the sub-model computing while the constraint applies
+    constraint: str  # MEMORY or one of TIME_CONSTRAINTS
+    slack: int  # bytes for MEMORY, ns otherwise
+    detail: str  # what is compared, for messages
+
+
+def plan_slacks(costs: list[RangeCost], usable_bytes: int, early_prefetch: bool = False) -> list[Slack]:
+    """Every constraint of DESIGN 4 (plus the two gradient-lane ones) for a plan's ranges.
+
+    With `early_prefetch` sub-model 1 loads during sub-model 0's update tail, so sub-model 0's
+    forward overlap compares that tail with the load, and the tail has a memory requirement.
+    """
+    from atomc.units import format_bytes
+
+    def ms(ns: int) -> str:
+        return f"{ns / NS_PER_MS:.1f} ms"
+
+    out: list[Slack] = []
+    k = len(costs)
+    for i, c in enumerate(costs):
+        nxt = costs[i + 1] if i + 1 < k else None
+        prv = costs[i - 1] if i > 0 else None
+        need = [(c.mem_fwd_bytes, "its forward alone"), (c.mem_bwd_bytes, "its backward alone")]
+        if nxt:
+            need.append((c.mem_fwd_bytes + nxt.param_bytes,
+                         f"its forward + loading sub-model {i + 1}'s parameters"))
+            need.append((c.mem_bwd_bytes + nxt.grad_bytes,
+                         f"its backward + sub-model {i + 1}'s gradients leaving"))
+        if prv:
+            need.append((c.mem_bwd_bytes + prv.param_bytes,
+                         f"its backward + loading sub-model {i - 1}'s parameters"))
+        for num_bytes, what in need:
+            out.append(Slack(i, MEMORY, usable_bytes - num_bytes,
+                             f"{what} needs {format_bytes(num_bytes)} of {format_bytes(usable_bytes)}"))
+        if nxt and i == 0 and early_prefetch:
+            tail = c.offload_ns + c.optimizer_ns
+            wait = max(nxt.offload_ns + nxt.optimizer_ns - c.accum_bwd_ns, 0) + nxt.load_fwd_ns
+            out.append(Slack(i, FORWARD_OVERLAP, tail - wait,
+                             f"its update tail {ms(tail)} vs sub-model 1's update and load {ms(wait)}"))
+            num_bytes = c.param_bytes + c.grad_bytes + nxt.param_bytes
+            out.append(Slack(i, MEMORY, usable_bytes - num_bytes,
+                             f"its update tail + loading sub-model 1 needs {format_bytes(num_bytes)} "
+                             f"of {format_bytes(usable_bytes)}"))
+        elif nxt:
+            out.append(Slack(i, FORWARD_OVERLAP, c.accum_fwd_ns - nxt.load_fwd_ns,
+                             f"C*t_fwd {ms(c.accum_fwd_ns)} vs loading sub-model {i + 1} "
+                             f"{ms(nxt.load_fwd_ns)}"))
+            out.append(Slack(i, GRADIENT_OFFLOAD, c.accum_bwd_ns - nxt.offload_ns,
+                             f"C*t_bwd {ms(c.accum_bwd_ns)} vs offloading sub-model {i + 1}'s "
+                             f"gradients {ms(nxt.offload_ns)}"))
+            out.append(Slack(i, OPTIMIZER, c.accum_bwd_ns + c.offload_ns - nxt.offload_ns - nxt.optimizer_ns,
+                             f"C*t_bwd + own offload {ms(c.accum_bwd_ns + c.offload_ns)} vs sub-model "
+                             f"{i + 1}'s offload + CPU update {ms(nxt.offload_ns + nxt.optimizer_ns)}"))
+        if prv:
+            out.append(Slack(i, BACKWARD_OVERLAP, c.accum_bwd_ns - c.checkpoint_ns - prv.load_fwd_ns,
+                             f"C*t_bwd {ms(c.accum_bwd_ns)} vs its checkpoints "
+                             f"{ms(c.checkpoint_ns)} + loading sub-model {i - 1} {ms(prv.load_fwd_ns)}"))
+    return out
+
+
+def stage_times(costs: list[RangeCost]):
+    """The simulator's input for a plan's ranges."""
+    from atomc.simulate.events import StageTimes
+
+    return [StageTimes(fwd_ns=c.accum_fwd_ns, bwd_ns=c.accum_bwd_ns, load_ns=c.load_fwd_ns,
+                       checkpoint_ns=c.checkpoint_ns, offload_ns=c.offload_ns,
+                       optimizer_ns=c.optimizer_ns)
+            for c in costs]

@@ -1,0 +1,351 @@
+"""Exact search over cut points (ATOM Algorithm 1, made exact): RangeTables + C -> cut positions.
+
+The model the search optimises
+------------------------------
+A plan cuts the graph's N nodes into ranges P_0..P_{k-1}. With per-range costs from cost.py
+(C micro-batches: F_i forward, B_i backward; L_i parameter load, K_i its checkpoints streamed
+in during its own backward, O_i gradient offload, A_i CPU optimizer), the simulator
+(atomc.simulate.events) runs the schedule of ATOM Fig. 12. Its step time is
+
+    step = sum_{0<i<k-1} max(F_i, L_{i+1})         forward: P_{i+1} loads while P_i computes
+         + H(P_0, P_1)                              P_0's forward and the step's tail (below)
+         + F_{k-1}                                  P_{k-1} stays for its backward
+         + sum_{i>=1}  max(B_i, K_i + L_{i-1})      backward: P_{i-1} loads while P_i computes
+         + B_0
+
+where H is the cheaper of two handovers at the step boundary (cost.first_pair): P_1 loads
+during P_0's forward, or during P_0's update tail (gradients out, CPU update, refresh), which
+hides a large P_1 behind a P_0 that holds little compute, such as the embedding (ATOM III-C).
+
+provided two lanes never fall behind: P_i's gradient offload is hidden behind the backward of
+P_{i-1} (O_i <= B_{i-1}), and P_i's CPU update ends before P_{i-1}'s gradients arrive
+(O_i + A_i <= B_{i-1} + O_{i-1}). Then every lane starts each job when the compute lane asks
+for it, and the identity above holds exactly (integers, ns); test_partition checks it against
+the simulator. Each term depends on one range or two neighbouring ranges, and so does every
+constraint (DESIGN 4):
+
+    memory   forward  mem_fwd(P_i) + params(P_{i+1})          <= M
+             backward mem_bwd(P_{i+1}) + params(P_i)          <= M
+                      mem_bwd(P_i) + grads(P_{i+1})           <= M   (gradients leaving)
+             alone    mem_fwd(P_i) <= M and mem_bwd(P_i) <= M    (covers "fits alone")
+    overlap  forward  F_i >= L_{i+1};   backward  B_{i+1} >= K_{i+1} + L_i
+    gradient O_{i+1} <= B_i;             optimizer O_{i+1} + A_{i+1} <= B_i + O_i
+
+So the objective (step, then bytes crossing cuts, then number of sub-models, compared in that
+order) is a sum of terms over consecutive pairs of ranges, and a dynamic programme whose state
+is the current range [a, b) is exact: V(a, b) = the best suffix value given that [a, b) is a
+sub-model, V(a, b) = min over c of pair([a,b), [b,c)) + V(b, c), with V(a, N) = F(a, N). The
+"memo on the start index" of Algorithm 1 becomes a memo on (start, end), which is exactly what
+the suffix needs from its predecessor. Bounds prune it: a range is considered only when it
+fits alone (its parameters and gradients bound its width), and pair constraints are masks.
+
+Tiers. Tier 0 requires every constraint. When no plan meets them (C too small, or capped),
+tier 1 drops the two load-overlap constraints (stalls are then paid in the max() terms above,
+still exactly what the simulator does); tier 2 also drops the gradient and optimizer
+constraints. A lane that falls behind then delays later jobs in ways no sum of pair terms
+captures, so tier 2 minimises an estimate: the sum above plus, for each pair, the amounts by
+which the gradient offload and the CPU update overrun (max(0, O_{i+1} - B_i) and
+max(0, O_{i+1} + A_{i+1} - B_i - O_i)), as if each overrun stalled the step. The caller keeps
+whichever relaxed plan the simulator predicts faster. Memory is never relaxed.
+
+Speed. For each middle cut b the search evaluates all (a, c) pairs at once with numpy, so a
+run costs O(N * W^2) array work for ranges of at most W nodes. Repeated blocks fold the run:
+when the tables of every range starting near b equal those starting near b + s (s a multiple
+of the block length) and the suffix values just computed satisfy V(., c) = V(., c + s) + delta
+for a whole window of W cut positions, then every earlier value follows by the same shift
+(min-plus recurrences commute with adding a constant), so the search copies instead of
+computing until the blocks end. The check is on the numbers themselves, so folding never
+changes the result; turning it off (fold=False) gives the same plan, only slower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from atomc.partition.cost import CostParams, Derived, RangeTables, derive, first_pair
+
+INF = np.int64(2**62)
+MAX_FOLD_MULTIPLE = 4  # try periods of 1..4 blocks (a pattern may repeat every few blocks)
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    cuts: tuple[int, ...]  # cut positions q: a cut between node q-1 and node q
+    step_ns: int  # the additive step time (equal to the simulated one in tiers 0 and 1)
+    cut_bytes: int
+    num_submodels: int
+    tier: int
+    folded_positions: int = 0  # cut positions filled by shifting instead of computing
+    early_prefetch: bool = False  # P_1 loads during P_0's update tail (cost.first_pair)
+
+    @property
+    def objective(self) -> tuple[int, int, int]:
+        return (self.step_ns, self.cut_bytes, self.num_submodels)
+
+
+def block_period(tables: RangeTables, blocks: tuple[str, ...], node_blocks: tuple[str, ...],
+                 signatures: tuple[str, ...]) -> int:
+    """Nodes per repeated block when the blocks are contiguous, equally long and alike; else 0."""
+    if len(blocks) < 2:
+        return 0
+    spans: dict[str, list[int]] = {}
+    for i, b in enumerate(node_blocks):
+        if b:
+            spans.setdefault(b, []).append(i)
+    lengths = set()
+    sigs = set()
+    for b in blocks:
+        idx = spans.get(b)
+        if not idx or idx[-1] - idx[0] + 1 != len(idx):
+            return 0
+        lengths.add(len(idx))
+        sigs.add(tuple(signatures[i] for i in idx))
+    if len(lengths) != 1 or len(sigs) != 1:
+        return 0
+    return lengths.pop()
+
+
+def _equal_rows(tables: RangeTables, shift: int) -> np.ndarray:
+    """eq[a]: every range starting at a costs exactly what the same range starting at a+shift costs."""
+    n = tables.num_nodes
+    eq = np.zeros(n + 1, dtype=bool)
+    if shift <= 0 or shift >= n:
+        return eq
+    same = np.ones(n - shift, dtype=bool)
+    for arr in tables.row_arrays():
+        same &= (arr[: n - shift] == arr[shift:]).all(axis=1)
+    eq[: n - shift] = same
+    return eq
+
+
+class _Suffix:
+    """V over states [b - w, b), stored by end b (rows) and width w (columns)."""
+
+    def __init__(self, n: int, w_max: int):
+        shape = (n + 1, w_max + 1)
+        self.valid = np.zeros(shape, dtype=bool)
+        self.step = np.full(shape, INF, dtype=np.int64)
+        self.cut = np.full(shape, INF, dtype=np.int64)
+        self.count = np.full(shape, INF, dtype=np.int64)
+        self.next = np.full(shape, -1, dtype=np.int64)  # chosen end of the following range
+
+    def shift_delta(self, lo: int, hi: int, s: int) -> tuple[int, int, int] | None:
+        """delta when V(., c) = V(., c+s) + delta for every end c in [lo, hi); else None."""
+        v0, v1 = self.valid[lo:hi], self.valid[lo + s:hi + s]
+        if not np.array_equal(v0, v1):
+            return None
+        if not v0.any():
+            return (0, 0, 0)
+        delta = []
+        for arr in (self.step, self.cut, self.count):
+            d = arr[lo:hi][v0] - arr[lo + s:hi + s][v0]
+            if (d != d[0]).any():
+                return None
+            delta.append(int(d[0]))
+        return delta[0], delta[1], delta[2]
+
+
+@dataclass(frozen=True)
+class Folding:
+    """Where the tables repeat: periodic[s][b] says every range the middle cut b touches costs
+    what the same range shifted by s costs (s a multiple of the block length)."""
+
+    period: int
+    periodic: dict[int, np.ndarray]
+
+
+def prepare_folding(tables: RangeTables, period: int) -> Folding | None:
+    if period <= 0:
+        return None
+    n, w_max = tables.num_nodes, tables.max_width
+    periodic = {}
+    for mult in range(1, MAX_FOLD_MULTIPLE + 1):
+        s = mult * period
+        counts = np.concatenate([[0], np.cumsum(_equal_rows(tables, s))])
+        b = np.arange(n + 1)
+        lo = np.maximum(0, b - w_max)
+        hi = np.minimum(b + 1, n + 1)
+        periodic[s] = (counts[hi] - counts[lo] == hi - lo) & (b + s <= n)
+    return Folding(period, periodic)
+
+
+def search(tables: RangeTables, params: CostParams, tier: int = 0, folding: Folding | None = None,
+           derived: Derived | None = None) -> SearchResult | None:
+    """The best plan of `tier` (0: all constraints; 1: loads may stall; 2: memory only), or None."""
+    t = tables
+    d = derived if derived is not None else derive(t, params)
+    n, w_max = t.num_nodes, t.max_width
+    m = np.int64(params.usable_bytes)
+    ok = d.ok
+    v = _Suffix(n, w_max)
+
+    # base: the last sub-model [N - w, N) adds its forward (it stays for its backward)
+    for w in range(1, min(w_max, n) + 1):
+        a = n - w
+        if ok[a, w]:
+            v.valid[n, w] = True
+            v.step[n, w] = d.fwd_ns[a, w]
+            v.cut[n, w] = 0
+            v.count[n, w] = 1
+
+    folded = 0
+    b = n - 1
+    while b >= 1:
+        if b % 32 == 0 and not v.valid[b + 1:b + 1 + w_max].any():
+            return None  # nothing earlier can reach a valid state: no plan
+        if t.allowed[b]:
+            _solve_middle(b, t, d, v, tier, m)
+        stable = None
+        if folding and b % folding.period == 0:
+            stable = _find_shift(v, b, w_max, n, folding.period)
+        if stable is None:
+            b -= 1
+            continue
+        # every earlier middle whose ranges repeat with shift s: copy V by blocks of s rows
+        s, delta = stable
+        periodic = folding.periodic[s]
+        lo = b - 1
+        while lo >= 1 and periodic[lo]:
+            lo -= 1
+        hi = b - 1
+        while hi > lo:
+            first = max(lo + 1, hi - s + 1)
+            _copy_rows(v, first, hi + 1, s, delta)
+            folded += hi + 1 - first
+            hi = first - 1
+        b = lo
+
+    # the first sub-model [0, b) adds its backward and the step's tail
+    best = None
+    for w in range(1, min(w_max, n) + 1):
+        if not (v.valid[w, w] and ok[0, w]):
+            continue
+        tail = d.tail_ns[0, w] if w == n else 0  # else in the first pair's term
+        key = (int(v.step[w, w] + d.bwd_ns[0, w] + tail), int(v.cut[w, w]), int(v.count[w, w]))
+        if best is None or key < best[0]:
+            best = (key, w)
+    if best is None:
+        return None
+    (step, cut_bytes, count), b = best
+    cuts = []
+    a = 0
+    while b != n:
+        cuts.append(b)
+        c = int(v.next[b, b - a])
+        a, b = b, c
+    early = False
+    if cuts:
+        end = cuts[1] if len(cuts) > 1 else n
+        _, _, early_term, early_ok, pick_early = _first_pair_grid(
+            d, cuts[0], np.array([end - cuts[0]]), tier, m)
+        early = bool(pick_early[0])
+    return SearchResult(tuple(cuts), step, cut_bytes, count, tier, folded, early)
+
+
+def _first_pair_grid(d: Derived, b: int, wr: np.ndarray, tier: int, m: np.int64):
+    """Handover terms for P_0 = [0, b) followed by each [b, b + wr)."""
+    w = b
+    late, late_ok, early, early_ok = first_pair(
+        d.fwd_ns[0, w], d.bwd_ns[0, w], d.offload_ns[0, w], d.optimizer_ns[0, w],
+        d.load_fwd_ns[0, w], d.param_bytes[0, w], d.grad_bytes[0, w], d.load_fwd_ns[b, wr],
+        d.offload_ns[b, wr], d.optimizer_ns[b, wr], d.param_bytes[b, wr], d.bwd_ns[b, wr],
+        d.checkpoint_ns[b, wr], tier, m)
+    pick_early = early_ok & ~(late_ok & (late <= early))
+    return late, late_ok, early, early_ok, pick_early
+
+
+def _copy_rows(v: _Suffix, lo: int, hi: int, s: int, delta: tuple[int, int, int]) -> None:
+    """V rows [lo, hi) = rows [lo+s, hi+s) + delta, where valid."""
+    ds, dc, dn = delta
+    row = v.valid[lo + s:hi + s]
+    v.valid[lo:hi] = row
+    v.step[lo:hi] = np.where(row, v.step[lo + s:hi + s] + ds, INF)
+    v.cut[lo:hi] = np.where(row, v.cut[lo + s:hi + s] + dc, INF)
+    v.count[lo:hi] = np.where(row, v.count[lo + s:hi + s] + dn, INF)
+    v.next[lo:hi] = np.where(row, v.next[lo + s:hi + s] - s, -1)
+
+
+def _find_shift(v: _Suffix, b: int, w_max: int, n: int, period: int):
+    """A shift s with V(., c) = V(., c+s) + delta for the ends c in [b, b+W) that earlier
+    states can reach; None when there is none (yet)."""
+    hi = b + w_max
+    for mult in range(1, MAX_FOLD_MULTIPLE + 1):
+        s = mult * period
+        if hi + s > n + 1:  # the shifted window must lie among computed ends
+            return None
+        delta = v.shift_delta(b, hi, s)
+        if delta is not None:
+            return (s, delta)
+    return None
+
+
+def _solve_middle(b: int, t: RangeTables, d: Derived, v: _Suffix, tier: int, m: np.int64) -> None:
+    """V for every state [a, b): try every following range [b, c) at once."""
+    n, w_max = t.num_nodes, t.max_width
+    wl = np.arange(1, min(w_max, b) + 1)
+    al = b - wl
+    left_ok = d.ok[al, wl]
+    if not left_ok.any():
+        return
+    wl, al = wl[left_ok], al[left_ok]
+    wr = np.arange(1, min(w_max, n - b) + 1)
+    right_ok = d.ok[b, wr] & v.valid[b + wr, wr]
+    if not right_ok.any():
+        return
+    wr = wr[right_ok]
+    ends = b + wr
+
+    def left(x):
+        return x[al, wl][:, None]
+
+    def right(x):
+        return x[b, wr][None, :]
+
+    f_l, bwd_l = left(d.fwd_ns), left(d.bwd_ns)
+    bwd_r = right(d.bwd_ns)
+    lf_r = right(d.load_fwd_ns)
+    lb_l = right(d.checkpoint_ns) + left(d.load_fwd_ns)  # the H2D lane during R's backward
+    mask = left(d.mem_fwd_bytes) + right(d.param_bytes) <= m
+    mask &= right(d.mem_bwd_bytes) + left(d.param_bytes) <= m
+    mask &= left(d.mem_bwd_bytes) + right(d.grad_bytes) <= m
+    if tier <= 1:
+        off_r = right(d.offload_ns)
+        mask &= off_r <= bwd_l
+        mask &= off_r + right(d.optimizer_ns) <= bwd_l + left(d.offload_ns)
+    if tier == 0:
+        mask &= bwd_r >= lb_l
+    fwd_term = np.maximum(f_l, lf_r)
+    fwd_ok = f_l >= lf_r if tier == 0 else np.ones_like(mask)
+    if al[-1] == 0:  # the first sub-model: its handover to P_1 replaces the forward term
+        late, late_ok, early, early_ok, pick_early = _first_pair_grid(d, b, wr, tier, m)
+        fwd_term = np.broadcast_to(fwd_term, mask.shape).copy()
+        fwd_ok = np.broadcast_to(fwd_ok, mask.shape).copy()
+        fwd_term[-1] = np.where(pick_early, early, late)
+        fwd_ok[-1] = late_ok | early_ok
+    mask &= fwd_ok
+    has = mask.any(axis=1)
+    if not has.any():
+        return
+    step = fwd_term + np.maximum(bwd_r, lb_l) + v.step[ends, wr][None, :]
+    if tier == 2:
+        off_r, off_l = right(d.offload_ns), left(d.offload_ns)
+        step = (step + np.maximum(off_r - bwd_l, 0)
+                + np.maximum(off_r + right(d.optimizer_ns) - bwd_l - off_l, 0))
+    cut = np.broadcast_to(v.cut[ends, wr][None, :], step.shape)
+    count = np.broadcast_to(v.count[ends, wr][None, :], step.shape)
+    # lexicographic minimum per row: step, then bytes crossing cuts, then sub-model count
+    s_min = np.where(mask, step, INF).min(axis=1)
+    tie = mask & (step == s_min[:, None])
+    c_min = np.where(tie, cut, INF).min(axis=1)
+    tie &= cut == c_min[:, None]
+    n_min = np.where(tie, count, INF).min(axis=1)
+    tie &= count == n_min[:, None]
+    pick = tie.argmax(axis=1)
+    rows = wl[has]
+    v.valid[b, rows] = True
+    v.step[b, rows] = s_min[has]
+    v.cut[b, rows] = c_min[has] + t.cut_bytes[b]
+    v.count[b, rows] = n_min[has] + 1
+    v.next[b, rows] = ends[pick[has]]

@@ -1,0 +1,351 @@
+"""Runtime stage, CPU optimizer: AdamW over each sub-model's flat master buffer, on a thread.
+
+Input: a sub-model's gradients arriving in the host store (with a CUDA event that says when the
+device-to-host copy is done). Output: updated masters and images, and per sub-model futures
+that the executor waits on before it loads that sub-model again — so the next forward always
+sees updated weights.
+
+- Each sub-model has one `torch.optim.AdamW` over (at most) two flat parameters: its decayed
+  and its undecayed owned region. The default implementation is torch's fused CPU kernel,
+  about 10x faster than the foreach and for-loop ones on this machine (see docs/runtime.md).
+- Without clipping or loss scaling, sub-model i is updated as soon as its gradients are on
+  the host, in backward order, overlapping the rest of the backward ("eager").
+- Global gradient-norm clipping and dynamic fp16 loss scaling need every gradient first:
+  gradients are still gathered (tied replicas summed, loss scale divided out) as they
+  arrive; the norm is taken when the last arrives, and the updates then run in forward
+  order 0, 1, ..., k-1, overlapping the next step's forward ("deferred").
+- Learning rate of step s: lr * lr_schedule(s) (a LambdaLR-style multiplier).
+
+All of this runs on one worker thread, in submission order; torch's kernels release the GIL.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+
+from atomc.errors import UsageError
+from atomc.runtime.store import DecayFilter, HostStore
+from atomc.runtime.trace import Tracer
+
+IMPLS = ("fused", "foreach", "for-loop")
+
+
+@dataclass(frozen=True)
+class AdamWConfig:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    max_grad_norm: float | None = None  # global clipping, as torch.nn.utils.clip_grad_norm_
+    lr_schedule: Callable[[int], float] | None = None  # step -> multiplier of lr
+    impl: str = "fused"
+    decay_filter: DecayFilter | None = None  # (FQN, shape) -> decay it? default: all
+
+    def __post_init__(self) -> None:
+        if self.impl not in IMPLS:
+            raise UsageError(f"optimizer implementation {self.impl!r} is unknown; "
+                             f"choose one of {', '.join(IMPLS)}")
+        if self.lr < 0 or self.eps <= 0 or not all(0 <= b < 1 for b in self.betas):
+            raise UsageError(f"AdamW settings lr={self.lr}, betas={self.betas}, eps={self.eps} are "
+                             f"out of range; give lr >= 0, 0 <= betas < 1, eps > 0")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise UsageError(f"max_grad_norm {self.max_grad_norm} must be positive (or None: no clipping)")
+
+    def lr_at(self, step: int) -> float:
+        return self.lr * (self.lr_schedule(step) if self.lr_schedule is not None else 1.0)
+
+    def torch_kwargs(self) -> dict[str, Any]:
+        impl = {"fused": {"fused": True}, "foreach": {"foreach": True},
+                "for-loop": {"foreach": False}}[self.impl]
+        return dict(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay, **impl)
+
+    @classmethod
+    def coerce(cls, value: "AdamWConfig | dict[str, Any] | None") -> "AdamWConfig":
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - set(cls.__dataclass_fields__)
+            if unknown:
+                raise UsageError(f"optimizer settings {sorted(unknown)} are unknown; "
+                                 f"known: {', '.join(cls.__dataclass_fields__)}")
+            kw = dict(value)
+            if "betas" in kw:
+                kw["betas"] = tuple(kw["betas"])
+            return cls(**kw)
+        raise UsageError(f"optimizer= takes an AdamWConfig or a dict of its fields, got {type(value).__name__}")
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float = 0.1) -> Callable[[int], float]:
+    """Linear warm-up to 1, then cosine decay to `min_ratio` at `total_steps`."""
+    def schedule(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return schedule
+
+
+@dataclass
+class LossScaler:
+    """Dynamic loss scaling for fp16 (the rule of torch.amp.GradScaler)."""
+
+    scale: float = 2.0 ** 16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    good_steps: int = 0
+    skipped_steps: int = 0
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.good_steps = 0
+            self.skipped_steps += 1
+        else:
+            self.good_steps += 1
+            if self.good_steps >= self.growth_interval:
+                self.scale *= self.growth_factor
+                self.good_steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(scale=self.scale, growth_factor=self.growth_factor, backoff_factor=self.backoff_factor,
+                    growth_interval=self.growth_interval, good_steps=self.good_steps,
+                    skipped_steps=self.skipped_steps)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+
+
+@dataclass
+class _StepState:
+    """What the worker accumulates for one training step."""
+
+    step: int
+    scale: float
+    arrived: int = 0
+    grad_norm: float | None = None
+    skipped: bool = False
+
+
+class CpuOptimizer:
+    """AdamW per sub-model on the host store, run on one worker thread (see module docstring)."""
+
+    def __init__(self, store: HostStore, config: AdamWConfig, scaler: LossScaler | None,
+                 tracer: Tracer, threaded: bool = True, param_order: list[str] | None = None):
+        self.store = store
+        self.config = config
+        self.scaler = scaler
+        self.tracer = tracer
+        self.k = len(store.layouts)
+        self.deferred = config.max_grad_norm is not None or scaler is not None
+        # (owner, offset, numel, shape) of every master, in the original model's parameter order
+        masters = {e.key: (L.index, e.offset, e.numel, e.shape) for L in store.layouts for e in L.entries if e.owned}
+        order = [k for k in dict.fromkeys(param_order or []) if k in masters]
+        order += [k for k in masters if k not in set(order)]
+        self.norm_order = [masters[k] for k in order]
+        self.params: list[list[torch.nn.Parameter]] = []
+        self.optims: list[torch.optim.AdamW] = []
+        for i, L in enumerate(store.layouts):
+            groups, params = [], []
+            for lo, hi, wd in ((0, L.decay_numel, config.weight_decay), (L.decay_numel, L.owned_numel, 0.0)):
+                if hi > lo:
+                    p = torch.nn.Parameter(store.master[i][lo:hi], requires_grad=True)
+                    p.grad = store.grad_master[i][lo:hi]
+                    params.append(p)
+                    groups.append({"params": [p], "weight_decay": wd})
+            self.params.append(params)
+            # a sub-model that owns nothing (all its weights are replicas) has no optimizer
+            self.optims.append(torch.optim.AdamW(groups, **config.torch_kwargs()) if groups else None)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomc-cpu-adamw") if threaded else None
+        self.update_future: list[Future | None] = [None] * self.k
+        self._futures: dict[int, list[Future]] = {}  # by step
+        self._decide_future: Future | None = None
+        self._current: _StepState | None = None
+        self.last_grad_norm: float | None = None
+        self.last_skipped = False
+        self.update_ms: dict[int, float] = {}
+        self._lock = threading.Lock()
+
+    # ---- submission (main thread) --------------------------------------------------------------
+
+    def begin_step(self, step: int) -> float:
+        """Start collecting a step's gradients; returns the loss scale to multiply the loss by.
+
+        The scale depends on whether the previous step overflowed, so this waits for that
+        step's global decision (taken as soon as its last gradient arrived). Failures of
+        earlier work are raised here.
+        """
+        self._reap()
+        if self.scaler is not None and self._decide_future is not None:
+            self._decide_future.result()
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        self._current = _StepState(step, scale)
+        return scale
+
+    def submit(self, i: int, ready_event: Any = None) -> None:
+        """Sub-model i's gradients are (or, once `ready_event` completes, will be) on the host."""
+        st = self._current
+        assert st is not None
+        st.arrived += 1
+        if not self.deferred:
+            self.update_future[i] = self._run(self._prepare_and_update, st, i, ready_event)
+            return
+        self._run(self._prepare, st, i, ready_event)
+        if st.arrived == self.k:
+            self._decide_future = self._run(self._decide, st)
+            for j in range(self.k):
+                self.update_future[j] = self._run(self._update, st, j)
+
+    def _run(self, fn: Callable, *args: Any) -> Future:
+        assert self._current is not None
+        if self._pool is None:
+            fut: Future = Future()
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # surfaced by wait_* like a threaded failure
+                fut.set_exception(e)
+        else:
+            fut = self._pool.submit(fn, *args)
+        self._futures.setdefault(self._current.step, []).append(fut)
+        return fut
+
+    def _reap(self) -> None:
+        """Forget finished work, raising the first failure among it."""
+        for step in list(self._futures):
+            futs = self._futures[step]
+            for f in futs:
+                if f.done():
+                    f.result()
+            if all(f.done() for f in futs):
+                del self._futures[step]
+
+    def wait_update(self, indices: tuple[int, ...] | list[int]) -> None:
+        """Block until the latest scheduled updates of these sub-models are done."""
+        for i in indices:
+            fut = self.update_future[i]
+            if fut is not None:
+                fut.result()
+
+    def updates_done(self, indices: tuple[int, ...] | list[int]) -> bool:
+        return all(self.update_future[i] is None or self.update_future[i].done() for i in indices)
+
+    def wait_step(self, step: int) -> None:
+        """Block until all work on the gradients of steps <= `step` is done."""
+        for s in sorted(self._futures):
+            if s <= step:
+                for f in self._futures.pop(s):
+                    f.result()
+
+    def wait_all(self) -> None:
+        while self._futures:
+            for f in self._futures.pop(min(self._futures)):
+                f.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self.wait_all()
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    # ---- work (worker thread) ------------------------------------------------------------------
+
+    @staticmethod
+    def _wait_ready(event: Any) -> None:
+        if event is not None:
+            event.synchronize()  # this copy only: not a device-wide synchronisation
+
+    def _gather(self, st: _StepState, i: int) -> None:
+        self.store.reduce_grads(i)
+        g = self.store.grad_master[i]
+        if st.scale != 1.0:
+            g.mul_(1.0 / st.scale)
+
+    def _prepare_and_update(self, st: _StepState, i: int, event: Any) -> None:
+        self._wait_ready(event)
+        t0 = time.perf_counter()
+        self._gather(st, i)
+        self._step_one(st, i)
+        t1 = time.perf_counter()
+        self.update_ms[i] = (t1 - t0) * 1e3
+        self.tracer.host_event(st.step, "optimizer", i, "optimizer", t0, t1)
+
+    def _prepare(self, st: _StepState, i: int, event: Any) -> None:
+        self._wait_ready(event)
+        t0 = time.perf_counter()
+        self._gather(st, i)
+        t1 = time.perf_counter()
+        self.tracer.host_event(st.step, "optimizer", i, "grad_prepare", t0, t1)
+
+    def _decide(self, st: _StepState) -> None:
+        """All gradients are in: the global norm, then skip (overflow) or clip.
+
+        The norm is computed as torch.nn.utils.clip_grad_norm_ does — one norm per original
+        parameter, in the original model's parameter order, then the norm of those — so that
+        clipping gives the same bits as on the unpartitioned model.
+        """
+        t0 = time.perf_counter()
+        norms = [torch.linalg.vector_norm(self.store.grad_master[o][off:off + n].view(shape), 2)
+                 for o, off, n, shape in self.norm_order]
+        total_t = torch.linalg.vector_norm(torch.stack(norms), 2) if norms else torch.zeros(())
+        total = float(total_t)
+        st.grad_norm = total
+        self.last_grad_norm = total
+        found_inf = not math.isfinite(total)
+        if self.scaler is not None:
+            st.skipped = found_inf
+            self.scaler.update(found_inf)
+        self.last_skipped = st.skipped
+        if not st.skipped and self.config.max_grad_norm is not None:
+            coef = torch.clamp(self.config.max_grad_norm / (total_t + 1e-6), max=1.0)
+            for i in range(self.k):
+                self.store.grad_master[i].mul_(coef)
+        self.tracer.host_event(st.step, "optimizer", -1, "grad_norm", t0, time.perf_counter())
+
+    def _update(self, st: _StepState, i: int) -> None:
+        if st.skipped:
+            return
+        t0 = time.perf_counter()
+        self._step_one(st, i)
+        t1 = time.perf_counter()
+        self.update_ms[i] = (t1 - t0) * 1e3
+        self.tracer.host_event(st.step, "optimizer", i, "optimizer", t0, t1)
+
+    def _step_one(self, st: _StepState, i: int) -> None:
+        opt = self.optims[i]
+        if opt is not None:
+            lr = self.config.lr_at(st.step)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+        self.store.refresh_images(i)
+
+    # ---- state -----------------------------------------------------------------------------------
+
+    def state_dict(self) -> list[dict[str, Any] | None]:
+        self.wait_all()
+        return [o.state_dict() if o is not None else None for o in self.optims]
+
+    def load_state_dict(self, states: list[dict[str, Any] | None]) -> None:
+        self.wait_all()
+        for opt, state in zip(self.optims, states):
+            if opt is None:
+                continue
+            wds = [g["weight_decay"] for g in opt.param_groups]
+            opt.load_state_dict(state)
+            # the trainer's own settings win over the checkpoint's (e.g. a new learning rate)
+            kw = self.config.torch_kwargs()
+            for g, wd in zip(opt.param_groups, wds):
+                g.update(lr=kw["lr"], betas=kw["betas"], eps=kw["eps"], weight_decay=wd)
+
+    def with_config(self, **changes: Any) -> AdamWConfig:
+        return replace(self.config, **changes)

@@ -1,0 +1,173 @@
+"""Runtime stage, input side: a generated package directory -> a checked `SwapPackage`.
+
+The generated-package contract (what `atomc codegen` writes; README "Generated packages"):
+`SUBMODELS` (classes in order, each with `INPUTS` and `OUTPUTS` value names), `MODEL_INPUTS`,
+`BOUNDARIES` (per sub-model {"inputs": {name: spec}, "outputs": {name: spec}}), `PLAN` (the
+plan's hash and where it came from), `PARAM_NAMES` (per sub-model local name -> original FQN),
+`TIED` (original FQN -> [(sub-model, local name), ...]), `build_submodels(device=None)`,
+`load_original_state_dict(submodels, state_dict)`, `export_state_dict(submodels)`.
+
+This module imports such a directory and checks that it keeps the contract, so that the
+executor can rely on it: every value a sub-model reads is a model input or an earlier
+sub-model's output, and every tied holder exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+from atomc.errors import RuntimeMismatchError
+
+REQUIRED = ("SUBMODELS", "MODEL_INPUTS", "BOUNDARIES", "PLAN", "PARAM_NAMES", "TIED",
+            "build_submodels", "load_original_state_dict", "export_state_dict")
+
+
+@dataclass
+class SwapPackage:
+    path: Path
+    module: ModuleType
+    classes: list[type]
+    model_inputs: tuple[str, ...]
+    inputs: list[tuple[str, ...]]  # per sub-model, value names in forward() order
+    outputs: list[tuple[str, ...]]
+    boundaries: list[dict[str, Any]]
+    plan: dict[str, Any]
+    param_names: list[dict[str, str]]
+    tied: dict[str, list[tuple[int, str]]]
+    build_submodels: Callable[..., list]
+    load_original_state_dict: Callable[..., Any]
+    export_state_dict: Callable[..., dict]
+    original_names: tuple[str, ...] = ()  # the original state-dict names, in the model's order
+
+    @property
+    def num_submodels(self) -> int:
+        return len(self.classes)
+
+    @property
+    def plan_hash(self) -> str:
+        return str(self.plan.get("plan_hash", ""))
+
+    def readers(self) -> dict[str, list[int]]:
+        """Value name -> indices of the sub-models that read it, ascending."""
+        out: dict[str, list[int]] = {}
+        for i, names in enumerate(self.inputs):
+            for n in names:
+                out.setdefault(n, []).append(i)
+        return out
+
+    def producers(self) -> dict[str, int]:
+        """Value name -> index of the sub-model that produces it (-1: a model input)."""
+        out = {n: -1 for n in self.model_inputs}
+        for i, names in enumerate(self.outputs[:-1]):
+            for n in names:
+                out[n] = i
+        return out
+
+    def input_specs(self) -> dict[str, dict[str, Any]]:
+        """Model input name -> {"shape", "dtype"} as the plan saw it (one micro-batch)."""
+        specs: dict[str, dict[str, Any]] = {}
+        for b in self.boundaries:
+            for name, spec in (b.get("inputs") or {}).items():
+                if name in self.model_inputs and name not in specs:
+                    specs[name] = spec
+        return specs
+
+    def model_file(self) -> Path | None:
+        """The model file the package was generated from, if it can be found.
+
+        A relative PLAN["model_path"] is tried from the working directory, then beside the
+        package and beside its parent directory.
+        """
+        raw = self.plan.get("model_path")
+        if not raw:
+            return None
+        p = Path(raw)
+        candidates = [p] if p.is_absolute() else [p, self.path / p, self.path.parent / p,
+                                                   self.path.parent.parent / p]
+        return next((c for c in candidates if c.is_file()), None)
+
+    def fingerprint(self) -> str:
+        """Hash of the package's structure: what a checkpoint must agree with."""
+        data = repr((self.plan_hash, self.model_inputs, self.inputs, self.outputs,
+                     sorted((i, sorted(n.items())) for i, n in enumerate(self.param_names)),
+                     sorted((k, sorted(v)) for k, v in self.tied.items())))
+        return hashlib.sha256(data.encode()).hexdigest()[:16]
+
+
+def import_package(path: str | Path) -> ModuleType:
+    p = Path(path)
+    init = p / "__init__.py"
+    if not init.is_file():
+        raise RuntimeMismatchError(
+            f"{p} is not a generated package (no __init__.py); give the directory `atomc codegen` wrote")
+    digest = hashlib.sha256(str(p.resolve()).encode()).hexdigest()[:12]
+    name = f"atomc_pkg_{p.name}_{digest}"
+    if name in sys.modules:
+        del sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(p)])
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[name]
+        raise RuntimeMismatchError(f"generated package {p} does not import ({type(e).__name__}: {e}); "
+                                   f"regenerate it with `atomc codegen`") from e
+    return module
+
+
+def load_swap_package(path: str | Path) -> SwapPackage:
+    p = Path(path)
+    module = import_package(p)
+    missing = [n for n in REQUIRED if not hasattr(module, n)]
+    if missing:
+        raise RuntimeMismatchError(
+            f"{p} lacks {', '.join(missing)}: not a package `atomc codegen` wrote (or an older one); "
+            f"regenerate it")
+    classes = list(module.SUBMODELS)
+    k = len(classes)
+    for attr in ("BOUNDARIES", "PARAM_NAMES"):
+        if len(getattr(module, attr)) != k:
+            raise RuntimeMismatchError(f"{p}: {attr} has {len(getattr(module, attr))} entries for {k} "
+                                       f"sub-models; the package is damaged, regenerate it")
+    if k == 0:
+        raise RuntimeMismatchError(f"{p} has no sub-models; regenerate it")
+    inputs, outputs = [], []
+    for i, cls in enumerate(classes):
+        if not hasattr(cls, "INPUTS") or not hasattr(cls, "OUTPUTS"):
+            raise RuntimeMismatchError(f"{p}: sub-model {i} ({cls.__name__}) lacks INPUTS/OUTPUTS")
+        inputs.append(tuple(cls.INPUTS))
+        outputs.append(tuple(cls.OUTPUTS))
+    model_inputs = tuple(module.MODEL_INPUTS)
+    available = set(model_inputs)
+    for i in range(k):
+        unknown = [n for n in inputs[i] if n not in available]
+        if unknown:
+            raise RuntimeMismatchError(
+                f"{p}: sub-model {i} reads {', '.join(unknown)}, which no model input or earlier "
+                f"sub-model produces; the package is damaged, regenerate it")
+        available.update(outputs[i])
+    tied: dict[str, list[tuple[int, str]]] = {}
+    for fqn, holders in dict(module.TIED).items():
+        pairs = [(int(i), str(n)) for i, n in holders]
+        for i, n in pairs:
+            if not 0 <= i < k or n not in module.PARAM_NAMES[i]:
+                raise RuntimeMismatchError(f"{p}: TIED[{fqn!r}] names sub-model {i} parameter {n!r}, "
+                                           f"which PARAM_NAMES does not list; regenerate the package")
+        tied[fqn] = pairs
+    return SwapPackage(
+        path=p, module=module, classes=classes, model_inputs=model_inputs, inputs=inputs,
+        outputs=outputs, boundaries=list(module.BOUNDARIES), plan=dict(module.PLAN),
+        param_names=[dict(d) for d in module.PARAM_NAMES], tied=tied,
+        build_submodels=module.build_submodels,
+        load_original_state_dict=module.load_original_state_dict,
+        export_state_dict=module.export_state_dict,
+        original_names=tuple(getattr(module, "ORIGINAL_NAMES", ())),
+    )

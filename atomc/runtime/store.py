@@ -1,0 +1,224 @@
+"""Runtime stage, host store: every sub-model's weights and gradients in flat host buffers.
+
+Input: the generated package's PARAM_NAMES/TIED and one built copy of the sub-models.
+Output: a `HostStore` with, per sub-model i,
+
+- `image[i]`: the flat buffer the device loads in ONE copy (transfer dtype; pinned on CUDA).
+  Its layout is [owned decayed params | owned undecayed params | replicas], where a replica
+  is a tied parameter whose master lives in an earlier sub-model.
+- `master[i]`: the owned region in the master dtype (fp32, or fp64 for fp64 models). It is a
+  view of `image[i]` when the two dtypes agree; otherwise a separate buffer that is cast into
+  the image after each optimizer update.
+- `grad[i]`: the flat buffer the device's gradients come back into in ONE copy (pinned), and
+  `grad_master[i]`, the owned region in the master dtype, where tied replicas' gradients are
+  summed into their owner's before the optimizer runs.
+
+A tied parameter has one master and one optimizer state (in its first holder, the lowest
+sub-model index); each holder's image carries a replica refreshed from that master after
+every update, so every holder is loaded with the same weights. Buffers are allocated once
+and reused every step, so pinned memory is bounded by the model: 2x (or 3x with a separate
+transfer copy) its parameter bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from atomc.errors import RuntimeMismatchError
+from atomc.runtime.package import SwapPackage
+
+DecayFilter = Callable[[str, tuple[int, ...]], bool]
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    local: str  # the sub-model's own parameter name
+    key: str  # the original FQN naming the master (the tie group for tied weights)
+    shape: tuple[int, ...]
+    numel: int
+    offset: int  # in this sub-model's image
+    owner: int  # sub-model whose master holds it
+    owner_offset: int  # in the owner's master
+    decay: bool
+    owned: bool  # this entry is the master (else a replica of the owner's)
+
+
+@dataclass(frozen=True)
+class SubLayout:
+    index: int
+    entries: tuple[ParamEntry, ...]  # image order
+    numel: int  # image elements
+    owned_numel: int  # master elements: [0, owned_numel) of the image
+    decay_numel: int  # [0, decay_numel) are decayed; [decay_numel, owned_numel) are not
+
+    def signature(self) -> list[tuple[str, list[int], int, bool]]:
+        return [(e.key, list(e.shape), e.owner, e.decay) for e in self.entries]
+
+
+def plan_layouts(package: SwapPackage, modules: list[nn.Module],
+                 decay_filter: DecayFilter | None = None) -> list[SubLayout]:
+    """Place every parameter of every sub-model in its image; tied ones once as master."""
+    tie_key = {(i, local): key for key, holders in package.tied.items() for i, local in holders}
+    shapes: list[dict[str, tuple[int, ...]]] = []
+    param_names: list[dict[str, str]] = []  # PARAM_NAMES without the buffers it also maps
+    for i, mod in enumerate(modules):
+        named = {n: tuple(p.shape) for n, p in mod.named_parameters()}
+        buffers = {n for n, _ in mod.named_buffers()}
+        listed = package.param_names[i]
+        lacking = sorted(set(named) - set(listed))
+        unknown = sorted(set(listed) - set(named) - buffers)
+        if lacking or unknown:
+            raise RuntimeMismatchError(
+                f"sub-model {i} of {package.path} has parameters {lacking} that PARAM_NAMES does not map, "
+                f"and PARAM_NAMES names {unknown}, which it does not have; the package is damaged, "
+                f"regenerate it")
+        shapes.append(named)
+        param_names.append({local: fqn for local, fqn in listed.items() if local in named})
+
+    owner_of: dict[str, int] = {}
+    for i, names in enumerate(param_names):
+        for local in names:
+            key = tie_key.get((i, local), names[local])
+            owner_of.setdefault(key, i)
+
+    layouts: list[SubLayout] = []
+    owner_offsets: dict[str, int] = {}
+    for i, names in enumerate(param_names):
+        owned_decay, owned_plain, replicas = [], [], []
+        seen_here: set[str] = set()
+        for local, fqn in names.items():
+            key = tie_key.get((i, local), fqn)
+            shape = shapes[i][local]
+            decay = True if decay_filter is None else bool(decay_filter(key, shape))
+            if owner_of[key] == i and key not in seen_here:
+                (owned_decay if decay else owned_plain).append((local, key, shape, decay))
+                seen_here.add(key)
+            else:
+                replicas.append((local, key, shape, decay))
+        entries: list[ParamEntry] = []
+        offset = 0
+        for local, key, shape, decay in owned_decay + owned_plain:
+            n = _numel(shape)
+            owner_offsets[key] = offset
+            entries.append(ParamEntry(local, key, shape, n, offset, i, offset, decay, True))
+            offset += n
+        owned = offset
+        decay_numel = sum(_numel(s) for _, _, s, _ in owned_decay)
+        for local, key, shape, decay in replicas:
+            n = _numel(shape)
+            o = owner_of[key]
+            if o == i:
+                o_off = owner_offsets[key]
+            elif o < i:
+                o_off = next(e.owner_offset for e in layouts[o].entries if e.key == key and e.owned)
+            else:  # pragma: no cover - owner_of takes the first holder
+                raise AssertionError("a tie's owner comes after its holder")
+            owner_shape = _entry_shape(layouts, entries, o, key)
+            if owner_shape != shape:
+                raise RuntimeMismatchError(
+                    f"tied parameter {key} has shape {list(owner_shape)} in sub-model {o} but "
+                    f"{list(shape)} in sub-model {i} ({local}); the package is damaged, regenerate it")
+            entries.append(ParamEntry(local, key, shape, n, offset, o, o_off, decay, False))
+            offset += n
+        layouts.append(SubLayout(i, tuple(entries), offset, owned, decay_numel))
+    return layouts
+
+
+def _entry_shape(layouts: list[SubLayout], current: list[ParamEntry], owner: int,
+                 key: str) -> tuple[int, ...]:
+    pool = current if owner == len(layouts) else layouts[owner].entries
+    return next(e.shape for e in pool if e.key == key and e.owned)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class HostStore:
+    """The flat host buffers of all sub-models (see the module docstring)."""
+
+    def __init__(self, layouts: list[SubLayout], master_dtype: torch.dtype,
+                 transfer_dtype: torch.dtype, pin: bool):
+        self.layouts = layouts
+        self.master_dtype = master_dtype
+        self.transfer_dtype = transfer_dtype
+        self.pin = pin
+        self.separate_master = master_dtype != transfer_dtype
+        self.image: list[torch.Tensor] = []
+        self.master: list[torch.Tensor] = []
+        self.grad: list[torch.Tensor] = []
+        self.grad_master: list[torch.Tensor] = []
+        for L in layouts:
+            image = torch.zeros(L.numel, dtype=transfer_dtype, pin_memory=pin)
+            grad = torch.zeros(L.numel, dtype=transfer_dtype, pin_memory=pin)
+            self.image.append(image)
+            self.grad.append(grad)
+            if self.separate_master:
+                self.master.append(torch.zeros(L.owned_numel, dtype=master_dtype))
+                self.grad_master.append(torch.zeros(L.owned_numel, dtype=master_dtype))
+            else:
+                self.master.append(image[:L.owned_numel])
+                self.grad_master.append(grad[:L.owned_numel])
+        # owner -> [(holder, holder offset, owner offset, numel, key)] for every replica
+        self.replicas_of: list[list[tuple[int, int, int, int, str]]] = [[] for _ in layouts]
+        for L in layouts:
+            for e in L.entries:
+                if not e.owned:
+                    self.replicas_of[e.owner].append((L.index, e.offset, e.owner_offset, e.numel, e.key))
+        self.exact_keys: set[str] = set()  # ties the executor sums on the device (tied_grads="exact")
+        # sub-models whose updates change what sub-model i loads
+        self.load_deps: list[tuple[int, ...]] = [
+            tuple(sorted({L.index} | {e.owner for e in L.entries})) for L in layouts]
+
+    # ---- views -----------------------------------------------------------------------------
+
+    def master_param(self, i: int, entry: ParamEntry) -> torch.Tensor:
+        """The master tensor behind `entry` of sub-model i (the owner's, for a replica)."""
+        m = self.master[entry.owner]
+        return m[entry.owner_offset:entry.owner_offset + entry.numel].view(entry.shape)
+
+    # ---- after an optimizer update / before one -----------------------------------------------
+
+    def refresh_images(self, i: int) -> None:
+        """Bring images up to date with sub-model i's master: its own, and every replica of it."""
+        L = self.layouts[i]
+        if self.separate_master:  # cast into the transfer dtype
+            self.image[i][:L.owned_numel].copy_(self.master[i])
+        for j, j_off, o_off, n, _ in self.replicas_of[i]:
+            self.image[j][j_off:j_off + n].copy_(self.master[i][o_off:o_off + n])
+
+    def reduce_grads(self, i: int) -> None:
+        """Gradients of sub-model i's masters: its own plus those of every replica of them.
+
+        Called when i's gradients are on the host; replicas live in later sub-models, whose
+        backward (and gradient copy) came before i's.
+        """
+        L = self.layouts[i]
+        if self.separate_master:
+            self.grad_master[i].copy_(self.grad[i][:L.owned_numel])
+        for j, j_off, o_off, n, key in self.replicas_of[i]:
+            if key not in self.exact_keys:
+                self.grad_master[i][o_off:o_off + n] += self.grad[j][j_off:j_off + n]
+
+    # ---- sizes ---------------------------------------------------------------------------------
+
+    def param_bytes(self, i: int) -> int:
+        return self.layouts[i].numel * self.image[i].element_size()
+
+    def pinned_bytes(self) -> int:
+        if not self.pin:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self.image + self.grad)
+
+    def host_bytes(self) -> int:
+        total = sum(t.numel() * t.element_size() for t in self.image + self.grad)
+        if self.separate_master:
+            total += sum(t.numel() * t.element_size() for t in self.master + self.grad_master)
+        return total

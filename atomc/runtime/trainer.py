@@ -1,0 +1,538 @@
+"""Runtime stage, API: `SwapTrainer` trains a generated package with the swap executor.
+
+Input: a package directory written by `atomc codegen` (and, for training, the model file's
+`loss_fn` and initial weights). Output: training steps, checkpoints, the original model's
+state dict, and a measured event trace per step.
+
+    trainer = SwapTrainer.from_package("out/pkg", device="cuda", optimizer={"lr": 3e-4})
+    loss = trainer.step(batch)          # C micro-batches; returns their mean loss
+    trainer.save_checkpoint("ckpt.pt")  # atomic; SwapTrainer.from_package(..., checkpoint=...)
+    state = trainer.export_state_dict() # original model's names
+
+A batch is either the model's inputs tuple with leading dimension C x micro-batch size (split
+into C equal micro-batches along dim 0), or a list of C micro-batch tuples; a model with one
+input may pass a tensor instead of a 1-tuple. Every micro-batch must have the shapes the plan
+was made for (PLAN["batch_size"]): memory was planned for them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from atomc.errors import ModelFileError, RuntimeMismatchError, UsageError
+from atomc.jsonio import read_json
+from atomc.runtime.checkpoint import load_checkpoint, save_checkpoint
+from atomc.runtime.executor import SwapExecutor, rebind_parameters
+from atomc.runtime.optim import AdamWConfig, CpuOptimizer, LossScaler
+from atomc.runtime.package import SwapPackage, load_swap_package
+from atomc.runtime.store import HostStore, plan_layouts
+from atomc.runtime.trace import StepTrace, Tracer
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16}
+
+
+def parse_dtype(value: str | torch.dtype | None, what: str) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if value not in _DTYPES:
+        raise UsageError(f"{what} {value!r} is not a dtype; choose one of float32, float64, bfloat16, float16")
+    return _DTYPES[value]
+
+
+def _spec_dtype(spec: dict[str, Any]) -> str:
+    return str(spec.get("dtype", "")).replace("torch.", "")
+
+
+class SwapTrainer:
+    """Swapped training of a generated package on one device (see the module docstring)."""
+
+    def __init__(self, package: SwapPackage, executor: SwapExecutor, store: HostStore,
+                 optimizer: CpuOptimizer, host_modules: list[nn.Module], *, device: torch.device,
+                 accum: int, micro_batch_size: int, seed: int, plan: dict[str, Any] | None = None):
+        self.package = package
+        self.executor = executor
+        self.store = store
+        self.optimizer = optimizer
+        self.host_modules = host_modules  # parameters are views of the masters: export reads them
+        self.device = device
+        self.accum = accum
+        self.micro_batch_size = micro_batch_size
+        self.seed = seed
+        self.plan = plan  # the plan's JSON data, when the package or the caller has it
+        self.step_count = 0
+        self.last_loss: float | None = None
+
+    # ---- construction --------------------------------------------------------------------------
+
+    @classmethod
+    def from_package(cls, generated_dir: str | Path, *, device: str | torch.device | None = None,
+                     accum: int | None = None, optimizer: AdamWConfig | dict[str, Any] | None = None,
+                     loss_fn: Callable[[Any, tuple], torch.Tensor] | None = None,
+                     state_dict: dict[str, torch.Tensor] | None = None,
+                     checkpoint: str | Path | None = None, plan: Any = None, seed: int = 0,
+                     activations: str | None = None, offload_activations: bool | None = None,
+                     dtype: str | torch.dtype | None = None,
+                     transfer_dtype: str | torch.dtype | None = None,
+                     autocast: str | torch.dtype | None = None, loss_scale: bool | None = None,
+                     gpu_mem: int | None = None, trace: bool = False, tied_grads: str = "fast",
+                     threaded_optimizer: bool = True) -> "SwapTrainer":
+        """Build a trainer for the package in `generated_dir`.
+
+        device: "cpu", "cuda" or "cuda:N" (default: cuda when available).
+        accum: C, micro-batches per step (default: the plan's).
+        optimizer: AdamWConfig or a dict of its fields (lr, betas, eps, weight_decay,
+            max_grad_norm, lr_schedule, impl, decay_filter).
+        loss_fn: loss_fn(outputs, micro_batch) (default: the model file's).
+        state_dict: initial weights by original names (default: the model file's
+            build_model() under torch.manual_seed(seed)); checkpoint: resume from this file.
+        plan: the Plan (or its JSON path) the package must have been generated for.
+        activations: "recompute" (default: the plan's) or "keep"; offload_activations: stash
+            boundary activations in pinned host memory between their forward and backward.
+        dtype: master dtype (default float32, float64 when the initial weights are float64);
+            transfer_dtype: the device copy's dtype (default: the master's; bfloat16 or float16
+            halve the transfers); autocast: compute dtype for torch.autocast (default: the
+            transfer dtype when it is half precision); loss_scale: dynamic loss scaling
+            (default: on for float16).
+        gpu_mem: the memory budget in bytes (default: the plan's capacity) checked against the
+            CUDA device.
+        trace: record an event trace of every step (costs one synchronisation per step).
+        tied_grads: "fast" sums a tied weight's gradient per holder (one rounding away from the
+            plain model); "exact" sums it micro-batch by micro-batch as the plain model does,
+            bit for bit, keeping C copies of the tied weight's gradient on the device.
+        """
+        pkg = load_swap_package(generated_dir)
+        dev = _parse_device(device)
+        plan_obj = _check_plan(pkg, plan)
+        C = int(accum if accum is not None else pkg.plan.get("accum", 1))
+        if C < 1:
+            raise UsageError(f"accum {C} must be 1 or more")
+        acts = activations or pkg.plan.get("activations") or "recompute"
+        if acts not in ("recompute", "keep"):
+            raise UsageError(f"activations={acts!r}: choose recompute or keep")
+        if tied_grads not in ("fast", "exact"):
+            raise UsageError(f"tied_grads={tied_grads!r}: choose fast or exact")
+        micro = int(pkg.plan.get("batch_size") or 0)
+        opt_cfg = AdamWConfig.coerce(optimizer)
+
+        if loss_fn is None:
+            loss_fn = _model_file_loss(pkg)
+        resume = load_checkpoint(checkpoint) if checkpoint is not None else None  # verified first
+        if state_dict is None and resume is None:
+            state_dict = _initial_state_dict(pkg, seed)
+
+        master_dtype = parse_dtype(dtype, "dtype")
+        if master_dtype is None and resume is not None and "master_dtype" in resume:
+            master_dtype = parse_dtype(str(resume["master_dtype"]), "checkpoint master dtype")
+        if master_dtype is None and state_dict is not None:
+            float_dtypes = {t.dtype for t in state_dict.values()
+                            if isinstance(t, torch.Tensor) and t.is_floating_point()}
+            master_dtype = torch.float64 if float_dtypes == {torch.float64} else None
+        master_dtype = master_dtype or torch.float32
+        if master_dtype not in (torch.float32, torch.float64):
+            raise UsageError(f"master dtype {master_dtype} is not float32 or float64; half-precision "
+                             f"weights go to the device with transfer_dtype=, masters stay float32")
+        xfer = parse_dtype(transfer_dtype, "transfer dtype") or master_dtype
+        amp = parse_dtype(autocast, "autocast dtype")
+        if amp is None and xfer in (torch.float16, torch.bfloat16):
+            amp = xfer
+        scaler = LossScaler() if (loss_scale if loss_scale is not None else xfer == torch.float16) else None
+
+        host_modules = [m.to(master_dtype) for m in pkg.build_submodels()]
+        if state_dict is not None:
+            try:
+                pkg.load_original_state_dict(host_modules, state_dict)
+            except KeyError as e:
+                raise RuntimeMismatchError(f"the initial state dict lacks {e}, which {pkg.path} needs; "
+                                           f"give the original model's state_dict()") from None
+        layouts = plan_layouts(pkg, host_modules, opt_cfg.decay_filter)
+        store = HostStore(layouts, master_dtype, xfer, pin=dev.type == "cuda")
+        # the masters take the initial weights; the host modules are re-pointed at the masters
+        for i, (mod, L) in enumerate(zip(host_modules, layouts)):
+            params = dict(mod.named_parameters())
+            with torch.no_grad():
+                for e in L.entries:
+                    if e.owned:
+                        store.master_param(i, e).copy_(params[e.local])
+            rebind_parameters(mod, {e.local: store.master_param(i, e) for e in L.entries}, requires_grad=False)
+        for i in range(len(layouts)):
+            store.refresh_images(i)
+        host_buffers = [dict(m.named_buffers()) for m in host_modules]
+
+        _check_device_memory(dev, pkg, store, plan_obj, gpu_mem)
+        tracer = Tracer(dev, enabled=trace)
+        opt = CpuOptimizer(store, opt_cfg, scaler, tracer, threaded=threaded_optimizer,
+                           param_order=_original_order(pkg, state_dict))
+        if offload_activations is None:  # the plan's memory model streams checkpoints when it costs them
+            offload_activations = acts == "recompute" and plan_obj is not None and any(
+                float(sm.get("checkpoint_ms", 0.0)) > 0 for sm in plan_obj.get("submodels", [])[:-1])
+        elif offload_activations and acts == "keep":
+            raise UsageError("offload_activations=True needs activations='recompute': with 'keep' the "
+                             "autograd graphs hold every saved activation on the device")
+        executor = SwapExecutor(pkg, store, opt, host_buffers, device=dev, accum=C, activations=acts,
+                                offload_activations=bool(offload_activations),
+                                autocast_dtype=amp, loss_fn=loss_fn, seed=seed, tracer=tracer,
+                                tied_grads=tied_grads)
+        trainer = cls(pkg, executor, store, opt, host_modules, device=dev, accum=C,
+                      micro_batch_size=micro, seed=seed, plan=plan_obj)
+        if resume is not None:
+            trainer.load_state_dict(resume, source=f"checkpoint {checkpoint}")
+        return trainer
+
+    # ---- training ------------------------------------------------------------------------------
+
+    def step(self, batch: Any) -> float:
+        """One optimizer step on C micro-batches; returns their mean loss."""
+        micro = self.split_batch(batch)
+        loss, _ = self.executor.run_step(micro, self.step_count)
+        self.step_count += 1
+        self.last_loss = loss
+        return loss
+
+    def split_batch(self, batch: Any) -> list[tuple]:
+        C = self.accum
+        names = self.package.model_inputs
+        if isinstance(batch, list):
+            if len(batch) != C:
+                raise RuntimeMismatchError(f"got a list of {len(batch)} micro-batches, expected C = {C}; "
+                                           f"give {C} micro-batches or the whole batch as one tuple")
+            micro = [mb if isinstance(mb, tuple) else (mb,) for mb in batch]
+        else:
+            full = batch if isinstance(batch, tuple) else (batch,)
+            if len(full) != len(names):
+                raise RuntimeMismatchError(f"the batch has {len(full)} inputs, the model takes "
+                                           f"{len(names)} ({', '.join(names)})")
+            micro_parts = []
+            for name, t in zip(names, full):
+                if not isinstance(t, torch.Tensor):
+                    micro_parts.append([t] * C)
+                    continue
+                want = C * self.micro_batch_size
+                if t.dim() == 0 or t.shape[0] != want:
+                    raise RuntimeMismatchError(
+                        f"input {name} has shape {list(t.shape)}; the plan expects a leading dimension "
+                        f"of C x micro-batch = {C} x {self.micro_batch_size} = {want}: give batches of "
+                        f"that size, or regenerate the plan for your batch size")
+                micro_parts.append(list(t.chunk(C, dim=0)))
+            micro = [tuple(parts[m] for parts in micro_parts) for m in range(C)]
+        specs = self.package.input_specs()
+        for m, mb in enumerate(micro):
+            if len(mb) != len(names):
+                raise RuntimeMismatchError(f"micro-batch {m} has {len(mb)} inputs, the model takes "
+                                           f"{len(names)} ({', '.join(names)})")
+            for name, t in zip(names, mb):
+                spec = specs.get(name)
+                if spec is None or "shape" not in spec or not isinstance(t, torch.Tensor):
+                    continue
+                if list(t.shape) != list(spec["shape"]):
+                    raise RuntimeMismatchError(
+                        f"input {name} of micro-batch {m} has shape {list(t.shape)}, but the plan was made "
+                        f"for {list(spec['shape'])}; give micro-batches of the planned shape or "
+                        f"regenerate the package for this shape")
+                want_float = _spec_dtype(spec).startswith(("float", "bfloat", "complex"))
+                if t.is_floating_point() != want_float:
+                    raise RuntimeMismatchError(
+                        f"input {name} of micro-batch {m} has dtype {t.dtype}, the plan expects "
+                        f"{_spec_dtype(spec)}")
+        return micro
+
+    # ---- results ---------------------------------------------------------------------------------
+
+    @property
+    def traces(self) -> dict[int, StepTrace]:
+        """Event traces of recent steps (with trace=True); waits for their optimizer work."""
+        self.optimizer.wait_all()
+        return self.executor.tracer.traces
+
+    def last_trace(self) -> StepTrace | None:
+        traces = self.traces
+        return traces[max(traces)] if traces else None
+
+    def wait(self) -> None:
+        """Block until every pending optimizer update is done."""
+        self.optimizer.wait_all()
+
+    def _sync_buffers_to_host(self) -> None:
+        for host, dev in zip(self.host_modules, self.executor.modules):
+            dev_bufs = dict(dev.named_buffers())
+            for name, buf in host.named_buffers():
+                buf.copy_(dev_bufs[name])
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained weights by the original model's names (tied names included), on the CPU."""
+        self.wait()
+        self._sync_buffers_to_host()
+        return {k: v.detach().clone() for k, v in self.package.export_state_dict(self.host_modules).items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resume needs (copies): weights, optimizer state, step, loss scale."""
+        return self._state(copy=True)
+
+    def _state(self, copy: bool) -> dict[str, Any]:
+        self.wait()
+        self._sync_buffers_to_host()
+        c = (lambda t: t.detach().clone()) if copy else (lambda t: t.detach())
+        opt_states = self.optimizer.state_dict()
+        if copy:
+            opt_states = [_clone_tree(s) for s in opt_states]
+        return {
+            "plan_hash": self.package.plan_hash,
+            "package": self.package.fingerprint(),
+            "layout": [L.signature() for L in self.store.layouts],
+            "master_dtype": str(self.store.master_dtype).replace("torch.", ""),
+            "step": self.step_count,
+            "seed": self.seed,
+            "accum": self.accum,
+            "masters": [c(m) for m in self.store.master],
+            "optimizer": opt_states,
+            "scaler": self.optimizer.scaler.state_dict() if self.optimizer.scaler is not None else None,
+            "buffers": [{n: c(b) for n, b in m.named_buffers()} for m in self.host_modules],
+        }
+
+    def load_state_dict(self, state: dict[str, Any], source: str = "state dict") -> None:
+        """Restore a state from state_dict(); refused (and nothing changed) if it does not match."""
+        self._validate_state(state, source)
+        self.wait()
+        with torch.no_grad():
+            for i, m in enumerate(state["masters"]):
+                self.store.master[i].copy_(m)
+            for host, dev, bufs in zip(self.host_modules, self.executor.modules, state["buffers"]):
+                hb, db = dict(host.named_buffers()), dict(dev.named_buffers())
+                for n, b in bufs.items():
+                    hb[n].copy_(b)
+                    db[n].copy_(b)
+        for i in range(len(self.store.layouts)):
+            if self.store.separate_master:
+                self.store.image[i][:self.store.layouts[i].owned_numel].copy_(self.store.master[i])
+            self.store.refresh_images(i)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.optimizer.scaler is not None and state.get("scaler"):
+            self.optimizer.scaler.load_state_dict(state["scaler"])
+        self.step_count = int(state["step"])
+        self.seed = int(state["seed"])
+        self.executor.seed = self.seed
+        self.executor.invalidate_slots()
+
+    def _validate_state(self, state: Any, source: str) -> None:
+        if not isinstance(state, dict):
+            raise RuntimeMismatchError(f"{source} is not a swap trainer state")
+        missing = [k for k in ("plan_hash", "package", "layout", "step", "seed", "masters", "optimizer",
+                               "buffers") if k not in state]
+        if missing:
+            raise RuntimeMismatchError(f"{source} lacks {', '.join(missing)}; it was not written by "
+                                       f"SwapTrainer.state_dict(); nothing was loaded")
+        if state["plan_hash"] != self.package.plan_hash or state["package"] != self.package.fingerprint():
+            raise RuntimeMismatchError(
+                f"{source} belongs to plan {state['plan_hash']} (package {state['package']}), but this trainer "
+                f"runs plan {self.package.plan_hash} (package {self.package.fingerprint()}) from "
+                f"{self.package.path}; load it into a trainer of the package it was written from; "
+                f"nothing was loaded")
+        layout = [L.signature() for L in self.store.layouts]
+        if _plain(state["layout"]) != _plain(layout):
+            raise RuntimeMismatchError(f"{source} has another parameter layout than {self.package.path}; "
+                                       f"nothing was loaded")
+        for i, m in enumerate(state["masters"]):
+            want = self.store.master[i]
+            if not isinstance(m, torch.Tensor) or m.shape != want.shape:
+                raise RuntimeMismatchError(f"{source}: master weights of sub-model {i} have shape "
+                                           f"{getattr(m, 'shape', None)}, expected {tuple(want.shape)}; "
+                                           f"nothing was loaded")
+        if len(state["optimizer"]) != len(self.store.layouts):
+            raise RuntimeMismatchError(f"{source} has optimizer state for {len(state['optimizer'])} "
+                                       f"sub-models, expected {len(self.store.layouts)}; nothing was loaded")
+
+    def save_checkpoint(self, path: str | Path) -> Path:
+        """Write the state to `path` atomically (temporary file, fsync, rename)."""
+        return save_checkpoint(path, self._state(copy=False))
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Resume from `path`; a corrupt or foreign checkpoint is refused and nothing changes."""
+        state = load_checkpoint(path)
+        self.load_state_dict(state, source=f"checkpoint {path}")
+
+    def close(self) -> None:
+        self.optimizer.close()
+
+    def describe(self) -> str:
+        """A short text form: sub-models, their sizes, and the step's settings."""
+        from atomc.units import format_bytes
+        s = self.store
+        lines = [f"swap trainer: {len(s.layouts)} sub-models on {self.device}, C = {self.accum}, "
+                 f"micro-batch {self.micro_batch_size}, activations "
+                 f"{'keep' if self.executor.keep else 'recompute'}"
+                 f"{' (offloaded)' if self.executor.offload_activations else ''}",
+                 f"  master {str(s.master_dtype)[6:]}, transfer {str(s.transfer_dtype)[6:]}, "
+                 f"host {format_bytes(s.host_bytes())} (pinned {format_bytes(s.pinned_bytes())})"]
+        for L in s.layouts:
+            tied = sum(1 for e in L.entries if not e.owned)
+            lines.append(f"  P{L.index}: {format_bytes(s.param_bytes(L.index)):>11s} in {len(L.entries)} "
+                         f"tensors{f' ({tied} tied replicas)' if tied else ''}")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def _clone_tree(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return {k: _clone_tree(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_clone_tree(v) for v in x]
+    return x
+
+
+def _original_order(pkg: SwapPackage, state_dict: dict[str, Any] | None) -> list[str]:
+    """Master keys in the order the original model lists its parameters (its state dict's)."""
+    group = {}
+    for key, holders in pkg.tied.items():
+        for i, local in holders:
+            group[pkg.param_names[i][local]] = key
+        group[key] = key
+    for names in pkg.param_names:
+        for fqn in names.values():
+            group.setdefault(fqn, fqn)
+    names = pkg.original_names or tuple(state_dict or ())
+    return [group[k] for k in names if k in group]
+
+
+def _parse_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UsageError(f"device {device!r} is not a device; expected cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"device {device} asked for, but this machine has no CUDA device; use device='cpu'")
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise UsageError(f"device {device} does not exist: {torch.cuda.device_count()} CUDA devices")
+        return torch.device("cuda", index)
+    if dev.type != "cpu":
+        raise UsageError(f"device {device!r} is not supported; expected cpu, cuda or cuda:N")
+    return dev
+
+
+def _raw_hash(data: dict[str, Any]) -> str:
+    """Document.content_hash() of a plan's JSON as written, whatever fields this atomc knows."""
+    canon = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+def _check_plan(pkg: SwapPackage, plan: Any) -> dict[str, Any] | None:
+    """The plan the package was generated for, as JSON data: given (and checked), or its plan.json.
+
+    A package generated for another plan is refused. The data (not a Plan object) is kept, so
+    that a plan written by an atomc with more or fewer IR fields still hashes as it was written.
+    """
+    from atomc.ir import Plan
+    if plan is None:
+        beside = pkg.path / "plan.json"
+        if not beside.is_file():
+            return None
+        data = read_json(beside, Plan.KIND)
+        if _raw_hash(data) != pkg.plan_hash:
+            raise RuntimeMismatchError(
+                f"{beside} has hash {_raw_hash(data)}, but the package's code was generated for plan "
+                f"{pkg.plan_hash}; the package was edited or mixed up: regenerate it (atomc codegen)")
+        return data
+    if isinstance(plan, (str, Path)):
+        source = str(plan)
+        data = read_json(plan, Plan.KIND)
+    else:
+        source = "the plan given"
+        data = plan.to_json()
+    h = _raw_hash(data)
+    if h != pkg.plan_hash:
+        raise RuntimeMismatchError(
+            f"{pkg.path} was generated for plan {pkg.plan_hash or '(none recorded)'}, but {source} has "
+            f"hash {h}; regenerate the package from this plan (atomc codegen) or give the plan it was "
+            f"generated from")
+    if len(data.get("submodels", ())) != pkg.num_submodels:
+        raise RuntimeMismatchError(f"{source} has {len(data.get('submodels', ()))} sub-models, {pkg.path} "
+                                   f"has {pkg.num_submodels}; regenerate the package")
+    return data
+
+
+def _model_file_loss(pkg: SwapPackage) -> Callable:
+    path = pkg.model_file()
+    if path is None:
+        raise ModelFileError(f"{pkg.path} was generated from model file {pkg.plan.get('model_path')!r}, "
+                             f"which is not found from here; pass loss_fn= to SwapTrainer.from_package "
+                             f"(and state_dict= for the initial weights)")
+    from atomc.trace import load_model_file
+    module = load_model_file(path)
+    fn = getattr(module, "loss_fn", None)
+    if not callable(fn):
+        raise ModelFileError(f"{path} defines no loss_fn(outputs, batch); add one or pass loss_fn= "
+                             f"to SwapTrainer.from_package")
+    return fn
+
+
+def _initial_state_dict(pkg: SwapPackage, seed: int) -> dict[str, torch.Tensor] | None:
+    """The original model's weights as its build_model() makes them under manual_seed(seed)."""
+    path = pkg.model_file()
+    if path is None:
+        return None  # the sub-models' own initialisation (build_submodels) is used
+    from atomc.trace.load import call_with_options, load_model_file
+    module = load_model_file(path)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = call_with_options(module.build_model, (pkg.plan.get("config"),),
+                                  dict(pkg.plan.get("options") or {}), path)
+    return model.state_dict()
+
+
+def check_device_memory(capacity_bytes: int, device_bytes: int, submodel_bytes: Sequence[int],
+                        device_name: str) -> None:
+    """Refuse a device smaller than the budget, naming the first sub-model that will not fit.
+
+    `submodel_bytes[i]` is what sub-model i needs on the device while it computes (with the
+    next one loading). Budgets within the device's memory pass.
+    """
+    if capacity_bytes <= device_bytes:
+        return
+    from atomc.units import format_bytes
+    culprit = next((i for i, b in enumerate(submodel_bytes) if b > device_bytes), None)
+    if culprit is None:
+        culprit = max(range(len(submodel_bytes)), key=lambda i: submodel_bytes[i])
+    raise RuntimeMismatchError(
+        f"{device_name} has {format_bytes(device_bytes)}, but the plan was made for "
+        f"{format_bytes(capacity_bytes)}; sub-model {culprit} needs {format_bytes(submodel_bytes[culprit])} "
+        f"while it computes and will not fit: re-plan with --gpu-mem {format_bytes(device_bytes)} or less")
+
+
+def _check_device_memory(dev: torch.device, pkg: SwapPackage, store: HostStore, plan: Any,
+                         gpu_mem: int | None) -> None:
+    if dev.type != "cuda":
+        return  # not enforced on the CPU
+    total = torch.cuda.get_device_properties(dev).total_memory
+    capacity = gpu_mem if gpu_mem is not None else (plan.get("capacity_bytes") if plan is not None
+                                                    else pkg.plan.get("capacity_bytes"))
+    k = len(store.layouts)
+    slot_bytes = max(store.param_bytes(i) for i in range(k))
+    if plan is not None:
+        subs = plan["submodels"]
+        need = [int(sm["peak_bytes"]) + (int(subs[i + 1]["param_bytes"]) if i + 1 < k else 0)
+                for i, sm in enumerate(subs)]
+    else:  # weights and gradients of the two slots, at least
+        need = [2 * (store.param_bytes(i) + slot_bytes) for i in range(k)]
+    if capacity is None:
+        capacity = max(need)
+    check_device_memory(int(capacity), total, need, f"{dev} ({torch.cuda.get_device_name(dev)})")

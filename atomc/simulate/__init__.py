@@ -1,0 +1,48 @@
+"""Simulate: a swap schedule's stage times -> predicted Timeline, step time and GPU busy fraction.
+
+`simulate_swap` replays the schedule on four lanes (compute, prefetch, offload, CPU optimizer);
+`simulate_plan` does it from a Plan's recorded per-sub-model times; `render_timeline_svg`
+draws a Timeline (predicted or measured) like ATOM's Fig. 12.
+"""
+
+from __future__ import annotations
+
+from atomc.ir import Plan
+from atomc.simulate.events import (
+    KINDS,
+    LANES,
+    Event,
+    Simulation,
+    StageTimes,
+    Timeline,
+    simulate_swap,
+)
+from atomc.simulate.svg import render_timeline_svg, write_timeline_svg
+
+__all__ = [
+    "KINDS", "LANES", "Event", "Simulation", "StageTimes", "Timeline", "render_timeline_svg",
+    "simulate_plan", "simulate_swap", "stage_times", "write_timeline_svg",
+]
+
+
+def _ns(ms: float) -> int:
+    return int(round(ms * 1_000_000))
+
+
+def stage_times(plan: Plan) -> list[StageTimes]:
+    """Per-sub-model durations recorded in a plan (per micro-batch times scaled by C)."""
+    c = plan.accum
+    return [
+        StageTimes(
+            fwd_ns=c * _ns(s.fwd_ms), bwd_ns=c * _ns(s.bwd_ms), load_ns=_ns(s.load_ms),
+            checkpoint_ns=_ns(s.checkpoint_ms), offload_ns=_ns(s.offload_ms),
+            optimizer_ns=_ns(s.optimizer_ms),
+        )
+        for s in plan.submodels
+    ]
+
+
+def simulate_plan(plan: Plan, num_steps: int = 1) -> Simulation:
+    label = f"{plan.config or plan.model_path}: {len(plan.submodels)} sub-models, C={plan.accum}"
+    return simulate_swap(stage_times(plan), plan.accum, num_steps=num_steps, label=label,
+                         early_prefetch=plan.early_prefetch)

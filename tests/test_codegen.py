@@ -1,0 +1,520 @@
+"""Codegen: generated sub-models reproduce the original model; the package keeps its contract.
+
+Equivalence is checked against the unpartitioned model in float64 (1e-10) and float32 (1e-6):
+outputs and every parameter's gradient (a tied weight's gradient is the sum over its holders).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._pytree import tree_flatten
+
+from atomc.cli import main as atomc_main
+from atomc.codegen import generate, load_package
+from atomc.codegen.manual import plan_from_cuts
+from atomc.errors import CodegenError, UsageError
+from atomc.ir import Plan
+from atomc.profile import profile_model
+from atomc.trace import trace_model
+
+REPO = Path(__file__).resolve().parent.parent
+GPT = REPO / "examples" / "gpt.py"
+MODELS = REPO / "tests" / "models"
+GOLDEN = REPO / "tests" / "golden" / "gpt_tiny"
+
+_TRACES: dict = {}
+
+
+def traced(path: Path, config: str | None = None, batch_size: int = 2, frontend: str = "auto"):
+    """Trace on CPU (real weights) once per model; tests share it read-only."""
+    key = (str(path), config, batch_size, frontend)
+    if key not in _TRACES:
+        _TRACES[key] = trace_model(path, config, batch_size, device="cpu", frontend=frontend)
+    return _TRACES[key]
+
+
+def cuts_at(t, *names: str) -> list[int]:
+    index = {n.name: i for i, n in enumerate(t.gm.graph.nodes)}
+    return [index[name] for name in names]
+
+
+def build_package(t, cuts: list[int], out: Path, profile=None):
+    plan = plan_from_cuts(profile if profile is not None else t, cuts)
+    generate(plan, out, traced=t)
+    return plan, load_package(out)
+
+
+def run_chain(package, submodels, inputs):
+    values = inputs
+    for sub in submodels[:-1]:
+        values = sub(*values)
+        assert isinstance(values, tuple) and len(values) == len(type(sub).OUTPUTS)
+    return submodels[-1](*values)
+
+
+def assert_equivalent(t, package, dtype: torch.dtype, tol: float, seed: int = 0) -> None:
+    """Chained sub-models vs the original model: outputs and parameter gradients."""
+    torch.manual_seed(seed)
+    model = copy.deepcopy(t.model).to(dtype)
+    submodels = [s.to(dtype) for s in package.build_submodels()]
+    unused = package.load_original_state_dict(submodels, model.state_dict())
+    assert unused == []
+    package.tie_parameters(submodels)
+    inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in t.inputs)
+    loss_fn = t.module.loss_fn
+
+    expected = model(*inputs)
+    got = run_chain(package, submodels, inputs)
+    exp_leaves, exp_spec = tree_flatten(expected)
+    got_leaves, got_spec = tree_flatten(got)
+    assert exp_spec == got_spec
+    for e, g in zip(exp_leaves, got_leaves):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        torch.testing.assert_close(g, e, rtol=tol, atol=tol)
+
+    loss_fn(expected, inputs).backward()
+    loss_fn(got, inputs).backward()
+    grads: dict[str, dict[int, torch.Tensor]] = {}
+    for sub, names in zip(submodels, package.PARAM_NAMES):
+        params = dict(sub.named_parameters())
+        for local, fqn in names.items():
+            if local in params:
+                p = params[local]
+                grads.setdefault(fqn, {})[id(p)] = p.grad
+    for fqn, p in model.named_parameters():
+        assert fqn in grads, f"{fqn} is in no sub-model"
+        total = sum(g for g in grads[fqn].values() if g is not None)
+        torch.testing.assert_close(total, p.grad, rtol=tol, atol=tol, msg=f"gradient of {fqn}")
+
+
+# ---------------------------------------------------------------------------------------------
+# numerical equivalence
+
+GPT_PLANS = {
+    "one-cut-inside-block": ("h_0_attn_c_attn",),
+    "block-boundaries": ("h_0_ln_1", "h_1_ln_1", "ln_f"),
+    "many-small": ("drop", "h_0_attn_c_attn", "scaled_dot_product_attention", "add_1",
+                   "h_0_mlp_c_proj", "h_1_ln_1", "view_7", "ln_f", "lm_head"),
+    "whole-model": (),
+}
+
+
+@pytest.mark.parametrize("plan_name", sorted(GPT_PLANS))
+def test_gpt_float64(tmp_path, plan_name):
+    t = traced(GPT, "tiny")
+    _, package = build_package(t, cuts_at(t, *GPT_PLANS[plan_name]), tmp_path / "pkg")
+    assert len(package.SUBMODELS) == len(GPT_PLANS[plan_name]) + 1
+    assert_equivalent(t, package, torch.float64, 1e-10)
+
+
+def test_gpt_float32_with_profile(tmp_path):
+    t = traced(GPT, "tiny")
+    profile = profile_model(t, device="cpu", repeats=1, progress=False)
+    plan, package = build_package(t, cuts_at(t, "h_0_mlp_c_fc", "h_1_ln_1"), tmp_path / "pkg",
+                                  profile)
+    assert all(s.fwd_ms > 0 and s.param_bytes > 0 for s in plan.submodels)
+    assert plan.profile_hash == profile.content_hash()
+    assert_equivalent(t, package, torch.float32, 1e-6)
+
+
+def test_tied_embedding_split_across_submodels(tmp_path):
+    t = traced(GPT, "tiny")
+    _, package = build_package(t, cuts_at(t, "h_0_ln_1", "ln_f"), tmp_path / "pkg")
+    holders = package.TIED["wte.weight"]
+    assert [i for i, _ in holders] == [0, 2]
+    assert package.ALIASES == {"lm_head.weight": "wte.weight"}
+    submodels = package.build_submodels()
+    package.tie_parameters(submodels)
+    shared = [submodels[i].get_parameter(local) for i, local in holders]
+    assert shared[0] is shared[1]
+    params = {id(p) for s in submodels for p in s.parameters()}
+    original = sum(1 for _ in traced(GPT, "tiny").model.parameters())  # tied weight counted once
+    assert len(params) == original
+    assert_equivalent(t, package, torch.float64, 1e-10)
+
+
+def test_skip_connection_across_two_cuts(tmp_path):
+    t = traced(MODELS / "skip.py", batch_size=3)
+    _, package = build_package(t, cuts_at(t, "a", "b", "c"), tmp_path / "pkg")
+    # `tanh` (h) is produced in sub-model 0 and read in sub-model 3: passed through 1 and 2
+    for i in range(3):
+        assert "tanh" in package.SUBMODELS[i].OUTPUTS
+    assert "tanh" in package.SUBMODELS[3].INPUTS
+    assert_equivalent(t, package, torch.float64, 1e-10)
+    assert_equivalent(t, package, torch.float32, 1e-6)
+
+
+def test_multiple_inputs_and_outputs(tmp_path):
+    t = traced(MODELS / "multi_out.py", batch_size=4)
+    _, package = build_package(t, cuts_at(t, "mid", "head"), tmp_path / "pkg")
+    assert package.MODEL_INPUTS == ("x", "scale")
+    # `scale` is read only by the last sub-model, `enc` (features) is an output of the first
+    assert "scale" in package.SUBMODELS[1].INPUTS and "enc" in package.SUBMODELS[1].OUTPUTS
+    assert set(package.SUBMODELS[2].OUTPUTS) == {"mul", "enc", "mean", "amax"}
+    assert_equivalent(t, package, torch.float64, 1e-10)
+
+
+def test_tied_weight_read_directly_and_free_parameters(tmp_path):
+    t = traced(MODELS / "tied.py", batch_size=3)
+    _, package = build_package(t, cuts_at(t, "body_1", "linear"), tmp_path / "pkg")
+    assert package.TIED == {"emb.weight": [(0, "emb.weight"), (2, "emb_weight")]}
+    assert "shift" in package.PARAM_NAMES[1].values()  # a buffer, loaded by name
+    assert_equivalent(t, package, torch.float64, 1e-10)
+    sub = package.build_submodels()[1]
+    assert "shift" in dict(sub.named_buffers()) and "gain" in dict(sub.named_parameters())
+
+
+def test_model_only_torch_export_can_trace(tmp_path):
+    t = traced(MODELS / "export_only.py", batch_size=3)
+    assert t.graph.frontend == "export"
+    _, package = build_package(t, cuts_at(t, "sub", "relu"), tmp_path / "pkg")
+    text = (tmp_path / "pkg" / "submodel_0.py").read_text()
+    assert "torch.ops.aten.linear.default(" in text
+    assert_equivalent(t, package, torch.float64, 1e-10)
+    assert_equivalent(t, package, torch.float32, 1e-6)
+
+
+def test_gpt_through_torch_export(tmp_path):
+    t = traced(GPT, "tiny", frontend="export")
+    assert t.graph.frontend == "export"
+    _, package = build_package(t, cuts_at(t, "linear", "layer_norm_2"), tmp_path / "pkg")
+    assert "self.training" in (tmp_path / "pkg" / "submodel_1.py").read_text()  # dropout mode
+    assert package.TIED["wte.weight"] == [(0, "wte_weight"), (2, "wte_weight")]
+    assert_equivalent(t, package, torch.float64, 1e-10)
+
+
+def test_helpers_are_copied(tmp_path):
+    t = traced(MODELS / "helper.py", batch_size=3)
+    _, package = build_package(t, cuts_at(t, "mix"), tmp_path / "pkg")
+    helpers = (tmp_path / "pkg" / "_helpers.py").read_text()
+    for name in ("def new_gelu", "def cube", "class Mixer", "class MixerConfig", "SQRT_2_OVER_PI =",
+                 "import math"):
+        assert name in helpers
+    assert "def build_model" not in helpers and "class HelperNet" not in helpers
+    sub1 = (tmp_path / "pkg" / "submodel_1.py").read_text()
+    assert "Mixer(MixerConfig(width=16, scale=0.25))" in sub1
+    assert "new_gelu_1 = new_gelu(" in sub1  # the node named like the helper is renamed
+    assert_equivalent(t, package, torch.float64, 1e-10)
+
+
+def test_runtime_style_detached_boundaries(tmp_path):
+    """Each sub-model run alone on detached inputs, gradients handed back by name (the swap
+    runtime's view), gives the same parameter gradients as one autograd graph."""
+    t = traced(MODELS / "skip.py", batch_size=3)
+    _, package = build_package(t, cuts_at(t, "a", "c"), tmp_path / "pkg")
+    model = copy.deepcopy(t.model).double()
+    submodels = [s.double() for s in package.build_submodels()]
+    package.load_original_state_dict(submodels, model.state_dict())
+    inputs = tuple(x.double() for x in t.inputs)
+    t.module.loss_fn(model(*inputs), inputs).backward()
+
+    boundary_in, boundary_out = [], []
+    values = inputs
+    for sub in submodels:
+        leaves = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in values)
+        boundary_in.append(leaves)
+        values = sub(*leaves)
+        boundary_out.append(values)
+    t.module.loss_fn(values, inputs).backward()
+    for i in range(len(submodels) - 2, -1, -1):
+        outs, grads = [], []
+        for out, nxt in zip(boundary_out[i], boundary_in[i + 1]):
+            if nxt.grad is not None:
+                outs.append(out)
+                grads.append(nxt.grad)
+        torch.autograd.backward(outs, grads)
+    for fqn, p in model.named_parameters():
+        held = [s.get_parameter(local) for s, names in zip(submodels, package.PARAM_NAMES)
+                for local, f in names.items() if f == fqn]
+        torch.testing.assert_close(sum(h.grad for h in held), p.grad, rtol=1e-10, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------------------------
+# the package contract
+
+
+def test_contract_chain_boundaries_and_state_dict(tmp_path):
+    t = traced(GPT, "tiny")
+    _, package = build_package(t, cuts_at(t, "h_0_attn_c_attn", "h_1_ln_1"), tmp_path / "pkg")
+    subs = package.SUBMODELS
+    assert package.MODEL_INPUTS == ("idx",) == subs[0].INPUTS
+    for a, b in zip(subs, subs[1:]):
+        assert b.INPUTS == a.OUTPUTS
+    for i, cls in enumerate(subs):
+        assert tuple(package.BOUNDARIES[i]["inputs"]) == cls.INPUTS
+        assert tuple(package.BOUNDARIES[i]["outputs"]) == cls.OUTPUTS
+    assert package.BOUNDARIES[1]["inputs"]["h_0_ln_1"] == {"shape": [2, 16, 32], "dtype": "float32"}
+    assert package.BOUNDARIES[1]["inputs"]["getitem_1"] == {"kind": "int"}  # a size, not a tensor
+    plan_info = package.PLAN
+    for key in ("plan_hash", "graph_hash", "profile_hash", "model_path", "config", "batch_size",
+                "options", "accum", "activations", "atomc_version"):
+        assert key in plan_info
+    assert Plan.load(tmp_path / "pkg" / "plan.json").content_hash() == plan_info["plan_hash"]
+
+    # state dict round trip, aliases of tied weights included
+    model = copy.deepcopy(t.model)
+    submodels = package.build_submodels()
+    package.load_original_state_dict(submodels, model.state_dict())
+    exported = package.export_state_dict(submodels)
+    assert list(exported) == list(model.state_dict())
+    fresh = copy.deepcopy(t.model)
+    torch.nn.init.zeros_(fresh.wte.weight)
+    fresh.load_state_dict(exported, strict=True)
+    for name, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value)
+    # holders of a tied weight that disagree are reported
+    with torch.no_grad():
+        submodels[2].lm_head.weight.add_(1.0)
+    with pytest.raises(ValueError, match="tied weight wte.weight"):
+        package.export_state_dict(submodels)
+    # a state dict with only the alias name of a tied weight loads too
+    state = model.state_dict()
+    del state["wte.weight"]
+    assert package.load_original_state_dict(package.build_submodels(), state) == []
+
+
+def test_generated_code_reads_like_code(tmp_path):
+    t = traced(GPT, "tiny")
+    build_package(t, cuts_at(t, "h_0_attn_c_attn"), tmp_path / "pkg")
+    text = (tmp_path / "pkg" / "submodel_1.py").read_text()
+    assert "self.h_0_attn_c_attn = nn.Linear(32, 96)  # h.0.attn.c_attn" in text
+    assert "self.lm_head = nn.Linear(32, 256, bias=False)" in text
+    assert "h_0_attn_c_attn = self.h_0_attn_c_attn(h_0_ln_1)  # [2, 16, 96] float32" in text
+    assert "F.scaled_dot_product_attention(" in text
+    assert 'getattr(self' not in text and ";  " not in text and " = None" not in text
+    assert "from plan " in text and "atomc 0.1.0" in text
+    for line in text.splitlines():
+        assert line == line.rstrip()
+
+
+def test_deterministic_bytes(tmp_path):
+    t = traced(MODELS / "helper.py", batch_size=3)
+    plan = plan_from_cuts(t, cuts_at(t, "mix"))
+    first = generate(plan, tmp_path / "a", traced=t)
+    second = generate(plan, tmp_path / "b", traced=t)
+    names = sorted(p.name for p in first.iterdir())
+    assert names == sorted(p.name for p in second.iterdir())
+    for name in names:
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    generate(plan, first, traced=t)  # regenerating over its own package replaces it
+    assert sorted(p.name for p in first.iterdir()) == names
+
+
+def test_golden_files(monkeypatch, tmp_path):
+    """`make golden` regenerates tests/golden/ (tests/make_golden.py)."""
+    monkeypatch.chdir(REPO)
+    plan = Plan.load(GOLDEN / "plan.json")
+    out = generate(plan, tmp_path / "gpt_tiny")
+    golden = sorted(p.name for p in GOLDEN.iterdir() if p.is_file())
+    assert sorted(p.name for p in out.iterdir() if p.is_file()) == golden
+    for name in golden:
+        assert (out / name).read_text() == (GOLDEN / name).read_text(), (
+            f"{name} differs from tests/golden/gpt_tiny/{name}; if the change is intended, "
+            f"run `make golden` and review the diff")
+
+
+def _ruff() -> str:
+    found = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
+    if not Path(found).exists():
+        pytest.skip("ruff is not installed")
+    return found
+
+
+def test_ruff_passes_on_generated_packages(tmp_path):
+    for name, t, cuts in [
+        ("gpt", traced(GPT, "tiny"), ("h_0_attn_c_attn", "ln_f")),
+        ("helper", traced(MODELS / "helper.py", batch_size=3), ("mix",)),
+        ("export", traced(MODELS / "export_only.py", batch_size=3), ("relu",)),
+        ("multi", traced(MODELS / "multi_out.py", batch_size=4), ("mid",)),
+    ]:
+        build_package(t, cuts_at(t, *cuts), tmp_path / name)
+    result = subprocess.run([_ruff(), "check", "--no-cache", "--isolated", str(tmp_path)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_imports_in_fresh_interpreter_without_model_file(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    model_file = work / "helper_model.py"
+    shutil.copy(MODELS / "helper.py", model_file)
+    t = trace_model(model_file, None, 3, device="cpu")
+    plan = plan_from_cuts(t, cuts_at(t, "mix"))
+    generate(plan, tmp_path / "helper_pkg", traced=t)
+    model_file.unlink()
+    shutil.rmtree(work)
+    script = (
+        "import sys, torch\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "import helper_pkg as pkg\n"
+        "assert not any('helper_model' in name for name in sys.modules)\n"
+        "subs = pkg.build_submodels()\n"
+        "values = (torch.randn(3, 8),)\n"
+        "for sub in subs[:-1]:\n"
+        "    values = sub(*values)\n"
+        "print(tuple(subs[-1](*values).shape))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "(3, 4)"
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+
+
+def test_plan_for_another_model_is_refused(tmp_path, monkeypatch):
+    model_file = tmp_path / "gpt.py"
+    shutil.copy(GPT, model_file)
+    t = trace_model(model_file, "tiny", 2)
+    plan = plan_from_cuts(t, cuts_at(t, "h_1_ln_1"))
+    plan.save(tmp_path / "plan.json")
+    # the model file changes after profiling: d_model 32 -> 48
+    text = model_file.read_text().replace('"tiny": GPTConfig(2, 32, 4', '"tiny": GPTConfig(2, 48, 4')
+    model_file.write_text(text)
+    with pytest.raises(CodegenError, match="changed since it was profiled"):
+        generate(Plan.load(tmp_path / "plan.json"), tmp_path / "pkg")
+    assert not (tmp_path / "pkg").exists()
+    # a profile that is not the plan's
+    other = traced(MODELS / "skip.py", batch_size=3)
+    profile = profile_model(other, device="cpu", repeats=1, progress=False)
+    with pytest.raises(CodegenError, match="made from profile"):
+        generate(plan, tmp_path / "pkg", profile=profile, traced=t)
+
+
+def test_plan_graph_hash_mismatch_with_given_trace(tmp_path):
+    t = traced(GPT, "tiny")
+    plan = plan_from_cuts(traced(MODELS / "skip.py", batch_size=3), [3])
+    with pytest.raises(CodegenError, match="plan was made for graph"):
+        generate(plan, tmp_path / "pkg", traced=t)
+
+
+def test_output_directory_that_is_a_file(tmp_path):
+    t = traced(MODELS / "skip.py", batch_size=3)
+    plan = plan_from_cuts(t, [3])
+    target = tmp_path / "pkg"
+    target.write_text("not a directory")
+    with pytest.raises(CodegenError, match="is a file"):
+        generate(plan, target, traced=t)
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(CodegenError, match="not a package atomc generated"):
+        generate(plan, foreign, traced=t)
+    assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+def test_failed_run_leaves_no_half_package(tmp_path, monkeypatch):
+    import atomc.codegen as codegen
+
+    t = traced(MODELS / "skip.py", batch_size=3)
+    plan = plan_from_cuts(t, [3])
+
+    def broken(*args, **kwargs):
+        raise CodegenError("forced failure after the files were written")
+
+    monkeypatch.setattr(codegen, "_self_check", broken)
+    with pytest.raises(CodegenError, match="forced failure"):
+        generate(plan, tmp_path / "pkg", traced=t)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    generate(plan, tmp_path / "pkg", traced=t)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "pkg").iterdir()}
+    monkeypatch.setattr(codegen, "_self_check", broken)
+    with pytest.raises(CodegenError):
+        generate(plan_from_cuts(t, [5]), tmp_path / "pkg", traced=t)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "pkg").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pkg"]
+
+
+BAD_HELPERS = {
+    "lambda": (
+        "act = lambda x: x * torch.sigmoid(x)\n"
+        "torch.fx.wrap('act')\n",
+        "h = act(self.inp(x))",
+        "a lambda",
+    ),
+    "local-class": (
+        "def _make():\n"
+        "    class Local(nn.Module):\n"
+        "        def forward(self, x):\n"
+        "            return x * 2\n"
+        "    return Local\n"
+        "Local = _make()\n"
+        "LEAF_MODULES = (Local,)\n",
+        "h = self.local(self.inp(x))",
+        "defined inside another function",
+    ),
+    "uninstalled-module": (
+        "import sys, os\n"
+        "sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))\n"
+        "from mylayers import swish\n"
+        "torch.fx.wrap('swish')\n",
+        "h = swish(self.inp(x))",
+        "neither the model file nor an installed package",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_HELPERS))
+def test_helper_that_cannot_be_copied(tmp_path, case):
+    prelude, body, message = BAD_HELPERS[case]
+    (tmp_path / "mylayers.py").write_text("import torch\n\n\ndef swish(x):\n    return x * torch.sigmoid(x)\n")
+    model_file = tmp_path / f"bad_{case.replace('-', '_')}.py"
+    local = "        self.local = Local()\n" if case == "local-class" else ""
+    model_file.write_text(
+        "import torch\nfrom torch import nn\n\n" + prelude +
+        "\n\nclass Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.inp = nn.Linear(4, 4)\n" + local + "        self.out = nn.Linear(4, 2)\n\n"
+        f"    def forward(self, x):\n        {body}\n        return self.out(h)\n\n\n"
+        "def build_model(config=None):\n    return Net()\n\n\n"
+        "def example_inputs(model, batch_size):\n    return (torch.randn(batch_size, 4),)\n")
+    try:
+        t = trace_model(model_file, None, 2)
+        plan = plan_from_cuts(t, [2])
+        with pytest.raises(CodegenError, match=message) as info:
+            generate(plan, tmp_path / "pkg", traced=t)
+        assert "sub-model" in str(info.value) or "module" in str(info.value)
+        assert not (tmp_path / "pkg").exists()
+    finally:
+        sys.modules.pop("mylayers", None)
+        if str(tmp_path) in sys.path:
+            sys.path.remove(str(tmp_path))
+
+
+def test_manual_plan_rejects_bad_cuts():
+    t = traced(MODELS / "skip.py", batch_size=3)
+    with pytest.raises(UsageError, match="strictly increasing"):
+        plan_from_cuts(t, [5, 3])
+    with pytest.raises(UsageError, match="inputs"):
+        plan_from_cuts(t, [0])
+    with pytest.raises(UsageError, match="outside"):
+        plan_from_cuts(t, [len(t.graph.nodes)])
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+
+
+def test_cli_codegen(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    t = trace_model(GPT, "tiny", 2)  # meta, as `atomc profile` traces
+    plan_path = tmp_path / "plan.json"
+    plan_from_cuts(t, cuts_at(t, "h_1_ln_1")).save(plan_path)
+    assert atomc_main(["codegen", str(plan_path), "-o", str(tmp_path / "out")]) == 0
+    assert "wrote 2 sub-models" in capsys.readouterr().out
+    assert (tmp_path / "out" / "submodel_1.py").is_file()
+    (tmp_path / "file").write_text("x")
+    assert atomc_main(["codegen", str(plan_path), "-o", str(tmp_path / "file")]) == 2
+    err = capsys.readouterr().err
+    assert "is a file" in err and len(err.strip().splitlines()) == 1
