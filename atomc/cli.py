@@ -17,9 +17,11 @@ from atomc.errors import AtomcError
 # Stage modules that add subcommands, in the order `atomc --help` lists them.
 COMMANDS = [
     "atomc.profile.cli",
+    "atomc.partition.cli",
     "atomc.codegen.cli",
     "atomc.runtime.cli",
     "atomc.schedule.cli",
+    "atomc.distributed.cli",
 ]
 
 

@@ -27,16 +27,16 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from atomc.codegen import generate  # noqa: E402
-from atomc.errors import InfeasiblePlanError  # noqa: E402
-from atomc.partition import partition  # noqa: E402
-from atomc.profile import profile_model  # noqa: E402
-from atomc.runtime import SwapTrainer, warmup_cosine  # noqa: E402
-from atomc.runtime.data import ByteBatches, stdlib_text  # noqa: E402
-from atomc.runtime.trace import to_timeline  # noqa: E402
-from atomc.simulate import simulate_plan, write_timeline_svg  # noqa: E402
-from atomc.trace import trace_model  # noqa: E402
-from atomc.units import format_bytes, format_count  # noqa: E402
+from atomc.codegen import generate
+from atomc.errors import InfeasiblePlanError
+from atomc.partition import partition
+from atomc.profile import profile_model
+from atomc.runtime import SwapTrainer, warmup_cosine
+from atomc.runtime.data import ByteBatches, stdlib_text
+from atomc.runtime.trace import to_timeline
+from atomc.simulate import simulate_plan, write_timeline_svg
+from atomc.trace import trace_model
+from atomc.units import format_bytes, format_count
 
 MODEL = ROOT / "examples" / "gpt.py"
 OUT = ROOT / "out" / "demo"
@@ -55,8 +55,8 @@ def choose_budget(profile, accum: int, reserve: int, want: int = 3):
         budget *= 0.8
 
 
-def sample(state_dict: dict, config: str, prompt: bytes, length: int = 80) -> str:
-    """Greedy continuation of `prompt` by the unpartitioned model with the trained weights."""
+def sample(state_dict: dict, config: str, prompt: bytes, length: int = 120, temperature: float = 0.7) -> str:
+    """A continuation of `prompt` by the unpartitioned model with the trained weights (seeded)."""
     sys.path.insert(0, str(MODEL.parent))
     import gpt  # the model file itself
 
@@ -64,10 +64,12 @@ def sample(state_dict: dict, config: str, prompt: bytes, length: int = 80) -> st
     model.load_state_dict(state_dict)
     model.eval()
     idx = torch.tensor([list(prompt)], dtype=torch.int64)
+    gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for _ in range(length):
-            logits = model(idx[:, -model.cfg.seq_len:])
-            idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            logits = model(idx[:, -model.cfg.seq_len:])[:, -1] / temperature
+            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
+            idx = torch.cat([idx, nxt], dim=1)
     return bytes(idx[0].tolist()).decode("utf-8", errors="replace")
 
 
@@ -172,8 +174,8 @@ def main() -> int:
     with torch.no_grad():
         held_loss = _heldout_loss(final, config, held)
     print(f"   held-out loss {held_loss:.3f}")
-    prompt = b"def __init__(self"
-    print(f"   greedy sample: {sample(final, config, prompt)!r}")
+    prompt = b"    def __init__(self"
+    print(f"   sample: {sample(final, config, prompt)!r}")
     trainer.close()
     resumed.close()
     print(f"done in {time.perf_counter() - t_start:.0f} s")

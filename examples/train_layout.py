@@ -26,6 +26,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--package", required=True, help="generated package directory (atomc codegen)")
     p.add_argument("--layout", default=os.environ.get("ATOMC_LAYOUT"),
                    help="layout JSON (atomc schedule); default: $ATOMC_LAYOUT, set by `atomc launch`")
+    p.add_argument("--network", default=os.environ.get("ATOMC_NETWORK"),
+                   help="the layout's network JSON (link delays for --emulate-delay)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--global-batch", type=int, default=None,
                    help="samples per optimizer step over all replicas (default: D_DP x plan's C x micro-batch)")
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from atomc.distributed.groups import load_layout
 
-        layout = load_layout(args.layout)
+        layout = load_layout(args.layout, args.network)
         micro = args.micro_batch or int(plan.get("batch_size") or 1)
         global_batch = args.global_batch or layout.dp * int(plan.get("accum") or 1) * micro
 
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             return batch if isinstance(batch, tuple) else (batch,)
 
         cfg = LayoutConfig(
-            package=args.package, layout=layout, global_batch=global_batch, micro_batch=micro,
+            package=args.package, layout=layout, network=args.network, global_batch=global_batch, micro_batch=micro,
             schedule=args.schedule,
             optimizer={"lr": args.lr, "weight_decay": args.weight_decay, "impl": args.optimizer_impl,
                        "max_grad_norm": args.max_grad_norm},

@@ -7,6 +7,8 @@ outputs and every parameter's gradient (a tied weight's gradient is the sum over
 from __future__ import annotations
 
 import copy
+import importlib.util
+import itertools
 import os
 import shutil
 import subprocess
@@ -18,7 +20,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from atomc.cli import main as atomc_main
-from atomc.codegen import generate, load_package
+from atomc.codegen import emit_plan, generate, load_package
 from atomc.codegen.manual import plan_from_cuts
 from atomc.errors import CodegenError, UsageError
 from atomc.ir import Plan
@@ -104,6 +106,7 @@ GPT_PLANS = {
     "many-small": ("drop", "h_0_attn_c_attn", "scaled_dot_product_attention", "add_1",
                    "h_0_mlp_c_proj", "h_1_ln_1", "view_7", "ln_f", "lm_head"),
     "whole-model": (),
+    "device-and-size-cross": ("arange", "h_1_ln_1"),
 }
 
 
@@ -113,6 +116,9 @@ def test_gpt_float64(tmp_path, plan_name):
     _, package = build_package(t, cuts_at(t, *GPT_PLANS[plan_name]), tmp_path / "pkg")
     assert len(package.SUBMODELS) == len(GPT_PLANS[plan_name]) + 1
     assert_equivalent(t, package, torch.float64, 1e-10)
+    if plan_name == "device-and-size-cross":
+        assert package.BOUNDARIES[0]["outputs"]["getattr_2"] == {"kind": "other"}  # a device
+        assert package.BOUNDARIES[0]["outputs"]["getitem"] == {"kind": "int"}
 
 
 def test_gpt_float32_with_profile(tmp_path):
@@ -143,22 +149,27 @@ def test_tied_embedding_split_across_submodels(tmp_path):
 
 def test_skip_connection_across_two_cuts(tmp_path):
     t = traced(MODELS / "skip.py", batch_size=3)
-    _, package = build_package(t, cuts_at(t, "a", "b", "c"), tmp_path / "pkg")
+    _, package = build_package(t, cuts_at(t, "a_1", "b", "c"), tmp_path / "pkg")
     # `tanh` (h) is produced in sub-model 0 and read in sub-model 3: passed through 1 and 2
     for i in range(3):
         assert "tanh" in package.SUBMODELS[i].OUTPUTS
     assert "tanh" in package.SUBMODELS[3].INPUTS
+    # layer `a` runs in sub-models 0 and 1: its weights are tied between them
+    assert package.TIED == {"a.weight": [(0, "a.weight"), (1, "a.weight")],
+                            "a.bias": [(0, "a.bias"), (1, "a.bias")]}
     assert_equivalent(t, package, torch.float64, 1e-10)
     assert_equivalent(t, package, torch.float32, 1e-6)
 
 
 def test_multiple_inputs_and_outputs(tmp_path):
     t = traced(MODELS / "multi_out.py", batch_size=4)
-    _, package = build_package(t, cuts_at(t, "mid", "head"), tmp_path / "pkg")
+    _, package = build_package(t, cuts_at(t, "mid", "gelu", "head"), tmp_path / "pkg")
     assert package.MODEL_INPUTS == ("x", "scale")
     # `scale` is read only by the last sub-model, `enc` (features) is an output of the first
-    assert "scale" in package.SUBMODELS[1].INPUTS and "enc" in package.SUBMODELS[1].OUTPUTS
-    assert set(package.SUBMODELS[2].OUTPUTS) == {"mul", "enc", "mean", "amax"}
+    assert "scale" in package.SUBMODELS[2].INPUTS and "enc" in package.SUBMODELS[2].OUTPUTS
+    assert set(package.SUBMODELS[3].OUTPUTS) == {"mul", "enc", "mean", "amax"}
+    # the in-place update whose result nothing reads is kept, as a statement
+    assert "        clone.mul_(0.5)  # [4, 12] float32" in (tmp_path / "pkg" / "submodel_1.py").read_text()
     assert_equivalent(t, package, torch.float64, 1e-10)
 
 
@@ -191,6 +202,44 @@ def test_gpt_through_torch_export(tmp_path):
     assert_equivalent(t, package, torch.float64, 1e-10)
 
 
+@pytest.mark.parametrize(("frontend", "cuts"), [("fx", ("h_0_attn_c_attn", "h_1_ln_1")),
+                                                 ("export", ("linear", "layer_norm_2"))])
+def test_dropout_follows_the_training_mode(tmp_path, frontend, cuts):
+    """Same seed, same random numbers in training mode (operators run in the traced order);
+    no dropout in eval mode, although the trace (in training mode) baked dropout_p=0.1."""
+    t = traced(GPT, "tiny-dropout", frontend=frontend)
+    _, package = build_package(t, cuts_at(t, *cuts), tmp_path / "pkg")
+    model = copy.deepcopy(t.model).double()
+    submodels = [s.double() for s in package.build_submodels()]
+    package.load_original_state_dict(submodels, model.state_dict())
+    for training in (True, False):
+        model.train(training)
+        for sub in submodels:
+            sub.train(training)
+        torch.manual_seed(7)
+        expected = model(*t.inputs)
+        torch.manual_seed(7)
+        got = run_chain(package, submodels, t.inputs)
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    assert "if self.training else 0.0" in (tmp_path / "pkg" / "submodel_1.py").read_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("frontend", "cuts"), [("fx", ("h_0_attn_c_attn", "h_1_ln_1")),
+                                                 ("export", ("linear", "layer_norm_2"))])
+def test_runs_on_cuda(tmp_path, frontend, cuts):
+    """Traced on meta (as `atomc profile` does), run on the GPU: devices follow the inputs."""
+    t = trace_model(GPT, "tiny", 2, frontend=frontend)
+    _, package = build_package(t, cuts_at(t, *cuts), tmp_path / "pkg")
+    model = t.module.build_model("tiny").cuda()
+    submodels = [s.cuda() for s in package.build_submodels()]
+    package.load_original_state_dict(submodels, model.state_dict())
+    package.tie_parameters(submodels)
+    idx = torch.randint(0, 256, (2, 16), device="cuda")
+    torch.testing.assert_close(run_chain(package, submodels, (idx,)), model(idx),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_helpers_are_copied(tmp_path):
     t = traced(MODELS / "helper.py", batch_size=3)
     _, package = build_package(t, cuts_at(t, "mix"), tmp_path / "pkg")
@@ -209,7 +258,7 @@ def test_runtime_style_detached_boundaries(tmp_path):
     """Each sub-model run alone on detached inputs, gradients handed back by name (the swap
     runtime's view), gives the same parameter gradients as one autograd graph."""
     t = traced(MODELS / "skip.py", batch_size=3)
-    _, package = build_package(t, cuts_at(t, "a", "c"), tmp_path / "pkg")
+    _, package = build_package(t, cuts_at(t, "a_1", "c"), tmp_path / "pkg")
     model = copy.deepcopy(t.model).double()
     submodels = [s.double() for s in package.build_submodels()]
     package.load_original_state_dict(submodels, model.state_dict())
@@ -246,7 +295,7 @@ def test_contract_chain_boundaries_and_state_dict(tmp_path):
     _, package = build_package(t, cuts_at(t, "h_0_attn_c_attn", "h_1_ln_1"), tmp_path / "pkg")
     subs = package.SUBMODELS
     assert package.MODEL_INPUTS == ("idx",) == subs[0].INPUTS
-    for a, b in zip(subs, subs[1:]):
+    for a, b in itertools.pairwise(subs):
         assert b.INPUTS == a.OUTPUTS
     for i, cls in enumerate(subs):
         assert tuple(package.BOUNDARIES[i]["inputs"]) == cls.INPUTS
@@ -337,7 +386,7 @@ def test_ruff_passes_on_generated_packages(tmp_path):
     ]:
         build_package(t, cuts_at(t, *cuts), tmp_path / name)
     result = subprocess.run([_ruff(), "check", "--no-cache", "--isolated", str(tmp_path)],
-                            capture_output=True, text=True)
+                            capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -364,7 +413,7 @@ def test_imports_in_fresh_interpreter_without_model_file(tmp_path):
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            cwd=tmp_path, env=env)
+                            cwd=tmp_path, env=env, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "(3, 4)"
 
@@ -415,7 +464,7 @@ def test_output_directory_that_is_a_file(tmp_path):
 
 
 def test_failed_run_leaves_no_half_package(tmp_path, monkeypatch):
-    import atomc.codegen as codegen
+    from atomc import codegen
 
     t = traced(MODELS / "skip.py", batch_size=3)
     plan = plan_from_cuts(t, [3])
@@ -439,27 +488,27 @@ def test_failed_run_leaves_no_half_package(tmp_path, monkeypatch):
 
 BAD_HELPERS = {
     "lambda": (
-        "act = lambda x: x * torch.sigmoid(x)\n"
-        "torch.fx.wrap('act')\n",
+        ("act = lambda x: x * torch.sigmoid(x)\n"
+         "torch.fx.wrap('act')\n"),
         "h = act(self.inp(x))",
         "a lambda",
     ),
     "local-class": (
-        "def _make():\n"
-        "    class Local(nn.Module):\n"
-        "        def forward(self, x):\n"
-        "            return x * 2\n"
-        "    return Local\n"
-        "Local = _make()\n"
-        "LEAF_MODULES = (Local,)\n",
+        ("def _make():\n"
+         "    class Local(nn.Module):\n"
+         "        def forward(self, x):\n"
+         "            return x * 2\n"
+         "    return Local\n"
+         "Local = _make()\n"
+         "LEAF_MODULES = (Local,)\n"),
         "h = self.local(self.inp(x))",
         "defined inside another function",
     ),
     "uninstalled-module": (
-        "import sys, os\n"
-        "sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))\n"
-        "from mylayers import swish\n"
-        "torch.fx.wrap('swish')\n",
+        ("import sys, os\n"
+         "sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))\n"
+         "from mylayers import swish\n"
+         "torch.fx.wrap('swish')\n"),
         "h = swish(self.inp(x))",
         "neither the model file nor an installed package",
     ),
@@ -506,6 +555,16 @@ def test_manual_plan_rejects_bad_cuts():
 # command line
 
 
+def test_emit_plan_as_partition_calls_it(tmp_path, capsys):
+    """`atomc partition ... --emit DIR` calls emit_plan(plan, profile, DIR) after planning."""
+    t = traced(MODELS / "skip.py", batch_size=3)
+    profile = profile_model(t, target="v100-32gb", progress=False)
+    plan = plan_from_cuts(profile, [5])
+    emit_plan(plan, profile, tmp_path / "pkg")  # retraces the model file on meta tensors
+    assert "wrote 2 sub-models" in capsys.readouterr().out
+    assert load_package(tmp_path / "pkg").PLAN["profile_hash"] == profile.content_hash()
+
+
 def test_cli_codegen(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(REPO)
     t = trace_model(GPT, "tiny", 2)  # meta, as `atomc profile` traces
@@ -518,3 +577,12 @@ def test_cli_codegen(tmp_path, monkeypatch, capsys):
     assert atomc_main(["codegen", str(plan_path), "-o", str(tmp_path / "file")]) == 2
     err = capsys.readouterr().err
     assert "is a file" in err and len(err.strip().splitlines()) == 1
+
+
+def test_example_trains_a_generated_package():
+    spec = importlib.util.spec_from_file_location("train_generated_example",
+                                                  REPO / "examples" / "train_generated.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    losses = example.main(["--steps", "8"])
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.3

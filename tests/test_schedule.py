@@ -1,4 +1,5 @@
-"""Schedule stage: network IR, DT-FM cost model (eq. 2-4), exact matching and TSP, search, layout."""
+"""Schedule stage: network IR, DT-FM cost model (eq. 2-4), exact matching and TSP, search,
+layout, command line."""
 
 from __future__ import annotations
 
@@ -62,8 +63,13 @@ C_ONE_GBIT = 10**9 // 8
 
 
 def test_scenarios_build_faithfully():
-    assert scenario_names() == ["1-datacenter-on-demand", "2-datacenter-spot", "3-multi-datacenter",
-                                "4-regional", "5-worldwide"]
+    assert scenario_names() == [
+        "1-datacenter-on-demand",
+        "2-datacenter-spot",
+        "3-multi-datacenter",
+        "4-regional",
+        "5-worldwide",
+    ]
     for name in scenario_names():
         net = build_scenario(name)
         assert net.num_devices == 64
@@ -83,12 +89,17 @@ def test_scenarios_build_faithfully():
     world = build_scenario("worldwide")
     index = {x.region: i for i, x in reversed(list(enumerate(world.devices)))}
     assert world.delay_ms[index["Tokyo"]][index["Seoul"]] == 34
-    assert world.bandwidth_gbps[index["London"]][index["Sydney" if "Sydney" in index else "Ireland"]] == 1.09
+    assert (
+        world.bandwidth_gbps[index["London"]][index["Sydney" if "Sydney" in index else "Ireland"]]
+        == 1.09
+    )
     with pytest.raises(NetworkError, match="unknown network scenario"):
         build_scenario("7-moon")
 
 
-@pytest.mark.skipif(not SHARED_SCENARIOS.exists(), reason="shared scenario data not in this checkout")
+@pytest.mark.skipif(
+    not SHARED_SCENARIOS.exists(), reason="shared scenario data not in this checkout"
+)
 def test_packaged_scenarios_are_the_shared_data():
     from atomc.schedule.network import scenario_data
 
@@ -97,7 +108,14 @@ def test_packaged_scenarios_are_the_shared_data():
 
 def test_regions_builder_and_json_round_trip(tmp_path):
     net = build_network(regions=["Oregon:2,Tokyo:3", "London"], per_region=1)
-    assert [x.region for x in net.devices] == ["Oregon", "Oregon", "Tokyo", "Tokyo", "Tokyo", "London"]
+    assert [x.region for x in net.devices] == [
+        "Oregon",
+        "Oregon",
+        "Tokyo",
+        "Tokyo",
+        "Tokyo",
+        "London",
+    ]
     assert net.delay_ms[0][2] == 96 and net.bandwidth_gbps[0][2] == 0.523  # Oregon-Tokyo
     assert net.delay_ms[0][1] == 5.0 and net.delay_ms[0][0] == 0.0
     path = net.save(tmp_path / "net.json")
@@ -107,9 +125,14 @@ def test_regions_builder_and_json_round_trip(tmp_path):
 
 
 def test_hand_written_network_without_kind_and_asymmetric_links_are_averaged(tmp_path):
-    data = {"devices": [{"name": "a", "region": "x"}, {"name": "b", "region": "y", "gpu": "A100",
-                                                       "memory_bytes": 40 << 30}],
-            "delay_ms": [[0, 10], [30, 0]], "bandwidth_gbps": [[0, 1], [3, 0]]}
+    data = {
+        "devices": [
+            {"name": "a", "region": "x"},
+            {"name": "b", "region": "y", "gpu": "A100", "memory_bytes": 40 << 30},
+        ],
+        "delay_ms": [[0, 10], [30, 0]],
+        "bandwidth_gbps": [[0, 1], [3, 0]],
+    }
     (tmp_path / "net.json").write_text(json.dumps(data))
     net = load_network(tmp_path / "net.json")
     assert net.devices[1].gpu == "A100"
@@ -119,24 +142,51 @@ def test_hand_written_network_without_kind_and_asymmetric_links_are_averaged(tmp
     assert model.evaluate(np.array([[0], [1]])).total_s == pytest.approx(2 * 0.52)
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda d: d["delay_ms"].pop(), "delay_ms has 2 rows but there are 3 devices"),
-    (lambda d: d["bandwidth_gbps"][1].append(1.0), r"bandwidth_gbps row 1 has 4 entries .*square"),
-    (lambda d: d["delay_ms"][0].__setitem__(2, -1.0), r"delay_ms\[0\]\[2\] = -1.0 is negative"),
-    (lambda d: d["bandwidth_gbps"][2].__setitem__(0, 0), r"bandwidth_gbps\[2\]\[0\] is 0 .*infinitely slow"),
-    (lambda d: d["devices"][1].__setitem__("name", "a"), "appear more than once"),
-    (lambda d: d["delay_ms"].__setitem__(1, 5), "must be a list of rows"),
-    (lambda d: d["bandwidth_gbps"][0].__setitem__(1, "fast"), "expected a number"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda d: d["delay_ms"].pop(), "delay_ms has 2 rows but there are 3 devices"),
+        (
+            lambda d: d["bandwidth_gbps"][1].append(1.0),
+            r"bandwidth_gbps row 1 has 4 entries .*square",
+        ),
+        (lambda d: d["delay_ms"][0].__setitem__(2, -1.0), r"delay_ms\[0\]\[2\] = -1.0 is negative"),
+        (
+            lambda d: d["bandwidth_gbps"][2].__setitem__(0, 0),
+            r"bandwidth_gbps\[2\]\[0\] is 0 .*infinitely slow",
+        ),
+        (lambda d: d["devices"][1].__setitem__("name", "a"), "appear more than once"),
+        (lambda d: d["delay_ms"].__setitem__(1, 5), "must be a list of rows"),
+        (lambda d: d["bandwidth_gbps"][0].__setitem__(1, "fast"), "expected a number"),
+    ],
+)
 def test_bad_networks_are_rejected_clearly(tmp_path, capsys, change, message):
-    data = {"devices": [{"name": n, "region": "r"} for n in "abc"],
-            "delay_ms": [[0, 1, 1], [1, 0, 1], [1, 1, 0]],
-            "bandwidth_gbps": [[0, 1, 1], [1, 0, 1], [1, 1, 0]]}
+    data = {
+        "devices": [{"name": n, "region": "r"} for n in "abc"],
+        "delay_ms": [[0, 1, 1], [1, 0, 1], [1, 1, 0]],
+        "bandwidth_gbps": [[0, 1, 1], [1, 0, 1], [1, 1, 0]],
+    }
     change(data)
     with pytest.raises(NetworkError, match=message):
         network_from_data(data, "net.json")
     (tmp_path / "net.json").write_text(json.dumps(data))
-    assert main(["schedule", str(tmp_path / "net.json"), "--pp", "3", "--dp", "1", "--c-pp", "1", "--c-dp", "1"]) == 2
+    assert (
+        main(
+            [
+                "schedule",
+                str(tmp_path / "net.json"),
+                "--pp",
+                "3",
+                "--dp",
+                "1",
+                "--c-pp",
+                "1",
+                "--c-dp",
+                "1",
+            ]
+        )
+        == 2
+    )
     assert "error:" in capsys.readouterr().err
 
 
@@ -149,7 +199,9 @@ def test_cost_2x2_by_hand():
     bw = [[0, 10, 1, 1], [10, 0, 4, 0.5], [1, 4, 0, 10], [3, 0.5, 10, 0]]
     delay = [[0] * 4 for _ in range(4)]
     delay[0][3] = delay[3][0] = 100.0  # ms
-    model = CostModel(net_from(bw, delay), pp=2, dp=2, c_pp_bytes=C_ONE_GBIT, c_dp_bytes=2 * C_ONE_GBIT)
+    model = CostModel(
+        net_from(bw, delay), pp=2, dp=2, c_pp_bytes=C_ONE_GBIT, c_dp_bytes=2 * C_ONE_GBIT
+    )
     cost = model.evaluate(np.array([[0, 1], [2, 3]]))
     # eq. 2: each member exchanges a c_DP/D_DP shard with the other, out and back: 2*(0 + 1/10)
     assert cost.group_dp_s == pytest.approx((0.2, 0.2))
@@ -167,7 +219,9 @@ def test_cost_3_stages_by_hand():
     bw[0:2, 2:4] = bw[2:4, 0:2] = 1  # edge 0-1: 1 s
     bw[2:4, 4:6] = bw[4:6, 2:4] = 2  # edge 1-2: 0.5 s
     bw[0:2, 4:6] = bw[4:6, 0:2] = 0.5  # edge 0-2: 2 s
-    model = CostModel(net_from(bw.tolist()), pp=3, dp=2, c_pp_bytes=C_ONE_GBIT, c_dp_bytes=2 * C_ONE_GBIT)
+    model = CostModel(
+        net_from(bw.tolist()), pp=3, dp=2, c_pp_bytes=C_ONE_GBIT, c_dp_bytes=2 * C_ONE_GBIT
+    )
     cost = model.evaluate(np.array([[0, 1], [2, 3], [4, 5]]))
     assert cost.group_dp_s == pytest.approx((0.2, 0.2, 0.4))
     # open paths: 0-1-2 = 1.5, 1-0-2 = 3, 0-2-1 = 2.5
@@ -177,17 +231,25 @@ def test_cost_3_stages_by_hand():
 
 
 def test_cost_2_stages_of_3_by_hand():
-    # pp=2, dp=3: c_DP/D_DP = 1 Gbit; within G0 link 0-1 is 5 Gbit/s, the rest 10; G1 has 50 ms on 3-4.
+    # pp=2, dp=3: c_DP/D_DP = 1 Gbit; within G0 link 0-1 is 5 Gbit/s, the rest 10;
+    # G1 has 50 ms on 3-4.
     n = 6
     bw = np.full((n, n), 10.0)
     delay = np.zeros((n, n))
     bw[0, 1] = bw[1, 0] = 5
     delay[3, 4] = delay[4, 3] = 50
-    cross = np.array([[4, 2, 1], [4, 1, 1], [1, 2, 4]], dtype=float)  # Gbit/s between G0 rows, G1 columns
+    cross = np.array(
+        [[4, 2, 1], [4, 1, 1], [1, 2, 4]], dtype=float
+    )  # Gbit/s between G0 rows, G1 columns
     bw[0:3, 3:6] = cross
     bw[3:6, 0:3] = cross.T
-    model = CostModel(net_from(bw.tolist(), delay.tolist()), pp=2, dp=3,
-                      c_pp_bytes=C_ONE_GBIT, c_dp_bytes=3 * C_ONE_GBIT)
+    model = CostModel(
+        net_from(bw.tolist(), delay.tolist()),
+        pp=2,
+        dp=3,
+        c_pp_bytes=C_ONE_GBIT,
+        c_dp_bytes=3 * C_ONE_GBIT,
+    )
     cost = model.evaluate(np.array([[0, 1, 2], [3, 4, 5]]))
     # device 0: 2*(1/5) + 2*(1/10) = 0.6; device 3: 2*(0.05 + 0.1) + 2*0.1 = 0.5
     assert cost.group_dp_s == pytest.approx((0.6, 0.5))
@@ -203,8 +265,10 @@ def brute_force_cost(model: CostModel, groups: np.ndarray) -> float:
     k = len(groups)
     edge = np.zeros((k, k))
     for i, j in itertools.combinations(range(k), 2):
-        edge[i, j] = edge[j, i] = min(max(model.pp_link_s[a, b] for a, b in zip(groups[i], perm))
-                                      for perm in itertools.permutations(groups[j]))
+        edge[i, j] = edge[j, i] = min(
+            max(model.pp_link_s[a, b] for a, b in zip(groups[i], perm))
+            for perm in itertools.permutations(groups[j])
+        )
     pp_s = min(path_cost(edge, order) for order in itertools.permutations(range(k)))
     return dp_s + 2 * pp_s
 
@@ -292,7 +356,9 @@ def test_held_karp_matches_brute_force():
             cost, order, exact = open_loop_tsp(w)
             expected = min(path_cost(w, p) for p in itertools.permutations(range(n)))
             assert exact and cost == pytest.approx(expected, rel=1e-12)
-            assert sorted(order) == list(range(n)) and path_cost(w, order) == pytest.approx(cost, rel=1e-12)
+            assert sorted(order) == list(range(n)) and path_cost(w, order) == pytest.approx(
+                cost, rel=1e-12
+            )
             assert open_loop_tsp_costs(w[None])[0] == pytest.approx(expected, rel=1e-12)
 
 
@@ -320,25 +386,60 @@ def make_plan(compute_ms, param_bytes, out_bytes, accum=2, skip_bytes=0) -> Plan
             outputs.append(CutTensor("skip", (1,), "float32", skip_bytes))
         if skip_bytes and i == n - 1:
             inputs.append(CutTensor("skip", (1,), "float32", skip_bytes))
-        subs.append(Submodel(
-            index=i, start=i, stop=i + 1, first_node=f"n{i}", last_node=f"n{i}", layers=(f"l{i}",),
-            param_bytes=param_bytes[i], peak_bytes=0, fwd_ms=compute_ms[i] / 3, bwd_ms=2 * compute_ms[i] / 3,
-            load_ms=0.0, offload_ms=0.0, slack_memory_bytes=0, slack_fwd_ms=0.0, slack_bwd_ms=0.0,
-            inputs=tuple(inputs), outputs=tuple(outputs)))
-    return Plan(profile_hash="p", graph_hash="g", model_path="m.py", config=None, batch_size=4, options={},
-                device="cpu", capacity_bytes=1, reserve_bytes=0, accum=accum, accum_fixed=False,
-                activations="keep", submodels=tuple(subs), cut_bytes=sum(out_bytes), predicted_step_ms=1.0,
-                predicted_utilisation=1.0, physical_bound_accum=1.0, feasible=True, binding="")
+        subs.append(
+            Submodel(
+                index=i,
+                start=i,
+                stop=i + 1,
+                first_node=f"n{i}",
+                last_node=f"n{i}",
+                layers=(f"l{i}",),
+                param_bytes=param_bytes[i],
+                peak_bytes=0,
+                fwd_ms=compute_ms[i] / 3,
+                bwd_ms=2 * compute_ms[i] / 3,
+                load_ms=0.0,
+                offload_ms=0.0,
+                slack_memory_bytes=0,
+                slack_fwd_ms=0.0,
+                slack_bwd_ms=0.0,
+                inputs=tuple(inputs),
+                outputs=tuple(outputs),
+            )
+        )
+    return Plan(
+        profile_hash="p",
+        graph_hash="g",
+        model_path="m.py",
+        config=None,
+        batch_size=4,
+        options={},
+        device="cpu",
+        capacity_bytes=1,
+        reserve_bytes=0,
+        accum=accum,
+        accum_fixed=False,
+        activations="keep",
+        submodels=tuple(subs),
+        cut_bytes=sum(out_bytes),
+        predicted_step_ms=1.0,
+        predicted_utilisation=1.0,
+        physical_bound_accum=1.0,
+        feasible=True,
+        binding="",
+    )
 
 
 def test_stage_ranges_balance_compute_optimally():
     compute = [2, 2, 2, 2, 8, 2, 2]
     plan = make_plan(compute, [1] * 7, [1] * 6)
-    c_pp, c_dp, ranges = message_sizes(plan, 3)
+    _, _, ranges = message_sizes(plan, 3)
     assert ranges == ((0, 4), (4, 5), (5, 7))
     # brute force over all cuts
-    best = min(max(sum(compute[a:b]) for a, b in zip((0, *cuts), (*cuts, 7)))
-               for cuts in itertools.combinations(range(1, 7), 2))
+    best = min(
+        max(sum(compute[a:b]) for a, b in zip((0, *cuts), (*cuts, 7)))
+        for cuts in itertools.combinations(range(1, 7), 2)
+    )
     assert max(sum(compute[a:b]) for a, b in ranges) == pytest.approx(best)
 
 
@@ -359,8 +460,21 @@ def test_plan_with_fewer_submodels_than_stages(tmp_path, capsys):
         message_sizes(plan, 4)
     plan.save(tmp_path / "plan.json")
     build_network(regions=["Oregon:2", "Tokyo:2"]).save(tmp_path / "net.json")
-    assert main(["schedule", str(tmp_path / "net.json"), "--pp", "4", "--dp", "1",
-                 "--plan", str(tmp_path / "plan.json")]) == 2
+    assert (
+        main(
+            [
+                "schedule",
+                str(tmp_path / "net.json"),
+                "--pp",
+                "4",
+                "--dp",
+                "1",
+                "--plan",
+                str(tmp_path / "plan.json"),
+            ]
+        )
+        == 2
+    )
     assert "sub-models but --pp 4" in capsys.readouterr().err
 
 
@@ -422,8 +536,10 @@ def test_single_stage_or_single_replica():
     pipeline = schedule(net, 4, 1, 10**8, 10**8, max_evals=50, budget_s=None)
     assert pipeline.cost.dp_s == 0
     # the pipeline crosses the ocean once, not three times
-    regions = [net.devices[[d.name for d in net.devices].index(row[0])].region for row in pipeline.devices]
-    assert sum(a != b for a, b in zip(regions, regions[1:])) == 1
+    regions = [
+        net.devices[[d.name for d in net.devices].index(row[0])].region for row in pipeline.devices
+    ]
+    assert sum(a != b for a, b in itertools.pairwise(regions)) == 1
     data_parallel = schedule(net, 1, 4, 10**8, 10**8, max_evals=50, budget_s=None)
     assert data_parallel.cost.pp_s == 0 and data_parallel.cost.dp_s > 0
 
@@ -433,13 +549,18 @@ def test_single_stage_or_single_replica():
 
 
 def test_search_is_reproducible():
-    model = CostModel(build_scenario("4"), 8, 8, 5 * 10**8, 9 * 10**8)
-    a = search(model, "ours", seed=5, budget=Budget(time_s=None, max_evals=300))
-    b = search(CostModel(build_scenario("4"), 8, 8, 5 * 10**8, 9 * 10**8), "ours", seed=5,
-               budget=Budget(time_s=None, max_evals=300))
-    assert np.array_equal(a.groups, b.groups) and a.history == [(e, b.history[i][1], v) for i, (e, _, v)
-                                                                  in enumerate(a.history)]
-    assert a.stopped == "evaluations" and a.evaluations == 300
+    runs = []
+    for _ in range(2):
+        model = CostModel(build_scenario("4"), 8, 8, 5 * 10**8, 9 * 10**8)
+        runs.append(
+            search(
+                model, "ours", seed=5, budget=Budget(time_s=None, max_evals=400), link_seeds=False
+            )
+        )
+    a, b = runs
+    assert np.array_equal(a.groups, b.groups)
+    assert [(e, v) for e, _, v in a.history] == [(e, v) for e, _, v in b.history]
+    assert len(a.history) > 1 and a.stopped == "evaluations" and a.evaluations == 400
 
 
 def test_ours_beats_random_and_kl_on_spot_instances():
@@ -449,7 +570,9 @@ def test_ours_beats_random_and_kl_on_spot_instances():
     results = {}
     for strategy in ("ours", "kl", "random"):
         model = CostModel(build_scenario("2"), 8, 8, 5 * 10**8, 9 * 10**8)
-        results[strategy] = search(model, strategy, seed=0, budget=Budget(time_s=None, max_evals=1500)).total_s
+        results[strategy] = search(
+            model, strategy, seed=0, budget=Budget(time_s=None, max_evals=600)
+        ).total_s
     assert results["ours"] < results["kl"] and results["ours"] < results["random"]
     assert results["ours"] == pytest.approx(1.26 + 2 * (4 * 0.4 + 3 * 0.04))
 
@@ -459,8 +582,9 @@ def test_ours_beats_kl_from_random_starts_on_worldwide():
     results = {}
     for strategy in ("ours", "kl", "random"):
         model = CostModel(build_scenario("5"), 8, 8, 5 * 10**8, 9 * 10**8)
-        results[strategy] = search(model, strategy, seed=0, budget=Budget(time_s=None, max_evals=2500),
-                                   link_seeds=False).total_s
+        results[strategy] = search(
+            model, strategy, seed=0, budget=Budget(time_s=None, max_evals=600), link_seeds=False
+        ).total_s
     assert results["ours"] < results["kl"] and results["ours"] < results["random"]
 
 
@@ -481,8 +605,29 @@ def test_cli_network_and_schedule(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "64 devices in 2 region(s)" in out and net_path.exists()
     layout_path = tmp_path / "layout.json"
-    assert main(["schedule", str(net_path), "--pp", "8", "--dp", "8", "--c-pp", "500MB", "--c-dp", "900MB",
-                 "--max-evals", "300", "--budget-s", "30", "-o", str(layout_path)]) == 0
+    assert (
+        main(
+            [
+                "schedule",
+                str(net_path),
+                "--pp",
+                "8",
+                "--dp",
+                "8",
+                "--c-pp",
+                "500MB",
+                "--c-dp",
+                "900MB",
+                "--max-evals",
+                "300",
+                "--budget-s",
+                "30",
+                "-o",
+                str(layout_path),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "random:" in out and "stage 7" in out
     layout = Layout.load(layout_path)
@@ -492,17 +637,44 @@ def test_cli_network_and_schedule(tmp_path, capsys):
     capsys.readouterr()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["network"], "give a scenario"),
-    (["network", "9"], "unknown network scenario"),
-    (["network", "--regions", "Mars:3"], "unknown region"),
-    (["schedule", "NET", "--pp", "8", "--dp", "4", "--c-pp", "1", "--c-dp", "1"], "= 32 tasklets but"),
-    (["schedule", "NET", "--pp", "8", "--dp", "8", "--c-pp", "1"], "--c-dp is missing"),
-    (["schedule", "NET", "--pp", "8", "--dp", "8", "--c-pp", "-5", "--c-dp", "1"], "is not a size"),
-    (["schedule", "NET", "--pp", "8", "--dp", "8", "--c-pp", "1", "--c-dp", "1", "--strategy", "x"],
-     "unknown strategy"),
-    (["schedule", "missing.json", "--pp", "8", "--dp", "8", "--c-pp", "1", "--c-dp", "1"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["network"], "give a scenario"),
+        (["network", "9"], "unknown network scenario"),
+        (["network", "--regions", "Mars:3"], "unknown region"),
+        (
+            ["schedule", "NET", "--pp", "8", "--dp", "4", "--c-pp", "1", "--c-dp", "1"],
+            "= 32 tasklets but",
+        ),
+        (["schedule", "NET", "--pp", "8", "--dp", "8", "--c-pp", "1"], "--c-dp is missing"),
+        (
+            ["schedule", "NET", "--pp", "8", "--dp", "8", "--c-pp", "-5", "--c-dp", "1"],
+            "is not a size",
+        ),
+        (
+            [
+                "schedule",
+                "NET",
+                "--pp",
+                "8",
+                "--dp",
+                "8",
+                "--c-pp",
+                "1",
+                "--c-dp",
+                "1",
+                "--strategy",
+                "x",
+            ],
+            "unknown strategy",
+        ),
+        (
+            ["schedule", "missing.json", "--pp", "8", "--dp", "8", "--c-pp", "1", "--c-dp", "1"],
+            "does not exist",
+        ),
+    ],
+)
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, message):
     build_scenario("1").save(tmp_path / "net.json")
     argv = [str(tmp_path / "net.json") if a == "NET" else a for a in argv]

@@ -14,8 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import libcst as cst
-from libcst.metadata import (BuiltinScope, GlobalScope, ImportAssignment, MetadataWrapper,
-                             PositionProvider, ScopeProvider)
+from libcst.metadata import (
+    BuiltinScope,
+    GlobalScope,
+    ImportAssignment,
+    MetadataWrapper,
+    PositionProvider,
+    ScopeProvider,
+)
 
 from atomc.errors import CodegenError
 
@@ -110,9 +116,8 @@ def _member_rank(name: str) -> int:
     return 1 if name[:1].isupper() else 2
 
 
-def _used_bindings(wrapper: MetadataWrapper) -> set[tuple[int, str]]:
+def _used_bindings(scopes) -> set[tuple[int, str]]:
     """(id of the import node, bound name) for every import binding that something reads."""
-    scopes = wrapper.resolve(ScopeProvider)
     used: set[tuple[int, str]] = set()
     for scope in {id(s): s for s in scopes.values() if s is not None}.values():
         if not isinstance(scope, GlobalScope):
@@ -127,7 +132,11 @@ def tidy_imports(code: str, filename: str) -> str:
     """Drop unused imports, sort and group the rest, and put them right after the docstring."""
     module = parse(code, filename)
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-    used = _used_bindings(wrapper)
+    return _tidy(module, wrapper.resolve(ScopeProvider))
+
+
+def _tidy(module: cst.Module, scopes) -> str:
+    used = _used_bindings(scopes)
     keep: list[_Import] = []
     body: list[cst.BaseStatement] = []
     for stmt in module.body:
@@ -181,8 +190,10 @@ def _is_docstring(stmt: cst.CSTNode) -> bool:
 def undefined_names(code: str, filename: str) -> list[tuple[str, int]]:
     """(name, line) of every name read but bound nowhere (builtins count as bound)."""
     wrapper = MetadataWrapper(parse(code, filename), unsafe_skip_copy=True)
-    scopes = wrapper.resolve(ScopeProvider)
-    positions = wrapper.resolve(PositionProvider)
+    return _undefined(wrapper.resolve(ScopeProvider), wrapper.resolve(PositionProvider))
+
+
+def _undefined(scopes, positions) -> list[tuple[str, int]]:
     missing: list[tuple[str, int]] = []
     for scope in {id(s): s for s in scopes.values() if s is not None}.values():
         for access in scope.accesses:
@@ -196,15 +207,29 @@ def undefined_names(code: str, filename: str) -> list[tuple[str, int]]:
     return sorted(set(missing), key=lambda t: (t[1], t[0]))
 
 
-def check_source(code: str, filename: str) -> str:
-    """Parse, tidy imports, refuse undefined names; the tidied code."""
-    tidied = tidy_imports(code, filename)
-    missing = undefined_names(tidied, filename)
+def check_source(code: str, filename: str, copied_from: str | None = None) -> str:
+    """Parse, refuse undefined names, tidy imports; the tidied code.
+
+    `copied_from` names the model file for code copied out of it, whose undefined names are
+    the model file's doing rather than atomc's.
+
+    One scope analysis serves both: tidying only drops imports nothing reads, so it cannot
+    make a name undefined.
+    """
+    module = parse(code, filename)
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    scopes = wrapper.resolve(ScopeProvider)
+    missing = _undefined(scopes, wrapper.resolve(PositionProvider))
     if missing:
         listed = ", ".join(f"{name} (line {line})" for name, line in missing[:8])
+        if copied_from is not None:
+            raise CodegenError(
+                f"the helpers copied from {copied_from} into {filename} use names that file does "
+                f"not define at its top level: {listed}; atomc copies top-level definitions and "
+                f"imports only: define them there")
         raise CodegenError(f"generated {filename} uses undefined names: {listed}; this is a bug in "
                            f"atomc's code generation: please report it with the plan")
-    return tidied
+    return _tidy(module, scopes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,7 +318,7 @@ def copy_helpers(model_path: Path, wanted: dict[str, str], is_installed, header:
                 leading_lines=[ln for ln in stmt.leading_lines if ln.comment is not None])))
             continue
         for imp in imports:
-            bound = imp.asname or (imp.name if imp.module else imp.name)
+            bound = imp.asname or imp.name
             names = {bound, bound.split(".")[0]} if not imp.module and not imp.asname else {bound}
             if not names & import_names.get(i, set()):
                 continue

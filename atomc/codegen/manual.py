@@ -9,7 +9,7 @@ a real plan should come from.
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
+import itertools
 
 from atomc import __version__
 from atomc.errors import UsageError
@@ -19,7 +19,7 @@ from atomc.trace import TracedModel
 _SUBMODEL_FIELDS = {f.name for f in dataclasses.fields(Submodel)}
 
 
-def plan_from_cuts(source: Union[Profile, TracedModel], cuts: list[int], accum: int = 1, *,
+def plan_from_cuts(source: Profile | TracedModel, cuts: list[int], accum: int = 1, *,
                    activations: str = "recompute", capacity_bytes: int | None = None) -> Plan:
     """Sub-models [0, c1), [c1, c2), ..., [ck, N) of the graph's nodes for cuts c1 < ... < ck."""
     if isinstance(source, Profile):
@@ -44,7 +44,7 @@ def plan_from_cuts(source: Union[Profile, TracedModel], cuts: list[int], accum: 
                              f"hold the model's inputs (nodes 0..{last_input}) and every sub-model "
                              f"at least one node")
     bounds = [0, *cuts, num_nodes]
-    ranges = list(zip(bounds[:-1], bounds[1:]))
+    ranges = list(itertools.pairwise(bounds))
 
     specs = {**graph.params, **graph.buffers}
     zero = NodeCost("", 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0, 0, "estimated")
@@ -71,13 +71,15 @@ def plan_from_cuts(source: Union[Profile, TracedModel], cuts: list[int], accum: 
         kept = saved * (accum if activations == "keep" else 1)
         fwd = sum(c.fwd_ms for c in cost[start:stop])
         bwd = sum(c.bwd_ms for c in cost[start:stop]) + (fwd if activations == "recompute" else 0.0)
-        rows.append(dict(
-            index=index, start=start, stop=stop, first_node=nodes[start].name,
-            last_node=nodes[stop - 1].name,
-            layers=tuple(dict.fromkeys(n.module_fqn for n in inside if n.module_fqn)),
-            param_bytes=param_bytes, peak_bytes=param_bytes + accum * in_bytes + kept + working,
-            fwd_ms=fwd, bwd_ms=bwd, load_ms=transfer_ms(param_bytes, h2d),
-            offload_ms=transfer_ms(grad_bytes, d2h), inputs=tuple(reads), outputs=tuple(writes)))
+        rows.append({
+            "index": index, "start": start, "stop": stop, "first_node": nodes[start].name,
+            "last_node": nodes[stop - 1].name,
+            "layers": tuple(dict.fromkeys(n.module_fqn for n in inside if n.module_fqn)),
+            "param_bytes": param_bytes,
+            "peak_bytes": param_bytes + accum * in_bytes + kept + working,
+            "fwd_ms": fwd, "bwd_ms": bwd, "load_ms": transfer_ms(param_bytes, h2d),
+            "offload_ms": transfer_ms(grad_bytes, d2h), "inputs": tuple(reads),
+            "outputs": tuple(writes)})
 
     pairs = [rows[i]["peak_bytes"] + (rows[i + 1]["param_bytes"] if i + 1 < len(rows) else 0)
              for i in range(len(rows))]

@@ -26,7 +26,7 @@ import site
 import sys
 import sysconfig
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -37,9 +37,9 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from atomc import __version__
+from atomc.codegen.split import Piece
 from atomc.errors import CodegenError
 from atomc.ir import OpGraph, Plan
-from atomc.codegen.split import Piece
 from atomc.trace import TracedModel
 from atomc.trace.graph import dtype_name
 
@@ -58,6 +58,37 @@ _INFIX_OPERATORS = {getattr(operator, name): fmt for name, fmt in _INFIX.items()
 _SKIP_CTOR_PARAMS = {"device", "dtype"}
 
 
+_F_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+               F.feature_alpha_dropout}
+_SDPA = {"aten.scaled_dot_product_attention.default"}
+
+
+def _follow_training_mode(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Dropout as traced in training mode, made to follow `self.training` again.
+
+    Tracing resolves `self.training` to a constant: `F.dropout(x, p, training=True)`, export's
+    `aten.dropout(x, p, True)`, attention's `dropout_p=0.1` (from `p if self.training else
+    0.0`). Dropout is a training-time operation; the generated code applies it in training
+    mode only, as nn.Dropout does.
+    """
+    if fn in _F_DROPOUTS or str(fn) in _DROPOUT_OPS:
+        return _replace_arg(args, kwargs, 2, "training" if fn in _F_DROPOUTS else "train",
+                            lambda v: _Expr("self.training") if v is True else v)
+    if fn is F.scaled_dot_product_attention or str(fn) in _SDPA:
+        return _replace_arg(args, kwargs, 4, "dropout_p",
+                            lambda v: _Expr(f"{v!r} if self.training else 0.0")
+                            if isinstance(v, float) and v > 0 else v)
+    return args, kwargs
+
+
+def _replace_arg(args: tuple, kwargs: dict, index: int, name: str, change) -> tuple[tuple, dict]:
+    if len(args) > index:
+        return (*args[:index], change(args[index]), *args[index + 1:]), kwargs
+    if name in kwargs:
+        return args, {**kwargs, name: change(kwargs[name])}
+    return args, kwargs
+
+
 class _Expr:
     """Source text to paste as is (a local name, `self.training`, `device`)."""
 
@@ -72,7 +103,7 @@ class _Expr:
 # Where functions and classes come from
 
 
-@lru_cache(maxsize=None)
+@cache
 def _site_roots() -> tuple[Path, ...]:
     roots = set()
     for key in ("stdlib", "platstdlib", "purelib", "platlib"):
@@ -87,11 +118,11 @@ def _site_roots() -> tuple[Path, ...]:
     return tuple(sorted(roots))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _distributed_packages() -> frozenset[str]:
     try:
         return frozenset(importlib.metadata.packages_distributions())
-    except Exception:  # broken metadata of some unrelated distribution
+    except Exception:  # noqa: BLE001 - broken metadata of some unrelated distribution
         return frozenset()
 
 
@@ -115,7 +146,7 @@ def _resolve(path: str) -> Any:
     for cut in range(len(parts), 0, -1):
         try:
             obj: Any = importlib.import_module(".".join(parts[:cut]))
-        except Exception:
+        except Exception:  # noqa: BLE001, S112 - not a module (or one that fails to import)
             continue
         for attr in parts[cut:]:
             obj = getattr(obj, attr)
@@ -194,7 +225,7 @@ class Resolver:
             return self.helper(fn, why)
         try:
             path = fx.node._get_qualified_name(fn)
-        except Exception:
+        except (RuntimeError, AttributeError, TypeError):
             path = None
         if path is None or not _resolves_to(path, fn):
             raise CodegenError(
@@ -245,7 +276,7 @@ class Resolver:
 def _resolves_to(path: str, obj: Any) -> bool:
     try:
         return _resolve(path) is obj
-    except Exception:
+    except (ImportError, AttributeError):
         return False
 
 
@@ -256,7 +287,7 @@ def _resolves_to(path: str, obj: Any) -> bool:
 def render_constant(value: Any, resolver: Resolver, imports: set[str], why: str,
                     device_type: str | None = None) -> str:
     """Python source for a constant argument; CodegenError for what cannot be written down."""
-    r = lambda v: render_constant(v, resolver, imports, why, device_type)  # noqa: E731
+    r = lambda v: render_constant(v, resolver, imports, why, device_type)
     if isinstance(value, _Expr):
         return value.text
     if value is None or isinstance(value, (bool, str)):
@@ -406,7 +437,7 @@ def _signature_args(module: nn.Module) -> tuple[list[Any], dict[str, Any]] | Non
             try:
                 if type(value) is type(p.default) and value == p.default:
                     continue
-            except Exception:
+            except Exception:  # noqa: BLE001, S110 - a value whose == fails is kept explicit
                 pass
         if positional and p.kind is not p.KEYWORD_ONLY:
             args.append(value)
@@ -418,11 +449,11 @@ def _signature_args(module: nn.Module) -> tuple[list[Any], dict[str, Any]] | Non
 def _repr_args(module: nn.Module) -> tuple[list[Any], dict[str, Any]] | None:
     """Constructor arguments parsed from `extra_repr()`, which torch writes in call syntax."""
     text = module.extra_repr()
-    collect = lambda *a, **k: (list(a), k)  # noqa: E731
+    collect = lambda *a, **k: (list(a), k)
     try:
         return eval(f"_collect({text})", {"_collect": collect, "torch": torch, "inf": math.inf,
                                           "nan": math.nan, "__builtins__": {}})
-    except Exception:
+    except Exception:  # noqa: BLE001 - extra_repr is free text; this candidate just fails
         return None
 
 
@@ -438,7 +469,7 @@ def module_constructor(module: nn.Module, fqn: str, resolver: Resolver, imports:
         try:
             with torch.device("meta"):
                 rebuilt = klass(*args, **kwargs)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the user's constructor may raise anything
             failures.append(f"{type(e).__name__}: {e}")
             continue
         difference = _same_module(module, rebuilt)
@@ -573,11 +604,12 @@ class PieceRenderer:
             dtype = attr.value.dtype
             dtype_arg = "" if dtype == torch.get_default_dtype() else f", dtype=torch.{dtype_name(dtype)}"
             empty = f"torch.empty({shape}{dtype_arg})"
+            note = f"  # {attr.fqn}" if attr.fqn != attr.local else ""
             if attr.is_buffer:
-                attr_lines.append(f"self.register_buffer({attr.local!r}, {empty})  # {attr.fqn}")
+                attr_lines.append(f"self.register_buffer({attr.local!r}, {empty}){note}")
             else:
                 grad = "" if attr.value.requires_grad else ", requires_grad=False"
-                attr_lines.append(f"self.{attr.local} = nn.Parameter({empty}{grad})  # {attr.fqn}")
+                attr_lines.append(f"self.{attr.local} = nn.Parameter({empty}{grad}){note}")
             own_params.append((attr.local, attr.fqn, not attr.is_buffer))
         # nn.Module lists its own attributes before its children's
         order = own_params + module_params
@@ -663,8 +695,7 @@ class PieceRenderer:
             # `.contiguous()` when it was a no-op there); reshape is that view where the running
             # device's strides allow it too, and a copy where they do not
             fn = torch.ops.aten.reshape.default
-        if str(fn) in _DROPOUT_OPS and len(args) >= 3 and isinstance(args[2], bool):
-            args = (*args[:2], _Expr("self.training"), *args[3:])  # export bakes the mode in
+        args, kwargs = _follow_training_mode(fn, args, kwargs)
         callee = self.resolver.function(fn, self.imports, self.why)
         return f"{callee}({self.call_args(args, kwargs)})"
 

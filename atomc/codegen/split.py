@@ -21,7 +21,9 @@ tuples of tensors, cross cuts.
 from __future__ import annotations
 
 import copy
+import keyword
 import operator
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +35,7 @@ from torch.utils._pytree import tree_unflatten
 
 from atomc.errors import CodegenError
 from atomc.ir import Plan
+from atomc.profile.ops import is_inplace
 from atomc.trace import TracedModel
 
 
@@ -151,11 +154,15 @@ def split_plan(traced: TracedModel, plan: Plan) -> list[Piece]:
                 and isinstance(node.args[0], fx.Node) and _is_container(values.get(node.args[0].name))
                 and node.args[0].op != "placeholder"):
             part[node.name] = part[node.args[0].name]
-    graph.eliminate_dead_code()
+    _drop_dead(graph)
     graph.lint()
 
     output_node = next(n for n in graph.nodes if n.op == "output")
     structure = output_structure(traced.gm, output_node)
+    if any(leaf.op == "get_attr" for leaf in _leaves(structure)):
+        # split_module cannot return a parameter no partition reads; the last piece does
+        output_node.args = (fx.node.map_arg(output_node.args[0],
+                                            lambda n: None if n.op == "get_attr" else n),)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     by_name = {n.name: n for n in graph.nodes}
 
@@ -207,18 +214,26 @@ def split_plan(traced: TracedModel, plan: Plan) -> list[Piece]:
                 val_map[ph] = _own_attr(new, piece, ph.name, str(original.target), gm,
                                         canon_params, canon_buffers)
             new.graph_copy(submod.graph, val_map)
+            locals_of: dict[str, str] = {}
             for node in new.nodes:
                 env.setdefault(node.name, node)
                 if node.op == "call_module":
                     target = str(node.target)
-                    fqn = qualnames.get(f"{submod_name}.{target}", target)
-                    piece.modules[target] = (fqn, _fetch(submod, target))
+                    if target not in locals_of:
+                        fqn = qualnames.get(f"{submod_name}.{target}", target)
+                        locals_of[target] = _identifier(target, piece)
+                        piece.modules[locals_of[target]] = (fqn, _fetch(submod, target))
+                    node.target = locals_of[target]
                 elif node.op == "get_attr" and str(node.target) not in piece.attrs:
                     raise CodegenError(f"node {node.name} reads {node.target}, a module attribute "
                                        f"that is neither a parameter nor a buffer; atomc cannot "
                                        f"generate code for it")
         if is_last:
-            result = fx.node.map_arg(structure, lambda n: env[n.name])
+            for leaf in _leaves(structure):  # a parameter returned as it is
+                if leaf.op == "get_attr" and leaf.name not in env:
+                    env[leaf.name] = _own_attr(new, piece, leaf.name, str(leaf.target), gm,
+                                               canon_params, canon_buffers)
+            result = fx.node.map_arg(structure, lambda n, env=env: env[n.name])
             piece.outputs = tuple(n.name for n in _leaves(structure))
         else:
             piece.outputs = tuple(live[k])
@@ -229,10 +244,32 @@ def split_plan(traced: TracedModel, plan: Plan) -> list[Piece]:
     return pieces
 
 
+def _drop_dead(graph: fx.Graph) -> None:
+    """Remove operators whose results nothing reads, unless they act on something.
+
+    Not fx's eliminate_dead_code: it drops in-place methods (`x.mul_(2)`) whose result is not
+    read although what they changed is. Module calls are kept (they may update buffers), and
+    so are random operators (they advance the generator).
+    """
+    for node in reversed(list(graph.nodes)):
+        if node.users or node.op not in ("call_function", "call_method") or is_inplace(node):
+            continue
+        if node.op == "call_function" and node.is_impure():
+            continue
+        graph.erase_node(node)
+
+
 def _own_attr(graph: fx.Graph, piece: Piece, node_name: str, path: str, gm: fx.GraphModule,
               canon_params: dict[int, str], canon_buffers: dict[int, str]) -> fx.Node:
     """A get_attr node in the piece for a parameter or buffer split_module made an input."""
-    value = _fetch(gm, path)
+    try:
+        value = _fetch(gm, path)
+    except AttributeError:
+        raise CodegenError(
+            f"node {node_name} reads {path}, which the traced module does not hold (a constant "
+            f"the tracer lifted out of forward, e.g. from assigning a number into a slice of a "
+            f"tensor); atomc cannot carry it into generated code: write that operation out of "
+            f"place in the model (torch.where, masked_fill)") from None
     if not isinstance(value, torch.Tensor):
         raise CodegenError(f"node {node_name} reads {path}, a {type(value).__name__}; atomc generates "
                            f"code for parameters and buffers only")
@@ -251,12 +288,30 @@ def _own_attr(graph: fx.Graph, piece: Piece, node_name: str, path: str, gm: fx.G
             f"node {node_name} reads {path}, a tensor that is neither a parameter nor a buffer of "
             f"the model (a constant captured by the tracer); its value cannot be carried into "
             f"generated code: register it with register_buffer() in the model")
-    local = fqn.replace(".", "_")
-    attr = piece.attrs.get(local)
+    attr = next((a for a in piece.attrs.values() if a.fqn == fqn), None)
     if attr is None:
-        piece.attrs[local] = Attr(local, fqn, value, is_buffer, persistent)
-    node = graph.create_node("get_attr", local, name=node_name)
+        local = _identifier(fqn, piece)
+        attr = piece.attrs[local] = Attr(local, fqn, value, is_buffer, persistent)
+    node = graph.create_node("get_attr", attr.local, name=node_name)
     return node
+
+
+_MODULE_ATTRIBUTES = set(dir(nn.Module)) | {"INPUTS", "OUTPUTS"}
+
+
+def _identifier(path: str, piece: Piece) -> str:
+    """`h.0.attn.c_attn` -> `h_0_attn_c_attn`: a free attribute name for the generated class."""
+    base = re.sub(r"\W", "_", path.replace(".", "_"))
+    if not base or base[0].isdigit():
+        base = f"m_{base}"
+    if keyword.iskeyword(base) or base in _MODULE_ATTRIBUTES:
+        base += "_"
+    taken = set(piece.modules) | set(piece.attrs)
+    name, n = base, 1
+    while name in taken:
+        name = f"{base}_{n}"
+        n += 1
+    return name
 
 
 def _check_name_clashes(graph: fx.Graph, part: dict[str, int]) -> None:

@@ -16,8 +16,6 @@ Otherwise logical rank = world rank, which is what one machine with one process 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,7 +69,7 @@ class LayoutView:
         where = self.source
         if self.pp < 1 or self.dp < 1:
             raise LayoutError(f"{where}: D_PP={self.pp}, D_DP={self.dp}; both must be at least 1")
-        if len(self.stage_ranges) != self.pp:
+        if self.stage_ranges and len(self.stage_ranges) != self.pp:
             raise LayoutError(f"{where}: {len(self.stage_ranges)} stage ranges for {self.pp} stages; "
                               f"expected one sub-model range per stage: rerun `atomc schedule`")
         expect = 0
@@ -95,85 +93,79 @@ class LayoutView:
         return self
 
 
-def layout_view(obj: Any, source: str = "<layout>") -> LayoutView:
-    """A LayoutView from a schedule `Layout` document, its JSON data, or a LayoutView."""
+def layout_view(obj: Any, source: str = "<layout>", network: Any = None) -> LayoutView:
+    """A LayoutView from a schedule `Layout` document, its file, or a LayoutView.
+
+    `network` (a Network or its file) adds the link delays and bandwidths; it must be the
+    network the layout was scheduled for.
+    """
     if isinstance(obj, LayoutView):
         return obj
     if isinstance(obj, (str, Path)):
-        return load_layout(obj)
-    if hasattr(obj, "to_json"):
-        return _from_data(obj.to_json(), source)
-    if isinstance(obj, dict):
-        return _from_data(obj, source)
+        return load_layout(obj, network)
+    from atomc.schedule.layout import Layout
+
+    if isinstance(obj, Layout):
+        return _from_document(obj, source, network)
     raise LayoutError(f"{source}: expected a Layout, got {type(obj).__name__}")
 
 
-def load_layout(path: str | Path) -> LayoutView:
+def load_layout(path: str | Path, network: Any = None) -> LayoutView:
+    from atomc.errors import IRError
+    from atomc.schedule.layout import Layout
+
     p = Path(path)
     if not p.is_file():
-        raise LayoutError(f"layout file {p} does not exist; write one with `atomc schedule ... -o {p}`")
+        raise LayoutError(f"layout file {p} does not exist; write one with `atomc schedule NET.json --pp P "
+                          f"--dp D --plan PLAN.json -o {p}`")
     try:
-        data = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LayoutError(f"{p} is not valid JSON ({e}); expected the layout `atomc schedule` wrote") from None
-    return _from_data(data, str(p))
+        doc = Layout.load(p)
+    except IRError as e:
+        raise LayoutError(f"{e}; give the layout `atomc schedule` wrote") from None
+    return _from_document(doc, str(p), network)
 
 
-def _from_data(data: Any, source: str) -> LayoutView:
-    """Read the fields of an `atomc.layout` document (schedule stage, DESIGN section 8)."""
-    if not isinstance(data, dict):
-        raise LayoutError(f"{source}: expected a JSON object for a layout, got {type(data).__name__}")
-    kind = data.get("kind")
-    if kind == "SCAFFOLD-layout-view":  # SCAFFOLD: removed once atomc.schedule writes layouts
-        return LayoutView(pp=data["pp"], dp=data["dp"],
-                          stage_ranges=tuple(tuple(r) for r in data["stage_ranges"]),
-                          devices=tuple(tuple(r) for r in data["devices"]),
-                          plan_hash=data.get("plan_hash", ""), num_submodels=data.get("num_submodels", 0),
-                          delay_ms={tuple(k.split("|")): v for k, v in data.get("delay_ms", {}).items()},
-                          source=source, digest=hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]).check()
-    if kind not in (None, "atomc.layout"):
-        raise LayoutError(f"{source} is a {kind}, expected an atomc.layout; give the file "
-                          f"`atomc schedule` wrote")
+def _from_document(doc: Any, source: str, network: Any = None) -> LayoutView:
+    from atomc.schedule.network import Network, load_network
+
     try:
-        from atomc.schedule.layout import Layout  # the schedule stage's own reader, when present
-    except ImportError:  # pragma: no cover - the schedule stage ships with atomc
-        Layout = None
-    if Layout is not None and kind == "atomc.layout":
-        from atomc.errors import IRError
-
-        try:
-            doc = Layout.from_json(data, source)
-        except IRError as e:
-            raise LayoutError(str(e)) from None
-        return _from_document(doc, data, source)
-    raise LayoutError(f"{source}: not an atomc.layout document (no 'kind'); write it with `atomc schedule`")
-
-
-def _from_document(doc: Any, data: dict, source: str) -> LayoutView:
-    pp, dp = int(doc.pp), int(doc.dp)
-    names = [d.name for d in doc.network.devices]
-    # devices[stage][replica] are device indices in the layout (DT-FM's D_PP x D_DP matrix)
-    matrix = doc.devices
-    devices = tuple(tuple(names[matrix[j][i]] for j in range(pp)) for i in range(dp))
+        doc.check(source=source)
+    except LayoutError as e:
+        raise LayoutError(f"{e}; schedule again") from None
+    pp, dp = int(doc.num_stages), int(doc.num_replicas)
+    devices = tuple(tuple(doc.devices[j][i] for j in range(pp)) for i in range(dp))
+    ranges = tuple(tuple(st.submodels) for st in doc.stages) if all(
+        st.submodels is not None for st in doc.stages) else ()
     delay, bandwidth = {}, {}
-    for a, na in enumerate(names):
-        for b, nb in enumerate(names):
-            if a != b:
-                delay[(na, nb)] = float(doc.network.delay_ms[a][b])
-                bandwidth[(na, nb)] = float(doc.network.bandwidth_gbps[a][b])
-    predicted = {}
-    cost = getattr(doc, "cost", None)
-    if cost is not None:
-        for key in ("dp_s", "pp_s", "total_s"):
-            if hasattr(cost, key):
-                predicted[key] = float(getattr(cost, key))
-    digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
-    view = LayoutView(pp=pp, dp=dp, stage_ranges=tuple((int(a), int(b)) for a, b in doc.stage_ranges),
-                      devices=devices, plan_hash=str(getattr(doc, "plan_hash", "") or ""),
-                      num_submodels=int(getattr(doc, "num_submodels", 0) or 0),
+    if network is not None:
+        net = network if isinstance(network, Network) else load_network(network)
+        if net.content_hash() != doc.network_hash:
+            raise LayoutError(f"{source} was scheduled for network {doc.network_name} ({doc.network_hash}), "
+                              f"but the network given is {net.name or '(unnamed)'} ({net.content_hash()}); "
+                              f"give the network file the layout was scheduled on")
+        names = [d.name for d in net.devices]
+        for a, na in enumerate(names):
+            for b, nb in enumerate(names):
+                if a != b:
+                    delay[(na, nb)] = float(net.delay_ms[a][b])
+                    bandwidth[(na, nb)] = float(net.bandwidth_gbps[a][b])
+    predicted = {"dp_s": doc.cost.dp_s, "pp_s": doc.cost.pp_s, "total_s": doc.cost.total_s}
+    view = LayoutView(pp=pp, dp=dp, stage_ranges=ranges, devices=devices, plan_hash=doc.plan_hash or "",
                       delay_ms=delay, bandwidth_gbps=bandwidth, predicted=predicted, source=source,
-                      digest=digest)
-    return view.check()
+                      digest=doc.content_hash())
+    return view.check() if ranges else view
+
+
+def with_ranges(view: LayoutView, plan: Any) -> LayoutView:
+    """A layout scheduled without a plan gets the stage ranges `atomc schedule --plan` would have
+    chosen (compute-balanced consecutive sub-models), from the package's own plan."""
+    if view.stage_ranges:
+        return view
+    from dataclasses import replace
+
+    from atomc.schedule.cost import stage_ranges
+
+    return replace(view, stage_ranges=tuple(stage_ranges(plan, view.pp))).check(len(plan.submodels))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,6 +314,16 @@ def _new_group(dist: Any, ranks: tuple[int, ...]) -> Any:
 
 
 def device_claim() -> str | None:
-    """The device this process runs on, as the layout names it (ATOMC_DEVICE), if set."""
+    """The device this process runs on, as the layout names it: ATOMC_DEVICE, or the
+    LOCAL_RANK-th name of ATOMC_DEVICES (a comma-separated list, one per local process)."""
     value = os.environ.get("ATOMC_DEVICE", "").strip()
-    return value or None
+    if value:
+        return value
+    names = [n.strip() for n in os.environ.get("ATOMC_DEVICES", "").split(",") if n.strip()]
+    if not names:
+        return None
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if local >= len(names):
+        raise LayoutError(f"ATOMC_DEVICES lists {len(names)} devices but this is local process {local}; "
+                          f"list one device per process on this machine")
+    return names[local]

@@ -38,7 +38,7 @@ import torch
 
 from atomc.errors import AtomcError, LayoutError, RuntimeMismatchError, UsageError
 from atomc.distributed.groups import (Groups, LayoutView, Placement, assign, build_groups, check_world,
-                                      device_claim, layout_view)
+                                      device_claim, layout_view, with_ranges)
 from atomc.distributed.pipeline import SCHEDULES, Link, Transport, schedule, stage_boundaries
 from atomc.distributed.stage import ResidentStage, StageSpec
 from atomc.runtime.optim import AdamWConfig
@@ -53,6 +53,7 @@ class LayoutConfig:
     package: str | Path
     layout: Any  # path, Layout document or LayoutView
     global_batch: int  # samples per optimizer step, all replicas together
+    network: Any = None  # the layout's network (path or Network): link delays for --emulate-delay
     micro_batch: int | None = None  # samples per micro-batch (default: the plan's batch size)
     schedule: str = "gpipe"
     optimizer: AdamWConfig | dict[str, Any] | None = None
@@ -86,14 +87,26 @@ def _dtype(name: str | None) -> torch.dtype | None:
     return table[name]
 
 
-def check_package(pkg: SwapPackage, layout: LayoutView) -> None:
-    """The package must be the one the layout's plan was cut into."""
-    layout.check(pkg.num_submodels)
+def check_package(pkg: SwapPackage, layout: LayoutView) -> LayoutView:
+    """The package must be the one the layout's plan was cut into; returns the layout with its
+    stage ranges (computed from the package's plan when the layout was scheduled without one)."""
     if layout.plan_hash and pkg.plan_hash and layout.plan_hash != pkg.plan_hash:
         raise LayoutError(
             f"{layout.source} was scheduled for plan {layout.plan_hash}, but the package {pkg.path} was "
             f"generated from plan {pkg.plan_hash}; give the package generated from the layout's plan "
             f"(atomc codegen PLAN.json) or schedule again with --plan for this package's plan")
+    if not layout.stage_ranges:
+        layout = with_ranges(layout, _package_plan(pkg))
+    return layout.check(pkg.num_submodels)
+
+
+def _package_plan(pkg: SwapPackage) -> Any:
+    from atomc.ir import Plan
+
+    path = Path(pkg.path) / "plan.json"
+    if not path.is_file():
+        raise RuntimeMismatchError(f"{pkg.path} has no plan.json; regenerate the package with `atomc codegen`")
+    return Plan.load(path)
 
 
 class LayoutTrainer:
@@ -105,12 +118,14 @@ class LayoutTrainer:
 
         self.cfg = cfg
         self.dist = dist
-        self.layout = layout_view(cfg.layout)
+        self.layout = layout_view(cfg.layout, network=cfg.network)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         world_rank = int(os.environ.get("RANK", "0"))
         check_world(self.layout, world_size, world_rank)  # before any rendezvous: fail fast
+        if cfg.emulate_delay and not self.layout.delay_ms:
+            raise UsageError("emulating link delays needs the layout's network: give --network NET.json")
         self.pkg = load_swap_package(cfg.package)
-        check_package(self.pkg, self.layout)
+        self.layout = check_package(self.pkg, self.layout)
         self.opt_cfg = AdamWConfig.coerce(cfg.optimizer)
         self.dtype = _dtype(cfg.dtype)
 
@@ -638,13 +653,7 @@ def _loopback_for_gloo() -> None:
 def stage_resident_bytes(pkg: SwapPackage, spec: StageSpec, cfg: LayoutConfig, in_flight: int) -> int:
     """Device bytes a resident stage needs: weights, gradients and two AdamW moments of its
     sub-models, plus the activations of the micro-batches in flight (the plan's peaks)."""
-    plan_path = Path(pkg.path) / "plan.json"
-    if not plan_path.is_file():
-        raise RuntimeMismatchError(f"{pkg.path} has no plan.json; a memory budget needs the plan's "
-                                   f"sizes: regenerate the package with `atomc codegen`")
-    from atomc.ir import Plan
-
-    plan = Plan.load(plan_path)
+    plan = _package_plan(pkg)
     subs = plan.submodels[spec.start:spec.stop]
     weights = sum(s.param_bytes for s in subs)
     acts = sum(max(s.peak_bytes - s.param_bytes, 0) for s in subs) // max(plan.accum, 1)

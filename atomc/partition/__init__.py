@@ -12,6 +12,7 @@ programme with block folding), accum.py (choice of C), check.py (an independent 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 
 import numpy as np
@@ -27,8 +28,8 @@ from atomc.partition.cost import (
     FORWARD_OVERLAP,
     GRADIENT_OFFLOAD,
     MEMORY,
-    OPTIMIZER,
     NS_PER_MS,
+    OPTIMIZER,
     CostParams,
     NodeFacts,
     RangeCost,
@@ -122,7 +123,8 @@ def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAUL
 
 def _utilisation(tables: RangeTables, p: CostParams, result: SearchResult) -> float:
     costs = plan_costs(tables, p, result.cuts)
-    return simulate_swap(stage_times(costs), p.accum, early_prefetch=result.early_prefetch).utilisation
+    return simulate_swap(stage_times(costs), p.accum, early_prefetch=result.early_prefetch,
+                         record=False).utilisation
 
 
 def _check_operators_fit(profile: Profile, facts: NodeFacts, tables: RangeTables, p: CostParams,
@@ -156,7 +158,7 @@ def min_capacity_bytes(profile: Profile, facts: NodeFacts, p: CostParams, reserv
     n = facts.num_nodes
     cuts = [q for q in range(1, n) if build_tables(facts, 1).allowed[q]]
     bounds = [0, *cuts, n]
-    wide = build_tables(facts, max(b - a for a, b in zip(bounds, bounds[1:])))
+    wide = build_tables(facts, max(b - a for a, b in itertools.pairwise(bounds)))
     hi = max(-s.slack for s in plan_slacks(plan_costs(wide, CostParams(
         p.accum, 0, p.h2d_gbps, p.d2h_gbps, p.cpu_adam_gbps, p.activations), cuts), 0)
         if s.constraint == MEMORY)
@@ -206,7 +208,6 @@ def plan_from_cuts(profile: Profile, tables: RangeTables, p: CostParams, cuts,
     for i, c in enumerate(costs):
         mem = worst[(i, MEMORY)]
         nxt = costs[i + 1] if i + 1 < k else None
-        prv = costs[i - 1] if i > 0 else None
         inputs = sorted({index[src] for n in graph.nodes[c.start:c.stop] for src in n.inputs
                          if index[src] < c.start}
                         | {j for j in range(c.start, c.stop) if facts.ops[j] == "placeholder"})
@@ -263,39 +264,33 @@ def plan_from_cuts(profile: Profile, tables: RangeTables, p: CostParams, cuts,
     )
 
 
-def _plain(obj):
-    """ir.to_data, specialised for speed on large graphs (same output: tests compare)."""
+def _fields(obj):
+    """json.dumps hook: a dataclass as the dict ir.to_data makes of it (one level; the C
+    encoder recurses, and turns tuples into lists as to_data does)."""
     tp = type(obj)
-    if tp in (str, int, float, bool) or obj is None:
-        return obj
-    if tp in (tuple, list):
-        return [_plain(x) for x in obj]
-    if tp is dict:
-        return {str(k): _plain(x) for k, x in obj.items()}
-    fields = _FIELDS.get(tp)
-    if fields is None:
+    names = _FIELDS.get(tp)
+    if names is None:
         import dataclasses
 
         if not dataclasses.is_dataclass(obj):
-            return obj
-        fields = _FIELDS[tp] = tuple(f.name for f in dataclasses.fields(obj))
-    return {name: _plain(getattr(obj, name)) for name in fields}
+            raise TypeError(f"cannot hash a {tp.__name__}")
+        names = _FIELDS[tp] = tuple(f.name for f in dataclasses.fields(obj))
+    return {name: getattr(obj, name) for name in names}
 
 
 _FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 def _digest(data) -> str:
-    canon = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    canon = json.dumps(data, sort_keys=True, separators=(",", ":"), default=_fields)
     return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
 
 def profile_hash(profile: Profile) -> str:
-    """Profile.content_hash(), computed faster."""
-    return _digest({"kind": profile.KIND, "schema_version": SCHEMA_VERSION, **_plain(profile)})
+    """Profile.content_hash(), computed faster (tests compare the two)."""
+    return _digest({"kind": profile.KIND, "schema_version": SCHEMA_VERSION, **_fields(profile)})
 
 
 def graph_hash(graph: OpGraph) -> str:
-    """OpGraph.structure_hash(), computed faster."""
-    return _digest({"nodes": _plain(graph.nodes), "params": _plain(graph.params),
-                    "frontend": graph.frontend})
+    """OpGraph.structure_hash(), computed faster (tests compare the two)."""
+    return _digest({"nodes": graph.nodes, "params": graph.params, "frontend": graph.frontend})

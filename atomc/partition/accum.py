@@ -14,8 +14,8 @@ C values tried is kept: the one the simulator predicts keeps the GPU busiest.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from atomc.ir import Profile
 

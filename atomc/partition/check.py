@@ -11,7 +11,7 @@ the constraints of DESIGN 4 as the search states them (see search.py's docstring
                early handover: params(P_0) + grads(P_0) + params(P_1) <= M
     overlap    forward  C*t_fwd(P_i) >= t_load(P_{i+1})   (P_0 with the early handover:
                         its update tail hides P_1's update wait and load)
-               backward C*t_bwd(P_i) >= t_ckpt(P_i) + t_load(P_{i-1})
+               backward C*t_bwd(P_i) >= t_ckpt(P_i) + t_load(P_{i-1})   (P_0: >= t_ckpt(P_0))
     gradients  C*t_bwd(P_i) >= t_offload(P_{i+1})
     optimizer  C*t_bwd(P_i) + t_offload(P_i) >= t_offload(P_{i+1}) + t_adam(P_{i+1})
 
@@ -23,6 +23,7 @@ backward transient. It also checks the plan's structure and the numbers it recor
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -60,7 +61,7 @@ class RangeFacts:
 def _copy_ns(num_bytes: int, gbps: float) -> int:
     if gbps <= 0 or math.isinf(gbps):
         return 0
-    return int(round(num_bytes / gbps))
+    return round(num_bytes / gbps)
 
 
 class Checker:
@@ -100,8 +101,8 @@ class Checker:
         param_bytes = sum((self.params.get(f) or self.buffers[f]).num_bytes for f in fqns)
         grad_bytes = sum(self.params[f].num_bytes for f in fqns if f in self.params)
         master_bytes = sum(4 * math.prod(self.params[f].shape) for f in fqns if f in self.params)
-        fwd = sum(int(round(k.fwd_ms * NS_PER_MS)) for k in costs)
-        bwd = sum(int(round(k.bwd_ms * NS_PER_MS)) for k in costs)
+        fwd = sum(round(k.fwd_ms * NS_PER_MS) for k in costs)
+        bwd = sum(round(k.bwd_ms * NS_PER_MS) for k in costs)
         saved = sum(k.saved_bytes for k in costs)
         extra_fwd = extra_bwd = 0
         for n, k in zip(nodes, costs):
@@ -133,7 +134,7 @@ class Checker:
 
     def violations(self, cuts: list[int], early_prefetch: bool = False) -> list[Violation]:
         bounds = [0, *cuts, len(self.nodes)]
-        facts = [self.range_facts(a, b) for a, b in zip(bounds, bounds[1:])]
+        facts = [self.range_facts(a, b) for a, b in itertools.pairwise(bounds)]
         return self.check_facts(facts, early_prefetch)
 
     def check_facts(self, facts: list[RangeFacts], early_prefetch: bool = False) -> list[Violation]:
@@ -147,6 +148,9 @@ class Checker:
         for i, r in enumerate(facts):
             need(i, "forward alone", r.mem_fwd_bytes)
             need(i, "backward alone", r.mem_bwd_bytes)
+        if facts[0].bwd_ns < facts[0].checkpoint_ns:
+            out.append(Violation(0, "backward overlap", f"C*t_bwd {facts[0].bwd_ns} ns < its checkpoints "
+                                                        f"{facts[0].checkpoint_ns} ns"))
         for i in range(len(facts) - 1):
             left, right = facts[i], facts[i + 1]
             need(i, "forward + next loading", left.mem_fwd_bytes + right.param_bytes)
@@ -155,7 +159,8 @@ class Checker:
             if i == 0 and early_prefetch:
                 need(0, "update tail + next loading", left.param_bytes + left.grad_bytes + right.param_bytes)
                 tail = left.offload_ns + left.adam_ns
-                wait = max(right.offload_ns + right.adam_ns - left.bwd_ns, 0) + right.load_ns
+                wait = max(right.offload_ns + right.adam_ns - max(left.bwd_ns, left.checkpoint_ns), 0) \
+                    + right.load_ns
                 if tail < wait:
                     out.append(Violation(0, "forward overlap",
                                          f"update tail {tail} ns < next's update wait and load {wait} ns"))

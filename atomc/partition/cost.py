@@ -30,6 +30,7 @@ and a brute-force enumeration add up the same numbers exactly.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -46,7 +47,7 @@ DEFAULT_CPU_ADAM_GBPS = 8.0
 
 
 def ms_to_ns(ms: float) -> int:
-    return int(round(ms * NS_PER_MS))
+    return round(ms * NS_PER_MS)
 
 
 def transfer_ns(num_bytes, gbps: float):
@@ -431,39 +432,37 @@ class RangeCost:
     out_bytes: int
 
 
+def _gather(tables: RangeTables, p: CostParams, starts: np.ndarray, stops: np.ndarray) -> list[RangeCost]:
+    t = tables
+    w = stops - starts
+    if len(w) and (w.min() < 1 or w.max() > t.max_width or starts.min() < 0 or stops.max() > t.num_nodes):
+        raise ValueError(f"ranges outside the tables (max width {t.max_width})")
+    fwd, bwd = t.fwd_ns[starts, w], t.bwd_ns[starts, w]
+    d = derive_values(
+        p, fwd=fwd, bwd=bwd, saved=t.saved_bytes[starts, w], params=t.param_bytes[starts, w],
+        grads=t.grad_bytes[starts, w], master=t.master_bytes[starts, w],
+        inb=t.in_bytes[starts, w], outb=t.out_bytes[starts, w],
+        extra_fwd=t.extra_fwd_bytes[starts, w], extra_bwd=t.extra_bwd_bytes[starts, w],
+        cut_start=t.cut_bytes[starts], is_last=stops == t.num_nodes)
+    one_bwd = bwd if p.activations == "keep" else bwd + fwd
+    cols = [starts, stops, fwd, one_bwd, d.fwd_ns, d.bwd_ns, d.load_fwd_ns, d.checkpoint_ns,
+            d.offload_ns, d.optimizer_ns, d.param_bytes, d.grad_bytes, d.mem_fwd_bytes,
+            d.mem_bwd_bytes, t.in_bytes[starts, w], t.out_bytes[starts, w]]
+    rows = zip(*(np.broadcast_to(np.asarray(c, dtype=np.int64), w.shape).tolist() for c in cols))
+    return [RangeCost(*row) for row in rows]
+
+
 def range_cost(tables: RangeTables, p: CostParams, start: int, stop: int) -> RangeCost:
     """Costs of [start, stop) from the tables (the range must be at most max_width wide)."""
-    w = stop - start
-    if not (0 <= start < stop <= tables.num_nodes) or w > tables.max_width:
-        raise ValueError(f"range [{start}, {stop}) is outside the tables (max width {tables.max_width})")
-    t = tables
-    d = derive_values(
-        p, fwd=t.fwd_ns[start, w], bwd=t.bwd_ns[start, w], saved=t.saved_bytes[start, w],
-        params=t.param_bytes[start, w], grads=t.grad_bytes[start, w],
-        master=t.master_bytes[start, w], inb=t.in_bytes[start, w], outb=t.out_bytes[start, w],
-        extra_fwd=t.extra_fwd_bytes[start, w], extra_bwd=t.extra_bwd_bytes[start, w],
-        cut_start=t.cut_bytes[start], is_last=stop == tables.num_nodes)
-    recompute_ns = 0 if p.activations == "keep" else t.fwd_ns[start, w]
-    return RangeCost(
-        start=start, stop=stop,
-        fwd_ns=int(t.fwd_ns[start, w]),
-        bwd_ns=int(t.bwd_ns[start, w] + recompute_ns),
-        accum_fwd_ns=int(d.fwd_ns), accum_bwd_ns=int(d.bwd_ns),
-        load_fwd_ns=int(d.load_fwd_ns), checkpoint_ns=int(d.checkpoint_ns),
-        offload_ns=int(d.offload_ns), optimizer_ns=int(d.optimizer_ns),
-        param_bytes=int(d.param_bytes), grad_bytes=int(d.grad_bytes),
-        mem_fwd_bytes=int(d.mem_fwd_bytes),
-        mem_bwd_bytes=int(d.mem_bwd_bytes), in_bytes=int(t.in_bytes[start, w]),
-        out_bytes=int(t.out_bytes[start, w]),
-    )
+    return _gather(tables, p, np.array([start]), np.array([stop]))[0]
 
 
 def plan_costs(tables: RangeTables, p: CostParams, cuts: list[int] | tuple[int, ...]) -> list[RangeCost]:
-    bounds = [0, *cuts, tables.num_nodes]
-    return [range_cost(tables, p, a, b) for a, b in zip(bounds, bounds[1:])]
+    bounds = np.array([0, *cuts, tables.num_nodes], dtype=np.int64)
+    return _gather(tables, p, bounds[:-1], bounds[1:])
 
 
-def first_pair(f_l, b_l, o_l, a_l, l_l, pm_l, g_l, l_r, o_r, a_r, pm_r, b_r, k_r, tier: int,
+def first_pair(f_l, b_l, k_l, o_l, a_l, l_l, pm_l, g_l, l_r, o_r, a_r, pm_r, b_r, k_r, tier: int,
                usable_bytes):
     """The two ways the first sub-model P_0 (left) can hand over to P_1 (right).
 
@@ -471,9 +470,10 @@ def first_pair(f_l, b_l, o_l, a_l, l_l, pm_l, g_l, l_r, o_r, a_r, pm_r, b_r, k_r
            updates it and its parameters are refreshed:  max(F_0, L_1) + O_0 + A_0 + L_0.
     early: P_1's parameters for the next step load during that update tail (the H2D lane is
            idle then), once P_1's own update is done, so P_0's next forward hides nothing:
-           F_0 + max(O_0 + A_0, max(0, O_1 + A_1 - B_0 - S) + L_1) + L_0, if P_0's parameters
-           and outgoing gradients and P_1's parameters fit together. S = max(0, K_1 + L_0 - B_1)
-           is the stall before P_0's backward (P_1's update starts that much earlier).
+           F_0 + max(O_0 + A_0, max(0, O_1 + A_1 - max(B_0, K_0) - S) + L_1) + L_0, if P_0's
+           parameters and outgoing gradients and P_1's parameters fit together.
+           S = max(B_1, K_1 + L_0) - max(B_1, K_1) is the stall before P_0's backward (P_1's
+           update starts that much earlier); a backward lasts at least its checkpoint stream K.
 
     Returns (late_term, late_ok, early_term, early_ok); works elementwise on arrays. In tier 0
     the late way must hide the load behind the forward (F_0 >= L_1) and the early way behind
@@ -481,8 +481,8 @@ def first_pair(f_l, b_l, o_l, a_l, l_l, pm_l, g_l, l_r, o_r, a_r, pm_r, b_r, k_r
     """
     tail = o_l + a_l
     late = np.maximum(f_l, l_r) + tail + l_l
-    stall = np.maximum(k_r + l_l - b_r, 0)
-    wait = np.maximum(o_r + a_r - b_l - stall, 0) + l_r
+    stall = np.maximum(b_r, k_r + l_l) - np.maximum(b_r, k_r)
+    wait = np.maximum(o_r + a_r - np.maximum(b_l, k_l) - stall, 0) + l_r
     early = f_l + np.maximum(tail, wait) + l_l
     early_ok = pm_l + g_l + pm_r <= usable_bytes
     if tier == 0:
@@ -496,7 +496,7 @@ def first_pair(f_l, b_l, o_l, a_l, l_l, pm_l, g_l, l_r, o_r, a_r, pm_r, b_r, k_r
 def choose_first_pair(left: RangeCost, right: RangeCost, tier: int, usable_bytes: int):
     """(early, term): the handover the search takes for this pair (late on ties), or None."""
     late, late_ok, early, early_ok = first_pair(
-        left.accum_fwd_ns, left.accum_bwd_ns, left.offload_ns, left.optimizer_ns,
+        left.accum_fwd_ns, left.accum_bwd_ns, left.checkpoint_ns, left.offload_ns, left.optimizer_ns,
         left.load_fwd_ns, left.param_bytes, left.grad_bytes, right.load_fwd_ns, right.offload_ns,
         right.optimizer_ns, right.param_bytes, right.accum_bwd_ns, right.checkpoint_ns, tier,
         usable_bytes)
@@ -514,17 +514,17 @@ def additive_step_ns(costs: list[RangeCost], early_prefetch: bool = False) -> in
     hold; the search's fallback tier minimises an estimate built on it when they cannot.
     """
     first = costs[0]
-    total = costs[-1].accum_fwd_ns + first.accum_bwd_ns
+    total = costs[-1].accum_fwd_ns + max(first.accum_bwd_ns, first.checkpoint_ns)
     if len(costs) == 1:
         return total + first.offload_ns + first.optimizer_ns + first.load_fwd_ns
     second = costs[1]
     late, _, early, _ = first_pair(
-        first.accum_fwd_ns, first.accum_bwd_ns, first.offload_ns, first.optimizer_ns,
+        first.accum_fwd_ns, first.accum_bwd_ns, first.checkpoint_ns, first.offload_ns, first.optimizer_ns,
         first.load_fwd_ns, first.param_bytes, first.grad_bytes, second.load_fwd_ns,
         second.offload_ns, second.optimizer_ns, second.param_bytes, second.accum_bwd_ns,
         second.checkpoint_ns, 1, 0)
     total += int(early if early_prefetch else late)
-    for i, (left, right) in enumerate(zip(costs, costs[1:])):
+    for i, (left, right) in enumerate(itertools.pairwise(costs)):
         if i:
             total += max(left.accum_fwd_ns, right.load_fwd_ns)
         total += max(right.accum_bwd_ns, right.checkpoint_ns + left.load_fwd_ns)
@@ -535,7 +535,7 @@ def estimated_step_ns(costs: list[RangeCost], early_prefetch: bool = False) -> i
     """What the search's tier 2 minimises: the additive step plus each pair's gradient-offload
     and CPU-update overruns, as if each stalled the step."""
     total = additive_step_ns(costs, early_prefetch)
-    for left, right in zip(costs, costs[1:]):
+    for left, right in itertools.pairwise(costs):
         total += max(right.offload_ns - left.accum_bwd_ns, 0)
         total += max(right.offload_ns + right.optimizer_ns - left.accum_bwd_ns - left.offload_ns, 0)
     return total
@@ -590,7 +590,8 @@ def plan_slacks(costs: list[RangeCost], usable_bytes: int, early_prefetch: bool 
                              f"{what} needs {format_bytes(num_bytes)} of {format_bytes(usable_bytes)}"))
         if nxt and i == 0 and early_prefetch:
             tail = c.offload_ns + c.optimizer_ns
-            wait = max(nxt.offload_ns + nxt.optimizer_ns - c.accum_bwd_ns, 0) + nxt.load_fwd_ns
+            wait = max(nxt.offload_ns + nxt.optimizer_ns - max(c.accum_bwd_ns, c.checkpoint_ns), 0) \
+                + nxt.load_fwd_ns
             out.append(Slack(i, FORWARD_OVERLAP, tail - wait,
                              f"its update tail {ms(tail)} vs sub-model 1's update and load {ms(wait)}"))
             num_bytes = c.param_bytes + c.grad_bytes + nxt.param_bytes
@@ -601,6 +602,7 @@ def plan_slacks(costs: list[RangeCost], usable_bytes: int, early_prefetch: bool 
             out.append(Slack(i, FORWARD_OVERLAP, c.accum_fwd_ns - nxt.load_fwd_ns,
                              f"C*t_fwd {ms(c.accum_fwd_ns)} vs loading sub-model {i + 1} "
                              f"{ms(nxt.load_fwd_ns)}"))
+        if nxt:
             out.append(Slack(i, GRADIENT_OFFLOAD, c.accum_bwd_ns - nxt.offload_ns,
                              f"C*t_bwd {ms(c.accum_bwd_ns)} vs offloading sub-model {i + 1}'s "
                              f"gradients {ms(nxt.offload_ns)}"))
@@ -611,6 +613,9 @@ def plan_slacks(costs: list[RangeCost], usable_bytes: int, early_prefetch: bool 
             out.append(Slack(i, BACKWARD_OVERLAP, c.accum_bwd_ns - c.checkpoint_ns - prv.load_fwd_ns,
                              f"C*t_bwd {ms(c.accum_bwd_ns)} vs its checkpoints "
                              f"{ms(c.checkpoint_ns)} + loading sub-model {i - 1} {ms(prv.load_fwd_ns)}"))
+        elif c.checkpoint_ns:
+            out.append(Slack(i, BACKWARD_OVERLAP, c.accum_bwd_ns - c.checkpoint_ns,
+                             f"C*t_bwd {ms(c.accum_bwd_ns)} vs its checkpoints {ms(c.checkpoint_ns)}"))
     return out
 
 

@@ -11,7 +11,7 @@ in during its own backward, O_i gradient offload, A_i CPU optimizer), the simula
          + H(P_0, P_1)                              P_0's forward and the step's tail (below)
          + F_{k-1}                                  P_{k-1} stays for its backward
          + sum_{i>=1}  max(B_i, K_i + L_{i-1})      backward: P_{i-1} loads while P_i computes
-         + B_0
+         + max(B_0, K_0)                            (a backward outlasts its checkpoint stream)
 
 where H is the cheaper of two handovers at the step boundary (cost.first_pair): P_1 loads
 during P_0's forward, or during P_0's update tail (gradients out, CPU update, refresh), which
@@ -222,8 +222,11 @@ def search(tables: RangeTables, params: CostParams, tier: int = 0, folding: Fold
     for w in range(1, min(w_max, n) + 1):
         if not (v.valid[w, w] and ok[0, w]):
             continue
+        if tier == 0 and d.bwd_ns[0, w] < d.checkpoint_ns[0, w]:
+            continue
         tail = d.tail_ns[0, w] if w == n else 0  # else in the first pair's term
-        key = (int(v.step[w, w] + d.bwd_ns[0, w] + tail), int(v.cut[w, w]), int(v.count[w, w]))
+        bwd = max(d.bwd_ns[0, w], d.checkpoint_ns[0, w])
+        key = (int(v.step[w, w] + bwd + tail), int(v.cut[w, w]), int(v.count[w, w]))
         if best is None or key < best[0]:
             best = (key, w)
     if best is None:
@@ -238,7 +241,7 @@ def search(tables: RangeTables, params: CostParams, tier: int = 0, folding: Fold
     early = False
     if cuts:
         end = cuts[1] if len(cuts) > 1 else n
-        _, _, early_term, early_ok, pick_early = _first_pair_grid(
+        _, _, _early_term, _early_ok, pick_early = _first_pair_grid(
             d, cuts[0], np.array([end - cuts[0]]), tier, m)
         early = bool(pick_early[0])
     return SearchResult(tuple(cuts), step, cut_bytes, count, tier, folded, early)
@@ -248,7 +251,7 @@ def _first_pair_grid(d: Derived, b: int, wr: np.ndarray, tier: int, m: np.int64)
     """Handover terms for P_0 = [0, b) followed by each [b, b + wr)."""
     w = b
     late, late_ok, early, early_ok = first_pair(
-        d.fwd_ns[0, w], d.bwd_ns[0, w], d.offload_ns[0, w], d.optimizer_ns[0, w],
+        d.fwd_ns[0, w], d.bwd_ns[0, w], d.checkpoint_ns[0, w], d.offload_ns[0, w], d.optimizer_ns[0, w],
         d.load_fwd_ns[0, w], d.param_bytes[0, w], d.grad_bytes[0, w], d.load_fwd_ns[b, wr],
         d.offload_ns[b, wr], d.optimizer_ns[b, wr], d.param_bytes[b, wr], d.bwd_ns[b, wr],
         d.checkpoint_ns[b, wr], tier, m)

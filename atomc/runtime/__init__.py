@@ -16,5 +16,14 @@ from atomc.runtime.optim import AdamWConfig, LossScaler, warmup_cosine
 from atomc.runtime.trace import StepTrace, TraceEvent
 from atomc.runtime.trainer import SwapTrainer, check_device_memory
 
-__all__ = ["SwapTrainer", "AdamWConfig", "LossScaler", "warmup_cosine", "micro_batch_rng",
-           "micro_batch_seed", "StepTrace", "TraceEvent", "check_device_memory"]
+__all__ = [
+           "AdamWConfig",
+           "LossScaler",
+           "StepTrace",
+           "SwapTrainer",
+           "TraceEvent",
+           "check_device_memory",
+           "micro_batch_rng",
+           "micro_batch_seed",
+           "warmup_cosine",
+]

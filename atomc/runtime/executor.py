@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,7 +49,6 @@ from atomc.runtime.optim import CpuOptimizer
 from atomc.runtime.package import SwapPackage
 from atomc.runtime.store import HostStore, SubLayout
 from atomc.runtime.trace import StepTrace, Tracer
-
 
 # ---------------------------------------------------------------------------------------------
 # RNG
@@ -63,6 +63,7 @@ def micro_batch_seed(seed: int, step: int, micro_batch: int) -> int:
 def _generators(device: torch.device) -> list[torch.Generator]:
     gens = [torch.default_generator]
     if device.type == "cuda":
+        torch.cuda.init()  # default_generators is filled in by CUDA's lazy initialisation
         gens.append(torch.cuda.default_generators[device.index if device.index is not None
                                                   else torch.cuda.current_device()])
     return gens
@@ -222,20 +223,19 @@ class SwapExecutor:
         self.grad_free: list[Any] = [None] * self.num_slots  # event: gradient copy out of it done
         self._stash_host: dict[tuple[str, int], torch.Tensor] = {}  # reused pinned buffers
         self._unstash_ready: dict[tuple[int, int], Any] = {}
+        self._has_buffers = [any(True for _ in m.buffers()) for m in self.modules]
         self._mb = 0  # micro-batch whose backward is running (read by the tie hooks)
         self._tie_stash: dict[str, dict[int, torch.Tensor]] = {}
         self._tie_fired: set[str] = set()
         self.exact_ties = self._setup_exact_ties() if tied_grads == "exact" else {}
         self._loss_host = torch.zeros((), dtype=torch.float64, pin_memory=self.cuda)
+        self._loss_ready: Any = None
 
     # ---- set-up --------------------------------------------------------------------------------
 
     def _bind_modules(self, host_buffers: list[dict[str, torch.Tensor]]) -> list[nn.Module]:
         """Device sub-models whose parameters are views of their slot's flat buffers."""
-        try:
-            modules = self.pkg.build_submodels(device="meta")
-        except Exception:  # a package whose constructors cannot run on meta: build on the CPU
-            modules = self.pkg.build_submodels()
+        modules = self.pkg.build_submodels(device="meta")  # no weights: they are slot views
         for i, mod in enumerate(modules):
             s = i % self.num_slots
             entries = self.layouts[i].entries
@@ -296,6 +296,42 @@ class SwapExecutor:
                 p = self.modules[o].get_parameter(o_local)
                 p.grad.add_(other)
             self._tie_fired.discard(key)
+
+    def synchronize(self) -> None:
+        """Wait for everything queued on this executor's streams (not for steady-state use)."""
+        if self.cuda:
+            for st in (self.compute_stream, self.prefetch_stream, self.offload_stream):
+                st.synchronize()
+
+    def _buffer_slots(self, i: int) -> tuple[list[nn.Module], list[str], list[torch.Tensor]]:
+        owners, names, tensors = [], [], []
+        for module in self.modules[i].modules():
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    owners.append(module)
+                    names.append(name)
+                    tensors.append(buf)
+        return owners, names, tensors
+
+    @contextmanager
+    def _buffers_as_in_forward(self, i: int, saved: list[torch.Tensor] | None) -> Iterator[None]:
+        """Recompute with the buffers as they were before this micro-batch's forward.
+
+        A module that updates a buffer (running statistics) would otherwise update it a second
+        time, and one that reads a buffer would see the later value; the recomputation runs on
+        copies of the values saved before the forward, and the real buffers stay as they are.
+        """
+        if saved is None:
+            yield
+            return
+        owners, names, tensors = self._buffer_slots(i)
+        for owner, name, value in zip(owners, names, saved):
+            owner._buffers[name] = value
+        try:
+            yield
+        finally:
+            for owner, name, value in zip(owners, names, tensors):
+                owner._buffers[name] = value
 
     def invalidate_slots(self) -> None:
         """Forget what the slots hold (the weights were replaced): every sub-model loads again."""
@@ -444,14 +480,10 @@ class SwapExecutor:
         try:
             with self._stream():
                 loss_sum = self._run(micro_batches, step, rng, scale)
-                if self.cuda:
-                    self._loss_host.copy_(loss_sum, non_blocking=True)
-                    loss_ready = torch.cuda.Event()
-                    loss_ready.record(self.compute_stream)
         finally:
             rng.restore()
         if self.cuda:
-            loss_ready.synchronize()  # this step's loss: one event, not the device
+            self._loss_ready.synchronize()  # this step's loss: one event, not the device
             loss = float(self._loss_host) / C
         else:
             loss = float(loss_sum) / C
@@ -464,6 +496,7 @@ class SwapExecutor:
         batches = [tuple(self._to_device(t) for t in mb) for mb in micro_batches]
         envs: list[dict[str, Any]] = [dict(zip(self.pkg.model_inputs, b)) for b in batches]
         fwd_states: list[list[Any]] = [[None] * C for _ in range(k)]
+        buffer_states: list[list[Any]] = [[None] * C for _ in range(k)]  # see _buffers_as_in_forward
         kept: list[list[Any]] = [[None] * C for _ in range(k)]
 
         # forward P_0 .. P_{k-2}
@@ -476,6 +509,8 @@ class SwapExecutor:
                     args = [self._value(envs[m], n) for n in self.pkg.inputs[i]]
                     if self.keep:
                         args = [_leaf(a, self.producer[n] >= 0) for a, n in zip(args, self.pkg.inputs[i])]
+                    if not self.keep and self._has_buffers[i]:
+                        buffer_states[i][m] = [b.clone() for b in self._buffer_slots(i)[2]]
                     with rng.forward(m) as state, self._autocast(), torch.set_grad_enabled(self.keep):
                         outs = _as_tuple(mod(*args))
                     fwd_states[i][m] = state
@@ -514,6 +549,10 @@ class SwapExecutor:
                 self._collect_input_grads(grads[m], last, args)
                 loss_sum += loss.detach().to(torch.float64)
             del out, loss, scaled, args
+        if self.cuda:  # the losses are known now; copied out while the backward goes on
+            self._loss_host.copy_(loss_sum, non_blocking=True)
+            self._loss_ready = torch.cuda.Event()
+            self._loss_ready.record(cs)
         self._done_with_slot(last)
         self._offload_grads(last)
         self._free_after_backward(envs, last)
@@ -538,8 +577,10 @@ class SwapExecutor:
                     else:
                         args = [_leaf(self._value(envs[m], n), self.producer[n] >= 0)
                                 for n in self.pkg.inputs[i]]
-                        with rng.replay(fwd_states[i][m]), self._autocast(), torch.enable_grad():
+                        with rng.replay(fwd_states[i][m]), self._autocast(), torch.enable_grad(), \
+                                self._buffers_as_in_forward(i, buffer_states[i][m]):
                             outs = _as_tuple(mod(*args))
+                        buffer_states[i][m] = None
                     pairs = [(o, g) for o, g in zip(outs, out_grads)
                              if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
                     self._mb = m
@@ -554,8 +595,10 @@ class SwapExecutor:
         return loss_sum
 
     def _to_device(self, t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, torch.Tensor) or t.device == self.device:
             return t
+        if t.device.type != "cpu":
+            return t.to(self.device, non_blocking=True)
         if self.cuda:
             src = t if t.is_pinned() else t.pin_memory()
             return src.to(self.device, non_blocking=True)  # on the compute stream

@@ -5,9 +5,13 @@ device-to-host copy is done). Output: updated masters and images, and per sub-mo
 that the executor waits on before it loads that sub-model again — so the next forward always
 sees updated weights.
 
-- Each sub-model has one `torch.optim.AdamW` over (at most) two flat parameters: its decayed
-  and its undecayed owned region. The default implementation is torch's fused CPU kernel,
-  about 10x faster than the foreach and for-loop ones on this machine (see docs/runtime.md).
+- Each sub-model has one `torch.optim.AdamW` whose parameters are views, one per original
+  parameter, of the sub-model's flat master (gradients: views of the flat gradient buffer),
+  in two groups: decayed and not. One flat tensor per group would be one kernel call, but the
+  CPU kernels vectorise from each tensor's start and finish with a scalar tail, and FMA
+  contraction differs between the two paths: the per-parameter views make the update the
+  same bits as on the original tensors. The default implementation is torch's fused CPU
+  kernel, about 10x faster than the foreach and for-loop ones here (see docs/runtime.md).
 - Without clipping or loss scaling, sub-model i is updated as soon as its gradients are on
   the host, in backward order, overlapping the rest of the backward ("eager").
 - Global gradient-norm clipping and dynamic fp16 loss scaling need every gradient first:
@@ -24,9 +28,10 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -67,7 +72,7 @@ class AdamWConfig:
         return dict(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay, **impl)
 
     @classmethod
-    def coerce(cls, value: "AdamWConfig | dict[str, Any] | None") -> "AdamWConfig":
+    def coerce(cls, value: AdamWConfig | dict[str, Any] | None) -> AdamWConfig:
         if value is None:
             return cls()
         if isinstance(value, cls):
@@ -117,9 +122,9 @@ class LossScaler:
                 self.good_steps = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(scale=self.scale, growth_factor=self.growth_factor, backoff_factor=self.backoff_factor,
-                    growth_interval=self.growth_interval, good_steps=self.good_steps,
-                    skipped_steps=self.skipped_steps)
+        return {"scale": self.scale, "growth_factor": self.growth_factor,
+                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval,
+                "good_steps": self.good_steps, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k, v in state.items():
@@ -156,14 +161,19 @@ class CpuOptimizer:
         self.params: list[list[torch.nn.Parameter]] = []
         self.optims: list[torch.optim.AdamW] = []
         for i, L in enumerate(store.layouts):
-            groups, params = [], []
-            for lo, hi, wd in ((0, L.decay_numel, config.weight_decay), (L.decay_numel, L.owned_numel, 0.0)):
-                if hi > lo:
-                    p = torch.nn.Parameter(store.master[i][lo:hi], requires_grad=True)
-                    p.grad = store.grad_master[i][lo:hi]
-                    params.append(p)
-                    groups.append({"params": [p], "weight_decay": wd})
-            self.params.append(params)
+            decayed, plain = [], []
+            for e in L.entries:
+                if not e.owned:
+                    continue
+                # a view per original parameter, over the flat master and gradient: the kernels
+                # then split the work as they do on the original tensors (same bits), and
+                # nothing is copied
+                p = torch.nn.Parameter(store.master[i][e.offset:e.offset + e.numel].view(e.shape))
+                p.grad = store.grad_master[i][e.offset:e.offset + e.numel].view(e.shape)
+                (decayed if e.decay else plain).append(p)
+            groups = [{"params": ps, "weight_decay": wd}
+                      for ps, wd in ((decayed, config.weight_decay), (plain, 0.0)) if ps]
+            self.params.append(decayed + plain)
             # a sub-model that owns nothing (all its weights are replicas) has no optimizer
             self.optims.append(torch.optim.AdamW(groups, **config.torch_kwargs()) if groups else None)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomc-cpu-adamw") if threaded else None

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -205,7 +206,7 @@ def replay_residency(trace: StepTrace, initially: dict[int, int] | None = None) 
     return most
 
 
-def to_timeline(traces: list[StepTrace], num_submodels: int, accum: int, label: str = "") -> "Timeline":
+def to_timeline(traces: list[StepTrace], num_submodels: int, accum: int, label: str = "") -> Timeline:
     """Measured steps as the simulator's Timeline (source "measured"), on one time axis.
 
     Each step starts at its host start time; it ends where the next starts, or for the last

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -83,7 +84,7 @@ class SwapTrainer:
                      transfer_dtype: str | torch.dtype | None = None,
                      autocast: str | torch.dtype | None = None, loss_scale: bool | None = None,
                      gpu_mem: int | None = None, trace: bool = False, tied_grads: str = "fast",
-                     threaded_optimizer: bool = True) -> "SwapTrainer":
+                     threaded_optimizer: bool = True) -> SwapTrainer:
         """Build a trainer for the package in `generated_dir`.
 
         device: "cpu", "cuda" or "cuda:N" (default: cuda when available).
@@ -256,7 +257,8 @@ class SwapTrainer:
         return traces[max(traces)] if traces else None
 
     def wait(self) -> None:
-        """Block until every pending optimizer update is done."""
+        """Block until the device's queued work and every pending optimizer update are done."""
+        self.executor.synchronize()
         self.optimizer.wait_all()
 
     def _sync_buffers_to_host(self) -> None:
@@ -358,18 +360,21 @@ class SwapTrainer:
         self.load_state_dict(state, source=f"checkpoint {path}")
 
     def close(self) -> None:
+        """Finish pending work (device copies, optimizer updates) and stop the optimizer thread."""
+        self.executor.synchronize()
         self.optimizer.close()
 
     def describe(self) -> str:
         """A short text form: sub-models, their sizes, and the step's settings."""
         from atomc.units import format_bytes
         s = self.store
-        lines = [f"swap trainer: {len(s.layouts)} sub-models on {self.device}, C = {self.accum}, "
-                 f"micro-batch {self.micro_batch_size}, activations "
-                 f"{'keep' if self.executor.keep else 'recompute'}"
-                 f"{' (offloaded)' if self.executor.offload_activations else ''}",
-                 f"  master {str(s.master_dtype)[6:]}, transfer {str(s.transfer_dtype)[6:]}, "
-                 f"host {format_bytes(s.host_bytes())} (pinned {format_bytes(s.pinned_bytes())})"]
+        acts = "keep" if self.executor.keep else "recompute"
+        if self.executor.offload_activations:
+            acts += " (boundary activations offloaded)"
+        lines = [(f"swap trainer: {len(s.layouts)} sub-models on {self.device}, C = {self.accum}, "
+                  f"micro-batch {self.micro_batch_size}, activations {acts}"),
+                 (f"  master {str(s.master_dtype)[6:]}, transfer {str(s.transfer_dtype)[6:]}, "
+                  f"host {format_bytes(s.host_bytes())} (pinned {format_bytes(s.pinned_bytes())})")]
         for L in s.layouts:
             tied = sum(1 for e in L.entries if not e.owned)
             lines.append(f"  P{L.index}: {format_bytes(s.param_bytes(L.index)):>11s} in {len(L.entries)} "

@@ -37,20 +37,43 @@ from atomc.schedule.network import (
 from atomc.schedule.search import STRATEGIES, Budget, SearchResult, search
 
 __all__ = [
-    "STRATEGIES", "Budget", "Cost", "CostModel", "Device", "Layout", "LayoutCost", "Network",
-    "SearchResult", "build_network", "evaluate_layout", "load_network", "matrix_cost",
-    "message_sizes", "network_from_data", "random_cost", "scenario_names", "schedule", "search",
+    "STRATEGIES",
+    "Budget",
+    "Cost",
+    "CostModel",
+    "Device",
+    "Layout",
+    "LayoutCost",
+    "Network",
+    "SearchResult",
+    "build_network",
+    "evaluate_layout",
+    "load_network",
+    "matrix_cost",
+    "message_sizes",
+    "network_from_data",
+    "random_cost",
+    "scenario_names",
+    "schedule",
+    "search",
 ]
 
 RANDOM_SAMPLES = 16  # random layouts whose median cost a layout is compared with
 
 
-def build_network(scenario: str | None = None, regions: list[str] | None = None, per_region: int = 8,
-                  intra_delay_ms: float = 5.0, intra_bandwidth_gbps: float = 2.0) -> Network:
+def build_network(
+    scenario: str | None = None,
+    regions: list[str] | None = None,
+    per_region: int = 8,
+    intra_delay_ms: float = 5.0,
+    intra_bandwidth_gbps: float = 2.0,
+) -> Network:
     """One of DT-FM's five scenarios by name or number, or GPUs in a list of cloud regions."""
     if (scenario is None) == (regions is None):
         raise UsageError(
-            "give either a scenario (" + ", ".join(scenario_names()) + ") or --regions, not both or neither"
+            "give either a scenario ("
+            + ", ".join(scenario_names())
+            + ") or --regions, not both or neither"
         )
     if scenario is not None:
         return build_scenario(scenario)
@@ -59,25 +82,46 @@ def build_network(scenario: str | None = None, regions: list[str] | None = None,
 
 
 def message_sizes(plan: Plan, pp: int) -> tuple[int, int, tuple[tuple[int, int], ...]]:
-    """(c_PP, c_DP, stage ranges) for cutting the plan's sub-models into pp compute-balanced stages."""
+    """(c_PP, c_DP, stage ranges) for the plan's sub-models cut into pp balanced stages."""
     ranges = stage_ranges(plan, pp)
     c_pp, c_dp = plan_message_sizes(plan, ranges)
     return c_pp, c_dp, ranges
 
 
 def random_cost(model: CostModel, seed: int, samples: int = RANDOM_SAMPLES) -> LayoutCost:
-    """The median (by total) of `samples` random layouts: what scheduling is measured against."""
+    """The median (by total) of `samples` random layouts: what scheduling is measured against.
+    They are ranked with the search's quick pipeline cost; only the median one is evaluated
+    in full (Held-Karp over 16 stages takes a good fraction of a second)."""
     rng = np.random.default_rng([seed, 1])  # apart from the search's own stream
-    costs = [model.evaluate(rng.permutation(model.network.num_devices).reshape(model.pp, model.dp))
-             for _ in range(samples)]
-    costs.sort(key=lambda c: c.total_s)
-    return layout_cost(costs[len(costs) // 2])
+    candidates = [
+        np.sort(rng.permutation(model.network.num_devices).reshape(model.pp, model.dp), axis=1)
+        for _ in range(samples)
+    ]
+    quick = [
+        float(model.group_dp_costs(g).max())
+        + 2.0 * float(model.tsp_costs(model.edge_matrix(g)[None])[0])
+        for g in candidates
+    ]
+    median = sorted(range(samples), key=lambda i: quick[i])[samples // 2]
+    return layout_cost(model.evaluate(candidates[median]))
 
 
-def schedule(network: Network, pp: int, dp: int, c_pp_bytes: int | None = None, c_dp_bytes: int | None = None,
-             *, plan: Plan | None = None, strategy: str = "ours", seed: int = 0,
-             budget_s: float | None = 5.0, max_evals: int | None = None, patience: int | None = None,
-             link_seeds: bool = True, compare_random: bool = True) -> Layout:
+def schedule(
+    network: Network,
+    pp: int,
+    dp: int,
+    c_pp_bytes: int | None = None,
+    c_dp_bytes: int | None = None,
+    *,
+    plan: Plan | None = None,
+    strategy: str = "ours",
+    seed: int = 0,
+    budget_s: float | None = 5.0,
+    max_evals: int | None = None,
+    patience: int | None = 5000,
+    link_seeds: bool = True,
+    compare_random: bool = True,
+) -> Layout:
     """The best layout `strategy` finds for pp stages x dp replicas on `network` within the budget.
 
     Message sizes come from the plan (sub-models cut into pp compute-balanced stages) unless
@@ -94,11 +138,17 @@ def schedule(network: Network, pp: int, dp: int, c_pp_bytes: int | None = None, 
     if c_pp_bytes is None or c_dp_bytes is None:
         raise UsageError(
             "the cost model needs the message sizes: give a plan (--plan plan.json) or both "
-            "--c-pp BYTES (activations per replica and stage boundary) and --c-dp BYTES (gradients per stage)"
+            "--c-pp BYTES (activations per replica and stage boundary) and --c-dp BYTES "
+            "(gradients per stage)"
         )
     model = CostModel(network, pp, dp, c_pp_bytes, c_dp_bytes)
-    result = search(model, strategy, seed, Budget(time_s=budget_s, max_evals=max_evals, patience=patience),
-                    link_seeds=link_seeds)
+    result = search(
+        model,
+        strategy,
+        seed,
+        Budget(time_s=budget_s, max_evals=max_evals, patience=patience),
+        link_seeds=link_seeds,
+    )
     cost = model.evaluate(result.groups)
     matrix = device_matrix(model, result.groups, cost)
     names = [d.name for d in network.devices]

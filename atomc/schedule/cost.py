@@ -15,6 +15,7 @@ are the same with or without a positive factor, and total = DP + 2*PP equals eq.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,7 +65,7 @@ class CostModel:
         self._edges: dict[tuple[bytes, bytes], tuple[float, float]] = {}
         iu = np.triu_indices(pp, k=1)
         self.pair_j, self.pair_k = iu[0], iu[1]
-        self.num_matchings = 0  # bottleneck matchings solved (cache misses that needed networkx)
+        self.num_edges_solved = 0  # pipeline edges computed (cache misses)
 
     # -- data parallel (eq. 2) -----------------------------------------------------------------
 
@@ -75,12 +76,11 @@ class CostModel:
 
     # -- pipeline edges (eq. 3) ----------------------------------------------------------------
 
-    def edge_bounds(self, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Lower bound of eq. 3 for each pair of groups (rows of a and b), and whether it is
-        exact (every pair as fast as the bound, so any matching reaches it)."""
+    def edge_bounds(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Lower bound of eq. 3 for each pair of groups (rows of a and b): every device must be
+        matched, so no matching beats the slowest of the devices' fastest partners."""
         sub = self.pp_link_s[a[:, :, None], b[:, None, :]]
-        lb = np.maximum(sub.min(axis=2).max(axis=1), sub.min(axis=1).max(axis=1))
-        return lb, sub.max(axis=(1, 2)) <= lb
+        return np.maximum(sub.min(axis=2).max(axis=1), sub.min(axis=1).max(axis=1))
 
     def edges(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """Exact eq. 3 for each pair of groups; rows of a and b must be sorted (cache keys)."""
@@ -101,9 +101,11 @@ class CostModel:
                 values[i], refined[i] = hit
         if missing:
             idx = np.array([i for i, _ in missing])
-            new_values, new_refined = refined_values(self.pp_link_s[a[idx][:, :, None], b[idx][:, None, :]])
-            self.num_matchings += len(missing)
-            if len(self._edges) > 2_000_000:  # a long search; keep memory bounded
+            new_values, new_refined = refined_values(
+                self.pp_link_s[a[idx][:, :, None], b[idx][:, None, :]]
+            )
+            self.num_edges_solved += len(missing)
+            if len(self._edges) > 500_000:  # a long search: keep memory bounded (~100 MB)
                 self._edges.clear()
             for (i, key), value, ref in zip(missing, new_values.tolist(), new_refined.tolist()):
                 self._edges[key] = (value, ref)
@@ -122,7 +124,7 @@ class CostModel:
     def bound_matrix(self, groups: np.ndarray) -> np.ndarray:
         e = np.zeros((self.pp, self.pp))
         if self.pp > 1:
-            vals, _ = self.edge_bounds(groups[self.pair_j], groups[self.pair_k])
+            vals = self.edge_bounds(groups[self.pair_j], groups[self.pair_k])
             e[self.pair_j, self.pair_k] = vals
             e[self.pair_k, self.pair_j] = vals
         return e
@@ -136,11 +138,17 @@ class CostModel:
         group_dp = self.group_dp_costs(groups)
         e = self.edge_matrix(groups)
         pp_s, order, exact = open_loop_tsp(e)
-        edge_s = tuple(float(e[a, b]) for a, b in zip(order[:-1], order[1:]))
+        edge_s = tuple(float(e[a, b]) for a, b in itertools.pairwise(order))
         dp_s = float(group_dp.max())
-        return Cost(dp_s=dp_s, pp_s=float(pp_s), total_s=dp_s + 2.0 * float(pp_s),
-                    group_dp_s=tuple(float(x) for x in group_dp), order=tuple(order),
-                    edge_s=edge_s, exact_order=exact)
+        return Cost(
+            dp_s=dp_s,
+            pp_s=float(pp_s),
+            total_s=dp_s + 2.0 * float(pp_s),
+            group_dp_s=tuple(float(x) for x in group_dp),
+            order=tuple(order),
+            edge_s=edge_s,
+            exact_order=exact,
+        )
 
     def tsp_costs(self, edge_matrices: np.ndarray) -> np.ndarray:
         """PP cost of each coarsened graph, for the search: exact Held-Karp while it takes
@@ -186,7 +194,8 @@ def stage_ranges(plan: Plan, pp: int) -> tuple[tuple[int, int], ...]:
     if n < pp:
         raise LayoutError(
             f"the plan has {n} sub-models but --pp {pp} asks for {pp} stages; every stage needs at "
-            f"least one sub-model: lower --pp to at most {n}, or partition again into more sub-models"
+            f"least one sub-model: lower --pp to at most {n}, or partition again into more "
+            f"sub-models"
         )
     compute = [s.fwd_ms + s.bwd_ms for s in plan.submodels]
     prefix = np.concatenate([[0.0], np.cumsum(compute)])
@@ -208,7 +217,7 @@ def stage_ranges(plan: Plan, pp: int) -> tuple[tuple[int, int], ...]:
 
 
 def boundary_bytes(plan: Plan, start: int) -> int:
-    """Bytes of values computed before sub-model `start` and read at or after it (one micro-batch)."""
+    """Bytes of values made before sub-model `start` and read at or after it (one micro-batch)."""
     produced = {t.name: t.num_bytes for s in plan.submodels[:start] for t in s.outputs}
     needed = {t.name for s in plan.submodels[start:] for t in s.inputs}
     return int(sum(produced[name] for name in needed if name in produced))
@@ -223,6 +232,8 @@ def plan_message_sizes(plan: Plan, ranges: tuple[tuple[int, int], ...]) -> tuple
     c_DP: the largest stage's parameter bytes (its gradients, exchanged in data parallelism).
     One c for all stages as in DT-FM; the largest keeps the model an upper bound.
     """
-    c_pp = max((boundary_bytes(plan, start) for start, _ in ranges[1:]), default=0) * max(plan.accum, 1)
+    c_pp = max((boundary_bytes(plan, start) for start, _ in ranges[1:]), default=0) * max(
+        plan.accum, 1
+    )
     c_dp = max(sum(s.param_bytes for s in plan.submodels[a:b]) for a, b in ranges)
     return int(c_pp), int(c_dp)

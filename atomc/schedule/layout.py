@@ -85,9 +85,8 @@ class Layout(Document):
     def position(self, rank: int) -> tuple[int, int]:
         """(replica, stage) of a rank."""
         if not 0 <= rank < self.num_stages * self.num_replicas:
-            raise LayoutError(
-                f"rank {rank} is outside this layout's world of {self.num_stages * self.num_replicas}"
-            )
+            world = self.num_stages * self.num_replicas
+            raise LayoutError(f"rank {rank} is outside this layout's world of {world} ranks")
         return divmod(rank, self.num_stages)
 
     def device_at(self, rank: int) -> str:
@@ -96,13 +95,17 @@ class Layout(Document):
 
     # -- checks -----------------------------------------------------------------------------------
 
-    def check(self, network: Network | None = None, source: str = "layout") -> "Layout":
+    def check(self, network: Network | None = None, source: str = "layout") -> Layout:
         pp, dp = self.num_stages, self.num_replicas
         if len(self.devices) != pp or any(len(row) != dp for row in self.devices):
             raise LayoutError(f"{source}: the device matrix is not {pp} stages x {dp} replicas")
         names = [d for row in self.devices for d in row]
         if len(set(names)) != len(names):
             raise LayoutError(f"{source}: a device appears twice in the device matrix")
+        if len(self.ranks) != pp * dp:
+            raise LayoutError(
+                f"{source}: the rank map has {len(self.ranks)} devices for {pp * dp} ranks"
+            )
         for stage, row in enumerate(self.devices):
             for replica, name in enumerate(row):
                 if self.ranks.get(name) != self.rank(replica, stage):
@@ -112,15 +115,15 @@ class Layout(Document):
                     )
         if len(self.stages) != pp:
             raise LayoutError(f"{source}: {len(self.stages)} stage entries for {pp} stages")
-        if network is not None:
-            if network.content_hash() != self.network_hash:
-                raise LayoutError(
-                    f"{source} was scheduled for network {self.network_name} ({self.network_hash}), "
-                    f"not for {network.name or 'this network'} ({network.content_hash()}); schedule again"
-                )
+        if network is not None and network.content_hash() != self.network_hash:
+            raise LayoutError(
+                f"{source} was scheduled for network {self.network_name} ({self.network_hash}), "
+                f"not for {network.name or 'this network'} ({network.content_hash()}); "
+                f"schedule again"
+            )
         return self
 
-    # -- text ---------------------------------------------------------------------------------------
+    # -- text -------------------------------------------------------------------------------------
 
     def text(self, network: Network | None = None) -> str:
         pp, dp = self.num_stages, self.num_replicas
@@ -134,7 +137,9 @@ class Layout(Document):
             f"messages: c_PP {format_bytes(self.c_pp_bytes)} per replica and boundary, "
             f"c_DP {format_bytes(self.c_dp_bytes)} per stage"
         )
-        lines.append(f"cost:   total {c.total_s:8.3f} s = DP {c.dp_s:.3f} s + 2 x PP {c.pp_s:.3f} s")
+        lines.append(
+            f"cost:   total {c.total_s:8.3f} s = DP {c.dp_s:.3f} s + 2 x PP {c.pp_s:.3f} s"
+        )
         if self.random_cost is not None:
             r = self.random_cost
             lines.append(
@@ -148,8 +153,11 @@ class Layout(Document):
             spec = self.stages[s]
             sub = "-" if spec.submodels is None else f"{spec.submodels[0]}..{spec.submodels[1] - 1}"
             nxt = f"{spec.send_cost_s:9.3f}" if s < pp - 1 else f"{'':9}"
-            lines.append(f"{'stage ' + str(s):<8}" + "".join(f"{d:<{width}}" for d in row)
-                         + f"  {spec.dp_cost_s:7.3f}  {nxt}  {sub}")
+            lines.append(
+                f"{'stage ' + str(s):<8}"
+                + "".join(f"{d:<{width}}" for d in row)
+                + f"  {spec.dp_cost_s:7.3f}  {nxt}  {sub}"
+            )
         if network is not None:
             lines.append(structure_summary(self, network))
         return "\n".join(lines)
@@ -158,7 +166,10 @@ class Layout(Document):
 def structure_summary(layout: Layout, network: Network) -> str:
     """Where the layout keeps its traffic: regions per pipeline and per data-parallel group."""
     region = {d.name: d.region for d in network.devices}
-    pipelines = [{region[layout.devices[s][r]] for s in range(layout.num_stages)} for r in range(layout.num_replicas)]
+    pipelines = [
+        {region[layout.devices[s][r]] for s in range(layout.num_stages)}
+        for r in range(layout.num_replicas)
+    ]
     groups = [{region[d] for d in row} for row in layout.devices]
     return (
         f"structure: pipelines span {_spread(pipelines)} region(s) each; data-parallel groups "
@@ -183,7 +194,9 @@ def device_matrix(model: CostModel, groups: np.ndarray, cost: Cost) -> np.ndarra
         prev, nxt = matrix[s - 1], np.sort(groups[order[s]])
         value, perm = bottleneck_matching(model.pp_link_s[np.ix_(prev, nxt)])
         if not np.isclose(value, cost.edge_s[s - 1], rtol=1e-12, atol=0.0):
-            raise AssertionError(f"matching {value} differs from the cost model's edge {cost.edge_s[s - 1]}")
+            raise AssertionError(
+                f"matching {value} differs from the cost model's edge {cost.edge_s[s - 1]}"
+            )
         matrix[s] = nxt[list(perm)]
     return matrix
 
@@ -196,8 +209,14 @@ def matrix_cost(model: CostModel, matrix: np.ndarray) -> LayoutCost:
     return LayoutCost(dp_s=dp_s, pp_s=pp_s, total_s=dp_s + 2.0 * pp_s)
 
 
-def stage_specs(model: CostModel, matrix: np.ndarray, cost: Cost, groups_order_dp: list[float],
-                plan: Plan | None, ranges: tuple[tuple[int, int], ...] | None) -> tuple[StageSpec, ...]:
+def stage_specs(
+    model: CostModel,
+    matrix: np.ndarray,
+    cost: Cost,
+    groups_order_dp: list[float],
+    plan: Plan | None,
+    ranges: tuple[tuple[int, int], ...] | None,
+) -> tuple[StageSpec, ...]:
     specs = []
     for s in range(model.pp):
         if plan is not None and ranges is not None:
@@ -209,8 +228,16 @@ def stage_specs(model: CostModel, matrix: np.ndarray, cost: Cost, groups_order_d
         else:
             compute_ms, param_bytes, submodels = 0.0, 0, None
         send = cost.edge_s[s] if s < model.pp - 1 else 0.0
-        specs.append(StageSpec(stage=s, submodels=submodels, compute_ms=compute_ms, param_bytes=param_bytes,
-                               dp_cost_s=float(groups_order_dp[s]), send_cost_s=float(send)))
+        specs.append(
+            StageSpec(
+                stage=s,
+                submodels=submodels,
+                compute_ms=compute_ms,
+                param_bytes=param_bytes,
+                dp_cost_s=float(groups_order_dp[s]),
+                send_cost_s=float(send),
+            )
+        )
     return tuple(specs)
 
 
@@ -223,5 +250,7 @@ def evaluate_layout(layout: Layout, network: Network) -> Cost:
     layout.check(network)
     index = {d.name: i for i, d in enumerate(network.devices)}
     groups = np.array([[index[name] for name in row] for row in layout.devices])
-    model = CostModel(network, layout.num_stages, layout.num_replicas, layout.c_pp_bytes, layout.c_dp_bytes)
+    model = CostModel(
+        network, layout.num_stages, layout.num_replicas, layout.c_pp_bytes, layout.c_dp_bytes
+    )
     return model.evaluate(groups)

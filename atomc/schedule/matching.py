@@ -30,7 +30,7 @@ import numpy as np
 HALL_MAX_N = 12  # 2**12 row sets per matrix: still a small array
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _popcount_table(n: int) -> np.ndarray:
     table = np.zeros(1 << n, dtype=np.int64)
     for bit in range(n):

@@ -12,11 +12,12 @@ directions into one symmetric communication graph, as DT-FM section 2 does.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar
+
+import numpy as np
 
 from atomc.errors import IRError, NetworkError
 from atomc.ir import SCHEMA_VERSION, Document
@@ -56,57 +57,71 @@ class Network(Document):
             seen.setdefault(d.region, None)
         return list(seen)
 
-    def check(self, source: str = "network") -> "Network":
+    def check(self, source: str = "network") -> Network:
         """Raise NetworkError unless the matrices describe a usable communication graph."""
         n = len(self.devices)
         if n == 0:
             raise NetworkError(f"{source} has no devices; list at least one device under 'devices'")
         names = [d.name for d in self.devices]
         if any(not name for name in names):
-            raise NetworkError(f"{source}: device {names.index('')} has an empty name; give every device a name")
+            raise NetworkError(
+                f"{source}: device {names.index('')} has an empty name; give every device a name"
+            )
         if len(set(names)) != n:
             dup = sorted({x for x in names if names.count(x) > 1})
-            raise NetworkError(f"{source}: device names {dup} appear more than once; names must be unique")
+            raise NetworkError(
+                f"{source}: device names {dup} appear more than once; names must be unique"
+            )
         for d in self.devices:
             if d.memory_bytes is not None and d.memory_bytes < 0:
-                raise NetworkError(f"{source}: device {d.name} has memory_bytes {d.memory_bytes} < 0")
-        for field_name, rows in (("delay_ms", self.delay_ms), ("bandwidth_gbps", self.bandwidth_gbps)):
+                raise NetworkError(
+                    f"{source}: device {d.name} has memory_bytes {d.memory_bytes} < 0"
+                )
+        for field_name, rows in (
+            ("delay_ms", self.delay_ms),
+            ("bandwidth_gbps", self.bandwidth_gbps),
+        ):
             _check_square(source, field_name, rows, n)
-            for i, row in enumerate(rows):
-                for j, value in enumerate(row):
-                    if not math.isfinite(value):
-                        raise NetworkError(
-                            f"{source}: {field_name}[{i}][{j}] is {value}; expected a finite number"
-                        )
-                    if value < 0:
-                        raise NetworkError(
-                            f"{source}: {field_name}[{i}][{j}] = {value} is negative "
-                            f"({names[i]} -> {names[j]}); delays and bandwidths must be >= 0"
-                        )
-        for i, row in enumerate(self.bandwidth_gbps):
-            for j, value in enumerate(row):
-                # The diagonal is a device talking to itself: never used, so it may be 0.
-                # Both directions carry equal traffic (DT-FM sec. 2), so one dead direction
-                # stalls the link as much as two.
-                if i != j and value == 0:
-                    raise NetworkError(
-                        f"{source}: bandwidth_gbps[{i}][{j}] is 0 ({names[i]} -> {names[j]}); a link "
-                        f"that carries nothing makes every layout using it infinitely slow: give a "
-                        f"positive Gbit/s or leave one of the devices out"
-                    )
+            values = np.asarray(rows, dtype=np.float64)
+            bad = np.argwhere(~np.isfinite(values))
+            if len(bad):
+                i, j = bad[0]
+                raise NetworkError(
+                    f"{source}: {field_name}[{i}][{j}] is {values[i, j]}; expected a finite number"
+                )
+            bad = np.argwhere(values < 0)
+            if len(bad):
+                i, j = bad[0]
+                raise NetworkError(
+                    f"{source}: {field_name}[{i}][{j}] = {values[i, j]} is negative "
+                    f"({names[i]} -> {names[j]}); delays and bandwidths must be >= 0"
+                )
+        # The diagonal is a device talking to itself: never used, so it may be 0. Both
+        # directions of a link carry equal traffic (DT-FM sec. 2), so one dead direction stalls
+        # the link as much as two.
+        bandwidth = np.asarray(self.bandwidth_gbps, dtype=np.float64)
+        bad = np.argwhere((bandwidth == 0) & ~np.eye(n, dtype=bool))
+        if len(bad):
+            i, j = bad[0]
+            raise NetworkError(
+                f"{source}: bandwidth_gbps[{i}][{j}] is 0 ({names[i]} -> {names[j]}); a link "
+                f"that carries nothing makes every layout using it infinitely slow: give a "
+                f"positive Gbit/s or leave one of the devices out"
+            )
         return self
 
     def summary(self) -> str:
         """Short text form: devices per region and the range of link values between regions."""
-        import numpy as np
-
         delay = symmetric(self.delay_ms)
         bandwidth = symmetric(self.bandwidth_gbps)
         regions = self.regions()
         index = {r: [i for i, d in enumerate(self.devices) if d.region == r] for r in regions}
+        about = f": {self.description}" if self.description else ""
         lines = [
-            f"network {self.name or '(unnamed)'}: {self.num_devices} devices in {len(regions)} "
-            f"region(s){': ' + self.description if self.description else ''}"
+            (
+                f"network {self.name or '(unnamed)'}: {self.num_devices} devices in "
+                f"{len(regions)} region(s){about}"
+            )
         ]
         width = max(len(r) for r in regions)
         lines.append(f"  {'region':<{width}}  devices  intra delay ms  intra Gbit/s")
@@ -122,7 +137,8 @@ class Network(Document):
         if len(regions) > 1:
             cross = np.array([[a != b for b in self._region_of()] for a in self._region_of()])
             lines.append(
-                f"  between regions: delay {_span(delay[cross])} ms, bandwidth {_span(bandwidth[cross])} Gbit/s"
+                f"  between regions: delay {_span(delay[cross])} ms, "
+                f"bandwidth {_span(bandwidth[cross])} Gbit/s"
             )
         return "\n".join(lines)
 
@@ -135,7 +151,9 @@ def _span(values: Any) -> str:
     return f"{lo:g}" if lo == hi else f"{lo:g}-{hi:g}"
 
 
-def _check_square(source: str, field_name: str, rows: tuple[tuple[float, ...], ...], n: int) -> None:
+def _check_square(
+    source: str, field_name: str, rows: tuple[tuple[float, ...], ...], n: int
+) -> None:
     if len(rows) != n:
         raise NetworkError(
             f"{source}: {field_name} has {len(rows)} rows but there are {n} devices; expected an "
@@ -151,8 +169,6 @@ def _check_square(source: str, field_name: str, rows: tuple[tuple[float, ...], .
 
 def symmetric(rows: tuple[tuple[float, ...], ...]) -> Any:
     """The communication graph's value for each pair: the mean of both directions (DT-FM sec. 2)."""
-    import numpy as np
-
     a = np.asarray(rows, dtype=np.float64)
     return (a + a.T) / 2.0
 
@@ -171,12 +187,16 @@ def network_from_data(data: Any, source: str = "<data>") -> Network:
         for key in ("delay_ms", "bandwidth_gbps"):
             rows = data.get(key)
             if isinstance(rows, list) and not all(isinstance(r, list) for r in rows):
-                raise NetworkError(f"{source}: {key} must be a list of rows (a square matrix), got {rows!r:.60}")
+                raise NetworkError(
+                    f"{source}: {key} must be a list of rows (a square matrix), got {rows!r:.60}"
+                )
     try:
         network = Network.from_json(data, source)
     except IRError as e:
-        raise NetworkError(f"{e}; a network file is {{\"devices\": [{{\"name\": ..., \"region\": ...}}], "
-                           f"\"delay_ms\": [[...]], \"bandwidth_gbps\": [[...]]}}") from None
+        raise NetworkError(
+            f'{e}; a network file is {{"devices": [{{"name": ..., "region": ...}}], '
+            f'"delay_ms": [[...]], "bandwidth_gbps": [[...]]}}'
+        ) from None
     return network.check(source)
 
 
@@ -221,13 +241,13 @@ def build_scenario(name: str) -> Network:
 
     if "cross_pairs" in case:
         table = _pair_table(case["cross_pairs"])
-        cross = lambda a, b: table[(a, b)]  # noqa: E731
+        cross = lambda a, b: table[(a, b)]
     elif case.get("cross") == "region_pairs":
         table = _pair_table(data["region_pairs"]["pairs"])
-        cross = lambda a, b: table[(a, b)]  # noqa: E731
+        cross = lambda a, b: table[(a, b)]
     else:
         value = (float(case["cross"]["delay_ms"]), float(case["cross"]["bandwidth_gbps"]))
-        cross = lambda a, b: value  # noqa: E731
+        cross = lambda a, b: value
     # Every scenario in the paper runs on V100s (section 4.1).
     return _build(key, case.get("paper", ""), groups, intra, cross, gpu="V100")
 
@@ -253,24 +273,41 @@ def build_regions(
         try:
             count = int(count_text) if count_text else per_region
         except ValueError:
-            raise NetworkError(f"region spec {spec!r}: {count_text!r} is not a device count; write e.g. Tokyo:8") from None
+            raise NetworkError(
+                f"region spec {spec!r}: {count_text!r} is not a device count; write e.g. Tokyo:8"
+            ) from None
         if count <= 0:
-            raise NetworkError(f"region spec {spec!r} asks for {count} devices; give a positive count")
+            raise NetworkError(
+                f"region spec {spec!r} asks for {count} devices; give a positive count"
+            )
         if any(match == g for g, _ in groups):
-            raise NetworkError(f"region {match} is listed twice; give it once with its device count (e.g. {match}:16)")
+            raise NetworkError(
+                f"region {match} is listed twice; give it once with its device count "
+                f"(e.g. {match}:16)"
+            )
         groups.append((match, count))
     if not groups:
-        raise NetworkError(f"--regions is empty; give regions such as Oregon:8,Tokyo:8 (known: {', '.join(known)})")
+        raise NetworkError(
+            f"--regions is empty; give regions such as Oregon:8,Tokyo:8 (known: {', '.join(known)})"
+        )
     if intra_delay_ms < 0 or intra_bandwidth_gbps <= 0:
         raise NetworkError(
             f"intra-region delay {intra_delay_ms} ms / bandwidth {intra_bandwidth_gbps} Gbit/s: "
             f"expected a delay >= 0 and a bandwidth > 0"
         )
     label = name or "regions-" + "-".join(f"{g}{c}" for g, c in groups)
-    description = (f"individual GPUs in {len(groups)} region(s); {intra_delay_ms:g} ms and "
-                   f"{intra_bandwidth_gbps:g} Gbit/s inside a region; measured AWS values between regions")
-    return _build(label, description, groups, (intra_delay_ms, intra_bandwidth_gbps),
-                  lambda a, b: table[(a, b)], gpu=None)
+    description = (
+        f"individual GPUs in {len(groups)} region(s); {intra_delay_ms:g} ms and "
+        f"{intra_bandwidth_gbps:g} Gbit/s inside a region; measured AWS values between regions"
+    )
+    return _build(
+        label,
+        description,
+        groups,
+        (intra_delay_ms, intra_bandwidth_gbps),
+        lambda a, b: table[(a, b)],
+        gpu=None,
+    )
 
 
 def _pair_table(pairs: dict[str, Any]) -> dict[tuple[str, str], tuple[float, float]]:
@@ -283,7 +320,9 @@ def _pair_table(pairs: dict[str, Any]) -> dict[tuple[str, str], tuple[float, flo
 
 
 def _build(name, description, groups, intra, cross, gpu) -> Network:
-    devices = tuple(Device(name=f"{g}/{k}", region=g, gpu=gpu) for g, count in groups for k in range(count))
+    devices = tuple(
+        Device(name=f"{g}/{k}", region=g, gpu=gpu) for g, count in groups for k in range(count)
+    )
     delay, bandwidth = [], []
     for a in devices:
         row_d, row_b = [], []
@@ -296,5 +335,10 @@ def _build(name, description, groups, intra, cross, gpu) -> Network:
             row_b.append(bw)
         delay.append(tuple(row_d))
         bandwidth.append(tuple(row_b))
-    return Network(devices=devices, delay_ms=tuple(delay), bandwidth_gbps=tuple(bandwidth),
-                   name=name, description=description).check(name)
+    return Network(
+        devices=devices,
+        delay_ms=tuple(delay),
+        bandwidth_gbps=tuple(bandwidth),
+        name=name,
+        description=description,
+    ).check(name)

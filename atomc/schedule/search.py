@@ -36,8 +36,8 @@ time budget it is a prefix of that same trajectory, cut where the time ran out.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -64,6 +64,10 @@ class Budget:
             raise UsageError(f"evaluation budget {self.max_evals}: expected a positive count")
         if self.patience is not None and self.patience <= 0:
             raise UsageError(f"patience {self.patience}: expected a positive count of evaluations")
+        if self.time_s is None and self.max_evals is None and self.patience is None:
+            raise UsageError(
+                "the search needs a limit: give a time budget, an evaluation budget or a patience"
+            )
 
 
 @dataclass
@@ -89,7 +93,7 @@ class _State:
     total: float  # DP + 2*PP: what the search minimises
     tie: float  # mean group DP + 2 * open path over refined edges
 
-    def beats(self, other: "_State") -> bool:
+    def beats(self, other: _State) -> bool:
         if self.total < other.total * (1 - _EPS):
             return True
         return self.total <= other.total * (1 + _EPS) and self.tie < other.tie * (1 - _EPS)
@@ -109,7 +113,9 @@ class Searcher:
         self.last_improvement = 0
         self.start = time.perf_counter()
         # For each group j: the pair indices (into model.pair_j/pair_k) whose edge touches j.
-        self._touching = [np.flatnonzero((model.pair_j == j) | (model.pair_k == j)) for j in range(model.pp)]
+        self._touching = [
+            np.flatnonzero((model.pair_j == j) | (model.pair_k == j)) for j in range(model.pp)
+        ]
 
     # -- budget and bookkeeping -----------------------------------------------------------------
 
@@ -189,7 +195,7 @@ class Searcher:
             return None
         pairs = np.union1d(self._touching[j], self._touching[k])
         a, b = groups[m.pair_j[pairs]], groups[m.pair_k[pairs]]
-        lb, _ = m.edge_bounds(a, b)
+        lb = m.edge_bounds(a, b)
         edges = s.edges.copy()
         self._set_pairs(edges, pairs, lb)
         pp_lb = self._tsp(edges)
@@ -240,8 +246,15 @@ class Searcher:
         noisy = gain + self._jitter(gain.shape, float(np.abs(gain).max()))
         order = np.argsort(-noisy.ravel(), kind="stable")
         p, e1, e2 = np.unravel_index(order, gain.shape)
-        return list(zip(gain.ravel()[order].tolist(), jj[p].tolist(), ends[jj[p], e1].tolist(),
-                        kk[p].tolist(), ends[kk[p], e2].tolist()))
+        return list(
+            zip(
+                gain.ravel()[order].tolist(),
+                jj[p].tolist(),
+                ends[jj[p], e1].tolist(),
+                kk[p].tolist(),
+                ends[kk[p], e2].tolist(),
+            )
+        )
 
     def candidates_kl(self, s: _State) -> list[tuple[float, int, int, int, int]]:
         """Kernighan-Lin's best swaps for every pair of groups, best gain first. The weight is
@@ -266,11 +279,19 @@ class Searcher:
         order = np.argsort(-top_noisy.ravel(), kind="stable")
         p, t = np.unravel_index(order, top.shape)
         cell = top[p, t]
-        return list(zip(flat[p, cell].tolist(), jj[p].tolist(), (cell // dp).tolist(),
-                        kk[p].tolist(), (cell % dp).tolist()))
+        return list(
+            zip(
+                flat[p, cell].tolist(),
+                jj[p].tolist(),
+                (cell // dp).tolist(),
+                kk[p].tolist(),
+                (cell % dp).tolist(),
+            )
+        )
 
     def local_search(self, s: _State, propose: Proposer) -> _State:
-        """Take the first candidate, in gain order, that beats the current state, until none does."""
+        """Take the first candidate, in gain order, that beats the current state; stop when
+        none does."""
         while True:
             for _gain, j, x, k, y in propose(s):
                 better = self.try_swap(s, j, x, k, y)
@@ -380,7 +401,9 @@ class Searcher:
             assert self.best is not None
             self.bounded(self.random_groups(), self.best.total)
 
-    def run(self, strategy: str, population_size: int = POPULATION_SIZE, link_seeds: bool = True) -> SearchResult:
+    def run(
+        self, strategy: str, population_size: int = POPULATION_SIZE, link_seeds: bool = True
+    ) -> SearchResult:
         m = self.model
         stopped = "complete"
         try:
@@ -395,16 +418,23 @@ class Searcher:
             elif strategy == "kl":
                 self.genetic(self.candidates_kl, population_size, link_seeds)
             else:
-                raise UsageError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+                raise UsageError(
+                    f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}"
+                )
         except _Stop as stop:
             stopped = str(stop)
         if self.best is None:  # the budget ran out before one evaluation: take a random layout
             self.budget = Budget(time_s=None)
             self.full(self.random_groups())
         assert self.best is not None
-        return SearchResult(groups=self.best.groups, total_s=self.best.total, evaluations=self.evaluations,
-                            elapsed_s=time.perf_counter() - self.start, stopped=stopped,
-                            history=self.history)
+        return SearchResult(
+            groups=self.best.groups,
+            total_s=self.best.total,
+            evaluations=self.evaluations,
+            elapsed_s=time.perf_counter() - self.start,
+            stopped=stopped,
+            history=self.history,
+        )
 
 
 def _key(groups: np.ndarray) -> bytes:
@@ -413,8 +443,14 @@ def _key(groups: np.ndarray) -> bytes:
     return rows[np.lexsort(rows.T[::-1])].tobytes()
 
 
-def search(model: CostModel, strategy: str = "ours", seed: int = 0, budget: Budget | None = None,
-           population_size: int = POPULATION_SIZE, link_seeds: bool = True) -> SearchResult:
+def search(
+    model: CostModel,
+    strategy: str = "ours",
+    seed: int = 0,
+    budget: Budget | None = None,
+    population_size: int = POPULATION_SIZE,
+    link_seeds: bool = True,
+) -> SearchResult:
     """Best partition `strategy` finds within `budget`. link_seeds=False starts the genetic
     algorithm from random partitions only (DT-FM's setting)."""
     if strategy not in STRATEGIES:

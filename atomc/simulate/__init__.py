@@ -26,7 +26,7 @@ __all__ = [
 
 
 def _ns(ms: float) -> int:
-    return int(round(ms * 1_000_000))
+    return round(ms * 1_000_000)
 
 
 def stage_times(plan: Plan) -> list[StageTimes]:

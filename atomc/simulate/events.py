@@ -5,8 +5,9 @@ Four lanes, each doing one thing at a time, in schedule order:
 - compute: forward of P_0..P_{k-1} (each on C micro-batches), then backward of P_{k-1}..P_0;
 - prefetch (host to device): the parameters of P_{i+1}, starting when P_i starts its forward;
   in the backward, when P_i starts: P_i's own checkpoints (its C micro-batches' inputs, streamed
-  one micro-batch ahead; the first is taken to be there already) and then the parameters of
-  P_{i-1}; at the end of the step, P_0's updated parameters;
+  one micro-batch ahead; the first is taken to be there already, and the backward cannot end
+  before the last has arrived) and then the parameters of P_{i-1}; at the end of the step,
+  P_0's updated parameters;
 - offload (device to host): the gradients of P_i when its backward ends;
 - optimizer (CPU AdamW): P_i's update once its gradients are on the host.
 
@@ -102,6 +103,11 @@ class StageTimes:
     optimizer_ns: int  # CPU AdamW over its fp32 masters
 
 
+class _Discard(list):
+    def append(self, item) -> None:
+        pass
+
+
 @dataclass(frozen=True)
 class Simulation:
     timeline: Timeline
@@ -114,12 +120,17 @@ class Simulation:
 
 
 def simulate_swap(stages: list[StageTimes], accum: int, num_steps: int = 1,
-                  label: str = "", early_prefetch: bool = False) -> Simulation:
-    """Replay `num_steps` steady-state steps of the swap schedule; they are identical."""
+                  label: str = "", early_prefetch: bool = False, record: bool = True) -> Simulation:
+    """Replay `num_steps` steady-state steps of the swap schedule; they are identical.
+
+    With record=False the timeline keeps no events (the partitioner only needs the times).
+    """
     if not stages:
         raise ValueError("a schedule needs at least one sub-model")
     k = len(stages)
     events: list[tuple[str, int, str, int, int, int]] = []
+    if not record:
+        events = _Discard()  # type: ignore[assignment]
     starts = [0]
     t0 = 0
     step_ns = compute_ns = 0
@@ -146,6 +157,7 @@ def simulate_swap(stages: list[StageTimes], accum: int, num_steps: int = 1,
             start = max(compute, bwd_loaded[i])
             ls = max(start, h2d)
             h2d = ls + stages[i].checkpoint_ns
+            checkpoints_in = h2d
             if stages[i].checkpoint_ns:
                 events.append(("prefetch", i, "checkpoint", ls, h2d, step))
             if i > 0:
@@ -156,8 +168,9 @@ def simulate_swap(stages: list[StageTimes], accum: int, num_steps: int = 1,
                 h2d = le
                 bwd_loaded[i - 1] = le
                 events.append(("prefetch", i - 1, "load", ls, le, step))
-            compute = start + stages[i].bwd_ns
-            events.append(("compute", i, "backward", start, compute, step))
+            events.append(("compute", i, "backward", start, start + stages[i].bwd_ns, step))
+            # its last micro-batch cannot run before its checkpoint has arrived
+            compute = max(start + stages[i].bwd_ns, checkpoints_in)
             os_ = max(compute, d2h)
             d2h = os_ + stages[i].offload_ns
             offload_end[i] = d2h

@@ -21,7 +21,7 @@ KIND_COLOURS = {"forward": "#4e79a7", "backward": "#f28e2b", "load": "#59a14f",
                 "checkpoint": "#8cd17d", "offload": "#b07aa1", "optimizer": "#9c755f", "refresh": "#76b7b2"}
 WIDTH_PX = 1200
 LEFT_PX = 130
-RIGHT_PX = 20
+RIGHT_PX = 40
 TOP_PX = 48
 LANE_PX = 34
 GAP_PX = 10
@@ -84,7 +84,8 @@ def render_timeline_svg(timeline: Timeline, title: str | None = None) -> str:
              for i, s in enumerate(timeline.step_starts_ms)]
     legend = [{"kind": k, "colour": c, "x": LEFT_PX + i * 110} for i, c in enumerate(KIND_COLOURS.values())
               for k in [list(KIND_COLOURS)[i]]]
-    step_text = ", ".join(_fmt_ms(round(timeline.step_ms(i), 3)) for i in range(timeline.num_steps))
+    step_text = ", ".join(dict.fromkeys(_fmt_ms(round(timeline.step_ms(i), 3))
+                                        for i in range(timeline.num_steps)))
     return _template().render(
         width=WIDTH_PX, height=height, left=LEFT_PX, right=WIDTH_PX - RIGHT_PX,
         lane_height=LANE_PX, rows=rows, ticks=ticks, steps=steps, legend=legend,

@@ -1,4 +1,5 @@
-"""Two inputs (one read only at the end) and a nested output: a dict with a tuple inside."""
+"""Two inputs (one read only at the end), an in-place update whose result nothing reads, and a
+nested output: a dict with a tuple inside, one entry computed in the first sub-model."""
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +15,9 @@ class MultiOut(nn.Module):
 
     def forward(self, x: torch.Tensor, scale: torch.Tensor) -> dict:
         features = self.enc(x)  # an output computed in the first sub-model
-        g = F.gelu(self.mid(features))
+        h = self.mid(features).clone()
+        h.mul_(0.5)  # in place, its result unused: must not be dropped as dead code
+        g = F.gelu(h)
         logits = self.head(g) * scale  # `scale` is read only here
         return {"logits": logits, "features": features, "stats": (g.mean(dim=-1), logits.amax(dim=-1))}
 

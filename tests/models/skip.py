@@ -1,4 +1,5 @@
-"""A small MLP whose first hidden state skips over two later layers (a residual across cuts)."""
+"""A small MLP whose first hidden state skips over later layers (a residual across cuts), and
+whose layer `a` is applied twice (one module, so one set of weights, in two sub-models)."""
 
 import torch
 from torch import nn
@@ -16,6 +17,7 @@ class SkipNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.inp(x))
         a = torch.relu(self.a(h))
+        a = torch.relu(self.a(a))  # the same layer again
         b = torch.relu(self.b(a))
         c = self.c(b)
         return self.out(c + h)  # h is read three layers later

@@ -16,9 +16,12 @@ values such as sizes, which carry no gradient.
 
 Weights
 -------
-PARAM_NAMES[i] maps sub-model i's parameter and buffer names to the original model's names.
-`load_original_state_dict(submodels, model.state_dict())` loads the original weights and
-`export_state_dict(submodels)` gives them back under the original names.
+PARAM_NAMES[i] maps sub-model i's parameter and buffer names to the original model's names
+(ALIASES gives the other names of tied weights; ORIGINAL_NAMES all names, in the original
+order). `build_submodels()` initialises weights as their constructors do (parameters read
+directly, not through a layer, are left uninitialised); load the original weights with
+`load_original_state_dict(submodels, model.state_dict())`, and get them back under the
+original names with `export_state_dict(submodels)`.
 
 A tied weight (one parameter used by two layers, e.g. the input and output embeddings) held
 by more than one sub-model is listed in TIED with every holder. Each holder has its own copy

@@ -1,0 +1,351 @@
+"""Peers, ATOM's decentralized mode (paper III-E): full model copies that average when the
+collaboration has processed a global batch.
+
+input:  a generated package (every peer trains a full copy with the swap runtime), a run id,
+        any live peer's address (none for the first peer), the global batch (samples over all
+        peers between two averaging rounds) and the number of rounds
+output: local training steps; after every global batch a parameter-averaging round with every
+        peer that is ready; a state any new peer can download; metrics per step and round
+
+Built on hivemind (Learning@home): a DHT holds each peer's progress (samples since the last
+round, heartbeat-like, expiring when a peer stops reporting); hivemind's `ProgressTracker` sums
+it and says when the global batch is reached; hivemind's `DecentralizedAverager` forms a group
+of the peers that are ready and all-reduces their weights (weighted by the samples each
+contributed). A peer joins through any live peer and first downloads the current state (weights,
+optimizer state, round) from one of them. A peer that dies leaves a round that fails for its
+group (the others retry at the next round) and its progress entry expires; training goes on as
+long as one peer is alive.
+
+Every wait is bounded: DHT start-up (an initial peer that never answers is an error after
+`connect_timeout_s`), state download, matchmaking and all-reduce.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from atomc.errors import PeerError, UsageError
+
+
+@dataclass
+class PeerConfig:
+    package: str | Path
+    run_id: str = "atomc"
+    initial_peers: tuple[str, ...] = ()
+    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    announce_maddrs: tuple[str, ...] = ()
+    target_batch_size: int = 64  # samples over all peers per averaging round (the global batch)
+    rounds: int = 10  # stop after this many averaging rounds (global epochs)
+    accum: int | None = None  # micro-batches per local step (default: the plan's C)
+    optimizer: dict[str, Any] | None = None
+    device: str = "cpu"
+    seed: int = 0
+    matchmaking_time_s: float = 2.0  # how long a ready peer waits for others to join its group
+    averaging_timeout_s: float = 30.0  # one round: matchmaking + all-reduce
+    connect_timeout_s: float = 20.0  # DHT start-up and joining through the initial peers
+    progress_expiration_s: float = 10.0  # a silent peer's progress stops counting after this
+    max_seconds: float | None = None  # give up (error) when the run takes longer
+    metrics_path: str | Path | None = None
+    final_path: str | Path | None = None  # this peer's final weights (torch file)
+    maddr_path: str | Path | None = None  # where to write this peer's address for others
+    final_linger_s: float = 5.0  # after the last round: groupmates may still be receiving from us
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.target_batch_size < 1:
+            raise UsageError(f"--target-batch-size {self.target_batch_size} must be at least 1")
+        if self.rounds < 1:
+            raise UsageError(f"--rounds {self.rounds} must be at least 1")
+        for a in self.initial_peers:
+            if not a.startswith("/"):
+                raise PeerError(f"initial peer {a!r} is not a multiaddress; give one another peer printed, "
+                                f"e.g. /ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID")
+
+
+def _import_hivemind() -> Any:
+    try:
+        import hivemind
+    except ImportError as e:  # pragma: no cover - installed with atomc's peers extra
+        raise PeerError(f"hivemind is not installed ({e}); install it from its wheel: "
+                        f"pip install --only-binary=hivemind hivemind") from None
+    return hivemind
+
+
+def state_bytes(state: dict[str, Any]) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def state_from_bytes(t: torch.Tensor) -> dict[str, Any]:
+    return torch.load(io.BytesIO(t.numpy().tobytes()), map_location="cpu", weights_only=True)
+
+
+def weights_digest(trainer: Any) -> str:
+    h = hashlib.sha256()
+    for m in trainer.store.master:
+        h.update(m.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class PeerTrainer:
+    """One peer (see the module docstring)."""
+
+    def __init__(self, cfg: PeerConfig, *, loss_fn: Callable | None = None,
+                 initial_state: dict[str, torch.Tensor] | None = None,
+                 log: Callable[[str], None] = print):
+        self.cfg = cfg
+        self.log = log
+        self.t_start = time.monotonic()
+        self.hm = _import_hivemind()
+        from atomc.runtime import SwapTrainer
+
+        self.trainer = SwapTrainer.from_package(cfg.package, device=cfg.device, accum=cfg.accum,
+                                                optimizer=cfg.optimizer, loss_fn=loss_fn,
+                                                state_dict=initial_state, seed=cfg.seed)
+        self.samples_per_step = self.trainer.accum * self.trainer.micro_batch_size
+        self.epoch = 0
+        self.samples = 0
+        self.local_steps = 0
+        self.rounds_done: list[dict[str, Any]] = []
+        self._snapshot: tuple[dict[str, Any], list[torch.Tensor]] | None = None
+        self.dht = self._start_dht()
+        self.maddrs = [str(a) for a in self.dht.get_visible_maddrs()]
+        if cfg.maddr_path:
+            from atomc.jsonio import write_atomic
+
+            write_atomic(cfg.maddr_path, "\n".join(self.maddrs) + "\n")
+        from hivemind.optim.progress_tracker import ProgressTracker
+
+        self.tracker = ProgressTracker(
+            self.dht, cfg.run_id, cfg.target_batch_size, client_mode=False, min_refresh_period=0.2,
+            max_refresh_period=1.0, default_refresh_period=0.5, expected_drift_peers=1,
+            metadata_expiration=cfg.progress_expiration_s, start=True)
+        self.flat = self._flat_weights()
+        self.averager = _make_averager(self.hm, [self.flat.clone()], self.dht, cfg, self._current_state)
+        self._take_snapshot()
+        if cfg.initial_peers:
+            self._join()
+
+    # ---- set-up --------------------------------------------------------------------------------
+
+    def _start_dht(self) -> Any:
+        cfg = self.cfg
+        kwargs = dict(initial_peers=list(cfg.initial_peers), host_maddrs=list(cfg.host_maddrs),
+                      start=True, use_ipfs=False, use_relay=False, use_auto_relay=False, client_mode=False,
+                      startup_timeout=cfg.connect_timeout_s)
+        if cfg.announce_maddrs:
+            kwargs["announce_maddrs"] = list(cfg.announce_maddrs)
+        box: dict[str, Any] = {}
+
+        def start() -> None:
+            try:
+                box["dht"] = self.hm.DHT(**kwargs)
+            except BaseException as e:  # surfaced below
+                box["error"] = e
+
+        th = threading.Thread(target=start, daemon=True)
+        th.start()
+        th.join(cfg.connect_timeout_s + 15.0)
+        where = ", ".join(cfg.initial_peers) or "(none: first peer)"
+        if th.is_alive():
+            raise PeerError(f"the peer network did not start within {cfg.connect_timeout_s + 15:.0f} s "
+                            f"(initial peers {where}); check that they are alive and reachable")
+        if "error" in box:
+            e = box["error"]
+            raise PeerError(f"could not join the peers through {where}: {type(e).__name__}: "
+                            f"{str(e).strip()[:300]}; give the address of a live peer (it prints it at "
+                            f"start) and check that its port is reachable") from None
+        return box["dht"]
+
+    def _flat_weights(self) -> torch.Tensor:
+        return torch.cat([m.detach().reshape(-1).to(torch.float32) for m in self.trainer.store.master])
+
+    def _set_flat_weights(self, flat: torch.Tensor) -> None:
+        state = self.trainer.state_dict()
+        off = 0
+        for i, m in enumerate(state["masters"]):
+            n = m.numel()
+            state["masters"][i] = flat[off:off + n].view_as(m).to(m.dtype)
+            off += n
+        self.trainer.load_state_dict(state, source="averaged weights")
+
+    def _take_snapshot(self) -> None:
+        """What a joining peer downloads: the whole trainer state and the round it belongs to."""
+        meta = {"epoch": self.epoch, "run_id": self.cfg.run_id, "name": self.cfg.name,
+                "package": self.trainer.package.fingerprint()}
+        self._snapshot = (meta, [state_bytes(self.trainer.state_dict())])
+
+    def _current_state(self) -> tuple[dict[str, Any], list[torch.Tensor], None]:
+        meta, tensors = self._snapshot
+        return meta, tensors, None
+
+    def _join(self) -> None:
+        t0 = time.monotonic()
+        got = None
+        deadline = t0 + self.cfg.connect_timeout_s
+        while got is None and time.monotonic() < deadline:
+            try:
+                got = self.averager.load_state_from_peers(timeout=max(1.0, deadline - time.monotonic()))
+            except Exception as e:  # a peer that left between listing and download
+                self.log(f"state download failed ({type(e).__name__}: {e}); retrying")
+                got = None
+            if got is None:
+                time.sleep(0.5)
+        if got is None:
+            self.log(f"no peer shared its state within {self.cfg.connect_timeout_s:.0f} s; starting from "
+                     f"the initial weights")
+            return
+        meta, tensors = got
+        if meta.get("package") != self.trainer.package.fingerprint():
+            raise PeerError(f"the peers train package {meta.get('package')}, this peer "
+                            f"{self.trainer.package.fingerprint()} ({self.cfg.package}); give every peer the "
+                            f"same generated package")
+        self.trainer.load_state_dict(state_from_bytes(tensors[0]), source="a peer's state")
+        self.epoch = int(meta["epoch"])
+        self.joined = {"from": meta.get("name", ""), "epoch": self.epoch,
+                       "seconds": time.monotonic() - t0, "digest": weights_digest(self.trainer)}
+        self._take_snapshot()
+        self.log(f"joined: downloaded the state of round {self.epoch} from peer {meta.get('name', '?')} "
+                 f"in {time.monotonic() - t0:.1f} s")
+        self._metric({"event": "joined", **self.joined})
+
+    # ---- training ------------------------------------------------------------------------------
+
+    def _metric(self, line: dict[str, Any]) -> None:
+        if self.cfg.metrics_path is None:
+            return
+        line = {"peer": self.cfg.name, "time": time.time(), **line}
+        with open(self.cfg.metrics_path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def _check_time(self) -> None:
+        if self.cfg.max_seconds is not None and time.monotonic() - self.t_start > self.cfg.max_seconds:
+            raise PeerError(f"the run took longer than {self.cfg.max_seconds:.0f} s (round {self.epoch} of "
+                            f"{self.cfg.rounds}); the other peers may be gone: start more peers or "
+                            f"lower --target-batch-size")
+
+    def train(self, batch_of: Callable[[int], Any]) -> None:
+        """Local steps until `rounds` averaging rounds are done."""
+        tr = self.tracker
+        while self.epoch < self.cfg.rounds:
+            self._check_time()
+            if tr.global_epoch > self.epoch + 1:
+                self._catch_up()
+            step = self.local_steps
+            loss = self.trainer.step(batch_of(step))
+            self.local_steps += 1
+            self.samples += self.samples_per_step
+            tr.report_local_progress(self.epoch, self.samples)
+            self._metric({"event": "step", "step": step, "epoch": self.epoch, "loss": loss})
+            if tr.ready_to_update_epoch:
+                self._average()
+        self._metric({"event": "done", "epoch": self.epoch, "digest": weights_digest(self.trainer)})
+
+    def _catch_up(self) -> None:
+        """Fell behind by more than one round (e.g. stalled): take the state of a live peer."""
+        got = self.averager.load_state_from_peers(timeout=self.cfg.connect_timeout_s)
+        if got is None:
+            return
+        meta, tensors = got
+        if int(meta["epoch"]) > self.epoch:
+            self.trainer.load_state_dict(state_from_bytes(tensors[0]), source="a peer's state")
+            self.epoch = int(meta["epoch"])
+            self.samples = 0
+            self.log(f"caught up: state of round {self.epoch} from {meta.get('name', '?')}")
+
+    def _average(self) -> None:
+        """One round: average weights with every peer ready now, then the next round."""
+        cfg, tr = self.cfg, self.tracker
+        t0 = time.monotonic()
+        with tr.pause_updates():
+            flat = self._flat_weights()
+            with self.averager.get_tensors() as tensors:
+                tensors[0].copy_(flat)
+            group = None
+            try:
+                group = self.averager.step(weight=float(max(self.samples, 1)), gather=cfg.name,
+                                           timeout=cfg.averaging_timeout_s, allow_retries=True)
+            except Exception as e:  # a groupmate died mid-round: keep the local weights
+                self.log(f"round {self.epoch}: averaging failed ({type(e).__name__}: {e})")
+            if group:
+                with self.averager.get_tensors() as tensors:
+                    averaged = tensors[0].clone()
+                self._set_flat_weights(averaged)
+            members = sorted(str(v) for v in group.values()) if group else []
+            new_epoch = max(self.epoch + 1, tr.global_epoch)
+            self.epoch = tr.update_epoch(new_epoch)
+            self.samples = 0
+        info = {"event": "round", "epoch": self.epoch, "group": members, "ok": bool(group),
+                "seconds": time.monotonic() - t0, "digest": weights_digest(self.trainer)}
+        self.rounds_done.append(info)
+        self._take_snapshot()
+        self._metric(info)
+        self.log(f"round {self.epoch}: {'averaged with ' + ', '.join(members) if group else 'no group'} "
+                 f"in {info['seconds']:.1f} s")
+
+    # ---- end -----------------------------------------------------------------------------------
+
+    def save_final(self) -> None:
+        if self.cfg.final_path:
+            from atomc.runtime.checkpoint import save_checkpoint
+
+            save_checkpoint(self.cfg.final_path, {"params": self.trainer.export_state_dict(),
+                                                  "epoch": self.epoch, "steps": self.local_steps,
+                                                  "digest": weights_digest(self.trainer)})
+
+    def linger(self, seconds: float) -> None:
+        """Keep serving state and rounds for a while, so peers finishing later find a group."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        for obj in (getattr(self, "averager", None), getattr(self, "tracker", None), getattr(self, "dht", None)):
+            if obj is None:
+                continue
+            try:
+                obj.shutdown()
+            except Exception:
+                pass
+        self.trainer.close()
+
+
+def _make_averager(hm: Any, tensors: list[torch.Tensor], dht: Any, cfg: PeerConfig,
+                   current_state: Callable) -> Any:
+    class PeerAverager(hm.averaging.DecentralizedAverager):
+        def get_current_state(self):  # runs in this process when a peer downloads our state
+            return current_state()
+
+    return PeerAverager(tensors, dht, start=True, prefix=f"{cfg.run_id}_averaging", min_group_size=2,
+                        min_matchmaking_time=cfg.matchmaking_time_s,
+                        request_timeout=min(3.0, cfg.matchmaking_time_s / 2),
+                        allreduce_timeout=cfg.averaging_timeout_s, next_chunk_timeout=10.0,
+                        client_mode=False, declare_state_period=2.0)
+
+
+def run_peer(cfg: PeerConfig, batch_of: Callable[[int], Any], *, loss_fn: Callable | None = None,
+             initial_state: dict[str, torch.Tensor] | None = None, linger_s: float = 0.0,
+             log: Callable[[str], None] = print) -> PeerTrainer:
+    peer = PeerTrainer(cfg, loss_fn=loss_fn, initial_state=initial_state, log=log)
+    try:
+        log(f"peer {cfg.name or '(unnamed)'} of run {cfg.run_id}: {' '.join(peer.maddrs)}")
+        peer.train(batch_of)
+        peer.save_final()
+        peer.linger(max(linger_s, cfg.final_linger_s))
+    finally:
+        peer.close()
+    return peer
+
+
+__all__ = ["PeerConfig", "PeerTrainer", "run_peer", "weights_digest"]

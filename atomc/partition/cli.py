@@ -1,0 +1,106 @@
+"""`atomc partition PROFILE --gpu-mem SIZE` and `atomc show PLAN`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from atomc.errors import UsageError
+from atomc.units import parse_size
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from atomc.partition import DEFAULT_MAX_ACCUM
+    from atomc.partition.cost import ACTIVATIONS, DEFAULT_CPU_ADAM_GBPS
+
+    p = sub.add_parser(
+        "partition", help="cut a profiled model into swappable sub-models",
+        description="Cut a profile into consecutive sub-models that swap through GPU memory while "
+                    "the next one loads (ATOM Algorithm 1, exact); choose the accumulation degree C; "
+                    "predict the step time and GPU utilisation by simulation.")
+    p.add_argument("profile", help="profile JSON written by `atomc profile`")
+    p.add_argument("--gpu-mem", required=True, metavar="SIZE", help="GPU memory, e.g. 11GiB, 16GB")
+    p.add_argument("--reserve", default="1GiB", metavar="SIZE",
+                   help="memory kept free for the CUDA context and fragmentation (default 1GiB)")
+    p.add_argument("--accum", type=int, metavar="C", help="fix the accumulation degree C")
+    p.add_argument("--max-accum", type=int, default=DEFAULT_MAX_ACCUM, metavar="N",
+                   help=f"largest C the search may choose (default {DEFAULT_MAX_ACCUM})")
+    p.add_argument("--activations", choices=ACTIVATIONS, default="recompute",
+                   help="recompute each sub-model's internals in the backward, or keep them")
+    p.add_argument("--cpu-adam-gbps", type=float, default=DEFAULT_CPU_ADAM_GBPS, metavar="GBPS",
+                   help=f"CPU AdamW throughput in GB/s of fp32 masters (default {DEFAULT_CPU_ADAM_GBPS:g}; "
+                        f"0 leaves the optimizer out of the model)")
+    p.add_argument("--no-fold", action="store_true", help="do not fold repeated blocks (slower, same plan)")
+    p.add_argument("-o", "--output", help="plan JSON path (default PROFILE with .plan.json)")
+    p.add_argument("--timeline", metavar="SVG", help="also draw the predicted timeline (two steps)")
+    p.add_argument("--all", action="store_true", help="list every sub-model and cut")
+    _add_emit_option(p)
+    p.set_defaults(func=run_partition)
+
+    s = sub.add_parser("show", help="print a plan's table again",
+                       description="Print a plan written by `atomc partition`.")
+    s.add_argument("plan", help="plan JSON")
+    s.add_argument("--timeline", metavar="SVG", help="draw its predicted timeline (two steps)")
+    s.add_argument("--all", action="store_true", help="list every sub-model and cut")
+    s.set_defaults(func=run_show)
+
+
+def _add_emit_option(parser: argparse.ArgumentParser) -> None:
+    """Hook for the codegen stage: once `atomc.codegen.emit_plan(plan, profile, out_dir)` exists,
+    `atomc partition ... --emit DIR` writes the generated package right after planning."""
+    try:
+        from atomc.codegen import emit_plan  # noqa: F401
+    except ImportError:
+        return
+    parser.add_argument("--emit", metavar="DIR", help="also generate the sub-model package into DIR")
+
+
+def _default_output(profile_path: str) -> Path:
+    p = Path(profile_path)
+    name = p.name
+    stem = name[: -len(".profile.json")] if name.endswith(".profile.json") else p.stem
+    return p.with_name(stem + ".plan.json")
+
+
+def run_partition(args: argparse.Namespace) -> int:
+    from atomc.ir import Profile
+    from atomc.partition import partition
+    from atomc.partition.report import render_plan
+
+    capacity = parse_size(args.gpu_mem, "--gpu-mem")
+    reserve = parse_size(args.reserve, "--reserve")
+    if args.cpu_adam_gbps < 0:
+        raise UsageError(f"--cpu-adam-gbps {args.cpu_adam_gbps} is negative; give a rate in GB/s or 0")
+    profile = Profile.load(args.profile)
+    plan = partition(profile, capacity, reserve_bytes=reserve, accum=args.accum,
+                     max_accum=args.max_accum, activations=args.activations,
+                     fold_blocks=not args.no_fold, cpu_adam_gbps=args.cpu_adam_gbps)
+    out = Path(args.output) if args.output else _default_output(args.profile)
+    plan.save(out)
+    print(render_plan(plan, None if args.all else 40))
+    print(f"\nwrote {out}")
+    if args.timeline:
+        _write_timeline(plan, args.timeline)
+    if getattr(args, "emit", None):
+        from atomc.codegen import emit_plan
+
+        emit_plan(plan, profile, args.emit)
+    return 0
+
+
+def _write_timeline(plan, path: str) -> None:
+    from atomc.simulate import simulate_plan, write_timeline_svg
+
+    sim = simulate_plan(plan, num_steps=2)
+    print(f"wrote {write_timeline_svg(sim.timeline, path)}")
+
+
+def run_show(args: argparse.Namespace) -> int:
+    from atomc.ir import Plan
+    from atomc.partition.report import render_plan
+
+    plan = Plan.load(args.plan)
+    print(render_plan(plan, None if args.all else 40))
+    if args.timeline:
+        _write_timeline(plan, args.timeline)
+    return 0

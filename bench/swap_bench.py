@@ -1,0 +1,332 @@
+"""Swap runtime benchmark (CUDA): swapped training under a memory budget vs the alternatives.
+
+For each GPT config of examples/gpt.py (GPT-3 family, seq 2048 by default), in one process:
+
+1. trace, profile on this GPU (measured), partition for `--gpu-mem` (the planner picks C),
+   generate the package;
+2. **swapped**: train it with atomc's swap runtime, the process's CUDA allocator capped at the
+   budget (torch.cuda.set_per_process_memory_fraction), and record one traced step;
+3. **resident**: the unpartitioned model on the whole GPU, torch.optim.AdamW(fused=True) on
+   the GPU, the same C micro-batches of the same size (no cap: this is what fits without atomc);
+4. **FSDP2 CPU offload**: `fully_shard(..., offload_policy=CPUOffloadPolicy())` on every block
+   and the root, one GPU, one process (world size 1): the comparison a user would pick instead;
+
+and report side by side: tokens/s of each, swapped/resident, the host-to-device GB/s the swap
+runtime achieved (bytes of its weight and checkpoint loads over their copy times, from CUDA
+events) against a plain pinned 1 GiB copy, the GPU's compute-busy fraction in the traced step,
+the CPU optimizer's time, and the planner's predicted step time against the measured one.
+
+Goals (DESIGN 7, issue 5): swapped >= 0.9 x resident at the planner's C; transfers >= 85% of
+the pinned-copy peak; prediction within 15%.
+
+Compute is float32 with TF32 matmuls for every contender (the profile is taken the same way).
+Without CUDA the script says so and exits 0.
+
+    python bench/swap_bench.py [--configs gpt3-small,gpt3-medium,gpt3-large] [--gpu-mem 8GiB]
+                               [--seq-len 2048] [--micro-batch 1] [--steps 6] [--skip-fsdp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
+
+GPT_PATH = ROOT / "examples" / "gpt.py"
+
+
+# ---------------------------------------------------------------------------------------------
+# measurements
+
+
+def pinned_copy_gbps(device: torch.device, num_bytes: int = 1 << 30, repeats: int = 5) -> tuple[float, float]:
+    """H2D and D2H GB/s of one plain pinned copy of `num_bytes` (median of repeats)."""
+    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    out = []
+    for src, dst in ((host, dev), (dev, host)):
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        out.append(num_bytes / (statistics.median(times) * 1e-3) / 1e9)
+    del host, dev
+    torch.cuda.empty_cache()
+    return out[0], out[1]
+
+
+def token_batches(vocab: int, rows: int, seq: int, steps: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (rows, seq), generator=g) for _ in range(steps)]
+
+
+def time_steps(step_fn, batches: list[torch.Tensor], warmup: int) -> float:
+    """Median wall ms per step after `warmup` steps (synchronised around each timed step)."""
+    for b in batches[:warmup]:
+        step_fn(b)
+    torch.cuda.synchronize()
+    times = []
+    for b in batches[warmup:]:
+        t0 = time.perf_counter()
+        step_fn(b)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def free_cuda() -> None:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+# ---------------------------------------------------------------------------------------------
+# contenders
+
+
+def run_swapped(pkg: Path, state_dict: dict, batches, args, budget: int) -> dict:
+    from atomc.runtime import SwapTrainer
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
+    try:
+        trainer = SwapTrainer.from_package(pkg, device="cuda", state_dict=state_dict,
+                                           optimizer={"lr": 1e-4}, gpu_mem=budget,
+                                           transfer_dtype=args.transfer_dtype)
+        try:
+            step_ms = time_steps(trainer.step, batches, args.warmup)
+            trainer.executor.tracer.enabled = True
+            trainer.step(batches[-1])
+            trace = trainer.last_trace()
+            trainer.executor.tracer.enabled = False
+            peak = torch.cuda.max_memory_allocated()
+        finally:
+            trainer.close()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    loads = [e for e in trace.events if e.lane == "prefetch"]
+    offloads = [e for e in trace.events if e.kind == "offload"]
+    h2d_bytes = sum(e.num_bytes for e in loads)
+    h2d_ms = sum(e.duration_ms for e in loads)
+    d2h_bytes = sum(e.num_bytes for e in offloads)
+    d2h_ms = sum(e.duration_ms for e in offloads)
+    return {
+        "step_ms": step_ms,
+        "traced_step_ms": trace.span_ms(),
+        "busy": trace.busy_fraction(),
+        "h2d_gbps": h2d_bytes / (h2d_ms * 1e-3) / 1e9 if h2d_ms else 0.0,
+        "d2h_gbps": d2h_bytes / (d2h_ms * 1e-3) / 1e9 if d2h_ms else 0.0,
+        "h2d_gib": h2d_bytes / 2**30,
+        "optimizer_ms": trace.total_ms(kind="optimizer"),
+        "peak_gib": peak / 2**30,
+        "trace": trace.to_json(),
+    }
+
+
+def run_resident(config: str, state_dict: dict, batches, C: int, args) -> dict:
+    import gpt
+
+    try:
+        model = gpt.build_model(config, seq_len=args.seq_len)
+        model.load_state_dict(state_dict)
+        model.cuda().train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+        def step(batch: torch.Tensor) -> None:
+            opt.zero_grad(set_to_none=True)
+            for mb in batch.cuda(non_blocking=True).chunk(C):
+                (gpt.loss_fn(model(mb), (mb,)) / C).backward()
+            opt.step()
+
+        step_ms = time_steps(step, batches, args.warmup)
+        peak = torch.cuda.max_memory_allocated()
+        result = {"step_ms": step_ms, "peak_gib": peak / 2**30}
+    except torch.cuda.OutOfMemoryError as e:
+        result = {"error": f"out of memory: {str(e).splitlines()[0]}"}
+    model = opt = None
+    free_cuda()
+    return result
+
+
+def run_fsdp2_offload(config: str, state_dict: dict, batches, C: int, args) -> dict:
+    import gpt
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    note = ""
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        model = gpt.build_model(config, seq_len=args.seq_len)
+        model.load_state_dict(state_dict)
+        policy = CPUOffloadPolicy(pin_memory=True)
+        for block in model.h:
+            fully_shard(block, mesh=mesh, offload_policy=policy)
+        fully_shard(model, mesh=mesh, offload_policy=policy)
+        model.train()
+        try:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        except (RuntimeError, TypeError) as e:  # reported, not hidden
+            note = f"fused CPU AdamW unavailable on DTensors ({type(e).__name__}); foreach used"
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+
+        def step(batch: torch.Tensor) -> None:
+            opt.zero_grad(set_to_none=True)
+            parts = batch.cuda(non_blocking=True).chunk(C)
+            for m, mb in enumerate(parts):
+                model.set_requires_gradient_sync(m == C - 1)
+                (gpt.loss_fn(model(mb), (mb,)) / C).backward()
+            opt.step()
+
+        step_ms = time_steps(step, batches, args.warmup)
+        result = {"step_ms": step_ms, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    except torch.cuda.OutOfMemoryError as e:
+        result = {"error": f"out of memory: {str(e).splitlines()[0]}"}
+    if note:
+        result["note"] = note
+    model = opt = None
+    free_cuda()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def bench_config(config: str, args, workdir: Path) -> dict:
+    import gpt
+
+    from atomc.codegen import generate
+    from atomc.partition import partition
+    from atomc.profile import profile_model
+    from atomc.trace import trace_model
+
+    options = {"seq_len": args.seq_len}
+    t0 = time.perf_counter()
+    traced = trace_model(GPT_PATH, config, args.micro_batch, options)
+    profile = profile_model(traced, device="cuda", repeats=5, progress=False)
+    plan = partition(profile, args.gpu_mem, reserve_bytes=args.reserve)
+    pkg = generate(plan, workdir / f"{config}_pkg", traced=traced)
+    prep_s = time.perf_counter() - t0
+    C = plan.accum
+    tokens = C * args.micro_batch * args.seq_len
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        state_dict = gpt.build_model(config, seq_len=args.seq_len).state_dict()
+    vocab = gpt.CONFIGS[config].vocab_size
+    batches = token_batches(vocab, C * args.micro_batch, args.seq_len, args.warmup + args.steps)
+    model_bytes = sum(s.num_bytes for s in traced.graph.params.values())
+
+    print(f"-- {config}: {traced.graph.num_params() / 1e6:.0f}M parameters ({model_bytes / 2**30:.2f} GiB "
+          f"fp32), budget {args.gpu_mem / 2**30:.2f} GiB -> {len(plan.submodels)} sub-models, C = {C}, "
+          f"{tokens} tokens/step (prepared in {prep_s:.0f} s)", flush=True)
+    free_cuda()  # the profile's cached blocks would count against the cap
+    swapped = run_swapped(pkg, state_dict, batches, args, args.gpu_mem)
+    free_cuda()
+    resident = run_resident(config, state_dict, batches, C, args)
+    fsdp = {} if args.skip_fsdp else run_fsdp2_offload(config, state_dict, batches, C, args)
+    return {"config": config, "params": traced.graph.num_params(), "model_gib": model_bytes / 2**30,
+            "submodels": len(plan.submodels), "accum": C, "tokens_per_step": tokens,
+            "predicted_step_ms": plan.predicted_step_ms, "predicted_busy": plan.predicted_utilisation,
+            "feasible": plan.feasible, "binding": plan.binding,
+            "swapped": swapped, "resident": resident, "fsdp2_offload": fsdp}
+
+
+def report(rows: list[dict], h2d_peak: float, d2h_peak: float) -> None:
+    def tps(r: dict, tokens: int) -> str:
+        return f"{tokens / (r['step_ms'] * 1e-3):,.0f}" if "step_ms" in r else r.get("error", "skipped")[:24]
+
+    print()
+    print(f"pinned-copy peak: H2D {h2d_peak:.1f} GB/s, D2H {d2h_peak:.1f} GB/s (1 GiB, median of 5)")
+    print(f"{'config':12s} {'k':>3s} {'C':>3s} {'swapped tok/s':>14s} {'resident tok/s':>15s} "
+          f"{'FSDP2 tok/s':>12s} {'swap/res':>8s} {'H2D GB/s':>9s} {'/peak':>6s} {'busy':>5s} "
+          f"{'opt ms':>7s} {'pred ms':>8s} {'meas ms':>8s} {'pred/meas':>9s}")
+    for r in rows:
+        s, res, f = r["swapped"], r["resident"], r["fsdp2_offload"]
+        ratio = f"{res['step_ms'] / s['step_ms']:.3f}" if "step_ms" in res else "-"
+        print(f"{r['config']:12s} {r['submodels']:3d} {r['accum']:3d} {tps(s, r['tokens_per_step']):>14s} "
+              f"{tps(res, r['tokens_per_step']):>15s} {tps(f, r['tokens_per_step']) if f else 'skipped':>12s} "
+              f"{ratio:>8s} {s['h2d_gbps']:9.1f} {s['h2d_gbps'] / h2d_peak:6.2f} {s['busy']:5.2f} "
+              f"{s['optimizer_ms']:7.1f} {r['predicted_step_ms']:8.1f} {s['step_ms']:8.1f} "
+              f"{r['predicted_step_ms'] / s['step_ms']:9.3f}")
+    print()
+    print("goals: swapped/resident >= 0.90, H2D/peak >= 0.85, |pred/meas - 1| <= 0.15")
+    for r in rows:
+        s, res = r["swapped"], r["resident"]
+        checks = [("H2D/peak", s["h2d_gbps"] / h2d_peak, s["h2d_gbps"] / h2d_peak >= 0.85),
+                  ("pred/meas", r["predicted_step_ms"] / s["step_ms"],
+                   abs(r["predicted_step_ms"] / s["step_ms"] - 1) <= 0.15)]
+        if "step_ms" in res:
+            checks.insert(0, ("swap/res", res["step_ms"] / s["step_ms"], res["step_ms"] / s["step_ms"] >= 0.9))
+        print(f"  {r['config']:12s} " + ", ".join(f"{n} {v:.3f} {'met' if ok else 'MISSED'}" for n, v, ok in checks))
+
+
+def main() -> int:
+    from atomc.units import parse_size
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="gpt3-small,gpt3-medium,gpt3-large")
+    ap.add_argument("--gpu-mem", default="8GiB", help="memory budget for the swapped runs")
+    ap.add_argument("--reserve", default="1GiB", help="part of the budget kept for CUDA context etc.")
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per contender")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--transfer-dtype", default=None, choices=[None, "bfloat16", "float16"],
+                    help="half-precision device copies (then compute differs from the profile's)")
+    ap.add_argument("--skip-fsdp", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "out" / "bench" / "swap_bench.json"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/swap_bench.py needs CUDA (torch.cuda.is_available() is false on this machine); "
+              "nothing was measured")
+        return 0
+    args.gpu_mem = parse_size(args.gpu_mem, "--gpu-mem")
+    args.reserve = parse_size(args.reserve, "--reserve")
+    torch.set_float32_matmul_precision("high")  # TF32 for every contender and the profile
+    device = torch.device("cuda", 0)
+    name = torch.cuda.get_device_name(device)
+    print(f"swap_bench on {name} ({torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB), "
+          f"torch {torch.__version__}, {platform.node()}, {time.strftime('%Y-%m-%d %H:%M')}")
+    h2d_peak, d2h_peak = pinned_copy_gbps(device)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="atomc-swap-bench-") as tmp:
+        for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
+            rows.append(bench_config(config, args, Path(tmp)))
+    report(rows, h2d_peak, d2h_peak)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"device": name, "torch": torch.__version__, "h2d_peak_gbps": h2d_peak,
+                               "d2h_peak_gbps": d2h_peak, "args": {k: v for k, v in vars(args).items()},
+                               "rows": rows}, indent=1, default=str))
+    print(f"\nwrote {out}")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

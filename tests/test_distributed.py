@@ -1,0 +1,371 @@
+"""Layout runner: D_PP x D_DP layouts under torchrun (gloo, CPU) equal single-process training;
+a swapped stage too; elastic restarts resume from checkpoints; bad layouts, ranks and packages.
+
+Every run binds to 127.0.0.1, runs in its own process group (killed as a whole afterwards) and
+has a bounded wall-clock time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from atomc.codegen import generate
+from atomc.codegen.manual import plan_from_cuts
+from atomc.distributed.groups import LayoutView, assign, check_world, load_layout
+from atomc.distributed.launch import build_command
+from atomc.distributed.pipeline import gpipe, max_in_flight, one_f_one_b, stage_boundaries
+from atomc.distributed.runner import check_package, final_state
+from atomc.errors import LayoutError
+from atomc.runtime.checkpoint import load_checkpoint
+from atomc.runtime.package import load_swap_package
+from atomc.schedule import schedule
+from atomc.schedule.network import network_from_data
+from atomc.trace import trace_model
+from atomc.trace.load import load_model_file
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = ROOT / "examples" / "gpt.py"
+TRAIN = ROOT / "examples" / "train_layout.py"
+CUTS = [9, 25, 39, 55]  # tiny GPT: embeddings | block 0 (cut inside attention) | ... | head
+MICRO, GLOBAL, STEPS, DATA_SEED = 2, 8, 3, 1234
+
+gpt = load_model_file(GPT)
+
+
+# ---------------------------------------------------------------------------------------------
+# fixtures: one package, a 4-device network, layouts scheduled on it
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    d = tmp_path_factory.mktemp("layout")
+    traced = trace_model(GPT, "tiny", MICRO)
+    plan = plan_from_cuts(traced, CUTS)
+    plan.save(d / "plan.json")
+    generate(plan, d / "pkg", traced=traced)
+    other = plan_from_cuts(traced, [9, 39])  # another plan of the same model
+    generate(other, d / "pkg_other", traced=traced)
+    n = 4
+    delay = [[0.0 if i == j else 10.0 for j in range(n)] for i in range(n)]
+    bw = [[0.0 if i == j else 10.0 for j in range(n)] for i in range(n)]
+    net = network_from_data({"devices": [{"name": f"d{i}", "region": "r0" if i < 2 else "r1"} for i in range(n)],
+                             "delay_ms": delay, "bandwidth_gbps": bw}, "test network")
+    net.save(d / "net.json")
+    layouts = {}
+    for pp, dp in ((2, 2), (4, 1), (1, 4)):
+        lay = schedule(net, pp, dp, plan=plan, budget_s=0.5, compare_random=False)
+        path = d / f"layout_{pp}x{dp}.json"
+        lay.save(path)
+        layouts[(pp, dp)] = path
+    return {"dir": d, "plan": plan, "pkg": d / "pkg", "pkg_other": d / "pkg_other", "net": d / "net.json",
+            "layouts": layouts}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["GLOO_SOCKET_IFNAME"] = "lo"
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _launch(layout: Path, script_args: list[str], *, nproc: int | None = None, max_restarts: int = 0,
+            network: Path | None = None) -> tuple[list[str], dict[str, str]]:
+    cmd = build_command(layout, str(TRAIN), script_args, rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+                        max_restarts=max_restarts, network=network)
+    argv = list(cmd.argv)
+    if nproc is not None:  # a launch that disagrees with the layout (bad-input test)
+        argv = [a if not a.startswith("--nproc-per-node=") else f"--nproc-per-node={nproc}" for a in argv]
+    return argv, cmd.env
+
+
+def _run(argv: list[str], env_add: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
+    env = _env()
+    env.update(env_add)
+    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _killpg(proc)
+        out, _ = proc.communicate()
+        raise AssertionError(f"run exceeded {timeout_s} s:\n{out[-4000:]}")
+    finally:
+        _killpg(proc)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, "")
+
+
+def _killpg(proc: subprocess.Popen) -> None:
+    """Kill the launcher's process group and every descendant's group: torchrun starts each
+    worker in a session of its own, so killing the launcher's group alone would leave them."""
+    todo, seen = [proc.pid], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        todo.extend(_children(pid))
+    for pid in seen:
+        for kill in (lambda: os.killpg(os.getpgid(pid), signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+            try:
+                kill()
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _train_args(work: dict, out: Path, *extra: str) -> list[str]:
+    return ["--package", str(work["pkg"]), "--steps", str(STEPS), "--global-batch", str(GLOBAL),
+            "--micro-batch", str(MICRO), "--data-seed", str(DATA_SEED), "--final-dir", str(out),
+            "--timeout", "60", *extra]
+
+
+def reference(steps: int, dtype: torch.dtype) -> tuple[torch.nn.Module, list[float]]:
+    """Single-process training of the original model on the same global batches."""
+    torch.manual_seed(0)
+    model = gpt.build_model("tiny").to(dtype)
+    with torch.device("meta"):
+        shape_model = gpt.build_model("tiny")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
+    losses = []
+    for s in range(steps):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(DATA_SEED * 1_000_003 + s)
+            (x,) = gpt.example_inputs(shape_model, GLOBAL)
+        loss = gpt.loss_fn(model(x), (x,))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+def _compare(out: Path, pp: int, steps: int, dtype: torch.dtype, param_tol: float, loss_tol: float) -> None:
+    params, losses = final_state(out, pp)
+    model, ref_losses = reference(steps, dtype)
+    assert sorted(losses) == list(range(steps))
+    for s in range(steps):
+        assert abs(losses[s] - ref_losses[s]) <= loss_tol, (s, losses[s], ref_losses[s])
+    ref = dict(model.named_parameters())
+    assert set(params) == set(ref)  # every weight once, the tied one under its canonical name
+    worst = max((params[k].to(dtype) - ref[k].detach()).abs().max().item() for k in ref)
+    assert worst <= param_tol, worst
+
+
+# ---------------------------------------------------------------------------------------------
+# pure functions
+
+
+def test_schedules_and_boundaries(work: dict) -> None:
+    for M, pp in ((4, 4), (8, 2), (2, 4), (1, 3)):
+        for j in range(pp):
+            for ops in (gpipe(M), one_f_one_b(M, j, pp)):
+                assert sorted(ops) == sorted([("F", m) for m in range(M)] + [("B", m) for m in range(M)])
+                done = set()
+                for kind, m in ops:  # a micro-batch's backward after its forward
+                    assert kind == "F" or ("F", m) in done
+                    done.add((kind, m))
+            assert max_in_flight(one_f_one_b(M, j, pp)) == min(pp - j, M)
+        assert max_in_flight(gpipe(M)) == M
+    pkg = load_swap_package(work["pkg"])
+    sends = stage_boundaries(pkg.inputs, pkg.outputs, pkg.model_inputs, ((0, 2), (2, 5)))
+    # the cut inside block 0's attention carries sizes (ints) and tensors; never the model input
+    assert "idx" not in sends[0] and set(sends[0]) == set(pkg.inputs[2])
+
+
+def test_layout_view_and_placement(work: dict) -> None:
+    view = load_layout(work["layouts"][(2, 2)], work["net"])
+    assert (view.pp, view.dp, view.world_size) == (2, 2, 4)
+    pkg = load_swap_package(work["pkg"])
+    view = check_package(pkg, view)
+    assert view.stage_ranges[0][0] == 0 and view.stage_ranges[-1][1] == pkg.num_submodels
+    for r in range(4):
+        p = assign(view, 4, r)
+        assert (p.replica, p.stage) == divmod(r, 2) and p.device_name == view.device_of(r)
+    # tasklets follow devices when processes say where they run
+    claims = [view.device_of(r) for r in (3, 2, 1, 0)]
+    p = assign(view, 4, 0, claims)
+    assert p.rank == 3 and p.world_of == (3, 2, 1, 0)
+    assert view.delay_ms[(view.device_of(0), view.device_of(1))] == 10.0
+    assert "stage 0" in view.text()
+
+
+def test_bad_world_rank_and_devices(work: dict) -> None:
+    view = load_layout(work["layouts"][(2, 2)])
+    with pytest.raises(LayoutError, match="world size 3"):
+        check_world(view, 3, 0)
+    with pytest.raises(LayoutError, match="rank 4 is outside"):
+        check_world(view, 4, 4)
+    with pytest.raises(LayoutError, match="rank -1 is outside"):
+        assign(view, 4, -1)
+    with pytest.raises(LayoutError, match="not in"):
+        assign(view, 4, 0, ["d0", "d1", "d2", "gpu-elsewhere"])
+    with pytest.raises(LayoutError, match="more than one process"):
+        assign(view, 4, 0, ["d0", "d0", "d2", "d3"])
+
+
+def test_package_that_does_not_match_the_plan(work: dict) -> None:
+    view = load_layout(work["layouts"][(2, 2)])
+    with pytest.raises(LayoutError, match="was scheduled for plan"):
+        check_package(load_swap_package(work["pkg_other"]), view)
+    # the training script says so and exits 2 before any rendezvous
+    env = _env() | {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0"}
+    r = subprocess.run([sys.executable, str(TRAIN), "--package", str(work["pkg_other"]), "--layout",
+                        str(work["layouts"][(2, 2)])], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "was scheduled for plan" in r.stderr
+
+
+def test_launch_command(work: dict, capsys: pytest.CaptureFixture) -> None:
+    from atomc.cli import main
+
+    lay = work["layouts"][(2, 2)]
+    cmd = build_command(lay, "train.py", ["--steps", "3"])
+    text = cmd.text()
+    for flag in ("torch.distributed.run", "--nproc-per-node=4", "--rdzv-backend=c10d", "--max-restarts=3",
+                 "ATOMC_LAYOUT=", "train.py --steps 3"):
+        assert flag in text
+    two = build_command(lay, "train.py", [], nnodes=2, rdzv_endpoint="10.0.0.1:29400", devices=["d0", "d1"])
+    assert "--nnodes=2" in two.text() and "--nproc-per-node=2" in two.text()
+    assert two.env["ATOMC_DEVICES"] == "d0,d1" and "GLOO_SOCKET_IFNAME" not in two.env
+    with pytest.raises(LayoutError, match="4 tasklets"):
+        build_command(lay, "train.py", [], nproc_per_node=3)
+    with pytest.raises(LayoutError, match="not in"):
+        build_command(lay, "train.py", [], nnodes=2, devices=["d0", "nowhere"])
+    assert main(["launch", str(lay), "--", "train.py", "--steps", "3"]) == 0
+    assert "--nproc-per-node=4" in capsys.readouterr().out
+    assert main(["launch", str(lay), "--nproc-per-node", "5", "--", "train.py"]) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# runs under torchrun
+
+
+@pytest.mark.slow
+def test_world_size_differs_from_launch(work: dict) -> None:
+    argv, env = _launch(work["layouts"][(2, 2)], _train_args(work, work["dir"] / "never"), nproc=3)
+    t0 = time.monotonic()
+    r = _run(argv, env, 120)
+    assert r.returncode != 0
+    assert "launched with world size 3" in r.stdout
+    assert time.monotonic() - t0 < 120
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp,dp,extra", [
+    (2, 2, ["--schedule", "gpipe"]),
+    (4, 1, ["--schedule", "1f1b"]),
+    (1, 4, ["--dp-reduce", "p2p"]),
+])
+def test_layout_equals_single_process(work: dict, pp: int, dp: int, extra: list[str]) -> None:
+    out = work["dir"] / f"run_{pp}x{dp}"
+    argv, env = _launch(work["layouts"][(pp, dp)], _train_args(work, out, "--dtype", "float64", *extra))
+    r = _run(argv, env, 240)
+    assert r.returncode == 0, r.stdout[-4000:]
+    # float64: the only differences are summation orders (micro-batches, replicas)
+    _compare(out, pp, STEPS, torch.float64, param_tol=1e-9, loss_tol=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp,dp,swap", [(2, 2, "1"), (4, 1, "1,2")])
+def test_swapped_stage_in_layout(work: dict, pp: int, dp: int, swap: str) -> None:
+    out = work["dir"] / f"run_swap_{pp}x{dp}"
+    argv, env = _launch(work["layouts"][(pp, dp)],
+                        _train_args(work, out, "--dtype", "float64", "--swap-stages", swap, "--schedule", "1f1b"))
+    r = _run(argv, env, 240)
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert "swapped, gpipe" in r.stdout  # a swapped stage runs ATOM's order: the layout falls back to GPipe
+    _compare(out, pp, STEPS, torch.float64, param_tol=1e-9, loss_tol=1e-9)
+
+
+@pytest.mark.slow
+def test_float32_layout_within_1e6(work: dict) -> None:
+    """float32: losses agree to 1e-6; weights to 1e-5 (AdamW divides by sqrt(v), which turns a
+    rounding difference of a near-zero gradient into a visible step in a few elements)."""
+    out = work["dir"] / "run_f32"
+    argv, env = _launch(work["layouts"][(2, 2)], _train_args(work, out, "--swap-stages", "0"))
+    r = _run(argv, env, 240)
+    assert r.returncode == 0, r.stdout[-4000:]
+    _compare(out, 2, STEPS, torch.float32, param_tol=1e-5, loss_tol=1e-6)
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            kids.append(int(d.name))
+    return kids
+
+
+@pytest.mark.slow
+def test_elastic_restart_resumes_from_checkpoint(work: dict) -> None:
+    steps = 16
+    out, ckpt, metrics = work["dir"] / "run_elastic", work["dir"] / "ckpt", work["dir"] / "elastic.jsonl"
+    args = ["--package", str(work["pkg"]), "--steps", str(steps), "--global-batch", str(GLOBAL),
+            "--micro-batch", str(MICRO), "--data-seed", str(DATA_SEED), "--final-dir", str(out),
+            "--dtype", "float64", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3",
+            "--metrics", str(metrics), "--emulate-delay", "--timeout", "60"]
+    argv, env_add = _launch(work["layouts"][(2, 2)], args, max_restarts=2, network=work["net"])
+    env = _env()
+    env.update(env_add)
+    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        killed = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            done = []
+            for x in (metrics.read_text().splitlines() if metrics.exists() else []):
+                try:
+                    done.append(json.loads(x)["step"])
+                except ValueError:  # a line being written
+                    pass
+            if done and max(done) >= 7:  # checkpoints at steps 3 and 6 are written
+                workers = [p for p in _children(proc.pid) if p != proc.pid]
+                if workers:
+                    killed = workers[-1]
+                    os.kill(killed, signal.SIGKILL)  # one worker dies mid-run
+                    break
+            time.sleep(0.05)
+        assert killed is not None, "training finished or stalled before a worker could be killed"
+        out_text, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        _killpg(proc)
+    assert proc.returncode == 0, out_text[-4000:]
+    assert "resumed at step" in out_text
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(steps))  # each step once after the resume
+    assert max(x["restart"] for x in lines) >= 1
+    # no checkpoint is corrupted: every file verifies its checksum; two newest kept per tasklet
+    files = sorted(ckpt.glob("step_*/*.pt"))
+    assert files
+    for f in files:
+        state = load_checkpoint(f)
+        assert state["kind"] == "atomc.layout-tasklet" and state["step"] == int(f.parent.name[5:])
+    assert len({f.parent for f in files}) <= 2
+    # and the restarted run ends exactly where an uninterrupted one does
+    params, _ = final_state(out, 2)
+    model, _ = reference(steps, torch.float64)
+    worst = max((params[k] - p.detach()).abs().max().item() for k, p in model.named_parameters())
+    assert worst <= 1e-9

@@ -1,0 +1,409 @@
+"""Partition: exactness against brute force, the independent checker, folding, C, the CLI."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from atomc.cli import main
+from atomc.errors import InfeasiblePlanError
+from atomc.ir import HardwareProfile, Plan, Profile
+from atomc.partition import graph_hash, partition, plan_from_cuts, profile_hash
+from atomc.partition.accum import physical_bound_accum
+from atomc.partition.check import Checker, check_plan
+from atomc.partition.cost import (
+    CostParams,
+    additive_step_ns,
+    allowed_cuts,
+    build_tables,
+    max_width_for,
+    node_facts,
+    plan_costs,
+    range_cost,
+    stage_times,
+)
+from atomc.partition.search import block_period, prepare_folding, search
+from atomc.simulate.events import StageTimes, simulate_swap
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from synthetic import MB, block_profile, random_profile
+
+LOAD_OVERLAPS = {"forward overlap", "backward overlap"}
+TIME = LOAD_OVERLAPS | {"gradient offload", "optimizer"}
+
+
+# ---------------------------------------------------------------------------------------------
+# brute force: every cut set, judged by the checker, timed by the simulator
+
+
+def _estimate(facts, early: bool) -> int:
+    """Tier 2's objective, written out again from the checker's numbers (search.py docstring)."""
+    first = facts[0]
+    total = facts[-1].fwd_ns + max(first.bwd_ns, first.checkpoint_ns)
+    if len(facts) == 1:
+        return total + first.offload_ns + first.adam_ns + first.load_ns
+    second = facts[1]
+    tail = first.offload_ns + first.adam_ns
+    if early:
+        stall = max(second.bwd_ns, second.checkpoint_ns + first.load_ns) - max(second.bwd_ns,
+                                                                              second.checkpoint_ns)
+        wait = max(second.offload_ns + second.adam_ns - max(first.bwd_ns, first.checkpoint_ns) - stall,
+                   0) + second.load_ns
+        total += first.fwd_ns + max(tail, wait) + first.load_ns
+    else:
+        total += max(first.fwd_ns, second.load_ns) + tail + first.load_ns
+    for i, (left, right) in enumerate(itertools.pairwise(facts)):
+        if i:
+            total += max(left.fwd_ns, right.load_ns)
+        total += max(right.bwd_ns, right.checkpoint_ns + left.load_ns)
+        total += max(right.offload_ns - left.bwd_ns, 0)
+        total += max(right.offload_ns + right.adam_ns - left.bwd_ns - left.offload_ns, 0)
+    return total
+
+
+def brute_force(profile: Profile, accum: int, usable: int, tier: int, cpu_gbps: float,
+                activations: str = "recompute"):
+    """Best (step, cut bytes, count) over all cut sets and both handovers, or None."""
+    checker = Checker(profile, accum, usable, activations, cpu_gbps)
+    n = len(profile.graph.nodes)
+    positions = [q for q in range(1, n) if allowed_cuts(node_facts(profile))[q]]
+    cache = {}
+    best = None
+    for r in range(len(positions) + 1):
+        for cuts in itertools.combinations(positions, r):
+            bounds = [0, *cuts, n]
+            facts = []
+            for a, b in itertools.pairwise(bounds):
+                if (a, b) not in cache:
+                    cache[a, b] = checker.range_facts(a, b)
+                facts.append(cache[a, b])
+            cut_bytes = sum(sum(checker.value_bytes[v] for v in checker.crossing(q)) for q in cuts)
+            for early in ([False, True] if cuts else [False]):
+                kinds = {v.constraint for v in checker.check_facts(facts, early)}
+                if "memory" in kinds or (tier == 0 and kinds) or (tier == 1 and kinds - LOAD_OVERLAPS):
+                    continue
+                if tier < 2:
+                    stages = [StageTimes(f.fwd_ns, f.bwd_ns, f.load_ns, f.checkpoint_ns, f.offload_ns,
+                                         f.adam_ns) for f in facts]
+                    step = simulate_swap(stages, accum, early_prefetch=early).step_ns
+                else:
+                    step = _estimate(facts, early)
+                key = (step, cut_bytes, len(facts))
+                if best is None or key < best:
+                    best = key
+    return best
+
+
+def _random_case(seed: int, max_nodes: int = 11):
+    rng = random.Random(seed)
+    profile = random_profile(rng, rng.randint(3, max_nodes))
+    accum = rng.randint(1, 4)
+    usable = rng.randint(60, 400) * MB
+    cpu = rng.choice([8.0, 3.0, 0.0])
+    return profile, accum, usable, cpu, rng.choice(["recompute", "recompute", "keep"])
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_search_matches_brute_force(seed):
+    profile, accum, usable, cpu, activations = _random_case(seed)
+    facts = node_facts(profile)
+    params = CostParams(accum, usable, profile.h2d_gbps, profile.d2h_gbps, cpu, activations)
+    full = build_tables(facts, facts.num_nodes)
+    pruned = build_tables(facts, max_width_for(facts, usable))
+    for tier in (0, 1, 2):
+        expected = brute_force(profile, accum, usable, tier, cpu, activations)
+        for tables in (full, pruned):
+            got = search(tables, params, tier)
+            assert (got.objective if got else None) == expected, (tier, tables.max_width)
+        if got is not None:
+            # the objective the search reports is what its plan costs
+            costs = plan_costs(full, params, got.cuts)
+            if tier < 2:
+                sim = simulate_swap(stage_times(costs), accum, early_prefetch=got.early_prefetch)
+                assert sim.step_ns == got.step_ns
+            kinds = {v.constraint for v in Checker(profile, accum, usable, activations, cpu)
+                     .violations(list(got.cuts), got.early_prefetch)}
+            assert "memory" not in kinds
+            if tier == 0:
+                assert not kinds
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10**9))
+def test_additive_step_is_the_simulated_step(seed):
+    """Where offloads and CPU updates keep pace, the search's sum is the simulator's step."""
+    profile, accum, _usable, cpu, activations = _random_case(seed, 9)
+    facts = node_facts(profile)
+    tables = build_tables(facts, facts.num_nodes)
+    params = CostParams(accum, 10**12, profile.h2d_gbps, profile.d2h_gbps, cpu, activations)
+    checker = Checker(profile, accum, 10**12, activations, cpu)
+    rng = random.Random(seed)
+    positions = [q for q in range(1, facts.num_nodes) if tables.allowed[q]]
+    for _ in range(10):
+        cuts = sorted(rng.sample(positions, rng.randint(0, len(positions))))
+        early = bool(cuts) and rng.random() < 0.5
+        kinds = {v.constraint for v in checker.violations(cuts, early)}
+        if kinds & {"gradient offload", "optimizer", "memory"}:
+            continue
+        costs = plan_costs(tables, params, cuts)
+        sim = simulate_swap(stage_times(costs), accum, early_prefetch=early)
+        assert sim.step_ns == additive_step_ns(costs, early)
+
+
+# ---------------------------------------------------------------------------------------------
+# repeated blocks
+
+
+def _period(profile, tables):
+    g = profile.graph
+    return block_period(tables, g.blocks, tuple(n.block for n in g.nodes), tuple(n.signature for n in g.nodes))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_folding_gives_the_same_plan(seed):
+    rng = random.Random(seed)
+    block = tuple((rng.choice([0, 2, 4, 8]), round(rng.uniform(0.05, 3), 2), round(rng.uniform(0.1, 6), 2))
+                  for _ in range(rng.randint(2, 4)))
+    profile = block_profile(num_blocks=rng.randint(10, 24), block=block, act_bytes=rng.randint(1, 3) * MB,
+                            embed_bytes=rng.randint(2, 20) * MB, h2d_gbps=rng.choice([2.0, 5.0, 10.0]),
+                            tied=rng.random() < 0.7)
+    facts = node_facts(profile)
+    usable = rng.randint(40, 150) * MB
+    tables = build_tables(facts, max_width_for(facts, usable))
+    period = _period(profile, tables)
+    assert period == len(block) + 1
+    folding = prepare_folding(tables, period)
+    for accum in (1, 2, 4, 8):
+        params = CostParams(accum, usable, profile.h2d_gbps, profile.d2h_gbps, rng.choice([8.0, 2.0]))
+        for tier in (0, 1, 2):
+            a, b = search(tables, params, tier, folding), search(tables, params, tier, None)
+            assert (a is None) == (b is None)
+            if a:
+                assert (a.objective, a.cuts, a.early_prefetch) == (b.objective, b.cuts, b.early_prefetch)
+
+
+def test_folding_engages_on_long_block_chains():
+    profile = block_profile(num_blocks=60)
+    plain = partition(profile, 60 * MB, reserve_bytes=0, fold_blocks=False)
+    folded = partition(profile, 60 * MB, reserve_bytes=0)
+    assert folded.to_json() == {**plain.to_json(), "notes": folded.to_json()["notes"]}
+    assert any("folded" in n for n in folded.notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# plans: the independent checker, tied weights, cut tensors, JSON
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10**9))
+def test_every_returned_plan_passes_the_checker(seed):
+    profile, accum, usable, cpu, activations = _random_case(seed)
+    fixed = accum if seed % 2 else None
+    try:
+        plan = partition(profile, usable, reserve_bytes=0, accum=fixed, max_accum=8, cpu_adam_gbps=cpu,
+                         activations=activations)
+    except InfeasiblePlanError:
+        return
+    problems = check_plan(profile, plan)
+    assert not [v for v in problems if v.constraint in ("structure", "recorded", "memory")], problems
+    if plan.feasible:
+        assert not problems and plan.binding == ""
+    else:
+        assert problems and plan.binding.startswith("sub-model ")
+        assert any(v.constraint in plan.binding for v in problems)
+
+
+def test_tied_weight_counts_once_per_sub_model():
+    profile = block_profile(num_blocks=2, embed_bytes=10 * MB)
+    facts = node_facts(profile)
+    tables = build_tables(facts, facts.num_nodes)
+    params = CostParams(1, 10**12, 10.0, 10.0)
+    n = facts.num_nodes
+    whole = range_cost(tables, params, 0, n)
+    assert whole.param_bytes == sum(s.num_bytes for s in profile.graph.params.values())
+    head, tail = range_cost(tables, params, 0, n - 2), range_cost(tables, params, n - 2, n)
+    assert tail.param_bytes == 10 * MB  # the LM head holds the embedding's weight too
+    assert head.param_bytes + tail.param_bytes == whole.param_bytes + 10 * MB
+    checker = Checker(profile, 1, 10**12, "recompute", 8.0)
+    for a, b in [(0, n), (0, n - 2), (n - 2, n), (3, 9)]:
+        assert range_cost(tables, params, a, b).param_bytes == checker.range_facts(a, b).param_bytes
+
+
+def test_plan_lists_the_tensors_crossing_each_cut(tmp_path):
+    profile = block_profile(num_blocks=4)
+    plan = partition(profile, 40 * MB, reserve_bytes=0)
+    assert len(plan.submodels) > 2
+    g = profile.graph
+    for s, nxt in zip(plan.submodels, plan.submodels[1:]):
+        crossing = {t.name for t in s.crossing}
+        assert crossing == {n.name for n in g.nodes[: s.stop] if any(n.name in m.inputs for m in g.nodes[s.stop:])}
+        assert {t.name for t in nxt.inputs} <= crossing
+        assert sum(t.num_bytes for t in s.crossing) > 0
+    assert plan.submodels[0].start == 0 and plan.submodels[-1].stop == len(g.nodes)
+    assert "idx" in {t.name for t in plan.submodels[0].inputs}
+    assert [t.name for t in plan.submodels[-1].outputs] == ["lm_head"]
+    assert plan.graph_hash == g.structure_hash() and plan.profile_hash == profile.content_hash()
+    path = plan.save(tmp_path / "p.plan.json")
+    assert Plan.load(path) == plan
+
+
+def test_fast_hashes_equal_the_ir_hashes():
+    profile = block_profile(num_blocks=3)
+    assert profile_hash(profile) == profile.content_hash()
+    assert graph_hash(profile.graph) == profile.graph.structure_hash()
+
+
+# ---------------------------------------------------------------------------------------------
+# accumulation degree
+
+
+def _feasible_at(profile, usable, accum):
+    facts = node_facts(profile)
+    tables = build_tables(facts, max_width_for(facts, usable))
+    return search(tables, CostParams(accum, usable, profile.h2d_gbps, profile.d2h_gbps), 0) is not None
+
+
+def test_searched_accum_is_the_smallest_feasible():
+    profile = block_profile(num_blocks=8, h2d_gbps=2.0)
+    plan = partition(profile, 80 * MB, reserve_bytes=0)
+    assert plan.feasible and not plan.accum_fixed and plan.accum > 1
+    assert not any(_feasible_at(profile, 80 * MB, c) for c in range(1, plan.accum))
+    assert not check_plan(profile, plan)
+
+
+def test_capped_accum_returns_the_best_plan_and_names_the_binding_constraint():
+    profile = block_profile(num_blocks=8, h2d_gbps=2.0)
+    plan = partition(profile, 80 * MB, reserve_bytes=0, max_accum=1)
+    assert plan.accum == 1 and not plan.feasible and plan.search_tier > 0
+    assert plan.binding.startswith("sub-model ") and "overlap" in plan.binding
+    fixed = partition(profile, 80 * MB, reserve_bytes=0, accum=1)
+    assert fixed.accum_fixed and fixed.submodels == plan.submodels
+
+
+def test_physical_bound_matches_design_formula():
+    profile = block_profile(num_blocks=2)
+    hw = HardwareProfile(name="t", description="", memory_bytes=32 << 30, peak_tflops={"float32": 100.0},
+                         mem_gbps=900, h2d_gbps=12.0, d2h_gbps=12.0, compute_efficiency=0.5,
+                         launch_overhead_us=5.0, sources=())
+    from dataclasses import replace
+
+    p = replace(profile, hardware=hw, h2d_gbps=12.0)
+    tokens = 1  # no integer input: batch size 1 times no sequence length
+    assert physical_bound_accum(p) == pytest.approx(4 * 50e12 / (2 * 12e9 * tokens))
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+
+
+def test_budget_below_the_largest_operator_names_it_and_a_budget_that_works():
+    profile = block_profile(num_blocks=3, block=((4, 1.0, 2.0), (20, 2.0, 4.0)))
+    with pytest.raises(InfeasiblePlanError) as e:
+        partition(profile, 30 * MB, reserve_bytes=0)
+    msg = str(e.value)
+    assert "'h_0_op1'" in msg and "smallest budget that works" in msg
+    budget = int(msg.split("--gpu-mem ")[1].split("MiB")[0]) * (1 << 20)
+    plan = partition(profile, budget, reserve_bytes=0, max_accum=1)  # it works...
+    assert not [v for v in check_plan(profile, plan) if v.constraint == "memory"]
+    with pytest.raises(InfeasiblePlanError):  # ...and 2 MiB less does not
+        partition(profile, budget - (2 << 20), reserve_bytes=0, max_accum=1)
+
+
+@pytest.fixture
+def profile_file(tmp_path) -> Path:
+    return block_profile(num_blocks=4).save(tmp_path / "m.profile.json")
+
+
+def test_cli_partition_and_show(profile_file, tmp_path, capsys):
+    plan_path = tmp_path / "m.plan.json"
+    svg = tmp_path / "m.svg"
+    assert main(["partition", str(profile_file), "--gpu-mem", "40MB", "--reserve", "0",
+                 "-o", str(plan_path), "--timeline", str(svg)]) == 0
+    out = capsys.readouterr().out
+    assert "predicted step" in out and "sub-models" in out and svg.exists()
+    plan = Plan.load(plan_path)
+    assert main(["show", str(plan_path)]) == 0
+    shown = capsys.readouterr().out
+    assert f"C={plan.accum}" in shown and "GPU busy" in shown
+    assert main(["partition", str(profile_file), "--gpu-mem", "40MB", "--reserve", "0"]) == 0
+    assert (tmp_path / "m.plan.json").exists()  # default name next to the profile
+
+
+@pytest.mark.parametrize("size", ["11 Gibs", "eleven", "-3GiB"])
+def test_cli_rejects_bad_sizes_with_the_accepted_forms(profile_file, size, capsys):
+    assert main(["partition", str(profile_file), f"--gpu-mem={size}"]) == 2
+    err = capsys.readouterr().err
+    assert "--gpu-mem" in err and "11GiB" in err and "512MiB" in err
+
+
+def test_cli_rejects_malformed_and_wrong_profiles(tmp_path, profile_file, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["partition", str(bad), "--gpu-mem", "11GiB"]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    data = json.loads(profile_file.read_text())
+    for change, expect in [({"schema_version": 99}, "schema_version 99"),
+                           ({"kind": "atomc.plan"}, "expected a atomc.profile"),
+                           ({"costs": data["costs"][:-1]}, "node costs for")]:
+        wrong = tmp_path / "wrong.json"
+        wrong.write_text(json.dumps({**data, **change}))
+        assert main(["partition", str(wrong), "--gpu-mem", "11GiB"]) == 2
+        assert expect in capsys.readouterr().err
+    assert main(["partition", str(tmp_path / "missing.json"), "--gpu-mem", "11GiB"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_budget_too_small(profile_file, capsys):
+    assert main(["partition", str(profile_file), "--gpu-mem", "3MB", "--reserve", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "operator '" in err and "smallest budget that works" in err and "--gpu-mem" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# a traced model
+
+
+@pytest.fixture(scope="module")
+def gpt_profile() -> Profile:
+    from atomc.profile import profile_model
+    from atomc.trace import trace_model
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    return profile_model(trace_model(examples / "gpt.py", "mini", 1), target="v100-32gb")
+
+
+def test_gpt_plan_is_exact_folded_and_checked(gpt_profile):
+    facts = node_facts(gpt_profile)
+    for mib in (2, 3, 6):
+        usable = mib << 20
+        tables = build_tables(facts, max_width_for(facts, usable))
+        folding = prepare_folding(tables, _period(gpt_profile, tables))
+        assert folding is not None
+        for accum in (1, 4, 16):
+            params = CostParams(accum, usable, gpt_profile.h2d_gbps, gpt_profile.d2h_gbps)
+            for tier in (0, 2):
+                a, b = search(tables, params, tier, folding), search(tables, params, tier)
+                assert (a and (a.objective, a.cuts)) == (b and (b.objective, b.cuts))
+        plan = partition(gpt_profile, usable, reserve_bytes=0)
+        problems = check_plan(gpt_profile, plan)
+        assert not [v for v in problems if v.constraint in ("structure", "recorded", "memory")]
+        assert plan.feasible == (not problems)
+        placeholders = [i for i, n in enumerate(gpt_profile.graph.nodes) if n.op == "placeholder"]
+        assert max(placeholders) < plan.submodels[0].stop
+
+
+def test_plan_from_cuts_single_submodel(gpt_profile):
+    facts = node_facts(gpt_profile)
+    tables = build_tables(facts, facts.num_nodes)
+    params = CostParams(2, 10**12, gpt_profile.h2d_gbps, gpt_profile.d2h_gbps)
+    plan = plan_from_cuts(gpt_profile, tables, params, [], capacity_bytes=10**12, reserve_bytes=0)
+    assert len(plan.submodels) == 1 and plan.cut_bytes == 0 and plan.feasible
+    assert plan.submodels[0].crossing == ()

@@ -1,0 +1,470 @@
+"""Swap runtime: swapped training equals plain training of the original model; bad input is refused.
+
+The reference is the unpartitioned model trained the plain way: for each micro-batch m of step
+s, forward and loss under micro_batch_rng(seed, s, m) (the runtime's RNG rule), (loss / C)
+.backward(); then clip_grad_norm_ and torch.optim.AdamW with the same settings. With
+tied_grads="exact" (or C = 1, or no tie across sub-models) the swapped run gives the same bits;
+with the default "fast" tie summation it is one rounding away per step.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from atomc.cli import main as atomc_main
+from atomc.codegen import generate
+from atomc.codegen.manual import plan_from_cuts
+from atomc.errors import ModelFileError, RuntimeMismatchError, UsageError
+from atomc.runtime import SwapTrainer, check_device_memory, micro_batch_rng, micro_batch_seed
+from atomc.runtime.checkpoint import load_checkpoint
+from atomc.runtime.trace import replay_residency, to_timeline
+from atomc.simulate import render_timeline_svg
+from atomc.trace import load_model_file, trace_model
+
+REPO = Path(__file__).resolve().parent.parent
+GPT_PATH = REPO / "examples" / "gpt.py"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+SKIP_MLP = FIXTURES / "skip_mlp"
+GPT_SPLIT = FIXTURES / "gpt_split"
+sys.path.insert(0, str(REPO / "examples"))
+import gpt
+
+MICRO = 2  # micro-batch size of the generated GPT packages
+SEQ = 16
+
+
+# ---------------------------------------------------------------------------------------------
+# packages and runs
+
+
+@pytest.fixture(scope="module")
+def gpt_traced():
+    return trace_model(GPT_PATH, "tiny-dropout", MICRO, device="cpu")
+
+
+_PACKAGES: dict = {}
+
+
+def gpt_package(traced, tmp_root: Path, cut_names: tuple[str, ...], accum: int) -> Path:
+    """A generated package of tiny-dropout GPT cut before the named nodes (cached per test run)."""
+    key = (cut_names, accum)
+    if key not in _PACKAGES:
+        index = {n.name: i for i, n in enumerate(traced.graph.nodes)}
+        plan = plan_from_cuts(traced, [index[n] for n in cut_names], accum)
+        out = tmp_root / f"gpt_{'_'.join(cut_names) or 'whole'}_{accum}"
+        generate(plan, out, traced=traced)
+        _PACKAGES[key] = out
+    return _PACKAGES[key]
+
+
+@pytest.fixture(scope="module")
+def pkg_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("packages")
+
+
+def gpt_batches(steps: int, C: int, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (C * MICRO, SEQ), generator=g) for _ in range(steps)]
+
+
+def plain_run(model, loss_fn, batches, C, *, lr=1e-2, weight_decay=0.01, seed=0, clip=None,
+              schedule=None, groups=None, autocast=None, start=0):
+    """The reference: the unpartitioned model trained plainly (see the module docstring)."""
+    opt = torch.optim.AdamW(groups if groups is not None else model.parameters(), lr=lr,
+                            weight_decay=weight_decay, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule) if schedule else None
+    losses = []
+    for step, batch in enumerate(batches, start=start):
+        opt.zero_grad()
+        total = 0.0
+        for m, mb in enumerate(batch.chunk(C)):
+            with micro_batch_rng(seed, step, m), \
+                    torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                loss = loss_fn(model(mb), (mb,))
+            (loss / C).backward()
+            total += loss.item()
+        losses.append(total / C)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        if sched is not None:
+            sched.step()
+    return losses
+
+
+def swap_run(trainer, batches):
+    return [trainer.step(b) for b in batches]
+
+
+def assert_same(a: dict, b: dict, atol: float = 0.0) -> None:
+    assert set(a) == set(b)
+    for k, x in a.items():
+        y = b[k]
+        if atol == 0.0:
+            assert torch.equal(x, y), f"{k}: max difference {(x - y).abs().max().item()}"
+        else:
+            assert torch.allclose(x, y, rtol=0, atol=atol), f"{k}: {(x - y).abs().max().item()}"
+
+
+def gpt_model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return gpt.build_model("tiny-dropout").to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# equivalence
+
+
+CASES = [
+    # cut before these nodes, C, dtype, options
+    pytest.param(("add_1", "h_1_ln_1"), 2, torch.float32, {}, id="3sub-C2-fp32"),
+    pytest.param(("h_1_ln_1",), 3, torch.float64, {"activations": "keep"}, id="2sub-C3-fp64-keep"),
+    pytest.param((), 2, torch.float32, {}, id="1sub-C2-fp32"),
+    pytest.param(("add", "add_1", "add_3"), 3, torch.float32, {"offload_activations": True},
+                 id="4sub-C3-fp32-offload"),
+    pytest.param(("add_1", "ln_f"), 2, torch.float64, {"clip": 0.5}, id="3sub-C2-fp64-clip"),
+]
+
+
+@pytest.mark.parametrize("cuts, C, dtype, options", CASES)
+def test_swapped_equals_plain_training_bitwise(gpt_traced, pkg_root, cuts, C, dtype, options):
+    """Dropout on, tied embeddings across sub-models, several plans and C: the same bits."""
+    options = dict(options)
+    clip = options.pop("clip", None)
+    pkg = gpt_package(gpt_traced, pkg_root, cuts, C)
+    ref = gpt_model(dtype)
+    trainer = SwapTrainer.from_package(pkg, device="cpu", state_dict=ref.state_dict(), tied_grads="exact",
+                                       optimizer={"lr": 1e-2, "max_grad_norm": clip}, trace=True, **options)
+    assert trainer.accum == C and len(trainer.store.layouts) == len(cuts) + 1
+    batches = gpt_batches(3, C)
+    swapped = swap_run(trainer, batches)
+    plain = plain_run(ref, gpt.loss_fn, batches, C, clip=clip)
+    assert swapped == plain
+    assert_same(trainer.export_state_dict(), ref.state_dict())
+    # never more than two sub-models' weights on the "device", every compute on a resident one
+    assert trainer.executor.max_resident <= 2
+    for trace in trainer.traces.values():
+        assert replay_residency(trace, {s: h[0] for s, h in enumerate(trainer.executor.slot_holds) if h}) <= 2
+    trainer.close()
+
+
+def test_fast_tie_summation_is_one_rounding_away(gpt_traced, pkg_root):
+    """Default tie summation (per holder): float64 within 1e-12, float32 within 1e-6."""
+    pkg = gpt_package(gpt_traced, pkg_root, ("add_1", "h_1_ln_1"), 2)
+    for dtype, atol in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
+        ref = gpt_model(dtype)
+        trainer = SwapTrainer.from_package(pkg, device="cpu", accum=3, state_dict=ref.state_dict(),
+                                           optimizer={"lr": 1e-3})
+        batches = gpt_batches(3, 3)
+        swapped = swap_run(trainer, batches)
+        plain = plain_run(ref, gpt.loss_fn, batches, 3, lr=1e-3)
+        assert swapped == pytest.approx(plain, abs=atol * 10)
+        assert_same(trainer.export_state_dict(), ref.state_dict(), atol=atol)
+        trainer.close()
+
+
+def test_hand_written_package_skip_connections_ints_and_middle_tie():
+    """A value read two sub-models later, an int, the model input read by the last sub-model,
+    a weight tied between sub-models 1 and 2, dropout; recompute/keep, offload, clipping."""
+    mf = load_model_file(SKIP_MLP.parent / "skip_mlp_model.py")
+    C = 3
+    for acts, offload, clip, dtype in (("recompute", False, None, torch.float64),
+                                       ("recompute", True, 0.05, torch.float32),
+                                       ("keep", False, 0.05, torch.float64)):
+        torch.manual_seed(0)
+        ref = mf.build_model().to(dtype)
+        trainer = SwapTrainer.from_package(SKIP_MLP, device="cpu", seed=5, state_dict=ref.state_dict(),
+                                           activations=acts, offload_activations=offload, tied_grads="exact",
+                                           optimizer={"lr": 1e-2, "max_grad_norm": clip})
+        g = torch.Generator().manual_seed(3)
+        batches = [torch.randn(C * 4, 8, generator=g, dtype=dtype) for _ in range(3)]
+        swapped = swap_run(trainer, batches)
+        plain = plain_run(ref, mf.loss_fn, batches, C, seed=5, clip=clip)
+        assert swapped == plain
+        assert_same(trainer.export_state_dict(), ref.state_dict())
+        trainer.close()
+
+
+def test_buffers_updated_once_and_recomputed_as_in_the_forward(tmp_path):
+    """BatchNorm running statistics (buffers) in two sub-models, with dropout between."""
+    path = FIXTURES / "bn_mlp_model.py"
+    traced = trace_model(path, None, 4, device="cpu")
+    pkg = generate(plan_from_cuts(traced, [3, 6], 3), tmp_path / "bn", traced=traced)
+    mf = load_model_file(path)
+    for offload in (False, True):
+        torch.manual_seed(0)
+        ref = mf.build_model()
+        trainer = SwapTrainer.from_package(pkg, device="cpu", seed=2, state_dict=ref.state_dict(),
+                                           offload_activations=offload, optimizer={"lr": 1e-2})
+        g = torch.Generator().manual_seed(4)
+        batches = [torch.randn(12, 6, generator=g) for _ in range(3)]
+        assert swap_run(trainer, batches) == plain_run(ref, mf.loss_fn, batches, 3, seed=2)
+        exported = trainer.export_state_dict()
+        assert "bn.running_mean" in exported and "bn2.num_batches_tracked" in exported
+        assert_same(exported, ref.state_dict())
+        trainer.close()
+
+
+def test_lr_schedule_weight_decay_groups_and_bf16_autocast(gpt_traced, pkg_root):
+    pkg = gpt_package(gpt_traced, pkg_root, ("add_1", "h_1_ln_1"), 2)
+    ref = gpt_model()
+
+    def schedule(step: int) -> float:
+        return min(1.0, (step + 1) / 2) * 0.5 ** step
+
+    def decays(fqn: str, shape: tuple) -> bool:
+        return len(shape) >= 2
+
+    trainer = SwapTrainer.from_package(
+        pkg, device="cpu", state_dict=ref.state_dict(), tied_grads="exact", autocast="bfloat16",
+        optimizer={"lr": 1e-2, "weight_decay": 0.1, "lr_schedule": schedule, "decay_filter": decays})
+    groups = [{"params": [p for p in ref.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in ref.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    batches = gpt_batches(3, 2)
+    swapped = swap_run(trainer, batches)
+    plain = plain_run(ref, gpt.loss_fn, batches, 2, groups=groups, schedule=schedule,
+                      autocast=torch.bfloat16)
+    assert swapped == plain
+    assert_same(trainer.export_state_dict(), ref.state_dict())
+    trainer.close()
+
+
+def test_loss_scaling_is_exact_and_skips_overflowing_steps():
+    mf = load_model_file(SKIP_MLP.parent / "skip_mlp_model.py")
+    torch.manual_seed(0)
+    ref = mf.build_model()
+    trainer = SwapTrainer.from_package(SKIP_MLP, device="cpu", seed=5, state_dict=ref.state_dict(),
+                                       loss_scale=True, tied_grads="exact", optimizer={"lr": 1e-2})
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(12, 8, generator=g) for _ in range(2)]
+    assert swap_run(trainer, batches) == plain_run(ref, mf.loss_fn, batches, 3, seed=5)
+    assert_same(trainer.export_state_dict(), ref.state_dict())  # a power-of-two scale is exact
+    scale = trainer.optimizer.scaler.scale
+    before = trainer.export_state_dict()
+    bad = batches[0].clone()
+    bad[0, 0] = float("inf")
+    trainer.step(bad)
+    trainer.wait()
+    assert trainer.optimizer.last_skipped and trainer.optimizer.scaler.scale == scale / 2
+    assert_same(trainer.export_state_dict(), before)
+    trainer.close()
+
+
+def test_micro_batch_list_equals_whole_batch_and_rng_is_restored(gpt_traced, pkg_root):
+    pkg = gpt_package(gpt_traced, pkg_root, ("add_1", "h_1_ln_1"), 2)
+    state = gpt_model().state_dict()
+    a = SwapTrainer.from_package(pkg, device="cpu", state_dict=state, optimizer={"lr": 1e-2})
+    b = SwapTrainer.from_package(pkg, device="cpu", state_dict=state, optimizer={"lr": 1e-2})
+    batch = gpt_batches(1, 2)[0]
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    la = a.step(batch)
+    assert torch.equal(torch.get_rng_state(), before)  # the caller's generator is untouched
+    lb = b.step(list(batch.chunk(2)))
+    assert la == lb
+    assert_same(a.export_state_dict(), b.export_state_dict())
+    assert micro_batch_seed(0, 1, 2) != micro_batch_seed(0, 2, 1)
+    a.close()
+    b.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# schedule, trace, residency
+
+
+def test_schedule_trace_and_timeline(gpt_traced, pkg_root):
+    pkg = gpt_package(gpt_traced, pkg_root, ("add", "add_1", "add_3"), 3)
+    trainer = SwapTrainer.from_package(pkg, device="cpu", offload_activations=True, trace=True,
+                                       optimizer={"lr": 1e-2})
+    for batch in gpt_batches(3, 3):
+        trainer.step(batch)
+    traces = trainer.traces
+    last = traces[max(traces)]
+    k = 4
+    compute = [(e.submodel, e.kind) for e in sorted(last.events, key=lambda e: e.start_ms)
+               if e.lane == "compute"]
+    # forward P0..P2 once each (C micro-batches inside), P3 forward/backward per micro-batch,
+    # then backward P2..P0
+    assert compute[:3] == [(0, "forward"), (1, "forward"), (2, "forward")]
+    assert compute[3:9] == [(3, "forward"), (3, "backward")] * 3
+    assert compute[9:] == [(2, "backward"), (1, "backward"), (0, "backward")]
+    loads = [(e.submodel, e.kind) for e in sorted(last.events, key=lambda e: e.start_ms)
+             if e.lane == "prefetch" and e.kind in ("load", "refresh")]
+    # P0 refreshed in place (it stayed resident), P1 refreshed, P2 and P3 loaded for the forward;
+    # P3 and P2 stay for the backward; P1 and P0 loaded again
+    assert loads == [(0, "refresh"), (1, "refresh"), (2, "load"), (3, "load"), (1, "load"), (0, "load")]
+    kinds = {(e.lane, e.kind) for e in last.events}
+    assert {("offload", "offload"), ("optimizer", "optimizer"), ("offload", "checkpoint_out"),
+            ("prefetch", "checkpoint")} <= kinds
+    assert sum(1 for e in last.events if e.kind == "optimizer") == k
+    assert 0 < last.busy_fraction() <= 1
+    timeline = to_timeline(list(traces.values()), k, 3, label="measured")
+    assert timeline.source == "measured" and timeline.num_steps == len(traces)
+    svg = render_timeline_svg(timeline)
+    assert "<svg" in svg and 'data-kind="forward"' in svg
+    trainer.close()
+
+
+def test_check_device_memory_names_the_submodel():
+    check_device_memory(10 << 30, 16 << 30, [1 << 30] * 3, "cuda:0")  # fits: no error
+    with pytest.raises(RuntimeMismatchError, match="sub-model 1 needs 9.00 GiB"):
+        check_device_memory(12 << 30, 8 << 30, [2 << 30, 9 << 30, 10 << 30], "cuda:0 (small)")
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def test_resume_from_checkpoint_equals_uninterrupted_run(gpt_traced, pkg_root, tmp_path):
+    pkg = gpt_package(gpt_traced, pkg_root, ("add_1", "h_1_ln_1"), 2)
+    opt = {"lr": 1e-2, "max_grad_norm": 1.0}
+    batches = gpt_batches(6, 2)
+    full = SwapTrainer.from_package(pkg, device="cpu", seed=3, optimizer=opt)
+    ckpt = tmp_path / "ckpt.pt"
+    for i, batch in enumerate(batches):
+        full.step(batch)
+        if i == 2:
+            full.save_checkpoint(ckpt)
+    resumed = SwapTrainer.from_package(pkg, device="cpu", optimizer=opt, checkpoint=ckpt)
+    assert resumed.step_count == 3 and resumed.seed == 3
+    for batch in batches[3:]:
+        resumed.step(batch)
+    assert_same(resumed.export_state_dict(), full.export_state_dict())
+    # state_dict()/load_state_dict() round trip into a running trainer
+    state = full.state_dict()
+    resumed.load_state_dict(state)
+    assert resumed.step_count == 6
+    full.close()
+    resumed.close()
+
+
+def test_corrupt_or_foreign_checkpoints_are_refused_and_nothing_changes(gpt_traced, pkg_root, tmp_path,
+                                                                        monkeypatch):
+    pkg = gpt_package(gpt_traced, pkg_root, ("add_1", "h_1_ln_1"), 2)
+    trainer = SwapTrainer.from_package(pkg, device="cpu", optimizer={"lr": 1e-2})
+    trainer.step(gpt_batches(1, 2)[0])
+    good = tmp_path / "good.pt"
+    trainer.save_checkpoint(good)
+    good_bytes = good.read_bytes()
+    trainer.step(gpt_batches(2, 2)[1])
+    before = trainer.export_state_dict()
+
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good_bytes[: len(good_bytes) // 2])
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint" * 100)
+    flipped = tmp_path / "flipped.pt"  # one byte of tensor data changed: the checksum catches it
+    state = load_checkpoint(good)
+    state["masters"][0][0] += 1.0
+    torch.save({"format": "atomc.swap-checkpoint", "version": 1,
+                "checksum": torch.load(good, weights_only=True)["checksum"], "state": state}, flipped)
+    for bad in (truncated, garbage, flipped, tmp_path / "missing.pt"):
+        with pytest.raises(RuntimeMismatchError, match="nothing was loaded|does not exist"):
+            trainer.load_checkpoint(bad)
+        assert trainer.step_count == 2
+        assert_same(trainer.export_state_dict(), before)
+
+    other = SwapTrainer.from_package(SKIP_MLP, device="cpu")
+    with pytest.raises(RuntimeMismatchError, match="belongs to plan"):
+        other.load_checkpoint(good)
+    with pytest.raises(RuntimeMismatchError, match="corrupt"):
+        SwapTrainer.from_package(pkg, device="cpu", checkpoint=truncated)
+
+    # a save that fails half way leaves the previous checkpoint whole
+    def broken_save(obj, f, *a, **k):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        trainer.save_checkpoint(good)
+    monkeypatch.undo()
+    assert good.read_bytes() == good_bytes
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    trainer.close()
+    other.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+
+
+def test_batch_of_another_shape_is_refused(gpt_traced, pkg_root):
+    pkg = gpt_package(gpt_traced, pkg_root, ("add_1", "h_1_ln_1"), 2)
+    trainer = SwapTrainer.from_package(pkg, device="cpu")
+    with pytest.raises(RuntimeMismatchError, match=r"leading dimension of C x micro-batch = 2 x 2 = 4"):
+        trainer.step(torch.randint(0, 256, (6, SEQ)))
+    with pytest.raises(RuntimeMismatchError, match=r"shape \[2, 8\], but the plan was made for \[2, 16\]"):
+        trainer.step(torch.randint(0, 256, (4, 8)))
+    with pytest.raises(RuntimeMismatchError, match="list of 3 micro-batches, expected C = 2"):
+        trainer.step([torch.randint(0, 256, (2, SEQ))] * 3)
+    with pytest.raises(RuntimeMismatchError, match="dtype torch.float32, the plan expects int64"):
+        trainer.step(torch.rand(4, SEQ))
+    assert trainer.step_count == 0
+    trainer.close()
+
+
+def test_package_generated_for_another_plan_is_refused(gpt_traced, pkg_root, tmp_path):
+    pkg = gpt_package(gpt_traced, pkg_root, ("add_1", "h_1_ln_1"), 2)
+    other_plan = plan_from_cuts(gpt_traced, [20], 2)
+    with pytest.raises(RuntimeMismatchError, match="was generated for plan"):
+        SwapTrainer.from_package(pkg, device="cpu", plan=other_plan)
+    own = plan_from_cuts(gpt_traced, [{n.name: i for i, n in enumerate(gpt_traced.graph.nodes)}[x]
+                                      for x in ("add_1", "h_1_ln_1")], 2)
+    SwapTrainer.from_package(pkg, device="cpu", plan=own).close()  # its own plan is accepted
+    # a package whose plan.json was swapped for another plan's
+    import shutil
+    copy = tmp_path / "mixed"
+    shutil.copytree(pkg, copy)
+    other_plan.save(copy / "plan.json")
+    with pytest.raises(RuntimeMismatchError, match="edited or mixed up"):
+        SwapTrainer.from_package(copy, device="cpu")
+
+
+def test_bad_settings_and_missing_model_file(tmp_path):
+    with pytest.raises(UsageError, match="choose recompute or keep"):
+        SwapTrainer.from_package(SKIP_MLP, device="cpu", activations="sometimes")
+    with pytest.raises(UsageError, match="needs activations='recompute'"):
+        SwapTrainer.from_package(SKIP_MLP, device="cpu", activations="keep", offload_activations=True)
+    with pytest.raises(UsageError, match="optimizer implementation"):
+        SwapTrainer.from_package(SKIP_MLP, device="cpu", optimizer={"impl": "magic"})
+    with pytest.raises(UsageError, match="unknown"):
+        SwapTrainer.from_package(SKIP_MLP, device="cpu", optimizer={"learning_rate": 1})
+    with pytest.raises(RuntimeMismatchError, match="no __init__.py"):
+        SwapTrainer.from_package(tmp_path, device="cpu")
+    # a package whose model file is gone trains only with loss_fn= (and state_dict=)
+    import shutil
+    moved = tmp_path / "skip"
+    shutil.copytree(SKIP_MLP, moved)
+    init = moved / "__init__.py"
+    init.write_text(init.read_text().replace('"skip_mlp_model.py"', '"nowhere/skip_mlp_model.py"'))
+    with pytest.raises(ModelFileError, match="pass loss_fn="):
+        SwapTrainer.from_package(moved, device="cpu")
+    mf = load_model_file(SKIP_MLP.parent / "skip_mlp_model.py")
+    trainer = SwapTrainer.from_package(moved, device="cpu", loss_fn=mf.loss_fn,
+                                       state_dict=mf.build_model().state_dict())
+    assert math.isfinite(trainer.step(torch.randn(12, 8)))
+    trainer.close()
+
+
+def test_fixture_package_and_train_cli(tmp_path, capsys):
+    """The hand-written GPT split (contract fixture) trains through `atomc train` and resumes."""
+    ckpt = tmp_path / "c.pt"
+    timeline = tmp_path / "t.svg"
+    text = tmp_path / "text.txt"
+    text.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 50)
+    args = ["train", str(GPT_SPLIT), "--steps", "2", "--device", "cpu", "--data", str(text),
+            "--checkpoint", str(ckpt), "--timeline", str(timeline)]
+    assert atomc_main(args) == 0
+    assert ckpt.is_file() and "<svg" in timeline.read_text()
+    assert atomc_main(["train", str(GPT_SPLIT), "--steps", "3", "--data", str(text), "--resume", str(ckpt),
+                       "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "step 3: loss" in out
+    assert atomc_main(["train", str(SKIP_MLP), "--steps", "1", "--device", "cpu"]) == 2
+    assert "byte-level text" in capsys.readouterr().err
