@@ -637,6 +637,19 @@ def test_cli_network_and_schedule(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_cli_schedule_from_a_plan(tmp_path, capsys):
+    plan = make_plan([2, 2, 4, 1, 1, 2], [10] * 6, [1000] * 5, accum=4)
+    plan.save(tmp_path / "plan.json")
+    build_network(regions=["Ohio:3", "Oregon:3"]).save(tmp_path / "net.json")
+    argv = ["schedule", str(tmp_path / "net.json"), "--pp", "3", "--dp", "2", "--plan"]
+    argv += [str(tmp_path / "plan.json"), "--max-evals", "200", "-o", str(tmp_path / "layout.json")]
+    assert main(argv) == 0
+    assert "sub-models" in capsys.readouterr().out
+    layout = Layout.load(tmp_path / "layout.json")
+    assert layout.c_pp_bytes == 1000 * 4 and layout.c_dp_bytes == 30
+    assert [s.submodels for s in layout.stages] == [(0, 2), (2, 3), (3, 6)]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -25,7 +25,7 @@ import pprint
 import site
 import sys
 import sysconfig
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -526,7 +526,6 @@ class SubmodelSource:
     param_locals: list[str]  # which of param_names are parameters
     inputs: dict[str, dict[str, Any]]
     outputs: dict[str, dict[str, Any]]
-    helpers: list[str] = field(default_factory=list)
 
 
 def _environment() -> jinja2.Environment:

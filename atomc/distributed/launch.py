@@ -73,7 +73,11 @@ def build_command(layout_path: str | Path, script: str, script_args: list[str], 
             "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={run_id}",
             f"--max-restarts={max_restarts}", f"--monitor-interval={monitor_interval_s:g}",
             script, *script_args]
-    env = {"ATOMC_LAYOUT": str(Path(layout_path))}
+    env = {"ATOMC_LAYOUT": str(Path(layout_path)),
+           # torch's c10d rendezvous keeps its TCP store across elastic restarts, and the restarted
+           # workers' gloo then reads the dead workers' addresses from it ("connectFullMesh ...
+           # Connection refused"); with this, rank 0 hosts a fresh store every attempt
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     if network is not None:
         env["ATOMC_NETWORK"] = str(Path(network))
     if devices:

@@ -91,16 +91,23 @@ def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAUL
         best = search(tables, p, 0, folding, d)
         if best is not None:
             return Outcome(c, True, True, best, _utilisation(tables, p, best))
-        # the best relaxed plan, by simulated step: loads may stall (tier 1) or gradients and
-        # CPU updates may fall behind as well (tier 2, which only an estimate guides)
-        candidates = [r for r in (search(tables, p, 1, folding, d), search(tables, p, 2, folding, d)) if r]
-        if not candidates:
+        # memory alone decides whether a larger C can still help; tier 2 also gives a plan
+        relaxed = search(tables, p, 2, folding, d)
+        if relaxed is None:
             return Outcome(c, False, False, None)
-        scored = [(_utilisation(tables, p, r), r) for r in candidates]
-        util, relaxed = max(scored, key=lambda x: x[0])
-        return Outcome(c, False, True, relaxed, util)
+        return Outcome(c, False, True, relaxed, _utilisation(tables, p, relaxed))
 
     choice = choose_accum(run, max_accum, fixed=accum)
+    if choice.outcome is not None and not choice.outcome.feasible:
+        # at the C kept, loads-only stalls (tier 1, exact) may simulate faster than tier 2's plan,
+        # which only an estimate guides: keep whichever the simulator prefers
+        o = choice.outcome
+        p = params_for(o.accum)
+        tier1 = search(tables, p, 1, folding)
+        if tier1 is not None:
+            util = _utilisation(tables, p, tier1)
+            if util >= o.utilisation:
+                choice.outcome = Outcome(o.accum, False, True, tier1, util)
     if choice.outcome is None:
         c = accum or 1
         need = min_capacity_bytes(profile, facts, params_for(c), reserve_bytes)

@@ -336,19 +336,18 @@ def _solve_middle(b: int, t: RangeTables, d: Derived, v: _Suffix, tier: int, m: 
         off_r, off_l = right(d.offload_ns), left(d.offload_ns)
         step = (step + np.maximum(off_r - bwd_l, 0)
                 + np.maximum(off_r + right(d.optimizer_ns) - bwd_l - off_l, 0))
-    cut = np.broadcast_to(v.cut[ends, wr][None, :], step.shape)
-    count = np.broadcast_to(v.count[ends, wr][None, :], step.shape)
-    # lexicographic minimum per row: step, then bytes crossing cuts, then sub-model count
-    s_min = np.where(mask, step, INF).min(axis=1)
-    tie = mask & (step == s_min[:, None])
-    c_min = np.where(tie, cut, INF).min(axis=1)
-    tie &= cut == c_min[:, None]
-    n_min = np.where(tie, count, INF).min(axis=1)
-    tie &= count == n_min[:, None]
-    pick = tie.argmax(axis=1)
-    rows = wl[has]
-    v.valid[b, rows] = True
-    v.step[b, rows] = s_min[has]
-    v.cut[b, rows] = c_min[has] + t.cut_bytes[b]
-    v.count[b, rows] = n_min[has] + 1
-    v.next[b, rows] = ends[pick[has]]
+    # lexicographic minimum per row (step, then bytes crossing cuts, then sub-model count) as one
+    # integer: the later keys belong to the column alone, so rank the columns by them once
+    col_cut, col_count = v.cut[ends, wr], v.count[ends, wr]
+    order = np.lexsort((col_count, col_cut))  # stable: equal keys keep column order
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    key = np.where(mask, step * len(order) + rank[None, :], INF)
+    pick = key.argmin(axis=1)
+    rows = np.flatnonzero(has)
+    pick = pick[rows]
+    v.valid[b, wl[rows]] = True
+    v.step[b, wl[rows]] = step[rows, pick]
+    v.cut[b, wl[rows]] = col_cut[pick] + t.cut_bytes[b]
+    v.count[b, wl[rows]] = col_count[pick] + 1
+    v.next[b, wl[rows]] = ends[pick]

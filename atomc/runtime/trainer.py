@@ -170,7 +170,7 @@ class SwapTrainer:
         _check_device_memory(dev, pkg, store, plan_obj, gpu_mem)
         tracer = Tracer(dev, enabled=trace)
         opt = CpuOptimizer(store, opt_cfg, scaler, tracer, threaded=threaded_optimizer,
-                           param_order=_original_order(pkg, state_dict))
+                           param_order=_original_order(pkg))
         if offload_activations is None:  # the plan's memory model streams checkpoints when it costs them
             offload_activations = acts == "recompute" and plan_obj is not None and any(
                 float(sm.get("checkpoint_ms", 0.0)) > 0 for sm in plan_obj.get("submodels", [])[:-1])
@@ -401,8 +401,13 @@ def _clone_tree(x: Any) -> Any:
     return x
 
 
-def _original_order(pkg: SwapPackage, state_dict: dict[str, Any] | None) -> list[str]:
-    """Master keys in the order the original model lists its parameters (its state dict's)."""
+def _original_order(pkg: SwapPackage) -> list[str]:
+    """Master keys in the order the original model lists its parameters.
+
+    From the package's ORIGINAL_NAMES (what codegen writes), else PARAM_NAMES in sub-model
+    order; never from the caller's state dict, so a resumed trainer sums norms in the same
+    order as the run that wrote the checkpoint.
+    """
     group = {}
     for key, holders in pkg.tied.items():
         for i, local in holders:
@@ -411,7 +416,7 @@ def _original_order(pkg: SwapPackage, state_dict: dict[str, Any] | None) -> list
     for names in pkg.param_names:
         for fqn in names.values():
             group.setdefault(fqn, fqn)
-    names = pkg.original_names or tuple(state_dict or ())
+    names = pkg.original_names or tuple(fqn for names in pkg.param_names for fqn in names.values())
     return [group[k] for k in names if k in group]
 
 
