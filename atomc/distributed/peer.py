@@ -142,8 +142,8 @@ class PeerTrainer:
     def _start_dht(self) -> Any:
         cfg = self.cfg
         kwargs = dict(initial_peers=list(cfg.initial_peers), host_maddrs=list(cfg.host_maddrs),
-                      start=True, use_ipfs=False, use_relay=False, use_auto_relay=False, client_mode=False,
-                      startup_timeout=cfg.connect_timeout_s)
+                      start=True, use_ipfs=False, use_relay=False, use_auto_relay=False, auto_nat=False,
+                      nat_port_map=False, client_mode=False, startup_timeout=cfg.connect_timeout_s)
         if cfg.announce_maddrs:
             kwargs["announce_maddrs"] = list(cfg.announce_maddrs)
         box: dict[str, Any] = {}
