@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[dev]" "$(TORCH)"
+	$(BIN)/python -m pip install -q --only-binary=hivemind hivemind "$(TORCH)"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -57,8 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from atomc.errors import AtomcError, UsageError
     from atomc.distributed.runner import LayoutConfig, run_layout
+    from atomc.errors import AtomcError, UsageError
     from atomc.runtime.package import load_swap_package
     from atomc.trace.load import call_with_options, load_model_file
     from atomc.units import parse_size

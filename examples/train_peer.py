@@ -62,8 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from atomc.errors import AtomcError
     from atomc.distributed.peer import PeerConfig, run_peer
+    from atomc.errors import AtomcError
     from atomc.runtime.package import load_swap_package
     from atomc.trace.load import call_with_options, load_model_file
 

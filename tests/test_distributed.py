@@ -21,7 +21,7 @@ import torch
 
 from atomc.codegen import generate
 from atomc.codegen.manual import plan_from_cuts
-from atomc.distributed.groups import LayoutView, assign, check_world, load_layout
+from atomc.distributed.groups import assign, check_world, load_layout
 from atomc.distributed.launch import build_command
 from atomc.distributed.pipeline import gpipe, max_in_flight, one_f_one_b, stage_boundaries
 from atomc.distributed.runner import check_package, final_state
@@ -119,7 +119,8 @@ def _killpg(proc: subprocess.Popen) -> None:
         seen.add(pid)
         todo.extend(_children(pid))
     for pid in seen:
-        for kill in (lambda: os.killpg(os.getpgid(pid), signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+        for kill in (lambda p=pid: os.killpg(os.getpgid(p), signal.SIGKILL),
+                     lambda p=pid: os.kill(p, signal.SIGKILL)):
             try:
                 kill()
             except (ProcessLookupError, PermissionError):
@@ -224,7 +225,7 @@ def test_package_that_does_not_match_the_plan(work: dict) -> None:
     env = _env() | {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0"}
     r = subprocess.run([sys.executable, str(TRAIN), "--package", str(work["pkg_other"]), "--layout",
                         str(work["layouts"][(2, 2)])], env=env, cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+                       timeout=120, check=False)
     assert r.returncode == 2 and "was scheduled for plan" in r.stderr
 
 
@@ -261,7 +262,7 @@ def test_world_size_differs_from_launch(work: dict) -> None:
                     "MASTER_PORT": str(_free_port())}
     r = subprocess.run([sys.executable, str(TRAIN), "--layout", str(work["layouts"][(2, 2)]),
                         *_train_args(work, work["dir"] / "never")], env=env, cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+                       text=True, timeout=120, check=False)
     assert r.returncode == 2
     assert "launched with world size 3" in r.stderr and "launch exactly 4 processes" in r.stderr
     assert time.monotonic() - t0 < 60

@@ -23,15 +23,15 @@ import pytest
 
 pytest.importorskip("hivemind")
 
-from atomc.codegen import generate  # noqa: E402
-from atomc.codegen.manual import plan_from_cuts  # noqa: E402
-from atomc.runtime.checkpoint import load_checkpoint  # noqa: E402
-from atomc.trace import trace_model  # noqa: E402
+from atomc.codegen import generate
+from atomc.codegen.manual import plan_from_cuts
+from atomc.runtime.checkpoint import load_checkpoint
+from atomc.trace import trace_model
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt.py"
 SCRIPT = ROOT / "examples" / "train_peer.py"
-ROUNDS = 9
+ROUNDS = 12
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,8 @@ def _kill(proc: subprocess.Popen) -> None:
     """The peer's whole process group (hivemind's DHT, averager and p2p daemon), and the groups of
     anything it started in a session of its own (`atomc peer` starts the script that way)."""
     for pid in _descendants(proc.pid):
-        for kill in (lambda: os.killpg(os.getpgid(pid), signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+        for kill in (lambda p=pid: os.killpg(os.getpgid(p), signal.SIGKILL),
+                     lambda p=pid: os.kill(p, signal.SIGKILL)):
             try:
                 kill()
             except (ProcessLookupError, PermissionError):
@@ -88,7 +89,7 @@ def _peer(pkg: Path, d: Path, name: str, initial: list[str], *, via_cli: bool = 
                 str(SCRIPT), *args]
     else:
         argv = [sys.executable, str(SCRIPT), *args, "--initial-peers", *initial]
-    log = open(d / f"{name}.log", "w")
+    log = open(d / f"{name}.log", "w")  # noqa: SIM115 - the peer writes to it until it ends
     return subprocess.Popen(argv, env=_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 

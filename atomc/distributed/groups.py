@@ -65,7 +65,7 @@ class LayoutView:
                 for i, row in enumerate(self.devices)]
         return "\n".join([f"layout {self.source}: {self.pp} stages x {self.dp} replicas", head, *rows])
 
-    def check(self, num_submodels: int | None = None) -> "LayoutView":
+    def check(self, num_submodels: int | None = None) -> LayoutView:
         where = self.source
         if self.pp < 1 or self.dp < 1:
             raise LayoutError(f"{where}: D_PP={self.pp}, D_DP={self.dp}; both must be at least 1")

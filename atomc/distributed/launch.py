@@ -19,8 +19,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from atomc.errors import LayoutError, UsageError
 from atomc.distributed.groups import LayoutView, load_layout
+from atomc.errors import LayoutError, UsageError
 
 
 @dataclass

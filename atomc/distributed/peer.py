@@ -25,12 +25,12 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -141,9 +141,11 @@ class PeerTrainer:
 
     def _start_dht(self) -> Any:
         cfg = self.cfg
-        kwargs = dict(initial_peers=list(cfg.initial_peers), host_maddrs=list(cfg.host_maddrs),
-                      start=True, use_ipfs=False, use_relay=False, use_auto_relay=False, auto_nat=False,
-                      nat_port_map=False, client_mode=False, startup_timeout=cfg.connect_timeout_s)
+        # loopback-friendly and private: no IPFS bootstrap, no relays, no NAT traversal or UPnP
+        kwargs: dict[str, Any] = {
+            "initial_peers": list(cfg.initial_peers), "host_maddrs": list(cfg.host_maddrs), "start": True,
+            "use_ipfs": False, "use_relay": False, "use_auto_relay": False, "auto_nat": False,
+            "nat_port_map": False, "client_mode": False, "startup_timeout": cfg.connect_timeout_s}
         if cfg.announce_maddrs:
             kwargs["announce_maddrs"] = list(cfg.announce_maddrs)
         box: dict[str, Any] = {}
@@ -151,7 +153,7 @@ class PeerTrainer:
         def start() -> None:
             try:
                 box["dht"] = self.hm.DHT(**kwargs)
-            except BaseException as e:  # surfaced below
+            except BaseException as e:  # noqa: BLE001 - surfaced below as a PeerError
                 box["error"] = e
 
         th = threading.Thread(target=start, daemon=True)
@@ -197,7 +199,7 @@ class PeerTrainer:
         while got is None and time.monotonic() < deadline:
             try:
                 got = self.averager.load_state_from_peers(timeout=max(1.0, deadline - time.monotonic()))
-            except Exception as e:  # a peer that left between listing and download
+            except Exception as e:  # noqa: BLE001 - a peer that left between listing and download
                 self.log(f"state download failed ({type(e).__name__}: {e}); retrying")
                 got = None
             if got is None:
@@ -276,7 +278,7 @@ class PeerTrainer:
             try:
                 group = self.averager.step(weight=float(max(self.samples, 1)), gather=cfg.name,
                                            timeout=cfg.averaging_timeout_s, allow_retries=True)
-            except Exception as e:  # a groupmate died mid-round: keep the local weights
+            except Exception as e:  # noqa: BLE001 - a groupmate died mid-round: keep the local weights
                 self.log(f"round {self.epoch}: averaging failed ({type(e).__name__}: {e})")
             if group:
                 with self.averager.get_tensors() as tensors:
@@ -316,8 +318,8 @@ class PeerTrainer:
                 continue
             try:
                 obj.shutdown()
-            except Exception:
-                pass
+            except Exception as e:  # noqa: BLE001 - shutting down: one failure must not keep the rest up
+                self.log(f"shutdown of {type(obj).__name__} failed: {e}")
         self.trainer.close()
 
 

@@ -239,7 +239,7 @@ class _DelayLine:
             try:
                 post().wait()
                 fut.set_result(None)
-            except BaseException as e:  # surfaced when the step waits for its sends
+            except BaseException as e:  # noqa: BLE001 - surfaced when the step waits for its sends
                 fut.set_exception(e)
 
     def close(self) -> None:

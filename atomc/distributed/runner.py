@@ -30,17 +30,27 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from atomc.errors import AtomcError, LayoutError, RuntimeMismatchError, UsageError
-from atomc.distributed.groups import (Groups, LayoutView, Placement, assign, build_groups, check_world,
-                                      device_claim, layout_view, with_ranges)
+from atomc.distributed.groups import (
+    Groups,
+    LayoutView,
+    Placement,
+    assign,
+    build_groups,
+    check_world,
+    device_claim,
+    layout_view,
+    with_ranges,
+)
 from atomc.distributed.pipeline import SCHEDULES, Link, Transport, schedule, stage_boundaries
 from atomc.distributed.stage import ResidentStage, StageSpec
+from atomc.errors import AtomcError, LayoutError, RuntimeMismatchError, UsageError
 from atomc.runtime.optim import AdamWConfig
 from atomc.runtime.package import SwapPackage, load_swap_package
 
@@ -396,7 +406,7 @@ class LayoutTrainer:
         for stages, fqns in sorted(by_set.items()):
             grads = self._grads([(f, named[f]) for f in fqns])
             ranks = [self.place.world(self.place.replica, s) for s in stages]
-            self._sum(grads, self.groups.tied[stages], ranks, TAG_TIED, average=False)
+            self._sum(grads, self.groups.tied[stages], ranks, TAG_TIED, average=False, direct=True)
         # 4. data parallelism: average over the replicas of this stage
         if self.layout.dp > 1:
             ranks = [self.place.world(i, self.place.stage) for i in range(self.layout.dp)]
@@ -414,15 +424,18 @@ class LayoutTrainer:
             group["lr"] = lr
         self.optimizer.step()
 
-    def _sum(self, grads: list[torch.Tensor], group: Any, ranks: list[int], tag: int, average: bool) -> None:
-        """Sum (or average) gradients over `ranks` in one flat buffer per dtype."""
+    def _sum(self, grads: list[torch.Tensor], group: Any, ranks: list[int], tag: int, average: bool,
+             direct: bool = False) -> None:
+        """Sum (or average) gradients over `ranks` in one flat buffer per dtype. Over point-to-point
+        sends, `direct` swaps whole buffers in one round (one link delay; for the few stages that
+        share a tied weight), otherwise DT-FM's sharded exchange (two rounds, 1/n of the bytes each)."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
-        for dtype, gs in by_dtype.items():
+        for gs in by_dtype.values():
             flat = torch.cat([g.reshape(-1) for g in gs])
             if self.dp_mode == "p2p":
-                flat = self._sharded_sum(flat, ranks, tag)
+                flat = self._direct_sum(flat, ranks, tag) if direct else self._sharded_sum(flat, ranks, tag)
             else:
                 self.dist.all_reduce(flat, group=group)
             if average:
@@ -440,7 +453,7 @@ class LayoutTrainer:
         me = ranks.index(self.dist.get_rank())
         n = len(ranks)
         bounds = [flat.numel() * k // n for k in range(n + 1)]
-        shard = lambda k: flat[bounds[k]:bounds[k + 1]]  # noqa: E731
+        shard = lambda k: flat[bounds[k]:bounds[k + 1]]
         t = self.transport
         recvs = {}
         for k in range(n):
@@ -469,6 +482,27 @@ class LayoutTrainer:
             out[bounds[k]:bounds[k + 1]] = buf
         t.flush(self.cfg.timeout_s)
         return out
+
+    def _direct_sum(self, flat: torch.Tensor, ranks: list[int], tag: int) -> torch.Tensor:
+        """Every rank sends its whole buffer to every other and sums all of them in group order."""
+        me = ranks.index(self.dist.get_rank())
+        t = self.transport
+        recvs = {}
+        for k, r in enumerate(ranks):
+            if k != me:
+                t.isend(flat, r, tag)
+                buf = torch.empty_like(flat)
+                recvs[k] = (t.irecv(buf, r, tag), buf)
+        total = None
+        for k in range(len(ranks)):
+            if k == me:
+                part = flat
+            else:
+                work, part = recvs[k]
+                t.finish_recv(work, part)
+            total = part.clone() if total is None else total + part
+        t.flush(self.cfg.timeout_s)
+        return total
 
     def _clip_coefficient(self, params: list[tuple[str, Any]]) -> float:
         """torch.nn.utils.clip_grad_norm_'s coefficient for the whole model: squared norms summed
@@ -705,4 +739,4 @@ def final_state(final_dir: str | Path, num_stages: int) -> tuple[dict[str, torch
     return params, losses
 
 
-__all__ = ["LayoutConfig", "LayoutTrainer", "run_layout", "final_state", "check_package", "AtomcError"]
+__all__ = ["AtomcError", "LayoutConfig", "LayoutTrainer", "check_package", "final_state", "run_layout"]

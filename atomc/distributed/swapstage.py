@@ -24,8 +24,9 @@ RNG state of its forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
