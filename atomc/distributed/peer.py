@@ -58,7 +58,8 @@ class PeerConfig:
     metrics_path: str | Path | None = None
     final_path: str | Path | None = None  # this peer's final weights (torch file)
     maddr_path: str | Path | None = None  # where to write this peer's address for others
-    final_linger_s: float = 5.0  # after the last round: groupmates may still be receiving from us
+    final_linger_s: float = 8.0  # after finishing: serve the final state to peers that are late
+    finish_timeout_s: float = 60.0  # final rounds until one holds every live peer
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -118,6 +119,7 @@ class PeerTrainer:
         self.samples = 0
         self.local_steps = 0
         self.rounds_done: list[dict[str, Any]] = []
+        self.finished_how = ""  # how this peer's final weights came about (see _finish)
         self._snapshot: tuple[dict[str, Any], list[torch.Tensor]] | None = None
         self.dht = self._start_dht()
         self.maddrs = [str(a) for a in self.dht.get_visible_maddrs()]
@@ -218,6 +220,8 @@ class PeerTrainer:
         self.joined = {"from": meta.get("name", ""), "epoch": self.epoch,
                        "seconds": time.monotonic() - t0, "digest": weights_digest(self.trainer)}
         self._take_snapshot()
+        if self.epoch >= self.cfg.rounds:  # the run is over: that peer's final state is the result
+            self.finished_how = f"joined after the end, state from {meta.get('name', '?')}"
         self.log(f"joined: downloaded the state of round {self.epoch} from peer {meta.get('name', '?')} "
                  f"in {time.monotonic() - t0:.1f} s")
         self._metric({"event": "joined", **self.joined})
@@ -238,7 +242,7 @@ class PeerTrainer:
                             f"lower --target-batch-size")
 
     def train(self, batch_of: Callable[[int], Any]) -> None:
-        """Local steps until `rounds` averaging rounds are done."""
+        """Local steps until `rounds` averaging rounds are done, then the finish (see `_finish`)."""
         tr = self.tracker
         while self.epoch < self.cfg.rounds:
             self._check_time()
@@ -251,8 +255,13 @@ class PeerTrainer:
             tr.report_local_progress(self.epoch, self.samples)
             self._metric({"event": "step", "step": step, "epoch": self.epoch, "loss": loss})
             if tr.ready_to_update_epoch:
+                if self._finished_peers():  # the others are done: their final state is the result
+                    self._adopt_final()
+                    break
                 self._average()
-        self._metric({"event": "done", "epoch": self.epoch, "digest": weights_digest(self.trainer)})
+        self._finish()
+        self._metric({"event": "done", "epoch": self.epoch, "digest": weights_digest(self.trainer),
+                      "how": self.finished_how})
 
     def _catch_up(self) -> None:
         """Fell behind by more than one round (e.g. stalled): take the state of a live peer."""
@@ -266,35 +275,116 @@ class PeerTrainer:
             self.samples = 0
             self.log(f"caught up: state of round {self.epoch} from {meta.get('name', '?')}")
 
-    def _average(self) -> None:
-        """One round: average weights with every peer ready now, then the next round."""
-        cfg, tr = self.cfg, self.tracker
-        t0 = time.monotonic()
-        with tr.pause_updates():
-            flat = self._flat_weights()
-            with self.averager.get_tensors() as tensors:
-                tensors[0].copy_(flat)
-            group = None
-            try:
-                group = self.averager.step(weight=float(max(self.samples, 1)), gather=cfg.name,
-                                           timeout=cfg.averaging_timeout_s, allow_retries=True)
-            except Exception as e:  # noqa: BLE001 - a groupmate died mid-round: keep the local weights
-                self.log(f"round {self.epoch}: averaging failed ({type(e).__name__}: {e})")
-            if group:
-                with self.averager.get_tensors() as tensors:
-                    averaged = tensors[0].clone()
-                self._set_flat_weights(averaged)
-            members = sorted(str(v) for v in group.values()) if group else []
-            new_epoch = max(self.epoch + 1, tr.global_epoch)
-            self.epoch = tr.update_epoch(new_epoch)
-            self.samples = 0
-        info = {"event": "round", "epoch": self.epoch, "group": members, "ok": bool(group),
-                "seconds": time.monotonic() - t0, "digest": weights_digest(self.trainer)}
+    def _round(self, weight: float, timeout_s: float) -> dict[str, Any]:
+        """One averaging round with the peers looking for a group now; returns what each member
+        sent along ({} when no group formed or the round failed: the weights stay local)."""
+        flat = self._flat_weights()
+        with self.averager.get_tensors() as tensors:
+            tensors[0].copy_(flat)
+        group = None
+        try:
+            group = self.averager.step(weight=weight, gather={"name": self.cfg.name, "epoch": self.epoch},
+                                       timeout=timeout_s, allow_retries=True)
+        except Exception as e:  # noqa: BLE001 - a groupmate died mid-round: keep the local weights
+            self.log(f"round {self.epoch}: averaging failed ({type(e).__name__}: {e})")
+        if not group:
+            return {}
+        with self.averager.get_tensors() as tensors:
+            averaged = tensors[0].clone()
+        self._set_flat_weights(averaged)
+        return {str(v["name"]): int(v["epoch"]) for v in group.values() if isinstance(v, dict)}
+
+    def _record_round(self, members: dict[str, Any], t0: float, final: bool = False) -> None:
+        info = {"event": "round", "epoch": self.epoch, "group": sorted(members), "ok": bool(members),
+                "final": final, "seconds": time.monotonic() - t0, "digest": weights_digest(self.trainer)}
         self.rounds_done.append(info)
         self._take_snapshot()
         self._metric(info)
-        self.log(f"round {self.epoch}: {'averaged with ' + ', '.join(members) if group else 'no group'} "
+        self.log(f"{'final ' if final else ''}round {self.epoch}: "
+                 f"{'averaged with ' + ', '.join(sorted(members)) if members else 'no group'} "
                  f"in {info['seconds']:.1f} s")
+
+    def _average(self) -> None:
+        """One round: average weights with every peer ready now, then the next round."""
+        tr = self.tracker
+        t0 = time.monotonic()
+        with tr.pause_updates():
+            members = self._round(float(max(self.samples, 1)), self.cfg.averaging_timeout_s)
+            self.epoch = tr.update_epoch(max(self.epoch + 1, tr.global_epoch))
+            self.samples = 0
+        self._record_round(members, t0)
+
+    # ---- the finish: every live peer ends with the same weights ----------------------------------
+
+    def _alive(self) -> int:
+        return int(self.tracker.global_progress.num_peers)
+
+    def _finished_peers(self) -> dict[str, Any]:
+        found = self.dht.get(f"{self.cfg.run_id}_finished", latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        return {str(k): v.value for k, v in found.value.items()
+                if hasattr(v, "value") and str(k) != self.cfg.name}
+
+    def _adopt_final(self) -> None:
+        """Take the final state of a peer that finished (they share it with top priority)."""
+        got = None
+        deadline = time.monotonic() + self.cfg.connect_timeout_s
+        while time.monotonic() < deadline:
+            got = self.averager.load_state_from_peers(timeout=max(1.0, deadline - time.monotonic()))
+            if got is not None and int(got[0]["epoch"]) >= self.cfg.rounds:
+                break
+            got = None  # not a finished peer's state (priorities are declared every few seconds)
+            time.sleep(0.5)
+        if got is None:
+            self.log("the finished peers did not share their state; keeping this peer's weights")
+            self.finished_how = "alone"
+            return
+        meta, tensors = got
+        self.trainer.load_state_dict(state_from_bytes(tensors[0]), source="a finished peer's state")
+        self.epoch = max(self.epoch, int(meta["epoch"]))
+        self.finished_how = f"adopted from {meta.get('name', '?')}"
+        self.log(f"adopted the final state of round {meta['epoch']} from {meta.get('name', '?')}")
+
+    def _finish(self) -> None:
+        """The copies must not end apart: repeat short final rounds until one holds every live
+        peer, all of them done; a peer that finds no group while others are already finished
+        takes their state instead. Bounded by `finish_timeout_s`."""
+        cfg = self.cfg
+        if self.finished_how:  # adopted a finished peer's state already
+            self._declare_finished()
+            return
+        last = self.rounds_done[-1] if self.rounds_done else None
+        deadline = time.monotonic() + cfg.finish_timeout_s
+        while time.monotonic() < deadline:
+            alive = self._alive()
+            if alive <= 1:
+                self.finished_how = "alone"
+                break
+            self.tracker.report_local_progress(self.epoch, 0)
+            t0 = time.monotonic()
+            members = self._round(1.0, max(3.0, 3 * cfg.matchmaking_time_s))
+            self._record_round(members, t0, final=True)
+            if members and len(members) >= alive and min(members.values()) >= cfg.rounds:
+                self.finished_how = f"final round with {len(members)} peers"
+                break
+            if not members and self._finished_peers():
+                self._adopt_final()
+                break
+        else:
+            self.finished_how = "finish timed out"
+            self.log(f"no final round held every live peer within {cfg.finish_timeout_s:.0f} s (last: "
+                     f"{last['group'] if last else []}); keeping this peer's weights")
+        self._declare_finished()
+
+    def _declare_finished(self) -> None:
+        """Tell late peers that this one is done and serve its state to them first."""
+        from hivemind.utils import get_dht_time
+
+        self._take_snapshot()
+        self.averager.state_sharing_priority = 1e6 + self.epoch
+        self.dht.store(f"{self.cfg.run_id}_finished", subkey=self.cfg.name, value=self.epoch,
+                       expiration_time=get_dht_time() + 120)
 
     # ---- end -----------------------------------------------------------------------------------
 

@@ -589,7 +589,7 @@ class LayoutTrainer:
 
         root = Path(self.cfg.checkpoint_dir)
         mine = _own_steps(root, self._ckpt_name())
-        newest = torch.tensor([max(mine) if mine else -1], dtype=torch.int64)
+        newest = torch.tensor([max(mine) if mine else -1], dtype=torch.int64, device=self.device)
         self.dist.all_reduce(newest, op=self.dist.ReduceOp.MIN)
         step = int(newest.item())
         if step < 0:

@@ -24,7 +24,8 @@ RNG state of its forward.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -76,6 +77,20 @@ def _set_rng_state(device: torch.device, state: tuple) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1], device)
+
+
+@contextmanager
+def _on_compute_stream(ex: SwapExecutor) -> Iterator[None]:
+    """Run on the executor's compute stream (which its loads order themselves with), after what
+    the caller's stream did (received values), and let the caller's stream wait for it after."""
+    if not ex.cuda:
+        yield
+        return
+    caller = torch.cuda.current_stream(ex.device)
+    ex.compute_stream.wait_stream(caller)
+    with torch.cuda.stream(ex.compute_stream):
+        yield
+    caller.wait_stream(ex.compute_stream)
 
 
 def _float(v: Any) -> bool:
@@ -215,6 +230,10 @@ class SwappedStage:
     def forward_all(self, received: list[dict[str, Any]], micro: list[tuple]) -> list[Any]:
         """Every micro-batch through the stage, one sub-model at a time. Returns the values to send
         per micro-batch, or (last stage) the losses, whose backward has already run."""
+        with _on_compute_stream(self.ex):
+            return self._forward_all(received, micro)
+
+    def _forward_all(self, received: list[dict[str, Any]], micro: list[tuple]) -> list[Any]:
         ex, k, M = self.ex, self.k, len(micro)
         self.envs = []
         for b, r in zip(micro, received):
@@ -275,6 +294,10 @@ class SwappedStage:
     def backward_all(self, out_grads: list[dict[str, torch.Tensor] | None]) -> list[dict[str, Any]]:
         """Backward of every micro-batch, one sub-model at a time in reverse, recomputing each
         from its boundary inputs. Returns the gradients of the received values."""
+        with _on_compute_stream(self.ex):
+            return self._backward_all(out_grads)
+
+    def _backward_all(self, out_grads: list[dict[str, torch.Tensor] | None]) -> list[dict[str, Any]]:
         ex, k, M = self.ex, self.k, self.num_micro
         if not self.spec.holds_output:
             for m in range(M):
