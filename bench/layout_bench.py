@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 TRAIN = ROOT / "examples" / "train_layout.py"
+LOAD_AT_START = os.getloadavg()[0]
 GPT = ROOT / "examples" / "gpt.py"
 
 
@@ -253,7 +254,8 @@ def render(args, net, plan, rows, base_mean, base_sd, delay_mode, elapsed_s: flo
         "",
         (f"Date: 2026-11-22 (run at {datetime.datetime.now().strftime('%H:%M')}, {elapsed_s:.0f} s). "
         f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, Linux {platform.release()}, "
-        f"torch {torch.__version__}, CPU only (gloo)."),
+        f"torch {torch.__version__}, CPU only (gloo); load average {LOAD_AT_START:.1f} when the run "
+        f"started (the machine was shared with other work)."),
         "",
         f"Command: `{cmd}`",
         "",

@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         pkg = load_swap_package(args.package)
         plan = pkg.plan
         model_path = Path(plan["model_path"])
+        if not model_path.is_file():  # a relative path recorded where the package was made
+            model_path = Path(args.package).resolve().parent / model_path
         module = load_model_file(model_path)
         options = dict(plan.get("options") or {})
         config = plan.get("config")

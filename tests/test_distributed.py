@@ -217,6 +217,21 @@ def test_bad_world_rank_and_devices(work: dict) -> None:
         assign(view, 4, 0, ["d0", "d0", "d2", "d3"])
 
 
+def test_memory_budget_decides_which_stages_swap(work: dict) -> None:
+    from atomc.distributed.runner import LayoutConfig, stage_resident_bytes
+    from atomc.distributed.stage import StageSpec
+
+    pkg = load_swap_package(work["pkg"])
+    view = check_package(pkg, load_layout(work["layouts"][(4, 1)]))
+    cfg = LayoutConfig(package=work["pkg"], layout=view, global_batch=GLOBAL, micro_batch=MICRO)
+    need = [stage_resident_bytes(pkg, StageSpec(j, 4, a, b, (), (), j == 3, pkg.num_submodels), cfg, 2)
+            for j, (a, b) in enumerate(view.stage_ranges)]
+    params = [sum(s.param_bytes for s in work["plan"].submodels[a:b]) for a, b in view.stage_ranges]
+    assert all(n >= 4 * p for n, p in zip(need, params))  # weights, gradients, two AdamW moments
+    budget = sorted(need)[1]  # the two smallest stages fit, the others would be swapped
+    assert sum(n > budget for n in need) == 2
+
+
 def test_package_that_does_not_match_the_plan(work: dict) -> None:
     view = load_layout(work["layouts"][(2, 2)])
     with pytest.raises(LayoutError, match="was scheduled for plan"):

@@ -31,7 +31,7 @@ from atomc.trace import trace_model
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt.py"
 SCRIPT = ROOT / "examples" / "train_peer.py"
-ROUNDS = 12
+ROUNDS = 16
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_peers_average_survive_a_death_and_a_join(pkg: Path, tmp_path: Path) -> 
     d = tmp_path
     procs: dict[str, subprocess.Popen] = {}
     try:
-        procs["A"] = _peer(pkg, d, "A", [])
+        procs["A"] = _peer(pkg, d, "A", [], via_cli=True)  # `atomc peer` starts the run
         _wait_for(lambda: (d / "A.maddr").exists() or procs["A"].poll() is not None, 60, "peer A's address")
         assert procs["A"].poll() is None, (d / "A.log").read_text()
         a_addr = (d / "A.maddr").read_text().split()[0]
@@ -127,14 +127,14 @@ def test_peers_average_survive_a_death_and_a_join(pkg: Path, tmp_path: Path) -> 
         procs["C"] = _peer(pkg, d, "C", [a_addr])
 
         def c_averaged() -> bool:
-            return any(e["event"] == "round" and e["ok"] and e["epoch"] >= 2 for e in _events(d, "C"))
+            return any(e["event"] == "round" and e["ok"] and "C" in e["group"] for e in _events(d, "C"))
 
-        _wait_for(c_averaged, 90, "peer C to finish two averaging rounds")
+        _wait_for(c_averaged, 90, "peer C to average with the others")
         os.killpg(procs["C"].pid, signal.SIGKILL)  # C dies mid-run, with its DHT and p2p daemon
         procs["C"].wait(timeout=10)
         killed_at = time.time()
         b_addr = (d / "B.maddr").read_text().split()[0]
-        procs["D"] = _peer(pkg, d, "D", [b_addr], via_cli=True)  # joins through any live peer
+        procs["D"] = _peer(pkg, d, "D", [b_addr])  # joins through any live peer
 
         for name in ("A", "B", "D"):
             try:
@@ -152,7 +152,7 @@ def test_peers_average_survive_a_death_and_a_join(pkg: Path, tmp_path: Path) -> 
     assert sum(1 for e in after if e["ok"] and {"A", "B"} <= set(e["group"]) and "C" not in e["group"]) >= 2
     # D joined through B, downloaded the state of a round in progress, and averaged with the others
     joined = [e for e in ev["D"] if e["event"] == "joined"]
-    assert joined and joined[0]["epoch"] >= 2
+    assert joined and joined[0]["epoch"] >= 1
     assert any(e["event"] == "round" and e["ok"] and len(e["group"]) >= 2 for e in ev["D"])
     # every survivor did all rounds and ends with the same weights
     finals = {n: load_checkpoint(d / f"{n}.pt") for n in "ABD"}

@@ -22,6 +22,7 @@ from atomc.codegen.manual import plan_from_cuts
 from atomc.errors import ModelFileError, RuntimeMismatchError, UsageError
 from atomc.runtime import SwapTrainer, check_device_memory, micro_batch_rng, micro_batch_seed
 from atomc.runtime.checkpoint import load_checkpoint
+from atomc.runtime.store import ARENA_ALIGN, HostArena, pinned_allocation_bytes
 from atomc.runtime.trace import replay_residency, to_timeline
 from atomc.simulate import render_timeline_svg
 from atomc.trace import load_model_file, trace_model
@@ -128,6 +129,10 @@ CASES = [
     pytest.param(("add", "add_1", "add_3"), 3, torch.float32, {"offload_activations": True},
                  id="4sub-C3-fp32-offload"),
     pytest.param(("add_1", "ln_f"), 2, torch.float64, {"clip": 0.5}, id="3sub-C2-fp64-clip"),
+    # with 3+ sub-models a slot is loaded with another sub-model between a kept forward graph
+    # and its backward, and again with the sub-model's own weights before that backward
+    pytest.param(("add_1", "h_1_ln_1"), 2, torch.float32, {"activations": "keep"}, id="3sub-C2-fp32-keep"),
+    pytest.param(("add", "add_1", "add_3"), 3, torch.float32, {"activations": "keep"}, id="4sub-C3-fp32-keep"),
 ]
 
 
@@ -303,6 +308,11 @@ def test_schedule_trace_and_timeline(gpt_traced, pkg_root):
             ("prefetch", "checkpoint")} <= kinds
     assert sum(1 for e in last.events if e.kind == "optimizer") == k
     assert 0 < last.busy_fraction() <= 1
+    # after the first step every activation stash is a view into one arena (not pinned on the CPU)
+    stash = trainer.executor._stash_host
+    assert stash and {b.untyped_storage().data_ptr() for b in stash.values()} == {
+        trainer.executor._stash_arena.storage.untyped_storage().data_ptr()}
+    assert trainer.executor.pinned_bytes() == 0
     timeline = to_timeline(list(traces.values()), k, 3, label="measured")
     assert timeline.source == "measured" and timeline.num_steps == len(traces)
     svg = render_timeline_svg(timeline)
@@ -312,8 +322,49 @@ def test_schedule_trace_and_timeline(gpt_traced, pkg_root):
 
 def test_check_device_memory_names_the_submodel():
     check_device_memory(10 << 30, 16 << 30, [1 << 30] * 3, "cuda:0")  # fits: no error
+    check_device_memory(10 << 30, 16 << 30, [1 << 30] * 3, "cuda:0", free_bytes=2 << 30)
     with pytest.raises(RuntimeMismatchError, match="sub-model 1 needs 9.00 GiB"):
         check_device_memory(12 << 30, 8 << 30, [2 << 30, 9 << 30, 10 << 30], "cuda:0 (small)")
+    # within the device, but not within what other processes left free
+    with pytest.raises(RuntimeMismatchError, match=r"16.00 GiB in total, 2.00 GiB of it free; "
+                                                   r"sub-model 1 needs 3.00 GiB .* free memory"):
+        check_device_memory(10 << 30, 16 << 30, [1 << 30, 3 << 30, 3 << 30], "cuda:0", free_bytes=2 << 30)
+
+
+def test_host_buffers_are_views_of_one_arena_per_kind(gpt_traced, pkg_root):
+    """One allocation per kind, so the pinned allocator's power-of-two rounding is paid once."""
+    arena = HostArena([((3,), torch.float32), ((2, 5), torch.bfloat16), ((0,), torch.float64),
+                       ((7,), torch.int64)], pin=False)
+    starts = [b.storage_offset() * b.element_size() for b in arena.buffers]  # bytes into the arena
+    assert starts == [0, ARENA_ALIGN, 2 * ARENA_ALIGN, 2 * ARENA_ALIGN]
+    assert [b.shape for b in arena.buffers] == [(3,), (2, 5), (0,), (7,)]
+    assert arena.nbytes == 2 * ARENA_ALIGN + 56 and arena.pinned_bytes() == 0
+    assert [pinned_allocation_bytes(n) for n in (0, 1, 512, 513, 3 << 20)] == [0, 1, 512, 1024, 4 << 20]
+    pkg = gpt_package(gpt_traced, pkg_root, ("add", "add_1", "add_3"), 3)
+    trainer = SwapTrainer.from_package(pkg, device="cpu", transfer_dtype="bfloat16")
+    store = trainer.store
+    for bufs, kind in ((store.image, store.image_arena), (store.grad, store.grad_arena)):
+        base = kind.storage.data_ptr()
+        assert len(bufs) == 4 and all(b.dtype == torch.bfloat16 and b.dim() == 1 for b in bufs)
+        assert all(b.untyped_storage().data_ptr() == base and
+                   b.storage_offset() * b.element_size() % ARENA_ALIGN == 0 for b in bufs)
+    assert [b.numel() for b in store.image] == [L.numel for L in store.layouts]
+    assert store.pinned_bytes() == 0  # nothing is pinned on the CPU
+    assert store.host_bytes() >= 2 * sum(store.param_bytes(i) for i in range(4))
+    trainer.close()
+
+
+def test_fp16_autocast_turns_loss_scaling_on_by_default():
+    def scaler(**kw):
+        trainer = SwapTrainer.from_package(SKIP_MLP, device="cpu", **kw)
+        on = trainer.optimizer.scaler is not None
+        trainer.close()
+        return on
+
+    assert scaler(autocast="float16")  # fp32 weights, fp16 compute: fp16 gradients inside
+    assert scaler(transfer_dtype="float16")
+    assert not scaler(autocast="float16", loss_scale=False)
+    assert not scaler(autocast="bfloat16") and not scaler()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ from torch import nn
 from atomc.errors import UsageError
 from atomc.runtime.optim import CpuOptimizer
 from atomc.runtime.package import SwapPackage
-from atomc.runtime.store import HostStore, SubLayout
+from atomc.runtime.store import HostArena, HostStore, SubLayout
 from atomc.runtime.trace import StepTrace, Tracer
 
 # ---------------------------------------------------------------------------------------------
@@ -221,7 +221,11 @@ class SwapExecutor:
         self.slot_loaded: list[Any] = [None] * self.num_slots  # event: slot's load done
         self.slot_free: list[Any] = [None] * self.num_slots  # event: last compute reading it done
         self.grad_free: list[Any] = [None] * self.num_slots  # event: gradient copy out of it done
-        self._stash_host: dict[tuple[str, int], torch.Tensor] = {}  # reused pinned buffers
+        # (value, micro-batch) -> its host buffer, reused every step: views into one arena (pinned
+        # on CUDA) once a step has shown every stash's shape; see _stash_buffer
+        self._stash_host: dict[tuple[str, int], torch.Tensor] = {}
+        self._stash_arena: HostArena | None = None
+        self._stash_unplaced = False  # a buffer outside the arena was made this step
         self._unstash_ready: dict[tuple[int, int], Any] = {}
         self._has_buffers = [any(True for _ in m.buffers()) for m in self.modules]
         self._mb = 0  # micro-batch whose backward is running (read by the tie hooks)
@@ -358,18 +362,28 @@ class SwapExecutor:
         nbytes = n * self.store.image[i].element_size()
         held = self.slot_holds[s]
         kind = "refresh" if held is not None and held[0] == i else "load"  # same sub-model, new weights
+        # The copy goes through .data, so it does not bump the version counter that the slot
+        # shares with the parameter views. With activations="keep", the autograd graph of a
+        # sub-model kept from its forward saves those views; a load of another sub-model into
+        # the same slot in between would otherwise fail its backward ("modified by an inplace
+        # operation"). It stays correct: before sub-model i's backward, _use(i) has the slot
+        # hold i's weights again, and they are the ones its forward used: its content (its own
+        # epoch and those of the owners of its tied replicas) only changes when one of them is
+        # updated, and in this step those updates come after i's backward (its own, and owners
+        # j < i, whose backward follows i's); the previous step's updates were waited for
+        # before the forward's load. So the saved views read the same values again.
         if self.cuda:
             ps = self.prefetch_stream
             if self.slot_free[s] is not None:
                 ps.wait_event(self.slot_free[s])  # the slot's previous sub-model is done computing
             with torch.cuda.stream(ps), self.tracer.span("prefetch", i, kind, ps, nbytes, s):
-                self.slot_params[s][:n].copy_(self.store.image[i], non_blocking=True)
+                self.slot_params[s].data[:n].copy_(self.store.image[i], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(ps)
             self.slot_loaded[s] = ev
         else:
             with self.tracer.span("prefetch", i, kind, None, nbytes, s):
-                self.slot_params[s][:n].copy_(self.store.image[i])
+                self.slot_params[s].data[:n].copy_(self.store.image[i])
         self.slot_holds[s] = self._content(i)
         self.loads += 1
         self.max_resident = max(self.max_resident, len({h[0] for h in self.slot_holds if h is not None}))
@@ -416,11 +430,36 @@ class SwapExecutor:
             envs[m][n] = _Stashed(self._stash_host[(n, m)], ready)
 
     def _stash_buffer(self, name: str, m: int, like: torch.Tensor) -> torch.Tensor:
+        """The host buffer of value `name` of micro-batch m: a view into the stash arena.
+
+        The shapes are only known as the forward makes the values, so the first step (or one
+        whose shapes changed) stashes into ordinary memory, which is correct on CUDA too (a
+        device-to-host copy into pageable memory returns when it is done; the copy back is
+        staged before it returns), only slower; at the end of that step _place_stashes puts
+        every buffer into one arena, pinned on CUDA, so the pinned allocator's power-of-two
+        rounding is paid once and not per buffer. Pinned blocks made per buffer and freed
+        would stay in PyTorch's pinned cache, which is why the first step does not pin.
+        """
         buf = self._stash_host.get((name, m))
         if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
-            buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=self.cuda)
+            buf = torch.empty(like.shape, dtype=like.dtype)
             self._stash_host[(name, m)] = buf
+            self._stash_unplaced = True
         return buf
+
+    def _place_stashes(self) -> None:
+        """Move every stash buffer into one new arena (after the step that sized them)."""
+        keys = list(self._stash_host)
+        self._stash_arena = HostArena([(tuple(self._stash_host[k].shape), self._stash_host[k].dtype)
+                                       for k in keys], pin=self.cuda)
+        # the old buffers may still be read by queued copies: pageable ones were staged when the
+        # copy was issued; an old arena's pinned block is kept by the allocator until they end
+        self._stash_host = dict(zip(keys, self._stash_arena.buffers))
+        self._stash_unplaced = False
+
+    def pinned_bytes(self) -> int:
+        """Pinned host memory of the activation stash (0 before the first offloading step)."""
+        return self._stash_arena.pinned_bytes() if self._stash_arena is not None else 0
 
     def _unstash(self, envs: list[dict[str, Any]], i: int) -> None:
         """Issue the copies of sub-model i's stashed inputs back to the device, one per micro-batch.
@@ -477,11 +516,16 @@ class SwapExecutor:
         self.tracer.begin_step(step, self.compute_stream)
         scale = self.opt.begin_step(step)
         rng = _StepRng(self.device, self.seed, step, C)
+        if self.cuda:
+            # the caller made the batch (and anything else it hands over) on its current stream
+            self.compute_stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
             with self._stream():
                 loss_sum = self._run(micro_batches, step, rng, scale)
         finally:
             rng.restore()
+        if self._stash_unplaced:
+            self._place_stashes()
         if self.cuda:
             self._loss_ready.synchronize()  # this step's loss: one event, not the device
             loss = float(self._loss_host) / C
@@ -595,7 +639,14 @@ class SwapExecutor:
         return loss_sum
 
     def _to_device(self, t: Any) -> Any:
-        if not isinstance(t, torch.Tensor) or t.device == self.device:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t.device == self.device:
+            if self.cuda:
+                # Made by the caller on its stream (run_step's compute stream waits for it) and
+                # read on the compute stream until P_0's backward, which is still queued when
+                # run_step returns: the caller freeing it must not let its memory be reused before.
+                t.record_stream(self.compute_stream)
             return t
         if t.device.type != "cpu":
             return t.to(self.device, non_blocking=True)

@@ -15,14 +15,22 @@ Output: a `HostStore` with, per sub-model i,
 
 A tied parameter has one master and one optimizer state (in its first holder, the lowest
 sub-model index); each holder's image carries a replica refreshed from that master after
-every update, so every holder is loaded with the same weights. Buffers are allocated once
-and reused every step, so pinned memory is bounded by the model: 2x (or 3x with a separate
-transfer copy) its parameter bytes.
+every update, so every holder is loaded with the same weights.
+
+Pinned memory: PyTorch's pinned host allocator (CachingHostAllocator) rounds every
+`pin_memory=True` allocation up to a power of two (its default policy), so a pinned
+allocation per buffer could take up to twice the bytes the buffers hold, once per buffer. All
+images are therefore views into ONE allocation (a `HostArena`), and all gradient buffers into
+another: the rounding is paid once per arena. The arenas are allocated once and reused every
+step, so pinned memory is bounded by the model: under twice the arenas' bytes, which are twice
+the parameter bytes in the transfer dtype (plus 512-byte alignment). `pinned_bytes()` reports
+what the allocator took, rounding included. The fp32 masters behind a half-precision transfer
+copy are not pinned (the device never reads them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -141,6 +149,47 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+ARENA_ALIGN = 512  # bytes: where each buffer of an arena starts; a multiple of every dtype's size
+
+
+def pinned_allocation_bytes(nbytes: int) -> int:
+    """What PyTorch's pinned host allocator takes for a request of `nbytes`: the next power of two.
+
+    CachingHostAllocator's default; a lowered round threshold in its settings makes this an
+    overestimate for large requests, never an underestimate.
+    """
+    return 1 << (nbytes - 1).bit_length() if nbytes > 1 else nbytes
+
+
+class HostArena:
+    """Host buffers that are views into ONE allocation, pinned when `pin` (ordinary memory if not).
+
+    `specs` lists (shape, dtype) per buffer; `buffers[j]` is buffer j, starting at a multiple of
+    ARENA_ALIGN bytes of the allocation. One allocation pays the pinned allocator's
+    power-of-two rounding once, where one per buffer would pay it for each (see the module
+    docstring). The CPU path (`pin=False`) runs the same code with ordinary memory.
+    """
+
+    def __init__(self, specs: Sequence[tuple[Sequence[int], torch.dtype]], pin: bool):
+        self.pin = pin
+        offsets, end = [], 0
+        for shape, dtype in specs:
+            start = -(-end // ARENA_ALIGN) * ARENA_ALIGN
+            offsets.append(start)
+            end = start + _numel(tuple(shape)) * dtype.itemsize
+        self.nbytes = end  # what the buffers span, alignment gaps included
+        self.storage = torch.zeros(end, dtype=torch.uint8, pin_memory=pin)
+        self.specs = [(tuple(shape), dtype) for shape, dtype in specs]
+        self.buffers: list[torch.Tensor] = []
+        for (shape, dtype), start in zip(self.specs, offsets):
+            nb = _numel(shape) * dtype.itemsize
+            self.buffers.append(self.storage[start:start + nb].view(dtype).view(shape))
+
+    def pinned_bytes(self) -> int:
+        """Pinned host bytes this arena holds, as the allocator rounded them (0 when not pinned)."""
+        return pinned_allocation_bytes(self.nbytes) if self.pin else 0
+
+
 class HostStore:
     """The flat host buffers of all sub-models (see the module docstring)."""
 
@@ -151,15 +200,15 @@ class HostStore:
         self.transfer_dtype = transfer_dtype
         self.pin = pin
         self.separate_master = master_dtype != transfer_dtype
-        self.image: list[torch.Tensor] = []
+        # one flat buffer per sub-model and direction (one copy each), all of a kind in one arena
+        flat = [((L.numel,), transfer_dtype) for L in layouts]
+        self.image_arena = HostArena(flat, pin)
+        self.grad_arena = HostArena(flat, pin)
+        self.image: list[torch.Tensor] = self.image_arena.buffers
+        self.grad: list[torch.Tensor] = self.grad_arena.buffers
         self.master: list[torch.Tensor] = []
-        self.grad: list[torch.Tensor] = []
         self.grad_master: list[torch.Tensor] = []
-        for L in layouts:
-            image = torch.zeros(L.numel, dtype=transfer_dtype, pin_memory=pin)
-            grad = torch.zeros(L.numel, dtype=transfer_dtype, pin_memory=pin)
-            self.image.append(image)
-            self.grad.append(grad)
+        for L, image, grad in zip(layouts, self.image, self.grad):
             if self.separate_master:
                 self.master.append(torch.zeros(L.owned_numel, dtype=master_dtype))
                 self.grad_master.append(torch.zeros(L.owned_numel, dtype=master_dtype))
@@ -213,12 +262,11 @@ class HostStore:
         return self.layouts[i].numel * self.image[i].element_size()
 
     def pinned_bytes(self) -> int:
-        if not self.pin:
-            return 0
-        return sum(t.numel() * t.element_size() for t in self.image + self.grad)
+        """Pinned host memory the store's arenas took (their bytes as the allocator rounds them)."""
+        return self.image_arena.pinned_bytes() + self.grad_arena.pinned_bytes()
 
     def host_bytes(self) -> int:
-        total = sum(t.numel() * t.element_size() for t in self.image + self.grad)
+        total = self.image_arena.nbytes + self.grad_arena.nbytes
         if self.separate_master:
             total += sum(t.numel() * t.element_size() for t in self.master + self.grad_master)
         return total

@@ -101,7 +101,7 @@ class SwapTrainer:
             transfer_dtype: the device copy's dtype (default: the master's; bfloat16 or float16
             halve the transfers); autocast: compute dtype for torch.autocast (default: the
             transfer dtype when it is half precision); loss_scale: dynamic loss scaling
-            (default: on for float16).
+            (default: on when the transfer or the autocast dtype is float16).
         gpu_mem: the memory budget in bytes (default: the plan's capacity) checked against the
             CUDA device.
         trace: record an event trace of every step (costs one synchronisation per step).
@@ -144,7 +144,9 @@ class SwapTrainer:
         amp = parse_dtype(autocast, "autocast dtype")
         if amp is None and xfer in (torch.float16, torch.bfloat16):
             amp = xfer
-        scaler = LossScaler() if (loss_scale if loss_scale is not None else xfer == torch.float16) else None
+        if loss_scale is None:  # float16 gradients underflow without it, from fp16 weights or compute
+            loss_scale = torch.float16 in (xfer, amp)
+        scaler = LossScaler() if loss_scale else None
 
         host_modules = [m.to(master_dtype) for m in pkg.build_submodels()]
         if state_dict is not None:
@@ -368,13 +370,14 @@ class SwapTrainer:
         """A short text form: sub-models, their sizes, and the step's settings."""
         from atomc.units import format_bytes
         s = self.store
+        pinned = s.pinned_bytes() + self.executor.pinned_bytes()
         acts = "keep" if self.executor.keep else "recompute"
         if self.executor.offload_activations:
             acts += " (boundary activations offloaded)"
         lines = [(f"swap trainer: {len(s.layouts)} sub-models on {self.device}, C = {self.accum}, "
                   f"micro-batch {self.micro_batch_size}, activations {acts}"),
                  (f"  master {str(s.master_dtype)[6:]}, transfer {str(s.transfer_dtype)[6:]}, "
-                  f"host {format_bytes(s.host_bytes())} (pinned {format_bytes(s.pinned_bytes())})")]
+                  f"host {format_bytes(s.host_bytes())} (pinned {format_bytes(pinned)})")]
         for L in s.layouts:
             tied = sum(1 for e in L.entries if not e.owned)
             lines.append(f"  P{L.index}: {format_bytes(s.param_bytes(L.index)):>11s} in {len(L.entries)} "
@@ -510,29 +513,43 @@ def _initial_state_dict(pkg: SwapPackage, seed: int) -> dict[str, torch.Tensor] 
 
 
 def check_device_memory(capacity_bytes: int, device_bytes: int, submodel_bytes: Sequence[int],
-                        device_name: str) -> None:
-    """Refuse a device smaller than the budget, naming the first sub-model that will not fit.
+                        device_name: str, free_bytes: int | None = None) -> None:
+    """Refuse a device the plan does not fit, naming the first sub-model that will not fit.
 
     `submodel_bytes[i]` is what sub-model i needs on the device while it computes (with the
-    next one loading). Budgets within the device's memory pass.
+    next one loading). The plan's budget must be within the device's memory (`device_bytes`),
+    and, when `free_bytes` is given, every sub-model's need within the memory free now: other
+    processes (or this one's tensors) may hold part of the device.
     """
-    if capacity_bytes <= device_bytes:
+    from atomc.units import format_bytes as fmt
+    has = f"{device_name} has {fmt(device_bytes)} in total"
+    if free_bytes is not None:
+        has += f", {fmt(free_bytes)} of it free"
+    if capacity_bytes > device_bytes:
+        culprit = next((i for i, b in enumerate(submodel_bytes) if b > device_bytes), None)
+        if culprit is None:
+            culprit = max(range(len(submodel_bytes)), key=lambda i: submodel_bytes[i])
+        raise RuntimeMismatchError(
+            f"{has}, but the plan was made for {fmt(capacity_bytes)}; sub-model {culprit} needs "
+            f"{fmt(submodel_bytes[culprit])} while it computes and will not fit: re-plan with "
+            f"--gpu-mem {fmt(device_bytes)} or less")
+    if free_bytes is None:
         return
-    from atomc.units import format_bytes
-    culprit = next((i for i, b in enumerate(submodel_bytes) if b > device_bytes), None)
-    if culprit is None:
-        culprit = max(range(len(submodel_bytes)), key=lambda i: submodel_bytes[i])
-    raise RuntimeMismatchError(
-        f"{device_name} has {format_bytes(device_bytes)}, but the plan was made for "
-        f"{format_bytes(capacity_bytes)}; sub-model {culprit} needs {format_bytes(submodel_bytes[culprit])} "
-        f"while it computes and will not fit: re-plan with --gpu-mem {format_bytes(device_bytes)} or less")
+    culprit = next((i for i, b in enumerate(submodel_bytes) if b > free_bytes), None)
+    if culprit is not None:
+        raise RuntimeMismatchError(
+            f"{has}; sub-model {culprit} needs {fmt(submodel_bytes[culprit])} while it computes and "
+            f"will not fit in the free memory: free device memory (other processes, tensors held), or "
+            f"re-plan with --gpu-mem {fmt(free_bytes)} or less")
 
 
 def _check_device_memory(dev: torch.device, pkg: SwapPackage, store: HostStore, plan: Any,
                          gpu_mem: int | None) -> None:
     if dev.type != "cuda":
         return  # not enforced on the CPU
-    total = torch.cuda.get_device_properties(dev).total_memory
+    free, total = torch.cuda.mem_get_info(dev)
+    # memory this process's caching allocator holds but does not use is free for the executor too
+    free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
     capacity = gpu_mem if gpu_mem is not None else (plan.get("capacity_bytes") if plan is not None
                                                     else pkg.plan.get("capacity_bytes"))
     k = len(store.layouts)
@@ -545,4 +562,5 @@ def _check_device_memory(dev: torch.device, pkg: SwapPackage, store: HostStore, 
         need = [2 * (store.param_bytes(i) + slot_bytes) for i in range(k)]
     if capacity is None:
         capacity = max(need)
-    check_device_memory(int(capacity), total, need, f"{dev} ({torch.cuda.get_device_name(dev)})")
+    check_device_memory(int(capacity), total, need, f"{dev} ({torch.cuda.get_device_name(dev)})",
+                        free_bytes=free)

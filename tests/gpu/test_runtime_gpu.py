@@ -70,6 +70,18 @@ def test_cuda_executor_equals_cpu_path(tmp_path):
     assert replay_residency(trace, {s: h[0] for s, h in enumerate(cuda.executor.slot_holds) if h}) <= 2
     lanes = {e.lane for e in trace.events}
     assert {"compute", "prefetch", "offload", "optimizer"} <= lanes
+    # pinned host memory: one arena per kind (images, gradients, activation stash)
+    stash = cuda.executor._stash_arena
+    assert cuda.store.image_arena.storage.is_pinned() and stash is not None and stash.storage.is_pinned()
+    assert all(b.is_pinned() for b in cuda.executor._stash_host.values())
+    assert cuda.store.pinned_bytes() >= cuda.store.image_arena.nbytes + cuda.store.grad_arena.nbytes
+    # a batch already on the device (made on the caller's stream, freed right after the step)
+    on_device = SwapTrainer.from_package(pkg, device="cuda", state_dict=state, optimizer=opt,
+                                         offload_activations=True)
+    losses = [on_device.step(b.cuda()) for b in batches(3, 2)]
+    assert losses == pytest.approx(runs["cuda"][0], rel=1e-10)
+    close(on_device.export_state_dict(), runs["cuda"][1], 1e-9)
+    on_device.close()
     for _, _, t in runs.values():
         t.close()
 
@@ -98,7 +110,7 @@ def test_cuda_dropout_equals_plain_training_on_the_gpu(tmp_path):
 
 def test_cuda_bf16_transfer_and_resume(tmp_path):
     pkg = make_package(tmp_path, "tiny", ("add_1", "h_1_ln_1"), 2)
-    data = batches(4, 2)
+    data = batches(1, 2) * 4  # one batch, repeated: the loss must fall (fresh random tokens need not)
     full = SwapTrainer.from_package(pkg, device="cuda", transfer_dtype="bfloat16", optimizer={"lr": 1e-2})
     assert full.store.image[0].dtype == torch.bfloat16 and full.store.master[0].dtype == torch.float32
     ckpt = tmp_path / "c.pt"
