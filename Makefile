@@ -31,6 +31,7 @@ bench: install
 	$(BIN)/python bench/profile_bench.py
 	$(BIN)/python bench/partition_bench.py
 	$(BIN)/python bench/schedule_bench.py
+	$(BIN)/python bench/layout_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

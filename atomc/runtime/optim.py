@@ -11,7 +11,7 @@ sees updated weights.
   CPU kernels vectorise from each tensor's start and finish with a scalar tail, and FMA
   contraction differs between the two paths: the per-parameter views make the update the
   same bits as on the original tensors. The default implementation is torch's fused CPU
-  kernel, about 10x faster than the foreach and for-loop ones here (see docs/runtime.md).
+  kernel, about 10x faster than the foreach and for-loop ones here (see the README, "Host store, optimizer and tied weights").
 - Without clipping or loss scaling, sub-model i is updated as soon as its gradients are on
   the host, in backward order, overlapping the rest of the backward ("eager").
 - Global gradient-norm clipping and dynamic fp16 loss scaling need every gradient first:
