@@ -1,6 +1,6 @@
 """Layout benchmark: the scheduled DT-FM layout vs a random one, 4 processes, emulated network.
 
-    python bench/layout_bench.py                 # prints a table, writes bench/RESULTS_layout.md
+    python bench/layout_bench.py                 # prints the report (record it in bench/RESULTS.md)
     python bench/layout_bench.py --steps 8 --regions Oregon:2,Frankfurt:2 --rate-scale 0.05
 
 What it does:
@@ -55,7 +55,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--regions", default="Oregon:2,Frankfurt:2", help="4 devices in DT-FM regions")
     p.add_argument("--rate-scale", type=float, default=0.05, help="multiply every link's bandwidth")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
-    p.add_argument("--output", default=str(ROOT / "bench" / "RESULTS_layout.md"))
+    p.add_argument("--output", help="also write the report (markdown) to this file; "
+                   "copy what you measured into bench/RESULTS.md")
     p.add_argument("--keep", help="keep the work directory here")
     return p.parse_args()
 
@@ -233,8 +234,9 @@ def main() -> int:
     print(f"baseline (loopback, no shaping): step {base_mean:.0f} +- {base_sd:.0f} ms")
     report = render(args, net, plan, rows, base_mean, base_sd, delay_mode, time.time() - t0)
     print("\n" + report)
-    Path(args.output).write_text(report)
-    print(f"wrote {args.output}")
+    if args.output:
+        Path(args.output).write_text(report)
+        print(f"wrote {args.output}")
     if tmp is not None:
         tmp.cleanup()
     return 0
