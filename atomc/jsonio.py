@@ -9,34 +9,60 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from atomc.errors import IRError
+from atomc.errors import AtomcError, IRError
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
+    mode = "wb" if isinstance(data, bytes) else "w"
+
+    def write(f: IO) -> None:
+        f.write(data)
+
+    return write_atomic_with(path, write, mode)
+
+
+def write_atomic_with(path: str | os.PathLike, write: Callable[[IO], None], mode: str = "wb",
+                      error: type[AtomcError] = IRError) -> Path:
+    """Write through `write(file)` into a temporary file beside `path`, then rename it over."""
     target = Path(path)
     if target.is_dir():
-        raise IRError(f"cannot write {target}: it is a directory; give a file name")
+        raise error(f"cannot write {target}: it is a directory; give a file name")
     target.parent.mkdir(parents=True, exist_ok=True)
-    mode = "wb" if isinstance(data, bytes) else "w"
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, mode) as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file normal permissions
+        os.chmod(tmp, 0o666 & ~umask())  # mkstemp makes 0600; give the file normal permissions
         os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    _fsync_dir(target.parent)
     return target
 
 
-def _umask() -> int:
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename durable: fsync the directory that holds it."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # file systems without directory fsync
+        pass
+    finally:
+        os.close(fd)
+
+
+def umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask

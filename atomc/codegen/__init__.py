@@ -34,6 +34,7 @@ import torch
 from atomc import __version__
 from atomc.errors import CodegenError
 from atomc.ir import Plan, Profile
+from atomc.jsonio import umask
 
 __all__ = ["emit", "emit_plan", "generate", "load_package", "retrace"]
 
@@ -136,7 +137,7 @@ def generate(plan: Plan, out_dir: str | Path, *, traced: Any = None, profile: Pr
     try:
         for name, text in sorted(files.items()):
             (tmp / name).write_text(text, encoding="utf-8")
-        os.chmod(tmp, 0o777 & ~_umask())
+        os.chmod(tmp, 0o777 & ~umask())
         _self_check(tmp, traced, pieces)
         _install(tmp, out)
     except BaseException:
@@ -185,12 +186,6 @@ def load_package(path: str | Path) -> ModuleType:
 
 
 # ---------------------------------------------------------------------------------------------
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _check_target(out: Path) -> None:

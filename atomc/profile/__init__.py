@@ -15,10 +15,12 @@ Operators with equal signatures (target, hyperparameters, shapes, dtypes) are me
 from __future__ import annotations
 
 import platform
+
 import torch
 from tqdm import tqdm
 
 from atomc import __version__
+from atomc.device import parse_device
 from atomc.errors import ProfileError
 from atomc.ir import NodeCost, Profile
 from atomc.profile.estimate import estimate_ms, load_ms
@@ -28,27 +30,9 @@ from atomc.profile.ops import MetaStats, analyse
 from atomc.profile.timing import CopyTimer
 from atomc.trace import TracedModel
 
-__all__ = ["profile_model", "hardware_names", "load_hardware"]
+__all__ = ["hardware_names", "load_hardware", "profile_model"]
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
-
-
-def parse_device(text: str) -> torch.device:
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise ProfileError(f"device {text!r} is not a device; expected cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ProfileError(f"device {text} asked for, but this machine has no CUDA device; "
-                               f"use --device cpu, or --target NAME to estimate for a GPU")
-        index = device.index or 0
-        if index >= torch.cuda.device_count():
-            raise ProfileError(f"device {text} does not exist: {torch.cuda.device_count()} CUDA devices")
-        return torch.device("cuda", index)
-    if device.type != "cpu":
-        raise ProfileError(f"device {text!r} is not supported; expected cpu, cuda or cuda:N")
-    return device
 
 
 def describe_device(device: torch.device) -> str:
@@ -63,7 +47,7 @@ def profile_model(traced: TracedModel, *, device: str | None = None, target: str
     if device is not None and target is not None:
         raise ProfileError("give either --device (measure) or --target (estimate), not both")
     hw = load_hardware(target) if target is not None else None
-    dev = parse_device(device or ("cuda" if torch.cuda.is_available() else "cpu")) if hw is None else None
+    dev = parse_device(device, ProfileError) if hw is None else None
     if hw is not None:
         compute_dtype = compute_dtype or hw.default_dtype
         if compute_dtype not in hw.peak_tflops:

@@ -12,14 +12,13 @@ loaded and nothing is written.
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from atomc.errors import RuntimeMismatchError
+from atomc.jsonio import write_atomic_with
 
 FORMAT = "atomc.swap-checkpoint"
 VERSION = 1
@@ -55,31 +54,9 @@ def _feed(h: Any, obj: Any) -> None:
 
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> Path:
-    target = Path(path)
-    if target.is_dir():
-        raise RuntimeMismatchError(f"checkpoint path {target} is a directory; give a file name")
-    target.parent.mkdir(parents=True, exist_ok=True)
+    """Write `state` with its checksum; a crash leaves the old checkpoint or the new one."""
     payload = {"format": FORMAT, "version": VERSION, "checksum": checksum(state), "state": state}
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    try:  # make the rename itself durable
-        dir_fd = os.open(target.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError:  # pragma: no cover - file systems without directory fsync
-        pass
-    return target
+    return write_atomic_with(path, lambda f: torch.save(payload, f), "wb", RuntimeMismatchError)
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:

@@ -15,15 +15,14 @@ sub-model's output, and every tied holder exists.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from atomc.errors import RuntimeMismatchError
+from atomc.codegen import load_package
+from atomc.errors import CodegenError, RuntimeMismatchError
 
 REQUIRED = ("SUBMODELS", "MODEL_INPUTS", "BOUNDARIES", "PLAN", "PARAM_NAMES", "TIED",
             "build_submodels", "load_original_state_dict", "export_state_dict")
@@ -102,26 +101,10 @@ class SwapPackage:
 
 
 def import_package(path: str | Path) -> ModuleType:
-    p = Path(path)
-    init = p / "__init__.py"
-    if not init.is_file():
-        raise RuntimeMismatchError(
-            f"{p} is not a generated package (no __init__.py); give the directory `atomc codegen` wrote")
-    digest = hashlib.sha256(str(p.resolve()).encode()).hexdigest()[:12]
-    name = f"atomc_pkg_{p.name}_{digest}"
-    if name in sys.modules:
-        del sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(p)])
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[name]
-        raise RuntimeMismatchError(f"generated package {p} does not import ({type(e).__name__}: {e}); "
-                                   f"regenerate it with `atomc codegen`") from e
-    return module
+        return load_package(path)
+    except CodegenError as e:
+        raise RuntimeMismatchError(str(e)) from e
 
 
 def load_swap_package(path: str | Path) -> SwapPackage:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from atomc.device import parse_device
 from atomc.errors import ModelFileError, RuntimeMismatchError, UsageError
 from atomc.jsonio import read_json
 from atomc.runtime.checkpoint import load_checkpoint, save_checkpoint
@@ -110,7 +111,7 @@ class SwapTrainer:
             bit for bit, keeping C copies of the tied weight's gradient on the device.
         """
         pkg = load_swap_package(generated_dir)
-        dev = _parse_device(device)
+        dev = parse_device(device)
         plan_obj = _check_plan(pkg, plan)
         C = int(accum if accum is not None else pkg.plan.get("accum", 1))
         if C < 1:
@@ -421,25 +422,6 @@ def _original_order(pkg: SwapPackage) -> list[str]:
             group.setdefault(fqn, fqn)
     names = pkg.original_names or tuple(fqn for names in pkg.param_names for fqn in names.values())
     return [group[k] for k in names if k in group]
-
-
-def _parse_device(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise UsageError(f"device {device!r} is not a device; expected cpu, cuda or cuda:N") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError(f"device {device} asked for, but this machine has no CUDA device; use device='cpu'")
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        if index >= torch.cuda.device_count():
-            raise UsageError(f"device {device} does not exist: {torch.cuda.device_count()} CUDA devices")
-        return torch.device("cuda", index)
-    if dev.type != "cpu":
-        raise UsageError(f"device {device!r} is not supported; expected cpu, cuda or cuda:N")
-    return dev
 
 
 def _raw_hash(data: dict[str, Any]) -> str:

@@ -1,0 +1,28 @@
+"""Parsing a user's device name into a torch.device that exists on this machine."""
+
+from __future__ import annotations
+
+import torch
+
+from atomc.errors import AtomcError, UsageError
+
+
+def parse_device(text: str | torch.device | None, error: type[AtomcError] = UsageError) -> torch.device:
+    """cpu, cuda or cuda:N; None means CUDA when present, else the CPU."""
+    if text is None:
+        text = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(text)
+    except (RuntimeError, TypeError):
+        raise error(f"device {text!r} is not a device; expected cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise error(f"device {text} asked for, but this machine has no CUDA device; "
+                        f"use cpu, or (for profiles) --target NAME to estimate for a GPU")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise error(f"device {text} does not exist: {torch.cuda.device_count()} CUDA devices")
+        return torch.device("cuda", index)
+    if device.type != "cpu":
+        raise error(f"device {text!r} is not supported; expected cpu, cuda or cuda:N")
+    return device
