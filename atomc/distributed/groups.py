@@ -6,7 +6,8 @@ input:  a DT-FM layout (D_PP stages x D_DP replicas, rank = replica * D_PP + sta
         runs on)
 output: a `Placement` (this rank's (replica, stage), its sub-model range, the world rank of every
         tasklet) and, once torch.distributed is up, a `Groups` (data-parallel group of the stage,
-        pipeline group of the replica, groups of the stages that hold a tied weight)
+        pipeline group of the replica, groups of the stages that hold a tied weight, and one
+        group per direction of each pipeline link)
 
 A layout names *logical* ranks; torchrun hands out *world* ranks (on several machines in
 rendezvous order). When every process says which device it runs on (ATOMC_DEVICE), tasklets
@@ -277,10 +278,14 @@ class Groups:
     tied: dict[tuple[int, ...], Any]  # stage set -> this replica's group over those stages
     dp_ranks: tuple[int, ...]
     pipeline_ranks: tuple[int, ...]
+    # (source, destination) world ranks -> the group of that direction of a pipeline link, for
+    # the links this rank is on: activations stage j -> j+1, gradients j+1 -> j (pipeline.py)
+    links: dict[tuple[int, int], Any] = field(default_factory=dict)
 
 
 def build_groups(placement: Placement, tied_stage_sets: list[tuple[int, ...]]) -> Groups:
-    """New groups for data parallelism, pipelines and tied weights (collective over the world)."""
+    """New groups for data parallelism, pipelines, tied weights and pipeline links (collective
+    over the world: every rank creates every group, in the same order)."""
     import torch.distributed as dist
 
     lay = placement.layout
@@ -305,7 +310,35 @@ def build_groups(placement: Placement, tied_stage_sets: list[tuple[int, ...]]) -
             g = _new_group(dist, tuple(placement.world(i, j) for j in stages))
             if i == placement.replica and placement.stage in stages:
                 tied[stages] = g
-    return Groups(dp_group, pipe_group, tied, dp_ranks, pipe_ranks)
+    return Groups(dp_group, pipe_group, tied, dp_ranks, pipe_ranks, link_groups(placement, dist))
+
+
+def link_directions(layout: LayoutView, world: Any) -> list[tuple[int, int]]:
+    """Every direction of every pipeline link as (source, destination) world ranks, in the order
+    the groups are created: replica by replica, stage boundary by boundary, activations (j ->
+    j+1) then gradients (j+1 -> j). `world(replica, stage)` gives a tasklet's world rank."""
+    out = []
+    for i in range(layout.dp):
+        for j in range(layout.pp - 1):
+            a, b = world(i, j), world(i, j + 1)
+            out += [(a, b), (b, a)]
+    return out
+
+
+def link_groups(placement: Placement, dist: Any) -> dict[tuple[int, int], Any]:
+    """One two-rank group per direction of each pipeline link (collective over the world).
+
+    NCCL runs all sends and receives between two ranks of one group on one stream, in issue
+    order, ignoring tags: with both directions in one group, a gradient receive posted ahead
+    would block the activations behind it (and the other rank the same way round). A group of
+    its own gives each direction its own communicator and stream, where FIFO order is right.
+    """
+    out = {}
+    for src, dst in link_directions(placement.layout, placement.world):
+        g = _new_group(dist, (src, dst))
+        if placement.world_rank in (src, dst):
+            out[(src, dst)] = g
+    return out
 
 
 def _new_group(dist: Any, ranks: tuple[int, ...]) -> Any:

@@ -8,7 +8,15 @@ output: the order of forward (F m) and backward (B m) tasks of one step (GPipe, 
 
 A stage's three slots of DT-FM section 3.5 (receive, compute, send) overlap: receives are posted
 ahead of use, sends are posted and only waited for at the end of the step; on CUDA they run on
-their own streams. All values of one micro-batch travel as ONE byte buffer, whatever their dtypes.
+their own streams. All values of one micro-batch travel as ONE byte buffer, whatever their dtypes
+(each value at a 16-byte aligned offset in it).
+
+Ordering (NCCL): NCCL ignores tags and runs every send and receive between two ranks of one
+process group on one stream in issue order, a receive blocking that stream until its send
+arrives. So each direction of each link has a process group of its own (`groups.build_groups`:
+activations stage j -> j+1 on one, their gradients j+1 -> j on another): inside one direction
+the sender's sends and the receiver's receives come in the same (micro-batch) order, and a
+receive posted ahead in one direction never waits behind the other direction's traffic.
 
 Boundary values that are not tensors (sizes, devices, flags a cut happens to cross) are handled
 by shape agreement: the first message of a link is a header listing every value's name, shape,
@@ -186,25 +194,43 @@ def parse_header(raw: bytes) -> tuple[Entry, ...]:
     return tuple(Entry(n, k, tuple(s), d, bool(g), v) for n, k, s, d, g, v in json.loads(raw.decode()))
 
 
+ALIGN = 16  # every value starts at a multiple of this in a packed buffer (any dtype's itemsize)
+
+
+def _padded(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def packed_bytes(entries: list[Entry] | tuple[Entry, ...]) -> int:
+    """Bytes of the buffer `pack` fills for these (tensor) entries: each padded to ALIGN."""
+    return sum(_padded(e.num_bytes) for e in entries)
+
+
 def pack(tensors: list[torch.Tensor], total: int, device: torch.device) -> torch.Tensor:
+    """Tensors of any dtypes into one byte buffer, each at an ALIGN-aligned offset (the padding
+    bytes are left as they are); `total` is `packed_bytes` of their entries."""
     buf = torch.empty(total, dtype=torch.uint8, device=device)
     off = 0
     for t in tensors:
         n = t.numel() * t.element_size()
         if n:
             buf[off:off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
-        off += n
+        off += _padded(n)
+    if off != total:
+        raise RuntimeMismatchError(f"packed {off} bytes into a buffer of {total}; the boundary values "
+                                   f"do not match their header")
     return buf
 
 
 def unpack(buf: torch.Tensor, entries: list[Entry]) -> list[torch.Tensor]:
+    """Views into `buf` (a packed buffer) with the entries' shapes and dtypes."""
     out, off = [], 0
     for e in entries:
         n = e.num_bytes
         t = buf[off:off + n].view(_dtype(e.dtype)).view(e.shape) if n else \
             torch.empty(e.shape, dtype=_dtype(e.dtype), device=buf.device)
         out.append(t)
-        off += n
+        off += _padded(n)
     return out
 
 
@@ -214,10 +240,17 @@ def unpack(buf: torch.Tensor, entries: list[Entry]) -> list[torch.Tensor]:
 
 class _DelayLine:
     """Posts each send `delay_s` after it was handed over, in order, from its own thread: the
-    link delay when the kernel cannot add it (no `tc netem`). Bandwidth is left to `tc`."""
+    link delay when the kernel cannot add it (no `tc netem`). Bandwidth is left to `tc`.
 
-    def __init__(self, delay_s: float, name: str):
+    One line per destination rank; a rank sends only one kind of traffic to a neighbour
+    (activations to the next stage, gradients to the previous), so each process group is used
+    by one thread of this process only. The future of a send gives its work object for
+    `Transport.flush` to wait for (on CUDA: its stream waits), or None when it was waited for
+    here already (gloo: in posting order, one send after another)."""
+
+    def __init__(self, delay_s: float, name: str, wait_here: bool):
         self.delay_s = delay_s
+        self.wait_here = wait_here
         self.q: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
@@ -237,8 +270,11 @@ class _DelayLine:
             if wait > 0:
                 time.sleep(wait)
             try:
-                post().wait()
-                fut.set_result(None)
+                work = post()
+                if self.wait_here:
+                    work.wait()
+                    work = None  # gloo's work cannot be waited for twice
+                fut.set_result(work)
             except BaseException as e:  # noqa: BLE001 - surfaced when the step waits for its sends
                 fut.set_exception(e)
 
@@ -248,14 +284,34 @@ class _DelayLine:
 
 
 class Transport:
-    """isend/irecv to world ranks; CUDA sends and receives on their own streams."""
+    """isend/irecv between this rank and its pipeline neighbours.
 
-    def __init__(self, device: torch.device, delay_ms: dict[int, float] | None = None, group: Any = None):
-        import torch.distributed as dist
+    `links` maps (source world rank, destination world rank) to the process group of that
+    direction (see the module docstring); a pair without one uses `group` (default: the world).
+
+    CUDA streams. Sends: the send stream waits for the caller's current stream (the producer of
+    the buffer) when the send is handed over, and the buffer is marked as used on it; the send
+    is posted under that stream, so NCCL's stream waits for the producer, also when a delay
+    line posts it later from its own thread. Receives: the transport allocates the receive
+    buffer itself, on the receive stream, and posts the receive under that stream; nothing else
+    ever used that memory (the caching allocator keeps a block on the stream it was allocated
+    on, and a block the caller's stream read is only reused there once those reads are done),
+    so the receive does not wait for the caller's queued compute - the overlap the separate
+    stream is for - and cannot overwrite memory a queued kernel still reads. `finish_recv`
+    makes the caller's stream wait for the receive and marks the buffer as used there.
+    """
+
+    def __init__(self, device: torch.device, delay_ms: dict[int, float] | None = None, group: Any = None,
+                 *, links: dict[tuple[int, int], Any] | None = None, rank: int | None = None,
+                 dist: Any = None):
+        if dist is None:
+            import torch.distributed as dist
 
         self.dist = dist
         self.device = device
         self.group = group
+        self.links = dict(links or {})
+        self.rank = rank if rank is not None else (dist.get_rank() if self.links else -1)
         self.cuda = device.type == "cuda"
         self.send_stream = torch.cuda.Stream(device) if self.cuda else None
         self.recv_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -267,41 +323,56 @@ class Transport:
     def _ctx(self, stream: Any) -> Any:
         return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
+    def group_to(self, dst: int) -> Any:
+        return self.links.get((self.rank, dst), self.group)
+
+    def group_from(self, src: int) -> Any:
+        return self.links.get((src, self.rank), self.group)
+
+    def delay_s(self, ranks: list[int] | tuple[int, ...]) -> float:
+        """The largest emulated one-way delay (seconds) from this rank to any of `ranks`."""
+        return max([self.delay_ms.get(r, 0.0) for r in ranks] + [0.0]) / 1e3
+
     def isend(self, buf: torch.Tensor, dst: int, tag: int) -> None:
         self.bytes_sent += buf.numel() * buf.element_size()
         if self.cuda:
-            self.send_stream.wait_stream(torch.cuda.current_stream(self.device))
+            self.send_stream.wait_stream(torch.cuda.current_stream(self.device))  # the producer
             buf.record_stream(self.send_stream)
+        group = self.group_to(dst)
 
         def post() -> Any:
             with self._ctx(self.send_stream):
-                return self.dist.isend(buf, dst, group=self.group, tag=tag)
+                return self.dist.isend(buf, dst, group=group, tag=tag)
 
         delay = self.delay_ms.get(dst, 0.0)
         if delay > 0:
             line = self._lines.get(dst)
             if line is None:
-                line = self._lines[dst] = _DelayLine(delay / 1e3, f"atomc-link-{dst}")
+                line = self._lines[dst] = _DelayLine(delay / 1e3, f"atomc-link-{dst}", wait_here=not self.cuda)
             self.pending.append((line.submit(post), buf))
         else:
             self.pending.append((post(), buf))
 
-    def irecv(self, buf: torch.Tensor, src: int, tag: int) -> Any:
+    def irecv(self, numel: int, dtype: torch.dtype, src: int, tag: int) -> tuple[Any, torch.Tensor]:
+        """Post a receive into a new buffer of `numel` elements; returns (work, buffer)."""
+        group = self.group_from(src)
         with self._ctx(self.recv_stream):
-            return self.dist.irecv(buf, src, group=self.group, tag=tag)
+            buf = torch.empty(numel, dtype=dtype, device=self.device)  # on the receive stream
+            return self.dist.irecv(buf, src, group=group, tag=tag), buf
 
     def finish_recv(self, work: Any, buf: torch.Tensor) -> None:
         work.wait()
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.recv_stream)
-            buf.record_stream(torch.cuda.current_stream(self.device))
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_stream(self.recv_stream)
+            buf.record_stream(cur)
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait for every send posted so far (their buffers may then be reused)."""
         for work, _ in self.pending:
             if isinstance(work, Future):
-                work.result(timeout=timeout_s)
-            else:
+                work = work.result(timeout=timeout_s)
+            if work is not None:
                 work.wait()
         self.pending.clear()
 
@@ -345,11 +416,11 @@ class Link:
 
     @property
     def act_bytes(self) -> int:
-        return sum(e.num_bytes for e in self.tensor_entries)
+        return packed_bytes(self.tensor_entries)
 
     @property
     def grad_bytes(self) -> int:
-        return sum(e.num_bytes for e in self.grad_entries)
+        return packed_bytes(self.grad_entries)
 
     # ---- sender side ---------------------------------------------------------------------------
 
@@ -384,8 +455,7 @@ class Link:
             self._grads_expected = 0
             return
         while self._grads_expected > 0 and len(self._grad_q) < self.window:
-            buf = torch.empty(self.grad_bytes, dtype=torch.uint8, device=self.t.device)
-            self._grad_q.append((self.t.irecv(buf, self.peer, TAG_GRAD), buf))
+            self._grad_q.append(self.t.irecv(self.grad_bytes, torch.uint8, self.peer, TAG_GRAD))
             self._grads_expected -= 1
 
     def recv_grads(self) -> dict[str, torch.Tensor]:
@@ -410,16 +480,13 @@ class Link:
             self._acts_expected = 0
             return
         while self._acts_expected > 0 and len(self._recv_q) < self.window:
-            buf = torch.empty(self.act_bytes, dtype=torch.uint8, device=self.t.device)
-            self._recv_q.append((self.t.irecv(buf, self.peer, TAG_ACT), buf))
+            self._recv_q.append(self.t.irecv(self.act_bytes, torch.uint8, self.peer, TAG_ACT))
             self._acts_expected -= 1
 
     def _recv_header(self) -> None:
-        size = torch.zeros(1, dtype=torch.int64, device=self.t.device)
-        w = self.t.irecv(size, self.peer, TAG_HEADER)
+        w, size = self.t.irecv(1, torch.int64, self.peer, TAG_HEADER)
         self.t.finish_recv(w, size)
-        head = torch.empty(int(size.item()), dtype=torch.uint8, device=self.t.device)
-        w = self.t.irecv(head, self.peer, TAG_HEADER)
+        w, head = self.t.irecv(int(size.item()), torch.uint8, self.peer, TAG_HEADER)
         self.t.finish_recv(w, head)
         entries = parse_header(bytes(head.cpu().tolist()))
         names = tuple(e.name for e in entries)

@@ -184,7 +184,8 @@ class LayoutTrainer:
                 if r != world_rank:
                     delays[r] = self.place.link_delay_ms(r)
         self.dp_mode = cfg.dp_reduce if cfg.dp_reduce != "auto" else ("p2p" if cfg.emulate_delay else "allreduce")
-        self.transport = Transport(self.device, delays)
+        # one process group per link direction (groups.link_groups): see pipeline.py, Ordering
+        self.transport = Transport(self.device, delays, links=self.groups.links, rank=world_rank)
         where = f"replica {self.place.replica} stage {j}"
         self.link_in = Link(self.transport, self.place.prev, self.spec.recv, window=cfg.window,
                             where=where) if j > 0 and self.spec.recv else None
@@ -317,28 +318,9 @@ class LayoutTrainer:
         M = len(micro)
         st = self.stage
         st.begin_step(M, self.step_count) if self.swapped else st.begin_step(M)
-        if self.link_in is not None:
-            self.link_in.expect(M)
-        if self.link_out is not None:
-            self.link_out.expect_grads(M)
-        received: dict[int, dict[str, Any]] = {}
-        losses: list[torch.Tensor] = []
-        if getattr(st, "batched", False):
-            self._run_batched(micro, received, losses)
-        else:
-            for kind, m in schedule(self.schedule_name, M, self.spec.index, self.spec.num_stages):
-                if kind == "F":
-                    received[m] = self.link_in.recv() if self.link_in is not None else {}
-                    out = st.forward(m, received[m], micro[m])
-                    if self.spec.holds_output:
-                        losses.append(out.detach())
-                    elif self.link_out is not None:
-                        self.link_out.send(out)
-                else:
-                    grads = self.link_out.recv_grads() if self.link_out is not None else None
-                    in_grads = st.backward(m, grads)
-                    if self.link_in is not None:
-                        self.link_in.send_grads(in_grads, received.pop(m))
+        ops = None if getattr(st, "batched", False) else \
+            schedule(self.schedule_name, M, self.spec.index, self.spec.num_stages)
+        losses = run_tasks(st, ops, micro, self.link_in, self.link_out, self.spec.holds_output)
         self.transport.flush(self.cfg.timeout_s)
         st.end_step()
         self._reduce_and_update()
@@ -352,27 +334,6 @@ class LayoutTrainer:
                 self.step_count % self.cfg.checkpoint_every == 0:
             self.save_checkpoint()
         return loss
-
-    def _run_batched(self, micro: list[tuple], received: dict[int, dict[str, Any]],
-                     losses: list[torch.Tensor]) -> None:
-        """A swapped stage: every micro-batch's forward through each sub-model in turn, then the
-        backward in reverse (ATOM's order). Its neighbours run GPipe, which sends and expects
-        the same messages in the same order."""
-        st = self.stage
-        M = len(micro)
-        for m in range(M):
-            received[m] = self.link_in.recv() if self.link_in is not None else {}
-        outs = st.forward_all([received[m] for m in range(M)], micro)
-        if self.spec.holds_output:
-            losses.extend(outs)
-        elif self.link_out is not None:
-            for out in outs:
-                self.link_out.send(out)
-        grads = [self.link_out.recv_grads() if self.link_out is not None else None for _ in range(M)]
-        in_grads = st.backward_all(grads)
-        if self.link_in is not None:
-            for m in range(M):
-                self.link_in.send_grads(in_grads[m], received.pop(m))
 
     def _global_loss(self, losses: list[torch.Tensor], M: int) -> float | None:
         if not self.spec.holds_output:
@@ -428,14 +389,17 @@ class LayoutTrainer:
              direct: bool = False) -> None:
         """Sum (or average) gradients over `ranks` in one flat buffer per dtype. Over point-to-point
         sends, `direct` swaps whole buffers in one round (one link delay; for the few stages that
-        share a tied weight), otherwise DT-FM's sharded exchange (two rounds, 1/n of the bytes each)."""
+        share a tied weight), otherwise DT-FM's sharded exchange (two rounds, 1/n of the bytes each).
+        The buffer is on this rank's device (a swapped stage's gradients live in host memory,
+        which NCCL cannot send)."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
         for gs in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in gs])
+            flat = torch.cat([g.reshape(-1) for g in gs]).to(self.device)
             if self.dp_mode == "p2p":
-                flat = self._direct_sum(flat, ranks, tag) if direct else self._sharded_sum(flat, ranks, tag)
+                flat = self._direct_sum(flat, ranks, group, tag) if direct else \
+                    self._sharded_sum(flat, ranks, group, tag)
             else:
                 self.dist.all_reduce(flat, group=group)
             if average:
@@ -446,62 +410,56 @@ class LayoutTrainer:
                 g.copy_(flat[off:off + n].view_as(g))
                 off += n
 
-    def _sharded_sum(self, flat: torch.Tensor, ranks: list[int], tag: int) -> torch.Tensor:
+    def _exchange(self, group: Any, sends: list[tuple[torch.Tensor, int]],
+                  recvs: list[tuple[torch.Tensor, int]], tag: int) -> None:
+        """One symmetric round of point-to-point messages inside `group`, all posted together with
+        dist.batch_isend_irecv (NCCL runs them as one group call: every rank sending before it
+        receives cannot block), then waited for. With emulated link delays the round is posted
+        after the largest delay to its peers, when the slowest message would have arrived."""
+        dist = self.dist
+        delay = self.transport.delay_s([r for _, r in sends])
+        if delay > 0:
+            time.sleep(delay)
+        ops = [dist.P2POp(dist.isend, t, r, group, tag) for t, r in sends]
+        ops += [dist.P2POp(dist.irecv, t, r, group, tag) for t, r in recvs]
+        self.transport.bytes_sent += sum(t.numel() * t.element_size() for t, _ in sends)
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+    def _sharded_sum(self, flat: torch.Tensor, ranks: list[int], group: Any, tag: int) -> torch.Tensor:
         """DT-FM's sharded parameter server (eq. 2) over point-to-point sends: rank k owns shard
         k, sums it from every peer (in group order, so all ranks end with identical bits) and
-        sends the sum back. Sends go through the transport, so emulated link delays apply."""
+        sends the sum back. Emulated link delays apply to each of the two rounds."""
         me = ranks.index(self.dist.get_rank())
         n = len(ranks)
         bounds = [flat.numel() * k // n for k in range(n + 1)]
         shard = lambda k: flat[bounds[k]:bounds[k + 1]]
-        t = self.transport
-        recvs = {}
-        for k in range(n):
-            if k != me:
-                t.isend(shard(k).contiguous(), ranks[k], tag)
-                buf = torch.empty_like(shard(me))
-                recvs[k] = (t.irecv(buf, ranks[k], tag), buf)
+        peers = [k for k in range(n) if k != me]
+        parts = {k: torch.empty_like(shard(me)) for k in peers}
+        self._exchange(group, [(shard(k).contiguous(), ranks[k]) for k in peers],
+                       [(parts[k], ranks[k]) for k in peers], tag)
         total = None
         for k in range(n):
-            if k == me:
-                part = shard(me)
-            else:
-                work, part = recvs[k]
-                t.finish_recv(work, part)
+            part = shard(me) if k == me else parts[k]
             total = part.clone() if total is None else total + part
         out = torch.empty_like(flat)
         out[bounds[me]:bounds[me + 1]] = total
-        back = {}
-        for k in range(n):
-            if k != me:
-                t.isend(total, ranks[k], tag + 1)
-                buf = torch.empty(bounds[k + 1] - bounds[k], dtype=flat.dtype, device=flat.device)
-                back[k] = (t.irecv(buf, ranks[k], tag + 1), buf)
-        for k, (work, buf) in back.items():
-            t.finish_recv(work, buf)
-            out[bounds[k]:bounds[k + 1]] = buf
-        t.flush(self.cfg.timeout_s)
+        back = {k: out[bounds[k]:bounds[k + 1]] for k in peers}  # contiguous views, received in place
+        self._exchange(group, [(total, ranks[k]) for k in peers], [(back[k], ranks[k]) for k in peers],
+                       tag + 1)
         return out
 
-    def _direct_sum(self, flat: torch.Tensor, ranks: list[int], tag: int) -> torch.Tensor:
+    def _direct_sum(self, flat: torch.Tensor, ranks: list[int], group: Any, tag: int) -> torch.Tensor:
         """Every rank sends its whole buffer to every other and sums all of them in group order."""
         me = ranks.index(self.dist.get_rank())
-        t = self.transport
-        recvs = {}
-        for k, r in enumerate(ranks):
-            if k != me:
-                t.isend(flat, r, tag)
-                buf = torch.empty_like(flat)
-                recvs[k] = (t.irecv(buf, r, tag), buf)
+        peers = [k for k in range(len(ranks)) if k != me]
+        parts = {k: torch.empty_like(flat) for k in peers}
+        self._exchange(group, [(flat, ranks[k]) for k in peers], [(parts[k], ranks[k]) for k in peers], tag)
         total = None
         for k in range(len(ranks)):
-            if k == me:
-                part = flat
-            else:
-                work, part = recvs[k]
-                t.finish_recv(work, part)
+            part = flat if k == me else parts[k]
             total = part.clone() if total is None else total + part
-        t.flush(self.cfg.timeout_s)
         return total
 
     def _clip_coefficient(self, params: list[tuple[str, Any]]) -> float:
@@ -684,6 +642,51 @@ def _loopback_for_gloo() -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
 
 
+def run_tasks(st: Any, ops: list[tuple[str, int]] | None, micro: list[tuple], link_in: Link | None,
+              link_out: Link | None, holds_output: bool) -> list[torch.Tensor]:
+    """The pipeline part of one step on one rank: post the receives, then run the stage's tasks
+    in `ops` order, or (`ops` None: a batched, swapped stage) ATOM's order. Returns the losses
+    (last stage). Sends are posted, not waited for: the caller flushes the transport."""
+    M = len(micro)
+    if link_in is not None:
+        link_in.expect(M)
+    if link_out is not None:
+        link_out.expect_grads(M)
+    received: dict[int, dict[str, Any]] = {}
+    losses: list[torch.Tensor] = []
+    if ops is None:
+        # every micro-batch's forward through each sub-model in turn, then the backward in reverse.
+        # The neighbours run GPipe, which sends and expects the same messages in the same order.
+        for m in range(M):
+            received[m] = link_in.recv() if link_in is not None else {}
+        outs = st.forward_all([received[m] for m in range(M)], micro)
+        if holds_output:
+            losses.extend(outs)
+        elif link_out is not None:
+            for out in outs:
+                link_out.send(out)
+        grads = [link_out.recv_grads() if link_out is not None else None for _ in range(M)]
+        in_grads = st.backward_all(grads)
+        if link_in is not None:
+            for m in range(M):
+                link_in.send_grads(in_grads[m], received.pop(m))
+        return losses
+    for kind, m in ops:
+        if kind == "F":
+            received[m] = link_in.recv() if link_in is not None else {}
+            out = st.forward(m, received[m], micro[m])
+            if holds_output:
+                losses.append(out.detach())
+            elif link_out is not None:
+                link_out.send(out)
+        else:
+            grads = link_out.recv_grads() if link_out is not None else None
+            in_grads = st.backward(m, grads)
+            if link_in is not None:
+                link_in.send_grads(in_grads, received.pop(m))
+    return losses
+
+
 def stage_resident_bytes(pkg: SwapPackage, spec: StageSpec, cfg: LayoutConfig, in_flight: int) -> int:
     """Device bytes a resident stage needs: weights, gradients and two AdamW moments of its
     sub-models, plus the activations of the micro-batches in flight (the plan's peaks)."""
@@ -739,4 +742,5 @@ def final_state(final_dir: str | Path, num_stages: int) -> tuple[dict[str, torch
     return params, losses
 
 
-__all__ = ["AtomcError", "LayoutConfig", "LayoutTrainer", "check_package", "final_state", "run_layout"]
+__all__ = ["AtomcError", "LayoutConfig", "LayoutTrainer", "check_package", "final_state", "run_layout",
+           "run_tasks"]

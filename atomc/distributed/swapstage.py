@@ -8,8 +8,10 @@ output: a stage executor with the interface of `stage.ResidentStage`, except tha
 
 What comes from the runtime: the host store (flat master, image and gradient buffers, tied
 replicas inside the stage), the per-sub-model AdamW over flat buffers, and the executor's two
-device slots with their loads (`_use`, `_load`, `_done_with_slot`, `_zero_grads`). What is
-added here, because the runtime's `SwapExecutor.run_step` runs a whole model step in one call:
+device slots with their loads, through its public API (`compute`, `adopt`, `use`, `prefetch`,
+`release`, `zero_grads`, `grads_to_host`, `wait_loads`, `update_submodel`; their docstrings give
+the stream contract). What is added here, because the runtime's `SwapExecutor.run_step` runs a
+whole model step in one call:
 
 - the stage's inputs come from the previous stage and carry gradients back to it;
 - a stage that does not hold the model output ends on received output gradients, not a loss;
@@ -20,12 +22,19 @@ added here, because the runtime's `SwapExecutor.run_step` runs a whole model ste
 The schedule inside the stage is ATOM's: each sub-model runs over every micro-batch before the
 next is loaded; the backward recomputes each sub-model from its boundary inputs, replaying the
 RNG state of its forward.
+
+CUDA: `forward_all` and `backward_all` compute on the executor's compute stream (the one its
+loads and gradient copies order themselves with), after the caller's stream (received values,
+micro-batches, which are marked as used on the compute stream); the caller's stream waits for
+them before outputs and gradients go to a Link. Gradient copies to the host run on the offload
+stream, overlapping the next sub-model's backward; the host waits for their events before it
+reads them. `update` rewrites the images only after every load that reads them is done
+(`SwapExecutor.wait_loads`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -79,20 +88,6 @@ def _set_rng_state(device: torch.device, state: tuple) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
-@contextmanager
-def _on_compute_stream(ex: SwapExecutor) -> Iterator[None]:
-    """Run on the executor's compute stream (which its loads order themselves with), after what
-    the caller's stream did (received values), and let the caller's stream wait for it after."""
-    if not ex.cuda:
-        yield
-        return
-    caller = torch.cuda.current_stream(ex.device)
-    ex.compute_stream.wait_stream(caller)
-    with torch.cuda.stream(ex.compute_stream):
-        yield
-    caller.wait_stream(ex.compute_stream)
-
-
 def _float(v: Any) -> bool:
     return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
 
@@ -129,6 +124,7 @@ class SwappedStage:
         self._grad_views = self._make_grad_views()
         self.step = 0
         self.num_micro = 1
+        self._offloads: list[Any] = []  # events of gradient copies to the host not yet waited for
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -175,7 +171,8 @@ class SwappedStage:
                     fqn = names.get(local)
                     if fqn is not None and fqn in state_dict:
                         b.copy_(state_dict[fqn])
-                        tensor_attr(self.ex.modules[i], local).copy_(state_dict[fqn])
+                        tensor_attr(self.ex.module(i), local).copy_(state_dict[fqn])
+        self.ex.wait_loads()  # no load still reads the images
         for i in range(self.k):
             self.store.refresh_images(i)
 
@@ -194,7 +191,8 @@ class SwappedStage:
     def state_dict(self) -> dict[str, Any]:
         return {"masters": [m.detach().clone() for m in self.store.master],
                 "optimizer": self.opt.state_dict(),
-                "buffers": [{n: b.detach().cpu().clone() for n, b in m.named_buffers()} for m in self.ex.modules]}
+                "buffers": [{n: b.detach().cpu().clone() for n, b in self.ex.module(i).named_buffers()}
+                            for i in range(self.k)]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
@@ -203,10 +201,11 @@ class SwappedStage:
                     raise RuntimeMismatchError(f"checkpoint weights of stage sub-model {i} have shape "
                                                f"{tuple(m.shape)}, expected {tuple(self.store.master[i].shape)}")
                 self.store.master[i].copy_(m)
-            for mod, bufs in zip(self.ex.modules, state["buffers"]):
-                own = dict(mod.named_buffers())
+            for i, bufs in enumerate(state["buffers"]):
+                own = dict(self.ex.module(i).named_buffers())
                 for n, b in bufs.items():
                     own[n].copy_(b)
+        self.ex.wait_loads()
         for i in range(self.k):
             self.store.refresh_images(i)
         self.opt.load_state_dict(state["optimizer"])
@@ -223,14 +222,20 @@ class SwappedStage:
             g.zero_()
 
     def _offload(self, i: int) -> None:
-        s = i % self.ex.num_slots
-        n = self.store.layouts[i].numel
-        self.store.grad[i].copy_(self.ex.slot_grads[s][:n])  # waits for the device on CUDA
+        """Sub-model i's gradients to the host store (asynchronous on CUDA: see _host_grads)."""
+        self._offloads.append(self.ex.grads_to_host(i))
+
+    def _host_grads(self) -> None:
+        """Wait for the gradient copies issued so far (the host reads store.grad after this)."""
+        for ev in self._offloads:
+            if ev is not None:
+                ev.synchronize()  # this copy only, not the device
+        self._offloads = []
 
     def forward_all(self, received: list[dict[str, Any]], micro: list[tuple]) -> list[Any]:
         """Every micro-batch through the stage, one sub-model at a time. Returns the values to send
         per micro-batch, or (last stage) the losses, whose backward has already run."""
-        with _on_compute_stream(self.ex):
+        with self.ex.compute():
             return self._forward_all(received, micro)
 
     def _forward_all(self, received: list[dict[str, Any]], micro: list[tuple]) -> list[Any]:
@@ -239,16 +244,19 @@ class SwappedStage:
         for b, r in zip(micro, received):
             env = dict(zip(self.full.model_inputs, b))
             env.update(r)
+            for v in env.values():
+                ex.adopt(v)  # made on the caller's stream, read (and dropped) on the compute stream
             self.envs.append(env)
         self.received = received
         self.rng = [[None] * M for _ in range(k)]
         self.grads: list[dict[str, torch.Tensor]] = [{} for _ in range(M)]
+        self._offloads = []
         forward_only = k - 1 if self.spec.holds_output else k
         for i in range(forward_only):
-            ex._use(i)
+            ex.use(i)
             if i + 1 < k:
-                ex._load(i + 1, wait=False)
-            mod = ex.modules[i]
+                ex.prefetch(i + 1)
+            mod = ex.module(i)
             with torch.no_grad():
                 for m in range(M):
                     env = self.envs[m]
@@ -256,14 +264,14 @@ class SwappedStage:
                     outs = mod(*[env[n] for n in self.sub.inputs[i]])
                     outs = outs if isinstance(outs, tuple) else (outs,)
                     env.update(zip(self.sub.outputs[i], outs))
-            ex._done_with_slot(i)
+            ex.release(i)
         if not self.spec.holds_output:
             return [{n: env[n] for n in self.spec.send} for env in self.envs]
         # the last sub-model of the model: forward, loss and backward per micro-batch, resident
         i = k - 1
-        ex._use(i)
-        ex._zero_grads(i)
-        mod = ex.modules[i]
+        ex.use(i)
+        ex.zero_grads(i)
+        mod = ex.module(i)
         losses = []
         for m in range(M):
             env = self.envs[m]
@@ -272,7 +280,7 @@ class SwappedStage:
             (loss / M).backward()
             self._collect(m, i, args)
             losses.append(loss.detach())
-        ex._done_with_slot(i)
+        ex.release(i)
         self._offload(i)
         return losses
 
@@ -294,7 +302,7 @@ class SwappedStage:
     def backward_all(self, out_grads: list[dict[str, torch.Tensor] | None]) -> list[dict[str, Any]]:
         """Backward of every micro-batch, one sub-model at a time in reverse, recomputing each
         from its boundary inputs. Returns the gradients of the received values."""
-        with _on_compute_stream(self.ex):
+        with self.ex.compute():
             return self._backward_all(out_grads)
 
     def _backward_all(self, out_grads: list[dict[str, torch.Tensor] | None]) -> list[dict[str, Any]]:
@@ -302,14 +310,14 @@ class SwappedStage:
         if not self.spec.holds_output:
             for m in range(M):
                 for n, g in (out_grads[m] or {}).items():
-                    self.grads[m][n] = g
+                    self.grads[m][n] = ex.adopt(g)
         top = k - 2 if self.spec.holds_output else k - 1
         for i in range(top, -1, -1):
-            ex._use(i)
+            ex.use(i)
             if i > 0:
-                ex._load(i - 1, wait=False)
-            ex._zero_grads(i)
-            mod = ex.modules[i]
+                ex.prefetch(i - 1)
+            ex.zero_grads(i)
+            mod = ex.module(i)
             for m in range(M):
                 g_out = [self.grads[m].pop(n, None) for n in self.sub.outputs[i]]
                 if all(g is None for g in g_out):
@@ -326,8 +334,9 @@ class SwappedStage:
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 self._collect(m, i, args)
-            ex._done_with_slot(i)
+            ex.release(i)
             self._offload(i)
+        self._host_grads()
         for i in range(k):
             self.store.reduce_grads(i)  # replicas of tied weights inside the stage into their master
         out = [{n: self.grads[m].get(n) for n in self.spec.recv} for m in range(M)]
@@ -336,18 +345,12 @@ class SwappedStage:
         return out
 
     def update(self, coef: float | None) -> None:
-        """The optimizer on the (reduced) master gradients, then fresh images for the next loads."""
-        lr = self.opt_cfg.lr_at(self.step)
+        """The optimizer on the (reduced) master gradients, then fresh images for the next loads
+        (each sub-model's slot loads again before its next use)."""
         for i in range(self.k):
             if coef is not None:
                 self.store.grad_master[i].mul_(coef)
-            opt = self.opt.optims[i]
-            if opt is not None:
-                for group in opt.param_groups:
-                    group["lr"] = lr
-                opt.step()
-            self.store.refresh_images(i)
-        self.ex.invalidate_slots()
+            self.ex.update_submodel(i, self.step)
 
     def end_step(self) -> None:
         pass

@@ -25,6 +25,10 @@ host), ordered with events only; tensors that cross streams are marked with reco
 CPU (`device="cpu"`): the same code with no streams; a "load" is a copy from the host image
 into the slot buffer, as on the GPU.
 
+Callers that schedule sub-models themselves (the layout runner's swapped stage) drive the slots
+through the public methods `compute`, `adopt`, `use`, `prefetch`, `release`, `zero_grads`,
+`grads_to_host`, `wait_loads` and `update_submodel`; their docstrings state the stream contract.
+
 RNG rule (dropout): micro-batch m of step s draws from its own generator stream, seeded with
 micro_batch_seed(seed, s, m), and consumes it in model order, sub-model after sub-model — the
 order in which the unpartitioned model consumes it. The generator state at the start of each
@@ -366,7 +370,7 @@ class SwapExecutor:
         # shares with the parameter views. With activations="keep", the autograd graph of a
         # sub-model kept from its forward saves those views; a load of another sub-model into
         # the same slot in between would otherwise fail its backward ("modified by an inplace
-        # operation"). It stays correct: before sub-model i's backward, _use(i) has the slot
+        # operation"). It stays correct: before sub-model i's backward, use(i) has the slot
         # hold i's weights again, and they are the ones its forward used: its content (its own
         # epoch and those of the owners of its tied replicas) only changes when one of them is
         # updated, and in this step those updates come after i's backward (its own, and owners
@@ -389,18 +393,127 @@ class SwapExecutor:
         self.max_resident = max(self.max_resident, len({h[0] for h in self.slot_holds if h is not None}))
         return True
 
-    def _use(self, i: int) -> None:
-        """Before computing sub-model i: its weights are (being) loaded; compute waits for them."""
+    def use(self, i: int) -> None:
+        """Before computing sub-model i: have its current weights in its slot (load them when the
+        slot holds anything else, waiting for a pending optimizer update of them first).
+
+        Stream contract (CUDA): the compute stream waits for the load; the caller then issues
+        every computation that reads sub-model i's weights (or writes its gradients) on the
+        compute stream (inside `compute()`), and calls `release(i)` after the last of them.
+        """
         self._load(i)
         s = i % self.num_slots
         if self.cuda and self.slot_loaded[s] is not None:
             self.compute_stream.wait_event(self.slot_loaded[s])
 
-    def _done_with_slot(self, i: int) -> None:
+    def release(self, i: int) -> None:
+        """After the last computation reading sub-model i's slot was issued on the compute
+        stream: the next load into that slot (on the prefetch stream) waits for it."""
         if self.cuda:
             ev = torch.cuda.Event()
             ev.record(self.compute_stream)
             self.slot_free[i % self.num_slots] = ev
+
+    # ---- public API: driving the slots from outside run_step ----------------------------------
+    #
+    # run_step runs the whole ATOM schedule of one model. A caller that schedules the sub-models
+    # itself (the layout runner's swapped stage, atomc.distributed.swapstage) drives the same
+    # slots with these methods and `use`, `release`, `zero_grads`:
+    #
+    #   with ex.compute():                  # the compute stream, ordered after the caller's
+    #       ex.adopt(x)                      # x made on the caller's stream, freed in here
+    #       ex.use(i); ex.prefetch(i + 1)    # weights in the slot; the next load overlaps
+    #       ... ex.module(i)(...) ...        # forward / backward on the compute stream
+    #       ex.release(i)                    # loads into this slot wait for that compute
+    #       ev = ex.grads_to_host(i)         # after a backward: gradients to store.grad[i]
+    #   ex.update_submodel(i, step)          # after ev: AdamW on i, fresh images, reload next use
+    #
+    # On the CPU (device="cpu") there are no streams or events: every method acts at once.
+
+    def compute(self) -> Any:
+        """Context: run the block on the compute stream, after everything the caller's current
+        stream did before it (values it made: received tensors, batches), and make the caller's
+        stream wait for the block's work after it (before it hands results on). A no-op on CPU."""
+        return self._compute_ctx() if self.cuda else nullcontext()
+
+    @contextmanager
+    def _compute_ctx(self) -> Iterator[None]:
+        caller = torch.cuda.current_stream(self.device)
+        self.compute_stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(self.compute_stream):
+                yield
+        finally:
+            caller.wait_stream(self.compute_stream)
+
+    def adopt(self, value: Any) -> Any:
+        """Mark a device tensor made on another stream (the caller's: a received value, a batch)
+        as read on the compute stream, so that the caching allocator does not hand its memory
+        out again, once it is freed, before the compute stream's uses of it are done. Returns
+        `value`; anything but a CUDA tensor is left as it is."""
+        if self.cuda and isinstance(value, torch.Tensor) and value.is_cuda:
+            value.record_stream(self.compute_stream)
+        return value
+
+    def module(self, i: int) -> nn.Module:
+        """The device sub-model i: its parameters are views of its slot (valid between use(i) and
+        release(i)), its buffers its own device tensors."""
+        return self.modules[i]
+
+    def prefetch(self, i: int) -> bool:
+        """Issue the load of sub-model i into its slot on the prefetch stream, after the last
+        compute released that slot (asynchronous; use(i) waits for it). Returns False, loading
+        nothing, when an optimizer update of its weights is still running."""
+        return self._load(i, wait=False)
+
+    def grads_to_host(self, i: int) -> Any:
+        """Copy sub-model i's gradient slot into the host store (store.grad[i]), after the compute
+        issued so far (call it after release(i), on the caller's thread). CUDA: on the offload
+        stream; returns the event after which the host copy is complete (synchronize it before the
+        host reads store.grad[i]); zero_grads of that slot waits for it too. CPU: done, None."""
+        s = i % self.num_slots
+        n = self.layouts[i].numel
+        host = self.store.grad[i]
+        nbytes = n * host.element_size()
+        if self.cuda:
+            done = torch.cuda.Event()
+            done.record(self.compute_stream)
+            os_ = self.offload_stream
+            os_.wait_event(done)
+            with torch.cuda.stream(os_), self.tracer.span("offload", i, "offload", os_, nbytes):
+                host.copy_(self.slot_grads[s][:n], non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(os_)
+            self.grad_free[s] = ready
+            return ready
+        with self.tracer.span("offload", i, "offload", None, nbytes):
+            host.copy_(self.slot_grads[s][:n])
+        return None
+
+    def wait_loads(self) -> None:
+        """Block the host until every weight load issued so far has finished reading its host
+        image, so that the images may be rewritten (refresh_images). One prefetch stream issues
+        all loads in order, so the newest load event of each slot covers the older ones."""
+        if self.cuda:
+            for ev in self.slot_loaded:
+                if ev is not None:
+                    ev.synchronize()
+
+    def update_submodel(self, i: int, step: int) -> None:
+        """AdamW on sub-model i's masters now, on the calling thread, with the gradients as they
+        are in store.grad_master[i] (the caller gathered, reduced and clipped them; they must be
+        on the host: synchronize grads_to_host's event first), at step `step`'s learning rate;
+        then fresh images of its weights (after wait_loads: no load still reads them), and every
+        slot whose content depends on them loads again before its next use."""
+        self.wait_loads()
+        opt = self.opt.optims[i]
+        if opt is not None:
+            lr = self.opt.config.lr_at(step)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+        self.store.refresh_images(i)
+        self.epoch[i] += 1
 
     # ---- boundary activations ------------------------------------------------------------------
 
@@ -545,7 +658,7 @@ class SwapExecutor:
 
         # forward P_0 .. P_{k-2}
         for i in range(k - 1):
-            self._use(i)
+            self.use(i)
             prefetched = self._load(i + 1, wait=False)
             mod = self.modules[i]
             with self.tracer.span("compute", i, "forward", cs):
@@ -562,18 +675,18 @@ class SwapExecutor:
                         kept[i][m] = (args, outs)
                     for n, v in zip(self.pkg.outputs[i], outs):
                         envs[m][n] = v.detach() if isinstance(v, torch.Tensor) else v
-            self._done_with_slot(i)
+            self.release(i)
             if not prefetched:
                 self._load(i + 1)
             self._free_after_forward(envs, i)
 
         # P_{k-1}: forward, loss and backward per micro-batch; it stays resident
         last = k - 1
-        self._use(last)
+        self.use(last)
         if k > 1:
             self._load(last - 1, wait=False)
         self.opt.wait_step(step - 1)  # the previous step's updates read the gradient buffers
-        self._zero_grads(last)
+        self.zero_grads(last)
         grads: list[dict[str, torch.Tensor]] = [{} for _ in range(C)]
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         mod = self.modules[last]
@@ -597,17 +710,17 @@ class SwapExecutor:
             self._loss_host.copy_(loss_sum, non_blocking=True)
             self._loss_ready = torch.cuda.Event()
             self._loss_ready.record(cs)
-        self._done_with_slot(last)
+        self.release(last)
         self._offload_grads(last)
         self._free_after_backward(envs, last)
 
         # backward P_{k-2} .. P_0
         for i in range(k - 2, -1, -1):
-            self._use(i)
+            self.use(i)
             self._unstash(envs, i)
             if i > 0:
                 self._load(i - 1, wait=False)
-            self._zero_grads(i)
+            self.zero_grads(i)
             mod = self.modules[i]
             with self.tracer.span("compute", i, "backward", cs):
                 for m in range(C):
@@ -633,7 +746,7 @@ class SwapExecutor:
                     self._finish_ties(i)
                     self._collect_input_grads(grads[m], i, args)
                     del args, outs, pairs, kept_m
-            self._done_with_slot(i)
+            self.release(i)
             self._offload_grads(i)
             self._free_after_backward(envs, i)
         return loss_sum
@@ -667,7 +780,9 @@ class SwapExecutor:
                 continue
             grads[n] = a.grad if n not in grads else grads[n] + a.grad
 
-    def _zero_grads(self, i: int) -> None:
+    def zero_grads(self, i: int) -> None:
+        """Zero sub-model i's gradient slot before its backward (on the compute stream, once the
+        previous copy of that slot to the host is done)."""
         s = i % self.num_slots
         if self.cuda and self.grad_free[s] is not None:
             self.compute_stream.wait_event(self.grad_free[s])  # its last copy to the host is done
@@ -675,24 +790,7 @@ class SwapExecutor:
 
     def _offload_grads(self, i: int) -> None:
         """Sub-model i's gradients to the host in one copy; the optimizer takes over from there."""
-        s = i % self.num_slots
-        n = self.layouts[i].numel
-        host = self.store.grad[i]
-        nbytes = n * host.element_size()
-        if self.cuda:
-            done = torch.cuda.Event()
-            done.record(self.compute_stream)
-            os_ = self.offload_stream
-            os_.wait_event(done)
-            with torch.cuda.stream(os_), self.tracer.span("offload", i, "offload", os_, nbytes):
-                host.copy_(self.slot_grads[s][:n], non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(os_)
-            self.grad_free[s] = ready
-        else:
-            ready = None
-            with self.tracer.span("offload", i, "offload", None, nbytes):
-                host.copy_(self.slot_grads[s][:n])
+        ready = self.grads_to_host(i)
         self.epoch[i] += 1
         self.opt.submit(i, ready)
 
