@@ -133,6 +133,9 @@ def test_peers_average_survive_a_death_and_a_join(pkg: Path, tmp_path: Path) -> 
         os.killpg(procs["C"].pid, signal.SIGKILL)  # C dies mid-run, with its DHT and p2p daemon
         procs["C"].wait(timeout=10)
         killed_at = time.time()
+        # B writes its address once its DHT is up, which may be after C's first round
+        _wait_for(lambda: (d / "B.maddr").exists() or procs["B"].poll() is not None, 60, "peer B's address")
+        assert procs["B"].poll() is None, (d / "B.log").read_text()[-3000:]
         b_addr = (d / "B.maddr").read_text().split()[0]
         procs["D"] = _peer(pkg, d, "D", [b_addr])  # joins through any live peer
 
