@@ -33,6 +33,7 @@ from atomc.schedule import schedule
 from atomc.schedule.network import network_from_data
 from atomc.trace import trace_model
 from atomc.trace.load import load_model_file
+from processes import children, kill_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt.py"
@@ -101,31 +102,12 @@ def _run(argv: list[str], env_add: dict[str, str], timeout_s: float) -> subproce
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        _killpg(proc)
+        kill_tree(proc)
         out, _ = proc.communicate()
         raise AssertionError(f"run exceeded {timeout_s} s:\n{out[-4000:]}")
     finally:
-        _killpg(proc)
+        kill_tree(proc)
     return subprocess.CompletedProcess(argv, proc.returncode, out, "")
-
-
-def _killpg(proc: subprocess.Popen) -> None:
-    """Kill the launcher's process group and every descendant's group: torchrun starts each
-    worker in a session of its own, so killing the launcher's group alone would leave them."""
-    todo, seen = [proc.pid], set()
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        todo.extend(_children(pid))
-    for pid in seen:
-        for kill in (lambda p=pid: os.killpg(os.getpgid(p), signal.SIGKILL),
-                     lambda p=pid: os.kill(p, signal.SIGKILL)):
-            try:
-                kill()
-            except (ProcessLookupError, PermissionError):
-                pass
 
 
 def _train_args(work: dict, out: Path, *extra: str) -> list[str]:
@@ -314,20 +296,6 @@ def test_swapped_stages_in_layout(work: dict) -> None:
     _compare(out, 4, STEPS, torch.float64, param_tol=1e-9, loss_tol=1e-9)
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            kids.append(int(d.name))
-    return kids
-
-
 @pytest.mark.slow
 def test_elastic_restart_resumes_from_checkpoint(work: dict) -> None:
     steps = 16
@@ -352,7 +320,7 @@ def test_elastic_restart_resumes_from_checkpoint(work: dict) -> None:
                 except ValueError:  # a line being written
                     pass
             if done and max(done) >= 7:  # checkpoints at steps 3 and 6 are written
-                workers = [p for p in _children(proc.pid) if p != proc.pid]
+                workers = [p for p in children(proc.pid) if p != proc.pid]
                 if workers:
                     killed = workers[-1]
                     os.kill(killed, signal.SIGKILL)  # one worker dies mid-run
@@ -361,7 +329,7 @@ def test_elastic_restart_resumes_from_checkpoint(work: dict) -> None:
         assert killed is not None, "training finished or stalled before a worker could be killed"
         out_text, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
     finally:
-        _killpg(proc)
+        kill_tree(proc)
     assert proc.returncode == 0, out_text[-4000:]
     assert "resumed at step" in out_text
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]

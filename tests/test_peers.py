@@ -27,6 +27,7 @@ from atomc.codegen import generate
 from atomc.codegen.manual import plan_from_cuts
 from atomc.runtime.checkpoint import load_checkpoint
 from atomc.trace import trace_model
+from processes import kill_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt.py"
@@ -47,36 +48,6 @@ def _env() -> dict[str, str]:
     env.update({"HIVEMIND_LOGLEVEL": "ERROR", "OMP_NUM_THREADS": "1",
                 "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")})
     return env
-
-
-def _descendants(pid: int) -> set[int]:
-    parent: dict[int, int] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
-    out, todo = {pid}, [pid]
-    while todo:
-        p = todo.pop()
-        for c, pp in parent.items():
-            if pp == p and c not in out:
-                out.add(c)
-                todo.append(c)
-    return out
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    """The peer's whole process group (hivemind's DHT, averager and p2p daemon), and the groups of
-    anything it started in a session of its own (`atomc peer` starts the script that way)."""
-    for pid in _descendants(proc.pid):
-        for kill in (lambda p=pid: os.killpg(os.getpgid(p), signal.SIGKILL),
-                     lambda p=pid: os.kill(p, signal.SIGKILL)):
-            try:
-                kill()
-            except (ProcessLookupError, PermissionError):
-                pass
 
 
 def _peer(pkg: Path, d: Path, name: str, initial: list[str], *, via_cli: bool = False) -> subprocess.Popen:
@@ -147,7 +118,7 @@ def test_peers_average_survive_a_death_and_a_join(pkg: Path, tmp_path: Path) -> 
             assert procs[name].returncode == 0, (d / f"{name}.log").read_text()[-3000:]
     finally:
         for p in procs.values():
-            _kill(p)
+            kill_tree(p)
 
     ev = {n: _events(d, n) for n in "ABCD"}
     # the survivors kept averaging with each other after C died
@@ -198,7 +169,7 @@ def test_peer_address_that_never_answers(pkg: Path, tmp_path: Path) -> None:
     try:
         out, _ = proc.communicate(timeout=90)
     finally:
-        _kill(proc)
+        kill_tree(proc)
         stop.set()
         th.join(2)
         for c in held:

@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", help="plan JSON path (default PROFILE with .plan.json)")
     p.add_argument("--timeline", metavar="SVG", help="also draw the predicted timeline (two steps)")
     p.add_argument("--all", action="store_true", help="list every sub-model and cut")
-    _add_emit_option(p)
+    p.add_argument("--emit", metavar="DIR", help="also generate the sub-model package into DIR")
     p.set_defaults(func=run_partition)
 
     s = sub.add_parser("show", help="print a plan's table again",
@@ -43,16 +43,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--timeline", metavar="SVG", help="draw its predicted timeline (two steps)")
     s.add_argument("--all", action="store_true", help="list every sub-model and cut")
     s.set_defaults(func=run_show)
-
-
-def _add_emit_option(parser: argparse.ArgumentParser) -> None:
-    """Hook for the codegen stage: once `atomc.codegen.emit_plan(plan, profile, out_dir)` exists,
-    `atomc partition ... --emit DIR` writes the generated package right after planning."""
-    try:
-        from atomc.codegen import emit_plan  # noqa: F401
-    except ImportError:
-        return
-    parser.add_argument("--emit", metavar="DIR", help="also generate the sub-model package into DIR")
 
 
 def _default_output(profile_path: str) -> Path:
@@ -81,7 +71,7 @@ def run_partition(args: argparse.Namespace) -> int:
     print(f"\nwrote {out}")
     if args.timeline:
         _write_timeline(plan, args.timeline)
-    if getattr(args, "emit", None):
+    if args.emit:
         from atomc.codegen import emit_plan
 
         emit_plan(plan, profile, args.emit)

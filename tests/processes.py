@@ -1,0 +1,51 @@
+"""Process-tree helpers for tests that start torchrun or hivemind: kill everything they started.
+
+torchrun starts each worker in a session of its own and hivemind starts its DHT, averager and
+p2p daemon as children, so killing the launcher's process group alone leaves processes behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+
+def _parents() -> dict[int, int]:
+    parent: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    return parent
+
+
+def children(pid: int) -> list[int]:
+    return [c for c, p in _parents().items() if p == pid]
+
+
+def descendants(pid: int) -> set[int]:
+    """`pid` and every process below it."""
+    parent = _parents()
+    out, todo = {pid}, [pid]
+    while todo:
+        p = todo.pop()
+        for c, pp in parent.items():
+            if pp == p and c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group of `proc` and of every descendant, then each process itself."""
+    for pid in descendants(proc.pid):
+        for kill in (lambda p=pid: os.killpg(os.getpgid(p), signal.SIGKILL),
+                     lambda p=pid: os.kill(p, signal.SIGKILL)):
+            try:
+                kill()
+            except (ProcessLookupError, PermissionError):
+                pass
