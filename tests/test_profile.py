@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +14,6 @@ from atomc.profile import hardware_names, load_hardware, profile_model
 from atomc.trace import trace_model
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-sys.path.insert(0, str(EXAMPLES))
-import gpt  # noqa: E402
 
 COMPUTE = ("call_module", "call_function", "call_method")
 

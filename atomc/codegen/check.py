@@ -128,13 +128,6 @@ def _used_bindings(scopes) -> set[tuple[int, str]]:
     return used
 
 
-def tidy_imports(code: str, filename: str) -> str:
-    """Drop unused imports, sort and group the rest, and put them right after the docstring."""
-    module = parse(code, filename)
-    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-    return _tidy(module, wrapper.resolve(ScopeProvider))
-
-
 def _tidy(module: cst.Module, scopes) -> str:
     used = _used_bindings(scopes)
     keep: list[_Import] = []
@@ -185,12 +178,6 @@ def _is_docstring(stmt: cst.CSTNode) -> bool:
 
 # ---------------------------------------------------------------------------------------------
 # undefined names
-
-
-def undefined_names(code: str, filename: str) -> list[tuple[str, int]]:
-    """(name, line) of every name read but bound nowhere (builtins count as bound)."""
-    wrapper = MetadataWrapper(parse(code, filename), unsafe_skip_copy=True)
-    return _undefined(wrapper.resolve(ScopeProvider), wrapper.resolve(PositionProvider))
 
 
 def _undefined(scopes, positions) -> list[tuple[str, int]]:

@@ -87,9 +87,6 @@ class EmulatedNetwork:
     def exec_prefix(self, k: int) -> list[str]:
         return ["ip", "netns", "exec", self.ns(k)]
 
-    def device_index(self, name: str) -> int:
-        return [d.name for d in self.network.devices].index(name)
-
     # ---- life cycle ----------------------------------------------------------------------------
 
     def up(self) -> EmulatedNetwork:

@@ -493,12 +493,6 @@ class LayoutTrainer:
         with open(self.cfg.metrics_path, "a") as f:
             f.write(json.dumps(line) + "\n")
 
-    def all_step_ms(self) -> list[list[float]]:
-        """Every rank's step times (collective)."""
-        out: list[Any] = [None] * self.dist.get_world_size()
-        self.dist.all_gather_object(out, self.step_ms)
-        return out
-
     # ---- checkpoints -----------------------------------------------------------------------------
 
     def _ckpt_name(self) -> str:

@@ -493,20 +493,6 @@ def first_pair(f_l, b_l, k_l, o_l, a_l, l_l, pm_l, g_l, l_r, o_r, a_r, pm_r, b_r
     return late, late_ok, early, early_ok
 
 
-def choose_first_pair(left: RangeCost, right: RangeCost, tier: int, usable_bytes: int):
-    """(early, term): the handover the search takes for this pair (late on ties), or None."""
-    late, late_ok, early, early_ok = first_pair(
-        left.accum_fwd_ns, left.accum_bwd_ns, left.checkpoint_ns, left.offload_ns, left.optimizer_ns,
-        left.load_fwd_ns, left.param_bytes, left.grad_bytes, right.load_fwd_ns, right.offload_ns,
-        right.optimizer_ns, right.param_bytes, right.accum_bwd_ns, right.checkpoint_ns, tier,
-        usable_bytes)
-    if late_ok and (not early_ok or late <= early):
-        return False, int(late)
-    if early_ok:
-        return True, int(early)
-    return None
-
-
 def additive_step_ns(costs: list[RangeCost], early_prefetch: bool = False) -> int:
     """Step time as the search adds it up: pair terms plus the ends (see search.py).
 
@@ -528,16 +514,6 @@ def additive_step_ns(costs: list[RangeCost], early_prefetch: bool = False) -> in
         if i:
             total += max(left.accum_fwd_ns, right.load_fwd_ns)
         total += max(right.accum_bwd_ns, right.checkpoint_ns + left.load_fwd_ns)
-    return total
-
-
-def estimated_step_ns(costs: list[RangeCost], early_prefetch: bool = False) -> int:
-    """What the search's tier 2 minimises: the additive step plus each pair's gradient-offload
-    and CPU-update overruns, as if each stalled the step."""
-    total = additive_step_ns(costs, early_prefetch)
-    for left, right in itertools.pairwise(costs):
-        total += max(right.offload_ns - left.accum_bwd_ns, 0)
-        total += max(right.offload_ns + right.optimizer_ns - left.accum_bwd_ns - left.offload_ns, 0)
     return total
 
 
