@@ -93,10 +93,12 @@ def generate(plan: Plan, out_dir: str | Path, *, traced: Any = None, profile: Pr
         Resolver,
         _environment,
         is_installed,
+        py_literal,
         render_package_init,
         render_submodel,
     )
     from atomc.codegen.split import split_plan
+    from atomc.trace import dtype_args
 
     out = Path(out_dir)
     _check_target(out)
@@ -111,6 +113,7 @@ def generate(plan: Plan, out_dir: str | Path, *, traced: Any = None, profile: Pr
                            f"was made for graph {plan.graph_hash}; trace the plan's model again")
 
     plan_hash = plan.content_hash()
+    dtype_args(traced)  # before cutting: it may repair what nodes read (see trace.dtype_args)
     pieces = split_plan(traced, plan)
     resolver = Resolver(traced)
     helper_names = _helper_names(pieces, traced)
@@ -131,12 +134,20 @@ def generate(plan: Plan, out_dir: str | Path, *, traced: Any = None, profile: Pr
     init = render_package_init(subs, traced, plan, plan_hash, env)
     files["__init__.py"] = check_source(init, "__init__.py")
     files["plan.json"] = json.dumps(plan.to_json(), indent=1) + "\n"
+    constants = _constant_values(traced, subs)
+    if constants:
+        text = env.get_template("constants.py.jinja").render(
+            model_path=plan.model_path, atomc_version=__version__,
+            names=py_literal(sorted(constants), indent=0))
+        files["_constants.py"] = check_source(text, "_constants.py")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
         for name, text in sorted(files.items()):
             (tmp / name).write_text(text, encoding="utf-8")
+        if constants:
+            (tmp / CONSTANTS_FILE).write_bytes(_tensor_file(constants))
         os.chmod(tmp, 0o777 & ~umask())
         _self_check(tmp, traced, pieces)
         _install(tmp, out)
@@ -159,6 +170,45 @@ def emit_plan(plan: Plan, profile: Profile | None, out_dir: str | Path) -> Path:
 
 
 _counter = itertools.count()
+
+CONSTANTS_FILE = "constants.pt"
+
+
+def _constant_values(traced: Any, subs: list) -> dict[str, torch.Tensor]:
+    """FQN -> value of every constant a sub-model holds (non-persistent buffers, lifted tensors)."""
+    from atomc.trace import buffer_values
+
+    wanted: dict[str, torch.Tensor] = {}
+    for sub in subs:
+        wanted.update(sub.constants)
+    if not wanted:
+        return {}
+    buffers = dict(traced.model.named_buffers(remove_duplicate=False))
+    real = buffer_values(traced, sorted(f for f in wanted if f in buffers))
+    values: dict[str, torch.Tensor] = {}
+    for fqn, traced_value in sorted(wanted.items()):
+        value = real.get(fqn, traced_value)
+        if value.device.type == "meta":
+            raise CodegenError(
+                f"the traced graph reads a tensor constant {fqn} created on the meta device, so "
+                f"its value is unknown; trace the model on the CPU (atomc profile --device cpu), "
+                f"or register the tensor as a buffer of the model")
+        if tuple(value.shape) != tuple(traced_value.shape) or value.dtype != traced_value.dtype:
+            raise CodegenError(
+                f"buffer {fqn} is {list(value.shape)} {value.dtype} when the model is built again, "
+                f"but {list(traced_value.shape)} {traced_value.dtype} in the traced model; its "
+                f"value depends on more than the configuration, so atomc cannot store it")
+        values[fqn] = value.detach().cpu().clone().contiguous()
+    return values
+
+
+def _tensor_file(tensors: dict[str, torch.Tensor]) -> bytes:
+    """torch.save of `tensors`, byte for byte the same for the same values."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(dict(sorted(tensors.items())), buffer)
+    return buffer.getvalue()
 
 
 def load_package(path: str | Path) -> ModuleType:

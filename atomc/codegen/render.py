@@ -40,11 +40,13 @@ from atomc import __version__
 from atomc.codegen.split import Piece
 from atomc.errors import CodegenError
 from atomc.ir import OpGraph, Plan
-from atomc.trace import TracedModel
+from atomc.trace import TracedModel, dtype_args, model_dtype
 from atomc.trace.graph import dtype_name
+from atomc.trace.normalise import MODES
 
 # Names the generated modules bind at top level (or that read badly as locals).
-_RESERVED = {"self", "torch", "nn", "F", "operator", "math", "device", "l", "O", "I"}
+_RESERVED = {"self", "torch", "nn", "F", "operator", "math", "device", "dtype", "constant", "l", "O",
+             "I"}
 
 _DROPOUT_OPS = {"aten.dropout.default", "aten.native_dropout.default", "aten.feature_dropout.default",
                 "aten.alpha_dropout.default", "aten.feature_alpha_dropout.default"}
@@ -526,6 +528,7 @@ class SubmodelSource:
     param_locals: list[str]  # which of param_names are parameters
     inputs: dict[str, dict[str, Any]]
     outputs: dict[str, dict[str, Any]]
+    constants: dict[str, torch.Tensor]  # FQN -> traced value of the constants it holds
 
 
 def _environment() -> jinja2.Environment:
@@ -537,7 +540,7 @@ def _environment() -> jinja2.Environment:
 
 class PieceRenderer:
     def __init__(self, piece: Piece, traced: TracedModel, plan: Plan, resolver: Resolver,
-                 helper_names: set[str]):
+                 helper_names: set[str], dtype_args: dict[str, tuple[tuple, ...]]):
         self.piece = piece
         self.traced = traced
         self.plan = plan
@@ -553,6 +556,9 @@ class PieceRenderer:
         for fqn, b in traced.model.named_buffers(remove_duplicate=False):
             self.canon_buffers.setdefault(id(b), fqn)
         self.uses_device = False
+        self.uses_dtype = False
+        self.dtype_args = dtype_args  # node name -> argument paths that follow the model's dtype
+        self.constants: dict[str, torch.Tensor] = {}  # FQN -> traced value of each constant held
         self.why = f"sub-model {piece.index}"
         self.attr_expr: dict[str, str] = {}  # get_attr target -> `self.…`
 
@@ -599,11 +605,17 @@ class PieceRenderer:
                 continue
             self.attr_expr[attr.local] = f"self.{attr.local}"
             owner[attr.fqn] = attr.local
+            note = f"  # {attr.fqn}" if attr.fqn != attr.local else ""
+            if not attr.persistent:  # a constant: its value ships with the package
+                self.constants[attr.fqn] = attr.value
+                self.imports.add("from ._constants import constant")
+                attr_lines.append(f"self.register_buffer({attr.local!r}, constant({attr.fqn!r}), "
+                                  f"persistent=False)")
+                continue
             shape = ", ".join(str(int(d)) for d in attr.value.shape) or "()"
             dtype = attr.value.dtype
             dtype_arg = "" if dtype == torch.get_default_dtype() else f", dtype=torch.{dtype_name(dtype)}"
             empty = f"torch.empty({shape}{dtype_arg})"
-            note = f"  # {attr.fqn}" if attr.fqn != attr.local else ""
             if attr.is_buffer:
                 attr_lines.append(f"self.register_buffer({attr.local!r}, {empty}){note}")
             else:
@@ -681,7 +693,7 @@ class PieceRenderer:
         if node.op != "call_function":
             raise AssertionError(node.op)
         fn = node.target
-        args, kwargs = node.args, node.kwargs
+        args, kwargs = self._generic_dtypes(node)
         if fn is operator.getitem and not kwargs:
             return f"{self.operand(args[0])}[{self.index(args[1])}]"
         if fn is builtins.getattr and len(args) == 2 and isinstance(args[1], str) \
@@ -697,6 +709,31 @@ class PieceRenderer:
         args, kwargs = _follow_training_mode(fn, args, kwargs)
         callee = self.resolver.function(fn, self.imports, self.why)
         return f"{callee}({self.call_args(args, kwargs)})"
+
+    def _generic_dtypes(self, node: fx.Node) -> tuple[tuple, dict]:
+        """The node's arguments, with the dtypes that follow the model's dtype as `dtype`."""
+        args, kwargs = tuple(node.args), dict(node.kwargs)
+        paths = self.dtype_args.get(node.name, ())
+        if not paths:
+            return args, kwargs
+        self.uses_dtype = True
+
+        def put(value: Any, rest: tuple) -> Any:
+            if not rest:
+                return _Expr("dtype")
+            head, *tail = rest
+            if isinstance(value, dict):
+                return {**value, head: put(value[head], tuple(tail))}
+            items = list(value)
+            items[head] = put(items[head], tuple(tail))
+            return type(value)(items) if isinstance(value, tuple) else items
+
+        for where, *rest in paths:
+            if where == "args":
+                args = put(args, tuple(rest))
+            else:
+                kwargs = put(kwargs, tuple(rest))
+        return args, kwargs
 
     def statement(self, node: fx.Node) -> str:
         if node.op == "call_function" and node.target is operator.setitem and not node.users:
@@ -716,9 +753,15 @@ class PieceRenderer:
             body.append(f"# {name}: {describe_value(self.values.get(name))}")
         block = None
         code: list[str] = []
+        open_modes: tuple = ()  # the `with` blocks the current statement is inside
         for node in graph.nodes:
             if node.op in ("placeholder", "get_attr"):
                 continue
+            modes = tuple(node.meta.get(MODES, ())) if node.op != "output" else ()
+            keep = 0
+            while keep < min(len(modes), len(open_modes)) and modes[keep] == open_modes[keep]:
+                keep += 1
+            open_modes = open_modes[:keep]
             if node.op == "output":
                 code.append(self._return(node))
                 continue
@@ -726,12 +769,59 @@ class PieceRenderer:
             node_block = op.block if op is not None else ""
             if node_block != block and node_block:
                 code.append("")
-                code.append(f"# {node_block}")
+                code.append(f"{'    ' * len(open_modes)}# {node_block}")
             block = node_block
-            code.append(self.statement(node))
+            for mode in modes[keep:]:
+                code.append(f"{'    ' * len(open_modes)}with {self._mode(mode)}:")
+                open_modes += (mode,)
+            code.append(f"{'    ' * len(open_modes)}{self.statement(node)}")
         if self.uses_device:
             body.append(f"device = {self._device_source()}  # where this sub-model runs")
+        if self.uses_dtype:
+            body.append(f"dtype = {self._dtype_source()}  # {self._dtype_note()}")
         return params, body + code
+
+    def _mode(self, mode: tuple) -> str:
+        """`torch.no_grad()`, `torch.autocast(device.type, enabled=False)`: a traced region's mode."""
+        if mode[0] == "grad":
+            return "torch.enable_grad()" if mode[1] else "torch.no_grad()"
+        _, device_type, dtype, enabled, cache_enabled = mode
+        if device_type == self.device_type:
+            self.uses_device = True
+            where = "device.type"
+        else:
+            where = repr(device_type)
+        parts = [where]
+        if enabled and dtype is not None:
+            parts.append(f"dtype=torch.{dtype_name(dtype)}")
+        if not enabled:
+            parts.append("enabled=False")
+        if not cache_enabled:
+            parts.append("cache_enabled=False")
+        return f"torch.autocast({', '.join(parts)})"
+
+    def _dtype_source(self) -> str:
+        """The dtype of the sub-model's largest floating weight: the model's own dtype."""
+        best, size = None, -1
+        for attr in self.piece.attrs.values():
+            v = attr.value
+            if attr.persistent and v.is_floating_point() and v.numel() > size:
+                best, size = self.attr_expr.get(attr.local, f"self.{attr.local}"), v.numel()
+        for local, (_, module) in self.piece.modules.items():
+            for name, p in module.named_parameters():
+                if p.is_floating_point() and p.numel() > size:
+                    best, size = f"self.{local}.{name}", p.numel()
+        if best is not None:
+            return f"{best}.dtype"
+        for name in self.piece.inputs:
+            v = self.values.get(name)
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                return f"{self.namer(name)}.dtype"
+        return "torch.get_default_dtype()"
+
+    def _dtype_note(self) -> str:
+        traced = dtype_name(model_dtype(self.traced.model))
+        return f"the weights' dtype, traced as {traced}"
 
     def _return(self, node: fx.Node) -> str:
         self.why = f"the output of sub-model {self.piece.index}"
@@ -783,7 +873,7 @@ def _summary(piece: Piece, graph: OpGraph) -> str:
 
 def render_submodel(piece: Piece, traced: TracedModel, plan: Plan, plan_hash: str,
                     resolver: Resolver, helper_names: set[str], env: jinja2.Environment) -> SubmodelSource:
-    renderer = PieceRenderer(piece, traced, plan, resolver, helper_names)
+    renderer = PieceRenderer(piece, traced, plan, resolver, helper_names, dtype_args(traced))
     op_nodes = {op.name: op for op in traced.graph.nodes}
     init_lines, param_names, param_locals = renderer.constructor()
     params, forward_lines = renderer.forward(op_nodes)
@@ -818,7 +908,7 @@ def render_submodel(piece: Piece, traced: TracedModel, plan: Plan, plan_hash: st
         forward_lines=forward_lines,
     )
     return SubmodelSource(piece.index, f"Submodel{piece.index}", f"submodel_{piece.index}", text,
-                          param_names, param_locals, inputs, outputs)
+                          param_names, param_locals, inputs, outputs, renderer.constants)
 
 
 def render_package_init(subs: list[SubmodelSource], traced: TracedModel, plan: Plan, plan_hash: str,

@@ -47,7 +47,7 @@ class Attr:
     fqn: str  # canonical FQN in the original model
     value: torch.Tensor  # the traced model's tensor (meta or real): shape, dtype, requires_grad
     is_buffer: bool
-    persistent: bool
+    persistent: bool  # False: a constant (non-persistent buffer or lifted tensor), not in state dicts
 
 
 @dataclass
@@ -211,7 +211,7 @@ def split_plan(traced: TracedModel, plan: Plan) -> list[Piece]:
                 if original.op != "get_attr":
                     raise AssertionError(f"split_module gave {submod_name} an input {ph.name} "
                                          f"outside the chain")  # a bug in the live-set computation
-                val_map[ph] = _own_attr(new, piece, ph.name, str(original.target), gm,
+                val_map[ph] = _own_attr(new, piece, ph.name, str(original.target), gm, traced.model,
                                         canon_params, canon_buffers)
             new.graph_copy(submod.graph, val_map)
             locals_of: dict[str, str] = {}
@@ -226,12 +226,11 @@ def split_plan(traced: TracedModel, plan: Plan) -> list[Piece]:
                     node.target = locals_of[target]
                 elif node.op == "get_attr" and str(node.target) not in piece.attrs:
                     raise CodegenError(f"node {node.name} reads {node.target}, a module attribute "
-                                       f"that is neither a parameter nor a buffer; atomc cannot "
-                                       f"generate code for it")
+                                       f"that is not a tensor; atomc cannot generate code for it")
         if is_last:
             for leaf in _leaves(structure):  # a parameter returned as it is
                 if leaf.op == "get_attr" and leaf.name not in env:
-                    env[leaf.name] = _own_attr(new, piece, leaf.name, str(leaf.target), gm,
+                    env[leaf.name] = _own_attr(new, piece, leaf.name, str(leaf.target), gm, traced.model,
                                                canon_params, canon_buffers)
             result = fx.node.map_arg(structure, lambda n, env=env: env[n.name])
             piece.outputs = tuple(n.name for n in _leaves(structure))
@@ -260,34 +259,31 @@ def _drop_dead(graph: fx.Graph) -> None:
 
 
 def _own_attr(graph: fx.Graph, piece: Piece, node_name: str, path: str, gm: fx.GraphModule,
-              canon_params: dict[int, str], canon_buffers: dict[int, str]) -> fx.Node:
-    """A get_attr node in the piece for a parameter or buffer split_module made an input."""
+              model: nn.Module, canon_params: dict[int, str], canon_buffers: dict[int, str]) -> fx.Node:
+    """A get_attr node in the piece for a tensor split_module made an input.
+
+    Parameters and persistent buffers are weights the state dict carries. Non-persistent
+    buffers (`position_ids`, rotary `inv_freq`) and constants the tracer lifted out of forward
+    (the index tensor of `x[:, [-1]]`) are not in any state dict: they become constants of the
+    package, stored with their values.
+    """
     try:
         value = _fetch(gm, path)
     except AttributeError:
         raise CodegenError(
-            f"node {node_name} reads {path}, which the traced module does not hold (a constant "
-            f"the tracer lifted out of forward, e.g. from assigning a number into a slice of a "
-            f"tensor); atomc cannot carry it into generated code: write that operation out of "
-            f"place in the model (torch.where, masked_fill)") from None
+            f"node {node_name} reads {path}, which the traced module does not hold; this is a bug "
+            f"in atomc's tracing: please report it with the model file") from None
     if not isinstance(value, torch.Tensor):
         raise CodegenError(f"node {node_name} reads {path}, a {type(value).__name__}; atomc generates "
-                           f"code for parameters and buffers only")
+                           f"code for tensors only (parameters, buffers and tensor constants)")
     if id(value) in canon_params:
         fqn, is_buffer, persistent = canon_params[id(value)], False, True
     elif id(value) in canon_buffers:
         fqn, is_buffer = canon_buffers[id(value)], True
-        persistent = _is_persistent(gm, path)
-        if not persistent:
-            raise CodegenError(
-                f"buffer {fqn} is registered with persistent=False: its value is not in the state "
-                f"dict, so the generated sub-model could not be given it; register it as a "
-                f"persistent buffer, or compute it inside forward")
-    else:
-        raise CodegenError(
-            f"node {node_name} reads {path}, a tensor that is neither a parameter nor a buffer of "
-            f"the model (a constant captured by the tracer); its value cannot be carried into "
-            f"generated code: register it with register_buffer() in the model")
+        # torch.export's module registers every buffer as persistent; the model knows
+        persistent = _is_persistent(gm, path) and _is_persistent(model, fqn)
+    else:  # a constant the tracer lifted out of forward: named by its place in the traced module
+        fqn, is_buffer, persistent = path, True, False
     attr = next((a for a in piece.attrs.values() if a.fqn == fqn), None)
     if attr is None:
         local = _identifier(fqn, piece)

@@ -60,14 +60,19 @@ def _materialise(value: Any, device: torch.device, seed: int) -> Any:
             return device
         if not isinstance(v, torch.Tensor):
             return v
-        t = torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=device)
+        # Filled through a compact base: expanded inputs (stride 0) share memory between
+        # elements, and in-place fills refuse such tensors.
+        shape, stride = tuple(v.shape), tuple(v.stride())
+        span = 0 if 0 in shape else 1 + sum((d - 1) * s for d, s in zip(shape, stride))
+        base = torch.empty(span, dtype=v.dtype, device=device)
         if gen_device is not None:
             if v.dtype.is_floating_point or v.dtype.is_complex:
-                t.normal_(generator=_generator(gen_device, seed))
+                base.normal_(generator=_generator(gen_device, seed))
             elif v.dtype == torch.bool:
-                t.fill_(True)
+                base.fill_(True)
             else:
-                t.zero_()
+                base.zero_()
+        t = base.as_strided(shape, stride)
         if v.dtype.is_floating_point:
             t.requires_grad_(True)
         return t

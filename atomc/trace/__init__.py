@@ -7,7 +7,9 @@ tensors, so a 175B-parameter model traces in seconds without allocating its weig
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -20,8 +22,10 @@ from atomc.ir import OpGraph
 from atomc.trace.frontends import trace
 from atomc.trace.graph import ValueRecorder, build_opgraph, normalise_get_attrs, tensors_in
 from atomc.trace.load import call_with_options, load_model_file
+from atomc.trace.normalise import drop_assertions, inline_modes, mark_dtype_args
 
-__all__ = ["TracedModel", "trace_model", "load_model_file", "build_and_inputs"]
+__all__ = ["TracedModel", "trace_model", "load_model_file", "build_and_inputs", "dtype_args",
+           "buffer_values", "model_dtype"]
 
 
 @dataclass
@@ -35,6 +39,10 @@ class TracedModel:
     values: dict[str, Any]  # node name -> value computed on `device` (meta by default)
     module: ModuleType  # the imported model file
     device: torch.device
+    leaf_types: tuple[type, ...] = ()
+    train: bool = True
+    # node name -> argument paths whose dtype follows the model's (see `dtype_args`)
+    _dtype_args: dict[str, tuple[tuple, ...]] | None = field(default=None, repr=False)
 
 
 def build_and_inputs(path: str | Path, config: str | None, batch_size: int, options: dict[str, int],
@@ -67,8 +75,7 @@ def trace_model(path: str | Path, config: str | None = None, batch_size: int = 1
     module, model, inputs = build_and_inputs(p, config, batch_size, options, device)
     model.train(train)
     leaf_types = tuple(leaf_modules) + tuple(getattr(module, "LEAF_MODULES", ()))
-    gm, used = trace(model, inputs, leaf_types, p, frontend)
-    normalise_get_attrs(gm)
+    gm, used = _trace_graph(model, inputs, leaf_types, p, frontend)
     recorder = ValueRecorder(gm)
     try:
         with torch.no_grad():
@@ -78,4 +85,108 @@ def trace_model(path: str | Path, config: str | None = None, batch_size: int = 1
                          f"({type(e).__name__}: {e}); mark the failing module as a leaf") from e
     graph = build_opgraph(gm, model, recorder.values, model_path=str(p), config=config,
                           batch_size=batch_size, options=options, frontend=used)
-    return TracedModel(graph, gm, model, inputs, recorder.values, module, torch.device(device))
+    return TracedModel(graph, gm, model, inputs, recorder.values, module, torch.device(device),
+                       leaf_types, train)
+
+
+def _trace_graph(model: nn.Module, inputs: tuple, leaf_types: tuple[type, ...], path: Path,
+                 frontend: str) -> tuple[fx.GraphModule, str]:
+    gm, used = trace(model, inputs, leaf_types, path, frontend)
+    inline_modes(gm)
+    drop_assertions(gm)
+    normalise_get_attrs(gm)
+    return gm, used
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The floating dtype most of the model's weights have (float32 for a fresh model)."""
+    counts: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.__getitem__) if counts else torch.get_default_dtype()
+
+
+def dtype_args(traced: TracedModel) -> dict[str, tuple[tuple, ...]]:
+    """Node name -> argument paths (("args", 1), ("kwargs", "dtype")) whose dtype is the model's.
+
+    torch.export records `x.to(input_dtype)` and `x.to(torch.float32)` alike when the model
+    traced in float32; generated code must keep the first generic and the second fixed. The
+    model is traced a second time, on the meta device in float64, and the dtype arguments that
+    changed with it are the generic ones (on the meta device, as the command line traces,
+    the second trace costs no memory). symbolic_trace graphs keep `x.dtype` as a node, so
+    their constants are the model's own. Raises TraceError when the model traces to another
+    graph in another dtype (Python control flow on dtypes).
+    """
+    if traced._dtype_args is not None:
+        return traced._dtype_args
+    if traced.graph.frontend != "export":
+        traced._dtype_args = {}
+        return traced._dtype_args
+    g = traced.graph
+    path = Path(g.model_path)
+    if not path.exists() and getattr(traced.module, "__file__", None):
+        path = Path(traced.module.__file__)
+
+    def retrace(dtype: torch.dtype) -> fx.GraphModule:
+        rng = torch.get_rng_state()
+        try:
+            # on the traced device: export drops no-op copies (`.contiguous()`) by device
+            _, model, inputs = build_and_inputs(path, g.config, g.batch_size, dict(g.options),
+                                                traced.device)
+            model.to(dtype).train(traced.train)
+            inputs = tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
+                           else x for x in inputs)
+            gm, _ = _trace_graph(model, inputs, traced.leaf_types, path, "export")
+            return gm
+        finally:
+            torch.set_rng_state(rng)
+
+    try:
+        traced._dtype_args = mark_dtype_args(traced.gm, traced.values, model_dtype(traced.model),
+                                             retrace)
+    except ValueError as e:
+        raise TraceError(f"{path}: {e}: generated code could only run in the dtype it was traced "
+                         f"in; remove Python branches on dtypes from forward, or mark the module "
+                         f"that has them as a leaf (LEAF_MODULES)") from e
+    return traced._dtype_args
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built inside keep their parameters on the meta device and their buffers real.
+
+    Buffers such as `position_ids` or rotary `inv_freq` are computed in constructors from the
+    configuration; building the model on the CPU with every parameter sent to meta as it is
+    registered gives their values at the cost of the buffers alone (the parameters' storage is
+    allocated untouched and freed, and their initialisation runs on meta).
+    """
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def buffer_values(traced: TracedModel, fqns: list[str]) -> dict[str, torch.Tensor]:
+    """Real values (on the CPU) of the model's buffers `fqns`, also for a model traced on meta."""
+    buffers = dict(traced.model.named_buffers(remove_duplicate=False))
+    if all(buffers[f].device.type != "meta" for f in fqns):
+        return {f: buffers[f].detach().cpu() for f in fqns}
+    g = traced.graph
+    path = Path(getattr(traced.module, "__file__", None) or g.model_path)
+    rng = torch.get_rng_state()
+    try:
+        with _parameters_on_meta():
+            _, model, _ = build_and_inputs(path, g.config, g.batch_size, dict(g.options), "cpu")
+    finally:
+        torch.set_rng_state(rng)
+    built = dict(model.named_buffers(remove_duplicate=False))
+    return {f: built[f].detach() for f in fqns}

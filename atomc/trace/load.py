@@ -40,6 +40,12 @@ def load_model_file(path: str | Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     # Registered so that dataclasses, pickling and inspect.getsource work on its contents.
     sys.modules[name] = module
+    # Python puts a script's directory on sys.path, and model files rely on it to import the
+    # model.py they wrap (`from model import GPT`); it stays there for imports made later, in
+    # build_model() or in the copies of the file's helpers.
+    folder = str(p.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
     except SyntaxError as e:
