@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[dev]" "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev,hf]" "$(TORCH)"
 	$(BIN)/python -m pip install -q --only-binary=hivemind hivemind "$(TORCH)"
 	touch $(STAMP)
 

@@ -176,7 +176,7 @@ CONSTANTS_FILE = "constants.pt"
 
 def _constant_values(traced: Any, subs: list) -> dict[str, torch.Tensor]:
     """FQN -> value of every constant a sub-model holds (non-persistent buffers, lifted tensors)."""
-    from atomc.trace import buffer_values
+    from atomc.trace import buffer_values, constant_values
 
     wanted: dict[str, torch.Tensor] = {}
     for sub in subs:
@@ -185,14 +185,10 @@ def _constant_values(traced: Any, subs: list) -> dict[str, torch.Tensor]:
         return {}
     buffers = dict(traced.model.named_buffers(remove_duplicate=False))
     real = buffer_values(traced, sorted(f for f in wanted if f in buffers))
+    real.update(constant_values(traced, sorted(f for f in wanted if f not in buffers)))
     values: dict[str, torch.Tensor] = {}
     for fqn, traced_value in sorted(wanted.items()):
-        value = real.get(fqn, traced_value)
-        if value.device.type == "meta":
-            raise CodegenError(
-                f"the traced graph reads a tensor constant {fqn} created on the meta device, so "
-                f"its value is unknown; trace the model on the CPU (atomc profile --device cpu), "
-                f"or register the tensor as a buffer of the model")
+        value = real[fqn]
         if tuple(value.shape) != tuple(traced_value.shape) or value.dtype != traced_value.dtype:
             raise CodegenError(
                 f"buffer {fqn} is {list(value.shape)} {value.dtype} when the model is built again, "
@@ -286,6 +282,7 @@ def _self_check(directory: Path, traced: Any, pieces: list) -> None:
     from torch.utils._pytree import tree_flatten
 
     from atomc.codegen.render import describe_value
+    from atomc.trace.normalise import MODES
 
     package = load_package(directory)
     try:
@@ -306,6 +303,9 @@ def _self_check(directory: Path, traced: Any, pieces: list) -> None:
                     raise CodegenError(f"generated sub-model {i} builds {local} with shape {have}, "
                                        f"but the model's {fqn} has {want}; this is a bug in atomc")
         values = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in traced.inputs)
+        if any(mode[0] == "autocast" for piece in pieces for n in piece.graph.nodes
+               for mode in n.meta.get(MODES, ())):
+            return  # autocast has no meta device; the weights were checked above
         try:
             with torch.no_grad():
                 for i, (sub, piece) in enumerate(zip(subs, pieces)):

@@ -785,13 +785,11 @@ class PieceRenderer:
         """`torch.no_grad()`, `torch.autocast(device.type, enabled=False)`: a traced region's mode."""
         if mode[0] == "grad":
             return "torch.enable_grad()" if mode[1] else "torch.no_grad()"
-        _, device_type, dtype, enabled, cache_enabled = mode
-        if device_type == self.device_type:
-            self.uses_device = True
-            where = "device.type"
-        else:
-            where = repr(device_type)
-        parts = [where]
+        _, _, dtype, enabled, cache_enabled = mode
+        # the traced device type (often meta, where autocast does not exist) is not where the
+        # sub-model runs: a region's mode applies to whatever device it runs on
+        self.uses_device = True
+        parts = ["device.type"]
         if enabled and dtype is not None:
             parts.append(f"dtype=torch.{dtype_name(dtype)}")
         if not enabled:
@@ -827,11 +825,38 @@ class PieceRenderer:
         self.why = f"the output of sub-model {self.piece.index}"
         value = node.args[0]
         if self.piece.is_last:
+            if self.piece.structure is not None:
+                by_name = {n.name: n for n in self.piece.graph.nodes}
+                return f"return {self._structure(self.piece.structure, by_name)}"
             return f"return {self.arg(value)}"
         items = [self.arg(v) for v in value]
         if len(items) == 1:
             return f"return ({items[0]},)"
         return "return (" + ", ".join(items) + ")"
+
+    def _structure(self, value: Any, by_name: dict[str, fx.Node]) -> str:
+        """The model's output container as code, its class kept: a ModelOutput, a namedtuple."""
+        if isinstance(value, fx.Node):
+            return self.arg(by_name[value.name])
+        r = lambda v: self._structure(v, by_name)
+        kind = type(value)
+        if kind in (tuple, list, dict) or not isinstance(value, (tuple, list, dict)):
+            if isinstance(value, tuple):
+                items = [r(v) for v in value]
+                return f"({items[0]},)" if len(items) == 1 else "(" + ", ".join(items) + ")"
+            if isinstance(value, list):
+                return "[" + ", ".join(r(v) for v in value) + "]"
+            if isinstance(value, dict):
+                return "{" + ", ".join(f"{k!r}: {r(v)}" for k, v in value.items()) + "}"
+            return self.arg(value)
+        ctor = self.resolver.cls(kind, self.imports, self.why)
+        if isinstance(value, dict):  # ModelOutput and other dict classes: keyword arguments
+            if all(isinstance(k, str) and k.isidentifier() for k in value):
+                return f"{ctor}(" + ", ".join(f"{k}={r(v)}" for k, v in value.items()) + ")"
+            return f"{ctor}({{" + ", ".join(f"{k!r}: {r(v)}" for k, v in value.items()) + "})"
+        if hasattr(kind, "_fields"):  # a namedtuple
+            return f"{ctor}(" + ", ".join(r(v) for v in value) + ")"
+        return f"{ctor}([" + ", ".join(r(v) for v in value) + "])"
 
     def _device_source(self) -> str:
         for name in self.piece.inputs:
@@ -940,6 +965,8 @@ def render_package_init(subs: list[SubmodelSource], traced: TracedModel, plan: P
         "atomc_version": __version__,
     }
     tensors = [{"inputs": s.inputs, "outputs": s.outputs} for s in subs]
+    params = {fqn for sub in subs for local, fqn in sub.param_names.items() if local in sub.param_locals}
+    full_precision = sorted(f for f in params if is_norm_weight(traced.model, f))
     return env.get_template("package_init.py.jinja").render(
         num_submodels=len(subs),
         model_path=plan.model_path,
@@ -958,7 +985,23 @@ def render_package_init(subs: list[SubmodelSource], traced: TracedModel, plan: P
         tied=py_literal(tied),
         aliases=py_literal(aliases),
         original_names=py_literal(tuple(original_names)),
+        full_precision=py_literal(tuple(full_precision)),
     )
+
+
+_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm,
+          *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
+
+
+def is_norm_weight(model: nn.Module, fqn: str) -> bool:
+    """True for a parameter of a normalisation layer: torch's own, or a class named *Norm*
+    (LlamaRMSNorm, T5LayerNorm, nanoGPT's LayerNorm), whose statistics want full precision."""
+    owner_path = fqn.rpartition(".")[0]
+    try:
+        owner = model.get_submodule(owner_path) if owner_path else model
+    except AttributeError:
+        return False
+    return isinstance(owner, _NORMS) or "Norm" in type(owner).__name__
 
 
 def _state_dict_names(model: nn.Module) -> list[tuple[str, Any]]:

@@ -61,6 +61,7 @@ class Piece:
     is_last: bool
     modules: dict[str, tuple[str, nn.Module]] = field(default_factory=dict)  # local -> (FQN, module)
     attrs: dict[str, Attr] = field(default_factory=dict)  # get_attr target -> attribute
+    structure: Any = None  # the last piece's output as the model returns it (traced graph's nodes)
 
 
 def assign_nodes(traced: TracedModel, plan: Plan) -> dict[str, int]:
@@ -233,6 +234,7 @@ def split_plan(traced: TracedModel, plan: Plan) -> list[Piece]:
                     env[leaf.name] = _own_attr(new, piece, leaf.name, str(leaf.target), gm, traced.model,
                                                canon_params, canon_buffers)
             result = fx.node.map_arg(structure, lambda n, env=env: env[n.name])
+            piece.structure = structure  # map_arg keeps tuples, lists and dicts, not their classes
             piece.outputs = tuple(n.name for n in _leaves(structure))
         else:
             piece.outputs = tuple(live[k])

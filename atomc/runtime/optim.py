@@ -154,7 +154,8 @@ class CpuOptimizer:
         self.k = len(store.layouts)
         self.deferred = config.max_grad_norm is not None or scaler is not None
         # (owner, offset, numel, shape) of every master, in the original model's parameter order
-        masters = {e.key: (L.index, e.offset, e.numel, e.shape) for L in store.layouts for e in L.entries if e.owned}
+        masters = {e.key: (L.index, e.owner_offset, e.numel, e.shape) for L in store.layouts
+                   for e in L.entries if e.owned}
         order = [k for k in dict.fromkeys(param_order or []) if k in masters]
         order += [k for k in masters if k not in set(order)]
         self.norm_order = [masters[k] for k in order]
@@ -168,8 +169,8 @@ class CpuOptimizer:
                 # a view per original parameter, over the flat master and gradient: the kernels
                 # then split the work as they do on the original tensors (same bits), and
                 # nothing is copied
-                p = torch.nn.Parameter(store.master[i][e.offset:e.offset + e.numel].view(e.shape))
-                p.grad = store.grad_master[i][e.offset:e.offset + e.numel].view(e.shape)
+                p = torch.nn.Parameter(store.master[i][e.owner_offset:e.owner_offset + e.numel].view(e.shape))
+                p.grad = store.grad_master[i][e.owner_offset:e.owner_offset + e.numel].view(e.shape)
                 (decayed if e.decay else plain).append(p)
             groups = [{"params": ps, "weight_decay": wd}
                       for ps, wd in ((decayed, config.weight_decay), (plain, 0.0)) if ps]

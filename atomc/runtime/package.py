@@ -44,6 +44,7 @@ class SwapPackage:
     load_original_state_dict: Callable[..., Any]
     export_state_dict: Callable[..., dict]
     original_names: tuple[str, ...] = ()  # the original state-dict names, in the model's order
+    full_precision: tuple[str, ...] = ()  # weights kept float32 in half-precision runs (norms)
 
     @property
     def num_submodels(self) -> int:
@@ -154,4 +155,5 @@ def load_swap_package(path: str | Path) -> SwapPackage:
         load_original_state_dict=module.load_original_state_dict,
         export_state_dict=module.export_state_dict,
         original_names=tuple(getattr(module, "ORIGINAL_NAMES", ())),
+        full_precision=tuple(getattr(module, "FULL_PRECISION", ())),
     )

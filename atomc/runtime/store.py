@@ -42,17 +42,27 @@ from atomc.runtime.package import SwapPackage
 DecayFilter = Callable[[str, tuple[int, ...]], bool]
 
 
+WIDE_DTYPE = torch.float32  # what a full-precision weight is on the device in a half-precision run
+
+
 @dataclass(frozen=True)
 class ParamEntry:
     local: str  # the sub-model's own parameter name
     key: str  # the original FQN naming the master (the tie group for tied weights)
     shape: tuple[int, ...]
     numel: int
-    offset: int  # in this sub-model's image
+    offset: int  # in this sub-model's image, in image elements
     owner: int  # sub-model whose master holds it
-    owner_offset: int  # in the owner's master
+    owner_offset: int  # in the owner's master, in master elements
     decay: bool
     owned: bool  # this entry is the master (else a replica of the owner's)
+    span: int = 0  # image elements it takes: numel, or more for a wide entry
+    wide: bool = False  # kept in WIDE_DTYPE (float32) in a half-precision image
+
+    def image_view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This entry's tensor inside a flat image (or gradient) buffer of the transfer dtype."""
+        part = flat[self.offset:self.offset + (self.span or self.numel)]
+        return (part.view(WIDE_DTYPE) if self.wide else part).view(self.shape)
 
 
 @dataclass(frozen=True)
@@ -60,16 +70,42 @@ class SubLayout:
     index: int
     entries: tuple[ParamEntry, ...]  # image order
     numel: int  # image elements
-    owned_numel: int  # master elements: [0, owned_numel) of the image
+    owned_numel: int  # master elements (with no wide entries also [0, owned_numel) of the image)
     decay_numel: int  # [0, decay_numel) are decayed; [decay_numel, owned_numel) are not
 
     def signature(self) -> list[tuple[str, list[int], int, bool]]:
         return [(e.key, list(e.shape), e.owner, e.decay) for e in self.entries]
 
+    def runs(self) -> list[tuple[int, int, int, int, bool]]:
+        """(image offset, image span, master offset, numel, wide) of the owned entries, with
+        neighbours of one kind merged: what one copy between master and image moves."""
+        out: list[list] = []
+        for e in self.entries:
+            if not e.owned:
+                continue
+            last = out[-1] if out else None
+            if (last is not None and last[4] == e.wide and last[0] + last[1] == e.offset
+                    and last[2] + last[3] == e.owner_offset):
+                last[1] += e.span or e.numel
+                last[3] += e.numel
+            else:
+                out.append([e.offset, e.span or e.numel, e.owner_offset, e.numel, e.wide])
+        return [tuple(r) for r in out]  # type: ignore[misc]
+
 
 def plan_layouts(package: SwapPackage, modules: list[nn.Module],
-                 decay_filter: DecayFilter | None = None) -> list[SubLayout]:
-    """Place every parameter of every sub-model in its image; tied ones once as master."""
+                 decay_filter: DecayFilter | None = None, *,
+                 transfer_dtype: torch.dtype | None = None) -> list[SubLayout]:
+    """Place every parameter of every sub-model in its image; tied ones once as master.
+
+    With a half-precision `transfer_dtype`, the package's FULL_PRECISION weights (those of
+    normalisation layers) are wide entries: float32 inside the half-precision image, as FSDP's
+    MixedPrecision keeps BatchNorm in full precision. A wide entry takes two image elements per
+    weight and starts at an even element, so the image is still one buffer and one copy.
+    """
+    half = transfer_dtype is not None and transfer_dtype.itemsize < WIDE_DTYPE.itemsize
+    ratio = WIDE_DTYPE.itemsize // transfer_dtype.itemsize if half else 1
+    wide_keys = set(package.full_precision) if half else set()
     tie_key = {(i, local): key for key, holders in package.tied.items() for i, local in holders}
     shapes: list[dict[str, tuple[int, ...]]] = []
     param_names: list[dict[str, str]] = []  # PARAM_NAMES without the buffers it also maps
@@ -108,13 +144,24 @@ def plan_layouts(package: SwapPackage, modules: list[nn.Module],
             else:
                 replicas.append((local, key, shape, decay))
         entries: list[ParamEntry] = []
-        offset = 0
+        offset = master_offset = 0
+
+        def place(key: str, n: int) -> tuple[int, int, bool]:
+            nonlocal offset
+            wide = key in wide_keys
+            if wide:
+                offset = -(-offset // ratio) * ratio  # a whole WIDE_DTYPE element
+            start, span = offset, n * ratio if wide else n
+            offset += span
+            return start, span, wide
+
         for local, key, shape, decay in owned_decay + owned_plain:
             n = _numel(shape)
-            owner_offsets[key] = offset
-            entries.append(ParamEntry(local, key, shape, n, offset, i, offset, decay, True))
-            offset += n
-        owned = offset
+            owner_offsets[key] = master_offset
+            start, span, wide = place(key, n)
+            entries.append(ParamEntry(local, key, shape, n, start, i, master_offset, decay, True, span, wide))
+            master_offset += n
+        owned = master_offset
         decay_numel = sum(_numel(s) for _, _, s, _ in owned_decay)
         for local, key, shape, decay in replicas:
             n = _numel(shape)
@@ -130,8 +177,8 @@ def plan_layouts(package: SwapPackage, modules: list[nn.Module],
                 raise RuntimeMismatchError(
                     f"tied parameter {key} has shape {list(owner_shape)} in sub-model {o} but "
                     f"{list(shape)} in sub-model {i} ({local}); the package is damaged, regenerate it")
-            entries.append(ParamEntry(local, key, shape, n, offset, o, o_off, decay, False))
-            offset += n
+            start, span, wide = place(key, n)
+            entries.append(ParamEntry(local, key, shape, n, start, o, o_off, decay, False, span, wide))
         layouts.append(SubLayout(i, tuple(entries), offset, owned, decay_numel))
     return layouts
 
@@ -215,12 +262,13 @@ class HostStore:
             else:
                 self.master.append(image[:L.owned_numel])
                 self.grad_master.append(grad[:L.owned_numel])
-        # owner -> [(holder, holder offset, owner offset, numel, key)] for every replica
-        self.replicas_of: list[list[tuple[int, int, int, int, str]]] = [[] for _ in layouts]
+        # owner -> [(holder, entry)] for every replica
+        self.replicas_of: list[list[tuple[int, ParamEntry]]] = [[] for _ in layouts]
         for L in layouts:
             for e in L.entries:
                 if not e.owned:
-                    self.replicas_of[e.owner].append((L.index, e.offset, e.owner_offset, e.numel, e.key))
+                    self.replicas_of[e.owner].append((L.index, e))
+        self.runs = [L.runs() for L in layouts]
         self.exact_keys: set[str] = set()  # ties the executor sums on the device (tied_grads="exact")
         # sub-models whose updates change what sub-model i loads
         self.load_deps: list[tuple[int, ...]] = [
@@ -237,11 +285,11 @@ class HostStore:
 
     def refresh_images(self, i: int) -> None:
         """Bring images up to date with sub-model i's master: its own, and every replica of it."""
-        L = self.layouts[i]
-        if self.separate_master:  # cast into the transfer dtype
-            self.image[i][:L.owned_numel].copy_(self.master[i])
-        for j, j_off, o_off, n, _ in self.replicas_of[i]:
-            self.image[j][j_off:j_off + n].copy_(self.master[i][o_off:o_off + n])
+        if self.separate_master:  # cast into the transfer dtype (wide runs: into float32)
+            for start, span, m_off, n, wide in self.runs[i]:
+                self._image_run(self.image[i], start, span, wide).copy_(self.master[i][m_off:m_off + n])
+        for j, e in self.replicas_of[i]:
+            e.image_view(self.image[j]).view(-1).copy_(self.master[i][e.owner_offset:e.owner_offset + e.numel])
 
     def reduce_grads(self, i: int) -> None:
         """Gradients of sub-model i's masters: its own plus those of every replica of them.
@@ -249,12 +297,18 @@ class HostStore:
         Called when i's gradients are on the host; replicas live in later sub-models, whose
         backward (and gradient copy) came before i's.
         """
-        L = self.layouts[i]
         if self.separate_master:
-            self.grad_master[i].copy_(self.grad[i][:L.owned_numel])
-        for j, j_off, o_off, n, key in self.replicas_of[i]:
-            if key not in self.exact_keys:
-                self.grad_master[i][o_off:o_off + n] += self.grad[j][j_off:j_off + n]
+            for start, span, m_off, n, wide in self.runs[i]:
+                self.grad_master[i][m_off:m_off + n].copy_(self._image_run(self.grad[i], start, span, wide))
+        for j, e in self.replicas_of[i]:
+            if e.key not in self.exact_keys:
+                self.grad_master[i][e.owner_offset:e.owner_offset + e.numel] += \
+                    e.image_view(self.grad[j]).view(-1)
+
+    @staticmethod
+    def _image_run(flat: torch.Tensor, start: int, span: int, wide: bool) -> torch.Tensor:
+        part = flat[start:start + span]
+        return part.view(WIDE_DTYPE) if wide else part
 
     # ---- sizes ---------------------------------------------------------------------------------
 

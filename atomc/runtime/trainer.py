@@ -156,7 +156,7 @@ class SwapTrainer:
             except KeyError as e:
                 raise RuntimeMismatchError(f"the initial state dict lacks {e}, which {pkg.path} needs; "
                                            f"give the original model's state_dict()") from None
-        layouts = plan_layouts(pkg, host_modules, opt_cfg.decay_filter)
+        layouts = plan_layouts(pkg, host_modules, opt_cfg.decay_filter, transfer_dtype=xfer)
         store = HostStore(layouts, master_dtype, xfer, pin=dev.type == "cuda")
         # the masters take the initial weights; the host modules are re-pointed at the masters
         for i, (mod, L) in enumerate(zip(host_modules, layouts)):
@@ -314,8 +314,6 @@ class SwapTrainer:
                     hb[n].copy_(b)
                     db[n].copy_(b)
         for i in range(len(self.store.layouts)):
-            if self.store.separate_master:
-                self.store.image[i][:self.store.layouts[i].owned_numel].copy_(self.store.master[i])
             self.store.refresh_images(i)
         self.optimizer.load_state_dict(state["optimizer"])
         if self.optimizer.scaler is not None and state.get("scaler"):

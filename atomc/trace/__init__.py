@@ -22,10 +22,15 @@ from atomc.ir import OpGraph
 from atomc.trace.frontends import trace
 from atomc.trace.graph import ValueRecorder, build_opgraph, normalise_get_attrs, tensors_in
 from atomc.trace.load import call_with_options, load_model_file
-from atomc.trace.normalise import drop_assertions, inline_modes, mark_dtype_args
+from atomc.trace.normalise import (
+    drop_assertions,
+    inline_modes,
+    mark_dtype_args,
+    register_constants,
+)
 
 __all__ = ["TracedModel", "trace_model", "load_model_file", "build_and_inputs", "dtype_args",
-           "buffer_values", "model_dtype"]
+           "buffer_values", "constant_values", "model_dtype"]
 
 
 @dataclass
@@ -93,6 +98,7 @@ def _trace_graph(model: nn.Module, inputs: tuple, leaf_types: tuple[type, ...], 
                  frontend: str) -> tuple[fx.GraphModule, str]:
     gm, used = trace(model, inputs, leaf_types, path, frontend)
     inline_modes(gm)
+    register_constants(gm)
     drop_assertions(gm)
     normalise_get_attrs(gm)
     return gm, used
@@ -190,3 +196,40 @@ def buffer_values(traced: TracedModel, fqns: list[str]) -> dict[str, torch.Tenso
         torch.set_rng_state(rng)
     built = dict(model.named_buffers(remove_duplicate=False))
     return {f: built[f].detach() for f in fqns}
+
+
+def constant_values(traced: TracedModel, names: list[str]) -> dict[str, torch.Tensor]:
+    """Values of tensors torch.export lifted out of forward (`x[:, [-1]]`'s index), by name.
+
+    A trace on the meta device creates them on meta, without values. The model is exported
+    again on the CPU with uninitialised weights: export reads only their shapes, so their
+    pages are reserved but never written.
+    """
+    values = {n: _fetch_attr(traced.gm, n) for n in names}
+    if all(v.device.type != "meta" for v in values.values()):
+        return {n: v.detach() for n, v in values.items()}
+    g = traced.graph
+    path = Path(getattr(traced.module, "__file__", None) or g.model_path)
+    rng = torch.get_rng_state()
+    try:
+        _, model, inputs = build_and_inputs(path, g.config, g.batch_size, dict(g.options), "meta")
+        model.to_empty(device="cpu").train(traced.train)
+        inputs = tuple(torch.zeros_like(x, device="cpu") if isinstance(x, torch.Tensor) else x
+                       for x in inputs)
+        gm, _ = _trace_graph(model, inputs, traced.leaf_types, path, "export")
+    finally:
+        torch.set_rng_state(rng)
+    found = {}
+    for n in names:
+        try:
+            found[n] = _fetch_attr(gm, n).detach()
+        except AttributeError:
+            raise TraceError(f"{path}: the constant {n} of the meta-device trace is not in a CPU "
+                             f"trace of the model; register it as a buffer of the model") from None
+    return found
+
+
+def _fetch_attr(root: Any, target: str) -> Any:
+    for part in target.split("."):
+        root = getattr(root, part)
+    return root

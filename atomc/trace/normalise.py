@@ -106,6 +106,24 @@ def _lift_attrs(gm: fx.GraphModule, body: fx.GraphModule) -> None:
         node.target = name
 
 
+def register_constants(gm: fx.GraphModule) -> None:
+    """Tensors torch.export lifted out of forward become non-persistent buffers of `gm`.
+
+    export leaves them as plain attributes; as buffers they move with the module (`.to()`) and
+    fx knows what its get_attr nodes read.
+    """
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        owner_path, _, name = str(node.target).rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        value = getattr(owner, name, None)
+        if (isinstance(value, torch.Tensor) and name not in owner._parameters
+                and name not in owner._buffers):
+            delattr(owner, name)
+            owner.register_buffer(name, value, persistent=False)
+
+
 def drop_assertions(gm: fx.GraphModule) -> None:
     graph = gm.graph
     for node in list(graph.nodes):

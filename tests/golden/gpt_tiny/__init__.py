@@ -137,6 +137,20 @@ ORIGINAL_NAMES = ('wte.weight',
  'ln_f.bias',
  'lm_head.weight')
 
+# Weights of normalisation layers. Mixed-precision runs keep them (and all buffers) in float32
+# on the device while the other weights travel in bfloat16 or float16, as PyTorch's
+# mixed-precision users expect (FSDP MixedPrecision keeps BatchNorm in full precision).
+FULL_PRECISION = ('h.0.ln_1.bias',
+ 'h.0.ln_1.weight',
+ 'h.0.ln_2.bias',
+ 'h.0.ln_2.weight',
+ 'h.1.ln_1.bias',
+ 'h.1.ln_1.weight',
+ 'h.1.ln_2.bias',
+ 'h.1.ln_2.weight',
+ 'ln_f.bias',
+ 'ln_f.weight')
+
 
 def build_submodels(device=None) -> list[nn.Module]:
     """One instance of every sub-model; load weights next (load_original_state_dict)."""

@@ -1,0 +1,333 @@
+"""Models nobody here wrote, through the whole chain: profile, partition, codegen, training.
+
+Each model is profiled on the CPU from a meta-device trace (as `atomc profile --device cpu`
+does), partitioned for a budget that needs three or more sub-models, generated from the plan
+alone (codegen traces the model again, as `atomc codegen` does), and then:
+
+- the chained sub-models give the original model's outputs and every parameter's gradient:
+  float64 to 1e-10, float32 to 1e-5;
+- SwapTrainer gives plain torch.optim.AdamW's weights and buffers after 3 steps;
+- a bfloat16 run (half-precision device copies, autocast) starts within 1% of the float32 loss.
+
+The families: seven Hugging Face causal LMs (examples/hf.py's tiny presets), a Hugging Face
+BERT returning its own ModelOutput, a ResNet-style CNN with BatchNorm, and a nanoGPT-style
+model.py imported from the model file beside it (training and last-position inference).
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._pytree import tree_flatten
+
+from atomc.cli import main as atomc_main
+from atomc.codegen import generate, load_package
+from atomc.errors import InfeasiblePlanError
+from atomc.partition import partition
+from atomc.profile import profile_model
+from atomc.runtime import SwapTrainer, micro_batch_rng
+from atomc.trace import trace_model
+
+REPO = Path(__file__).resolve().parent.parent
+HF = REPO / "examples" / "hf.py"
+MODELS = Path(__file__).resolve().parent / "models"
+MICRO = 2  # micro-batch size everything is traced with
+C = 2  # micro-batches per step
+
+pytest.importorskip("transformers")
+
+CASES = {
+    "gpt2": (HF, "tiny-gpt2"),
+    "llama": (HF, "tiny-llama"),
+    "mistral": (HF, "tiny-mistral"),
+    "qwen2": (HF, "tiny-qwen2"),
+    "opt": (HF, "tiny-opt"),
+    "gpt-neox": (HF, "tiny-gpt-neox"),
+    "phi": (HF, "tiny-phi"),
+    "bert": (MODELS / "hf_bert.py", None),
+    "resnet-bn": (MODELS / "resnet.py", None),
+    "nanogpt": (MODELS / "nanogpt" / "train_model.py", "dropout"),
+    "nanogpt-last": (MODELS / "nanogpt" / "train_model.py", "last"),
+}
+
+
+def three_way_plan(profile):
+    """The partitioner's plan at (about) the smallest budget it can meet: 3+ sub-models."""
+    lo, hi = 1 << 10, 1 << 30  # infeasible, feasible
+
+    def plan_for(budget: int):
+        return partition(profile, budget, reserve_bytes=0, accum=C, cpu_adam_gbps=8.0)
+
+    while hi - lo > hi // 32:
+        mid = (lo + hi) // 2
+        try:
+            plan_for(mid)
+            hi = mid
+        except InfeasiblePlanError:
+            lo = mid
+    plan = plan_for(hi)
+    assert len(plan.submodels) >= 3, f"{len(plan.submodels)} sub-models at {hi} bytes"
+    return plan
+
+
+_CHAINS: dict = {}
+
+
+def chain(name: str, tmp_root: Path):
+    """(package dir, plan, CPU trace of the original) for a case, made once per session."""
+    if name not in _CHAINS:
+        path, config = CASES[name]
+        meta = trace_model(path, config, MICRO, device="meta")
+        profile = profile_model(meta, device="cpu", repeats=1, progress=False)
+        plan = three_way_plan(profile)
+        plan_path = tmp_root / f"{name}.plan.json"
+        plan.save(plan_path)
+        out = generate(plan, tmp_root / name, profile=profile, plan_path=plan_path)
+        reference = trace_model(path, config, MICRO, device="cpu")
+        _CHAINS[name] = (out, plan, reference)
+    return _CHAINS[name]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+def batch_of(reference, num_micro: int, seed: int) -> tuple:
+    """Inputs of `num_micro` micro-batches like the traced ones (token ids stay in range)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for x in reference.inputs:
+        if x.is_floating_point():
+            out.append(torch.randn((num_micro * x.shape[0], *x.shape[1:]), generator=g))
+        else:
+            high = int(x.max()) + 1
+            out.append(torch.randint(0, high, (num_micro * x.shape[0], *x.shape[1:]), generator=g))
+    return tuple(out)
+
+
+def original(reference, dtype=torch.float32):
+    torch.manual_seed(0)
+    return copy.deepcopy(reference.model).to(dtype).train()
+
+
+# ---------------------------------------------------------------------------------------------
+# outputs and gradients
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)],
+                         ids=["float64", "float32"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_chained_submodels_equal_the_model(root, name, dtype, tol):
+    out, plan, reference = chain(name, root)
+    assert len(plan.submodels) >= 3
+    package = load_package(out)
+    model = original(reference, dtype)
+    subs = [s.to(dtype).train() for s in package.build_submodels()]
+    assert package.load_original_state_dict(subs, model.state_dict()) == []
+    package.tie_parameters(subs)
+    inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in reference.inputs)
+    loss_fn = reference.module.loss_fn
+    with micro_batch_rng(0, 0, 0):  # dropout draws the same masks in both
+        expected = model(*inputs)
+        loss_fn(expected, inputs).backward()
+    with micro_batch_rng(0, 0, 0):
+        values = inputs
+        for sub in subs[:-1]:
+            values = sub(*values)
+        got = subs[-1](*values)
+        loss_fn(got, inputs).backward()
+    exp_leaves, exp_spec = tree_flatten(expected)
+    got_leaves, got_spec = tree_flatten(got)
+    assert type(got) is type(expected) and got_spec == exp_spec
+    for e, g in zip(exp_leaves, got_leaves):
+        if isinstance(e, torch.Tensor):
+            assert g.dtype == e.dtype
+            torch.testing.assert_close(g, e, rtol=tol, atol=tol)
+    grads: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()  # tie_parameters made the holders of a tied weight share it
+    for sub, names in zip(subs, package.PARAM_NAMES):
+        for local, p in sub.named_parameters():
+            if p.grad is not None and id(p) not in seen:
+                seen.add(id(p))
+                grads[names[local]] = grads.get(names[local], 0) + p.grad
+    for fqn, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[fqn], p.grad, rtol=tol, atol=tol, msg=f"gradient of {fqn}")
+
+
+# ---------------------------------------------------------------------------------------------
+# training
+
+
+# Adam divides each gradient element by its own running size, so an element whose gradient is
+# zero up to float32 rounding takes a full lr-sized step in one run and none in the other. The
+# export graph's kernels round a little differently from the eager model's; an eps well above
+# rounding keeps such elements' steps at rounding size, and the comparison tight.
+ADAM = {"lr": 1e-3, "eps": 1e-4, "weight_decay": 0.01}
+
+
+def plain_steps(model, loss_fn, batches):
+    opt = torch.optim.AdamW(model.parameters(), **ADAM, fused=True)
+    losses = []
+    for step, batch in enumerate(batches):
+        opt.zero_grad()
+        total = 0.0
+        for m in range(C):
+            micro = tuple(x[m * MICRO:(m + 1) * MICRO] for x in batch)
+            with micro_batch_rng(0, step, m):
+                loss = loss_fn(model(*micro), micro)
+            (loss / C).backward()
+            total += loss.item()
+        opt.step()
+        losses.append(total / C)
+    return losses
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_swap_trainer_equals_adamw(root, name):
+    out, plan, reference = chain(name, root)
+    model = original(reference)
+    trainer = SwapTrainer.from_package(out, device="cpu", state_dict=model.state_dict(),
+                                       tied_grads="exact", optimizer=ADAM)
+    assert trainer.accum == C and len(trainer.store.layouts) >= 3
+    batches = [batch_of(reference, C, seed) for seed in range(3)]
+    swapped = [trainer.step(b) for b in batches]
+    plain = plain_steps(model, reference.module.loss_fn, batches)
+    assert swapped == pytest.approx(plain, rel=1e-6, abs=1e-7)
+    state = trainer.export_state_dict()
+    expected = model.state_dict()
+    assert set(state) <= set(expected)
+    for k, v in state.items():  # weights and persistent buffers (BatchNorm statistics)
+        torch.testing.assert_close(v, expected[k], rtol=1e-5, atol=1e-6, msg=k)
+    trainer.close()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bfloat16_first_step_within_one_percent(root, name):
+    out, plan, reference = chain(name, root)
+    model = original(reference)
+    batch = batch_of(reference, C, 7)
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        trainer = SwapTrainer.from_package(out, device="cpu", state_dict=model.state_dict(),
+                                           transfer_dtype=dtype)
+        losses[dtype] = trainer.step(batch)
+        if dtype == "bfloat16":  # norms' weights travel in float32, the others in bfloat16
+            full = set(trainer.package.full_precision)
+            for L in trainer.store.layouts:
+                for e in L.entries:
+                    assert e.wide == (e.key in full)
+        trainer.close()
+    assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=0.01)
+
+
+# ---------------------------------------------------------------------------------------------
+# each failure class, looked at directly
+
+
+def test_modes_become_with_blocks_and_dtypes_stay_generic(root, tmp_path):
+    """no_grad/autocast regions (export's higher-order operators) come back as `with` blocks;
+    no assertion pins the traced dtype; `x.to(x.dtype)` follows the weights, `.float()` stays."""
+    path = MODELS / "modes.py"
+    t = trace_model(path, None, MICRO, device="meta")
+    assert t.graph.frontend == "export"
+    assert not any("higher_order" in str(n.target) for n in t.gm.graph.nodes)
+    profile = profile_model(t, device="cpu", repeats=1, progress=False)
+    plan = partition(profile, 1 << 30, reserve_bytes=0, cpu_adam_gbps=8.0)
+    out = generate(plan, tmp_path / "pkg", profile=profile)
+    source = "".join(p.read_text() for p in sorted(out.glob("submodel_*.py")))
+    assert "with torch.no_grad():" in source
+    assert "with torch.autocast(device.type, enabled=False" in source
+    assert "_assert_tensor_metadata" not in source
+    assert "torch.ops.aten.to.dtype(tanh, dtype)" in source  # .to(x.dtype): generic
+    assert "torch.ops.aten.to.dtype(linear, torch.float32)" in source  # .float(): the model's own
+    package = load_package(out)
+    reference = trace_model(path, None, MICRO, device="cpu")
+    for dtype in (torch.float64, torch.bfloat16):
+        model = original(reference, dtype)
+        subs = [s.to(dtype) for s in package.build_submodels()]
+        package.load_original_state_dict(subs, model.state_dict())
+        x = reference.inputs[0].to(dtype)
+        values = (x,)
+        for sub in subs[:-1]:
+            values = sub(*values)
+        got = subs[-1](*values)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, model(x))
+
+
+def test_constants_ship_with_the_package(root):
+    """Non-persistent buffers (BERT's position_ids) and lifted constants (nanoGPT's `[-1]`
+    index) are package constants: stored with their values, never asked of a state dict."""
+    out, _, reference = chain("bert", root)
+    package = load_package(out)
+    names = {fqn for names in package.PARAM_NAMES for fqn in names.values()}
+    assert not any(n.endswith("position_ids") for n in names)
+    assert (out / "constants.pt").is_file() and (out / "_constants.py").is_file()
+    constants = package._constants.NAMES
+    assert "embeddings.position_ids" in constants
+    out, _, _ = chain("nanogpt-last", root)
+    package = load_package(out)
+    assert any("constant" in n or "lifted" in n for n in package._constants.NAMES)
+
+
+def test_model_file_imports_the_module_beside_it(tmp_path, capsys):
+    """`from model import GPT` in a model file works in every command, not only in tests that
+    already put the folder on sys.path: run the CLI in a fresh interpreter."""
+    model = MODELS / "nanogpt" / "train_model.py"
+    profile = tmp_path / "m.profile.json"
+    code = (f"import sys; from atomc.cli import main; "
+            f"sys.exit(main(['profile', {str(model)!r}, '--target', 'a100-80gb', '-o', {str(profile)!r}]))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert profile.is_file()
+
+
+def test_hf_config_files_and_bad_ones(tmp_path, capsys):
+    good = tmp_path / "config.json"
+    good.write_text('{"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, '
+                    '"num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 64}')
+    assert atomc_main(["profile", str(HF), "--config", str(good), "--target", "a100-80gb",
+                       "--seq-len", "8", "-o", str(tmp_path / "p.json")]) == 0
+    capsys.readouterr()
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"model_type": "llama",')
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text('{"model_type": "no-such-architecture"}')
+    for path, expected in ((broken, "not valid JSON"), (unknown, "is not an architecture")):
+        assert atomc_main(["profile", str(HF), "--config", str(path), "--target", "a100-80gb"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and str(path) in err and expected in err, err
+
+
+def test_hf_without_transformers_says_how_to_install(tmp_path):
+    code = ("import sys; sys.modules['transformers'] = None; from atomc.cli import main; "
+            f"sys.exit(main(['profile', {str(HF)!r}, '--target', 'a100-80gb']))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install 'atomc[hf]'" in lines[0], run.stderr
+
+
+def test_untraceable_model_names_both_frontends_and_the_line(tmp_path, capsys):
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "class Bad(nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        if x.sum() > 0:\n"
+        "            return x.nonzero().float().sum() * torch.ones(int(x.sum().item()))\n"
+        "        return x\n\n"
+        "def build_model(config=None):\n    return Bad()\n\n"
+        "def example_inputs(model, batch_size):\n    return (torch.ones(batch_size, 3),)\n")
+    assert atomc_main(["profile", str(bad), "--target", "a100-80gb"]) == 2
+    err = capsys.readouterr().err
+    assert "torch.fx.symbolic_trace" in err and "torch.export" in err and "bad.py:6" in err
