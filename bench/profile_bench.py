@@ -24,7 +24,8 @@ JOB = textwrap.dedent("""
     import json, resource, sys, time
     from atomc.trace import trace_model
     from atomc.profile import profile_model
-    model, config, target, device = sys.argv[1], sys.argv[2], sys.argv[3] or None, sys.argv[4] or None
+    model, config = sys.argv[1], sys.argv[2]
+    target, device = sys.argv[3] or None, sys.argv[4] or None
     repeats = int(sys.argv[5])
     t0 = time.perf_counter()
     traced = trace_model(model, config, 1)

@@ -23,52 +23,79 @@ import torch.nn.functional as F
 from torch import nn
 
 # name -> (model_type, configuration fields, default sequence length). Sizes are the published
-# ones; fields not given keep transformers' defaults for the model type.
+# ones; fields not given keep transformers' defaults for the model type. The tiny ones are for
+# tests: two layers, random weights, every family's distinctive parts kept (grouped-query
+# attention, rotary embeddings, sliding windows, partial rotary, parallel residuals).
 PRESETS: dict[str, tuple[str, dict, int]] = {
-    "gpt2": ("gpt2", dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024), 1024),
-    "gpt2-xl": ("gpt2", dict(n_embd=1600, n_layer=48, n_head=25, vocab_size=50257,
-                             n_positions=1024), 1024),
-    "llama-2-7b": ("llama", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
-                                 max_position_embeddings=4096, rms_norm_eps=1e-5), 4096),
-    "llama-2-13b": ("llama", dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
-                                  num_attention_heads=40, num_key_value_heads=40, vocab_size=32000,
-                                  max_position_embeddings=4096, rms_norm_eps=1e-5), 4096),
-    "llama-2-70b": ("llama", dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                                  num_attention_heads=64, num_key_value_heads=8, vocab_size=32000,
-                                  max_position_embeddings=4096, rms_norm_eps=1e-5), 4096),
-    "llama-3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                                 max_position_embeddings=8192, rope_theta=500000.0,
-                                 rms_norm_eps=1e-5), 8192),
-    "mistral-7b": ("mistral", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                   num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
-                                   max_position_embeddings=32768, sliding_window=4096,
-                                   rms_norm_eps=1e-5), 4096),
-    "qwen2-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                               num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                               max_position_embeddings=32768, rope_theta=1000000.0,
-                               rms_norm_eps=1e-6), 4096),
-    # tiny ones for tests: two layers, random weights, every family's distinctive parts kept
-    # (grouped-query attention, rotary embeddings, sliding windows, parallel residuals)
-    "tiny-gpt2": ("gpt2", dict(n_embd=32, n_layer=2, n_head=4, vocab_size=128, n_positions=64), 16),
-    "tiny-llama": ("llama", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                 max_position_embeddings=64), 16),
-    "tiny-mistral": ("mistral", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                     max_position_embeddings=64, sliding_window=8), 16),
-    "tiny-qwen2": ("qwen2", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                 max_position_embeddings=64), 16),
-    "tiny-opt": ("opt", dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
-                             vocab_size=128, max_position_embeddings=64, word_embed_proj_dim=32), 16),
-    "tiny-gpt-neox": ("gpt_neox", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, vocab_size=128,
-                                       max_position_embeddings=64, rotary_pct=0.5), 16),
-    "tiny-phi": ("phi", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, vocab_size=128, max_position_embeddings=64,
-                             partial_rotary_factor=0.5), 16),
+    "gpt2": ("gpt2", {
+        "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257, "n_positions": 1024,
+    }, 1024),
+    "gpt2-xl": ("gpt2", {
+        "n_embd": 1600, "n_layer": 48, "n_head": 25, "vocab_size": 50257, "n_positions": 1024,
+    }, 1024),
+    "llama-2-7b": ("llama", {
+        "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-05,
+    }, 4096),
+    "llama-2-13b": ("llama", {
+        "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40,
+        "num_attention_heads": 40, "num_key_value_heads": 40, "vocab_size": 32000,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-05,
+    }, 4096),
+    "llama-2-70b": ("llama", {
+        "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 32000,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-05,
+    }, 4096),
+    "llama-3-8b": ("llama", {
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+        "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-05,
+    }, 8192),
+    "mistral-7b": ("mistral", {
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+        "max_position_embeddings": 32768, "sliding_window": 4096, "rms_norm_eps": 1e-05,
+    }, 4096),
+    "qwen2-7b": ("qwen2", {
+        "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+        "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
+    }, 4096),
+    "tiny-gpt2": ("gpt2", {
+        "n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 128, "n_positions": 64,
+        "bos_token_id": 0, "eos_token_id": 0,  # GPT-2's 50256 is outside a 128-token vocabulary
+    }, 16),
+    "tiny-llama": ("llama", {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+        "max_position_embeddings": 64,
+    }, 16),
+    "tiny-mistral": ("mistral", {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+        "max_position_embeddings": 64, "sliding_window": 8,
+    }, 16),
+    "tiny-qwen2": ("qwen2", {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+        "max_position_embeddings": 64,
+    }, 16),
+    "tiny-opt": ("opt", {
+        "hidden_size": 32, "ffn_dim": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "vocab_size": 128, "max_position_embeddings": 64, "word_embed_proj_dim": 32,
+    }, 16),
+    "tiny-gpt-neox": ("gpt_neox", {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "vocab_size": 128, "max_position_embeddings": 64,
+        "rotary_pct": 0.5,
+    }, 16),
+    "tiny-phi": ("phi", {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "vocab_size": 128, "max_position_embeddings": 64,
+        "partial_rotary_factor": 0.5,
+    }, 16),
 }
 
 INSTALL = "pip install 'atomc[hf]' (or: pip install transformers)"
@@ -139,7 +166,8 @@ def build_model(config: str | None = None, seq_len: int | None = None) -> nn.Mod
     return CausalLM(model, seq_len or default_seq)
 
 
-def example_inputs(model: CausalLM, batch_size: int, seq_len: int | None = None) -> tuple[torch.Tensor]:
+def example_inputs(model: CausalLM, batch_size: int,
+                   seq_len: int | None = None) -> tuple[torch.Tensor]:
     return (torch.randint(0, model.vocab_size, (batch_size, seq_len or model.seq_len)),)
 
 

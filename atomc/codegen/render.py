@@ -35,6 +35,7 @@ import jinja2
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from atomc import __version__
 from atomc.codegen.split import Piece
@@ -782,7 +783,7 @@ class PieceRenderer:
         return params, body + code
 
     def _mode(self, mode: tuple) -> str:
-        """`torch.no_grad()`, `torch.autocast(device.type, enabled=False)`: a traced region's mode."""
+        """`torch.no_grad()` or `torch.autocast(device.type, ...)`: a traced region's mode."""
         if mode[0] == "grad":
             return "torch.enable_grad()" if mode[1] else "torch.no_grad()"
         _, _, dtype, enabled, cache_enabled = mode
@@ -840,7 +841,7 @@ class PieceRenderer:
             return self.arg(by_name[value.name])
         r = lambda v: self._structure(v, by_name)
         kind = type(value)
-        if kind in (tuple, list, dict) or not isinstance(value, (tuple, list, dict)):
+        if kind in _PLAIN or not isinstance(value, (tuple, list, dict)):
             if isinstance(value, tuple):
                 items = [r(v) for v in value]
                 return f"({items[0]},)" if len(items) == 1 else "(" + ", ".join(items) + ")"
@@ -867,6 +868,10 @@ class PieceRenderer:
         for local in self.piece.modules:
             return f"next(self.{local}.parameters()).device"
         return "torch.get_default_device()"
+
+
+# Containers written as literals; fx keeps a graph's own tuples and dicts as its immutable kinds.
+_PLAIN = (tuple, list, dict, immutable_dict, immutable_list)
 
 
 def _flat(value: Any) -> list[Any]:
@@ -965,7 +970,8 @@ def render_package_init(subs: list[SubmodelSource], traced: TracedModel, plan: P
         "atomc_version": __version__,
     }
     tensors = [{"inputs": s.inputs, "outputs": s.outputs} for s in subs]
-    params = {fqn for sub in subs for local, fqn in sub.param_names.items() if local in sub.param_locals}
+    params = {fqn for sub in subs for local, fqn in sub.param_names.items()
+              if local in sub.param_locals}
     full_precision = sorted(f for f in params if is_norm_weight(traced.model, f))
     return env.get_template("package_init.py.jinja").render(
         num_submodels=len(subs),

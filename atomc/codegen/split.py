@@ -47,7 +47,7 @@ class Attr:
     fqn: str  # canonical FQN in the original model
     value: torch.Tensor  # the traced model's tensor (meta or real): shape, dtype, requires_grad
     is_buffer: bool
-    persistent: bool  # False: a constant (non-persistent buffer or lifted tensor), not in state dicts
+    persistent: bool  # False: a constant (non-persistent buffer, lifted tensor): no state dict
 
 
 @dataclass
@@ -231,8 +231,8 @@ def split_plan(traced: TracedModel, plan: Plan) -> list[Piece]:
         if is_last:
             for leaf in _leaves(structure):  # a parameter returned as it is
                 if leaf.op == "get_attr" and leaf.name not in env:
-                    env[leaf.name] = _own_attr(new, piece, leaf.name, str(leaf.target), gm, traced.model,
-                                               canon_params, canon_buffers)
+                    env[leaf.name] = _own_attr(new, piece, leaf.name, str(leaf.target), gm,
+                                               traced.model, canon_params, canon_buffers)
             result = fx.node.map_arg(structure, lambda n, env=env: env[n.name])
             piece.structure = structure  # map_arg keeps tuples, lists and dicts, not their classes
             piece.outputs = tuple(n.name for n in _leaves(structure))
@@ -261,7 +261,8 @@ def _drop_dead(graph: fx.Graph) -> None:
 
 
 def _own_attr(graph: fx.Graph, piece: Piece, node_name: str, path: str, gm: fx.GraphModule,
-              model: nn.Module, canon_params: dict[int, str], canon_buffers: dict[int, str]) -> fx.Node:
+              model: nn.Module, canon_params: dict[int, str],
+              canon_buffers: dict[int, str]) -> fx.Node:
     """A get_attr node in the piece for a tensor split_module made an input.
 
     Parameters and persistent buffers are weights the state dict carries. Non-persistent

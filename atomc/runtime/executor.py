@@ -248,7 +248,8 @@ class SwapExecutor:
             s = i % self.num_slots
             entries = self.layouts[i].entries
             rebind_parameters(
-                mod, {e.local: e.image_view(self.slot_params[s]) for e in entries}, requires_grad=True,
+                mod, {e.local: e.image_view(self.slot_params[s]) for e in entries},
+                requires_grad=True,
                 grads={e.local: e.image_view(self.slot_grads[s]) for e in entries})
             for name, buf in host_buffers[i].items():
                 owner, _, leaf = name.rpartition(".")

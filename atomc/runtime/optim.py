@@ -169,8 +169,9 @@ class CpuOptimizer:
                 # a view per original parameter, over the flat master and gradient: the kernels
                 # then split the work as they do on the original tensors (same bits), and
                 # nothing is copied
-                p = torch.nn.Parameter(store.master[i][e.owner_offset:e.owner_offset + e.numel].view(e.shape))
-                p.grad = store.grad_master[i][e.owner_offset:e.owner_offset + e.numel].view(e.shape)
+                where = slice(e.owner_offset, e.owner_offset + e.numel)
+                p = torch.nn.Parameter(store.master[i][where].view(e.shape))
+                p.grad = store.grad_master[i][where].view(e.shape)
                 (decayed if e.decay else plain).append(p)
             groups = [{"params": ps, "weight_decay": wd}
                       for ps, wd in ((decayed, config.weight_decay), (plain, 0.0)) if ps]

@@ -159,7 +159,8 @@ def plan_layouts(package: SwapPackage, modules: list[nn.Module],
             n = _numel(shape)
             owner_offsets[key] = master_offset
             start, span, wide = place(key, n)
-            entries.append(ParamEntry(local, key, shape, n, start, i, master_offset, decay, True, span, wide))
+            entries.append(ParamEntry(local, key, shape, n, start, i, master_offset, decay, True,
+                                      span, wide))
             master_offset += n
         owned = master_offset
         decay_numel = sum(_numel(s) for _, _, s, _ in owned_decay)
@@ -178,7 +179,8 @@ def plan_layouts(package: SwapPackage, modules: list[nn.Module],
                     f"tied parameter {key} has shape {list(owner_shape)} in sub-model {o} but "
                     f"{list(shape)} in sub-model {i} ({local}); the package is damaged, regenerate it")
             start, span, wide = place(key, n)
-            entries.append(ParamEntry(local, key, shape, n, start, o, o_off, decay, False, span, wide))
+            entries.append(ParamEntry(local, key, shape, n, start, o, o_off, decay, False,
+                                      span, wide))
         layouts.append(SubLayout(i, tuple(entries), offset, owned, decay_numel))
     return layouts
 
@@ -287,9 +289,11 @@ class HostStore:
         """Bring images up to date with sub-model i's master: its own, and every replica of it."""
         if self.separate_master:  # cast into the transfer dtype (wide runs: into float32)
             for start, span, m_off, n, wide in self.runs[i]:
-                self._image_run(self.image[i], start, span, wide).copy_(self.master[i][m_off:m_off + n])
+                image = self._image_run(self.image[i], start, span, wide)
+                image.copy_(self.master[i][m_off:m_off + n])
         for j, e in self.replicas_of[i]:
-            e.image_view(self.image[j]).view(-1).copy_(self.master[i][e.owner_offset:e.owner_offset + e.numel])
+            master = self.master[i][e.owner_offset:e.owner_offset + e.numel]
+            e.image_view(self.image[j]).view(-1).copy_(master)
 
     def reduce_grads(self, i: int) -> None:
         """Gradients of sub-model i's masters: its own plus those of every replica of them.
@@ -299,7 +303,8 @@ class HostStore:
         """
         if self.separate_master:
             for start, span, m_off, n, wide in self.runs[i]:
-                self.grad_master[i][m_off:m_off + n].copy_(self._image_run(self.grad[i], start, span, wide))
+                grad = self._image_run(self.grad[i], start, span, wide)
+                self.grad_master[i][m_off:m_off + n].copy_(grad)
         for j, e in self.replicas_of[i]:
             if e.key not in self.exact_keys:
                 self.grad_master[i][e.owner_offset:e.owner_offset + e.numel] += \

@@ -44,7 +44,8 @@ def _mode_of(node: fx.Node) -> tuple[tuple, fx.Node, tuple] | None:
         return ("grad", bool(enabled)), body, tuple(operands)
     if node.target is _hop("wrap_with_autocast"):
         device_type, dtype, enabled, cache_enabled, body, *operands = node.args
-        return ("autocast", device_type, dtype, bool(enabled), bool(cache_enabled)), body, tuple(operands)
+        mode = ("autocast", device_type, dtype, bool(enabled), bool(cache_enabled))
+        return mode, body, tuple(operands)
     return None
 
 
@@ -66,12 +67,12 @@ def inline_modes(gm: fx.GraphModule) -> None:
             for inner in body.graph.nodes:
                 if inner.op in ("placeholder", "output"):
                     continue
-                copy = graph.node_copy(inner, lambda n: val_map[n])
+                copy = graph.node_copy(inner, val_map.__getitem__)
                 copy.meta = dict(inner.meta)
                 copy.meta[MODES] = outer + (mode,) + tuple(inner.meta.get(MODES, ()))
                 val_map[inner] = copy
         output = next(n for n in body.graph.nodes if n.op == "output")
-        results = fx.node.map_arg(output.args[0], lambda n: val_map[n])
+        results = fx.node.map_arg(output.args[0], val_map.__getitem__)
         for user in list(node.users):
             if user.op == "call_function" and user.target is operator.getitem:
                 user.replace_all_uses_with(results[user.args[1]])
@@ -158,7 +159,8 @@ def _dtype_slots(node: fx.Node) -> dict[tuple, torch.dtype]:
 
 
 def mark_dtype_args(gm: fx.GraphModule, values: dict[str, Any], model_dtype: torch.dtype,
-                    retrace: Callable[[torch.dtype], fx.GraphModule]) -> dict[str, tuple[tuple, ...]]:
+                    retrace: Callable[[torch.dtype], fx.GraphModule],
+                    ) -> dict[str, tuple[tuple, ...]]:
     """Node name -> argument paths whose dtype is the model's own (it changes with the model's).
 
     `retrace(dtype)` traces the model again with its weights and floating inputs in `dtype`.
@@ -214,8 +216,8 @@ def _repair_aliased_reads(gm: fx.GraphModule, values: dict[str, Any], mine: list
             swaps[x] = truth
         if len(reads_a) != len(reads_b):
             raise ValueError(f"node {a.name} has other inputs in another dtype")
-        a.args = fx.node.map_arg(a.args, lambda n: swaps.get(n, n))
-        a.kwargs = fx.node.map_arg(a.kwargs, lambda n: swaps.get(n, n))
+        a.args = fx.node.map_arg(a.args, lambda n, swaps=swaps: swaps.get(n, n))
+        a.kwargs = fx.node.map_arg(a.kwargs, lambda n, swaps=swaps: swaps.get(n, n))
         changed = True
     if changed:
         gm.graph.lint()

@@ -111,8 +111,8 @@ class GPT(nn.Module):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, idx, targets=None):
-        b, t = idx.size()
-        assert t <= self.config.block_size, f"sequence of length {t} is longer than {self.config.block_size}"
+        _, t = idx.size()
+        assert t <= self.config.block_size, f"sequence of {t} is longer than {self.config.block_size}"
         pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
@@ -120,7 +120,8 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if targets is not None:
             logits = self.lm_head(x)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
+                                   ignore_index=-1)
         else:
             logits = self.lm_head(x[:, [-1], :])
             loss = None
