@@ -128,3 +128,17 @@ def test_cli_profile_writes_json(tmp_path, capsys):
     assert Profile.load(out).mode == "measured"
     assert main(["profiles"]) == 0
     assert "v100-32gb" in capsys.readouterr().out
+
+
+def test_aten_inplace_operators_are_known_by_their_schema():
+    import torch
+    from torch import fx
+
+    from atomc.profile.ops import is_inplace
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    div_ = graph.call_function(torch.ops.aten.div_.Tensor, (x, x))
+    div = graph.call_function(torch.ops.aten.div.Tensor, (x, x))
+    out = graph.call_function(torch.ops.aten.add.out, (x, x), {"out": x})
+    assert is_inplace(div_) and is_inplace(out) and not is_inplace(div)

@@ -519,3 +519,28 @@ def test_fixture_package_and_train_cli(tmp_path, capsys):
     assert "step 3: loss" in out
     assert atomc_main(["train", str(SKIP_MLP), "--steps", "1", "--device", "cpu"]) == 2
     assert "byte-level text" in capsys.readouterr().err
+
+
+def test_norm_weights_stay_float32_in_a_bfloat16_image(gpt_traced, pkg_root):
+    """Half-precision images keep the package's FULL_PRECISION weights (LayerNorms) in float32:
+    wide entries at even offsets, bound on the device as float32, refreshed without rounding."""
+    pkg = gpt_package(gpt_traced, pkg_root, ("add_1", "h_1_ln_1"), 2)
+    ref = gpt_model()
+    trainer = SwapTrainer.from_package(pkg, device="cpu", state_dict=ref.state_dict(),
+                                       transfer_dtype="bfloat16")
+    full = set(trainer.package.full_precision)
+    assert full and all(".ln_" in k or k.startswith("ln_f.") for k in full)
+    trainer.step(gpt_batches(1, 2)[0])
+    store = trainer.store
+    for i, L in enumerate(store.layouts):
+        assert store.image[i].dtype == torch.bfloat16
+        device_params = dict(trainer.executor.modules[i].named_parameters())
+        for e in L.entries:
+            assert e.wide == (e.key in full)
+            want = torch.float32 if e.wide else torch.bfloat16
+            assert device_params[e.local].dtype == want
+            if e.wide:
+                assert e.offset % 2 == 0 and e.span == 2 * e.numel
+                master = store.master[e.owner][e.owner_offset:e.owner_offset + e.numel]
+                assert torch.equal(e.image_view(store.image[i]).view(-1), master)
+    trainer.close()

@@ -42,6 +42,9 @@ def is_inplace(node: fx.Node) -> bool:
     if node.op == "call_function":
         if node.target in _INPLACE_OPERATORS:
             return True
+        if isinstance(node.target, torch._ops.OpOverload):  # ATen: the schema says what it writes
+            return any(a.alias_info is not None and a.alias_info.is_write
+                       for a in node.target._schema.arguments)
         name = getattr(node.target, "__name__", "")
         return name.endswith("_") and not name.startswith("_")
     return False
@@ -72,7 +75,7 @@ def _materialise(value: Any, device: torch.device, seed: int) -> Any:
                 base.fill_(True)
             else:
                 base.zero_()
-        t = base.as_strided(shape, stride)
+        t = base.as_strided(shape, stride).detach()  # a leaf of its own, not a view of base
         if v.dtype.is_floating_point:
             t.requires_grad_(True)
         return t
