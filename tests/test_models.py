@@ -10,8 +10,9 @@ alone (codegen traces the model again, as `atomc codegen` does), and then:
 - a bfloat16 run (half-precision device copies, autocast) starts within 1% of the float32 loss.
 
 The families: seven Hugging Face causal LMs (examples/hf.py's tiny presets), a Hugging Face
-BERT returning its own ModelOutput, a ResNet-style CNN with BatchNorm, and a nanoGPT-style
-model.py imported from the model file beside it (training and last-position inference).
+BERT returning its own ModelOutput, a ResNet-style CNN with BatchNorm (traced by symbolic
+tracing, and by torch.export behind a shape check), and a nanoGPT-style model.py imported
+from the model file beside it (training and last-position inference).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ CASES = {
     "phi": (HF, "tiny-phi"),
     "bert": (MODELS / "hf_bert.py", None),
     "resnet-bn": (MODELS / "resnet.py", None),
+    "resnet-bn-export": (MODELS / "resnet_export.py", None),
     "nanogpt": (MODELS / "nanogpt" / "train_model.py", "dropout"),
     "nanogpt-last": (MODELS / "nanogpt" / "train_model.py", "last"),
 }
@@ -261,6 +263,29 @@ def test_modes_become_with_blocks_and_dtypes_stay_generic(root, tmp_path):
         got = subs[-1](*values)
         assert got.dtype == dtype
         torch.testing.assert_close(got, model(x))
+
+
+def test_batch_norm_in_export_graphs_follows_the_mode(root):
+    """export resolves `self.training` when it traces; BatchNorm in generated code follows the
+    sub-model's mode again: running statistics in evaluation, batch statistics in training."""
+    out, _, reference = chain("resnet-bn-export", root)
+    assert reference.graph.frontend == "export"
+    package = load_package(out)
+    model = original(reference, torch.float64)
+    subs = [s.to(torch.float64) for s in package.build_submodels()]
+    package.load_original_state_dict(subs, model.state_dict())
+    x = reference.inputs[0].to(torch.float64)
+    for mode in (True, False, True):
+        model.train(mode)
+        values = (x,)
+        for sub in subs:
+            sub.train(mode)
+        for sub in subs[:-1]:
+            values = sub(*values)
+        torch.testing.assert_close(subs[-1](*values), model(x), rtol=1e-10, atol=1e-10)
+    state = package.export_state_dict(subs)
+    assert int(state["bn.num_batches_tracked"]) == int(model.bn.num_batches_tracked) == 2
+    torch.testing.assert_close(state["bn.running_mean"], model.bn.running_mean)
 
 
 def test_constants_ship_with_the_package(root):

@@ -64,6 +64,8 @@ _SKIP_CTOR_PARAMS = {"device", "dtype"}
 _F_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
                F.feature_alpha_dropout}
 _SDPA = {"aten.scaled_dot_product_attention.default"}
+_BATCH_NORMS = {"aten.batch_norm.default", "aten.native_batch_norm.default",
+                "aten._native_batch_norm_legit.default"}
 
 
 def _follow_training_mode(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -76,6 +78,15 @@ def _follow_training_mode(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, di
     """
     if fn in _F_DROPOUTS or str(fn) in _DROPOUT_OPS:
         return _replace_arg(args, kwargs, 2, "training" if fn in _F_DROPOUTS else "train",
+                            lambda v: _Expr("self.training") if v is True else v)
+    if fn is F.batch_norm or str(fn) in _BATCH_NORMS:
+        # with running statistics, batch statistics in training and the running ones in
+        # evaluation, as nn.BatchNorm decides; without them (track_running_stats=False), always
+        # batch statistics
+        running_mean = (args[1] if fn is F.batch_norm else args[3]) if len(args) > 3 else None
+        if running_mean is None:
+            return args, kwargs
+        return _replace_arg(args, kwargs, 5, "training",
                             lambda v: _Expr("self.training") if v is True else v)
     if fn is F.scaled_dot_product_attention or str(fn) in _SDPA:
         return _replace_arg(args, kwargs, 4, "dropout_p",

@@ -50,7 +50,8 @@ def is_inplace(node: fx.Node) -> bool:
     return False
 
 
-def _materialise(value: Any, device: torch.device, seed: int) -> Any:
+def _materialise(value: Any, device: torch.device, seed: int,
+                 constants: frozenset[int] = frozenset()) -> Any:
     """A tensor of the same shape, strides and dtype on `device`; other values kept.
 
     Strides matter: `.contiguous()` on a transposed input copies, on a contiguous one it
@@ -76,7 +77,7 @@ def _materialise(value: Any, device: torch.device, seed: int) -> Any:
             else:
                 base.zero_()
         t = base.as_strided(shape, stride).detach()  # a leaf of its own, not a view of base
-        if v.dtype.is_floating_point:
+        if v.dtype.is_floating_point and id(v) not in constants:
             t.requires_grad_(True)
         return t
 
@@ -116,8 +117,11 @@ def build_call(gm: fx.GraphModule, node: fx.Node, values: dict[str, Any], device
     def arg_value(n: fx.Node) -> Any:
         return values[n.name]
 
-    args = _materialise(fx.node.map_arg(node.args, arg_value), device, seed)
-    kwargs = _materialise(fx.node.map_arg(node.kwargs, arg_value), device, seed + 1)
+    # buffers read directly (export graphs: BatchNorm's running statistics) take no gradient
+    buffers = frozenset(id(values[n.name]) for n in node.all_input_nodes
+                        if n.op == "get_attr" and not isinstance(values[n.name], nn.Parameter))
+    args = _materialise(fx.node.map_arg(node.args, arg_value), device, seed, buffers)
+    kwargs = _materialise(fx.node.map_arg(node.kwargs, arg_value), device, seed + 1, buffers)
     params: list[torch.Tensor] = []
     if node.op == "call_module":
         module = materialise_module(gm.get_submodule(str(node.target)), device)

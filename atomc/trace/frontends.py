@@ -84,6 +84,10 @@ def trace(model: nn.Module, inputs: tuple, leaf_types: tuple[type, ...], model_p
 def _describe(exc: BaseException, model_path: Path) -> str:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     message = f"{type(exc).__name__}: {first}"[:300]
+    if "in output, which is not a known type" in first:
+        # the usual cause: a Hugging Face model returning its key/value cache
+        message += (" [the model returns an object torch.export cannot flatten: return tensors, "
+                    "tuples or dicts of them (for Hugging Face models pass use_cache=False)]")
     where = ""
     for frame in traceback.extract_tb(exc.__traceback__):
         if Path(frame.filename).resolve() == model_path.resolve():
