@@ -23,6 +23,10 @@ directly, not through a layer, are left uninitialised); load the original weight
 `load_original_state_dict(submodels, model.state_dict())`, and get them back under the
 original names with `export_state_dict(submodels)`.
 
+Tensors no state dict carries (non-persistent buffers such as position ids, and constants the
+tracer lifted out of forward) are not in PARAM_NAMES: when there are any, `_constants.py` holds
+their values (in constants.pt) and the sub-models register them as they are built.
+
 A tied weight (one parameter used by two layers, e.g. the input and output embeddings) held
 by more than one sub-model is listed in TIED with every holder. Each holder has its own copy
 after `build_submodels()`:
