@@ -11,8 +11,9 @@ alone (codegen traces the model again, as `atomc codegen` does), and then:
 
 The families: seven Hugging Face causal LMs (examples/hf.py's tiny presets), a Hugging Face
 BERT returning its own ModelOutput, a ResNet-style CNN with BatchNorm (traced by symbolic
-tracing, and by torch.export behind a shape check), and a nanoGPT-style model.py imported
-from the model file beside it (training and last-position inference).
+tracing, and by torch.export behind a shape check), an encoder of torch.nn's composite layers
+(TransformerEncoder, MultiheadAttention), and a nanoGPT-style model.py imported from the model
+file beside it (training and last-position inference).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ CASES = {
     "bert": (MODELS / "hf_bert.py", None),
     "resnet-bn": (MODELS / "resnet.py", None),
     "resnet-bn-export": (MODELS / "resnet_export.py", None),
+    "torch-transformer": (MODELS / "torch_transformer.py", None),
     "nanogpt": (MODELS / "nanogpt" / "train_model.py", "dropout"),
     "nanogpt-last": (MODELS / "nanogpt" / "train_model.py", "last"),
 }

@@ -41,6 +41,7 @@ from atomc import __version__
 from atomc.codegen.split import Piece
 from atomc.errors import CodegenError
 from atomc.ir import OpGraph, Plan
+from atomc.profile.ops import is_inplace
 from atomc.trace import TracedModel, dtype_args, model_dtype
 from atomc.trace.graph import dtype_name
 from atomc.trace.normalise import MODES
@@ -786,12 +787,32 @@ class PieceRenderer:
             for mode in modes[keep:]:
                 code.append(f"{'    ' * len(open_modes)}with {self._mode(mode)}:")
                 open_modes += (mode,)
-            code.append(f"{'    ' * len(open_modes)}{self.statement(node)}")
+            indent = "    " * len(open_modes)
+            if self._training_only(node):
+                code.append(f"{indent}if self.training:")
+                indent += "    "
+            code.append(f"{indent}{self.statement(node)}")
         if self.uses_device:
             body.append(f"device = {self._device_source()}  # where this sub-model runs")
         if self.uses_dtype:
             body.append(f"dtype = {self._dtype_source()}  # {self._dtype_note()}")
         return params, body + code
+
+    def _training_only(self, node: fx.Node) -> bool:
+        """An in-place update of a BatchNorm's buffer (`num_batches_tracked += 1`): BatchNorm
+        makes it in training only, and tracing in training mode left out its `if`."""
+        if not (is_inplace(node) and node.args and isinstance(node.args[0], fx.Node)):
+            return False
+        target = node.args[0]
+        attr = self.piece.attrs.get(str(target.target)) if target.op == "get_attr" else None
+        if attr is None or not attr.is_buffer:
+            return False
+        owner = attr.fqn.rpartition(".")[0]
+        try:
+            module = self.traced.model.get_submodule(owner)
+        except AttributeError:
+            return False
+        return isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats
 
     def _mode(self, mode: tuple) -> str:
         """`torch.no_grad()` or `torch.autocast(device.type, ...)`: a traced region's mode."""

@@ -22,7 +22,8 @@ from atomc.errors import TraceError
 
 
 class LeafTracer(fx.Tracer):
-    """symbolic_trace's tracer with user-given module types kept whole."""
+    """symbolic_trace's tracer with user-given module types kept whole, and torch.nn's own
+    layers whole only when they have no sub-modules."""
 
     def __init__(self, leaf_types: tuple[type, ...] = ()):
         super().__init__()
@@ -31,6 +32,11 @@ class LeafTracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if self.leaf_types and isinstance(m, self.leaf_types):
             return True
+        # fx keeps every torch.nn module whole; a composite one (TransformerEncoder,
+        # MultiheadAttention) is traced through instead: the partitioner may cut inside it, and
+        # codegen rebuilds only layers whose constructor arguments it can read back
+        if next(m.children(), None) is not None:
+            return False
         return super().is_leaf_module(m, module_qualified_name)
 
 
