@@ -83,7 +83,7 @@ def trace_model(path: str | Path, config: str | None = None, batch_size: int = 1
     gm, used = _trace_graph(model, inputs, leaf_types, p, frontend)
     recorder = ValueRecorder(gm)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _buffers_kept(model, gm):
             recorder.run(*inputs)
     except Exception as e:
         raise TraceError(f"the traced graph of {p} did not run on {device} tensors "
@@ -92,6 +92,18 @@ def trace_model(path: str | Path, config: str | None = None, batch_size: int = 1
                           batch_size=batch_size, options=options, frontend=used)
     return TracedModel(graph, gm, model, inputs, recorder.values, module, torch.device(device),
                        leaf_types, train)
+
+
+@contextlib.contextmanager
+def _buffers_kept(*modules: nn.Module) -> Iterator[None]:
+    """Undo what one recorded run writes into buffers (BatchNorm's running statistics and
+    `num_batches_tracked`): the model keeps the state its file built, as if never run."""
+    saved = [(b, b.clone()) for m in modules for b in m.buffers()]
+    try:
+        yield
+    finally:
+        for buf, value in saved:
+            buf.copy_(value)
 
 
 def _trace_graph(model: nn.Module, inputs: tuple, leaf_types: tuple[type, ...], path: Path,
