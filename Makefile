@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.atomc-installed
 # The CPU build of torch these machines carry; pinned first so nothing resolves another torch.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install demo test golden bench clean
+.PHONY: install demo test lint golden bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,12 @@ install: $(STAMP)
 demo: install
 	$(BIN)/python examples/demo.py
 
-test: install
+test: install lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# ruff, pinned in pyproject.toml's dev extra, with the rules chosen there
+lint: install
+	$(BIN)/ruff check --no-cache .
 
 golden: install
 	$(BIN)/python tests/make_golden.py
@@ -30,7 +34,7 @@ golden: install
 bench: install
 	$(BIN)/python bench/profile_bench.py
 	$(BIN)/python bench/partition_bench.py
-	$(BIN)/python bench/schedule_bench.py
+	$(BIN)/python bench/place_bench.py
 	$(BIN)/python bench/layout_bench.py
 
 clean:

@@ -20,7 +20,7 @@ COMMANDS = [
     "atomc.partition.cli",
     "atomc.codegen.cli",
     "atomc.runtime.cli",
-    "atomc.schedule.cli",
+    "atomc.place.cli",
     "atomc.distributed.cli",
 ]
 
@@ -28,7 +28,8 @@ COMMANDS = [
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="atomc",
-        description="Compile PyTorch models into swappable sub-models and train them beyond GPU memory.",
+        description="Compile PyTorch models into swappable sub-models and train them beyond GPU "
+                    "memory.",
     )
     parser.add_argument("--version", action="version", version=f"atomc {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")

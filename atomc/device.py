@@ -7,7 +7,8 @@ import torch
 from atomc.errors import AtomcError, UsageError
 
 
-def parse_device(text: str | torch.device | None, error: type[AtomcError] = UsageError) -> torch.device:
+def parse_device(text: str | torch.device | None,
+                 error: type[AtomcError] = UsageError) -> torch.device:
     """cpu, cuda or cuda:N; None means CUDA when present, else the CPU."""
     if text is None:
         text = "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,20 +11,20 @@ message that names the file and the field.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Union
 
 from atomc.errors import IRError
-from atomc.jsonio import read_json, write_json
+from atomc.jsonio import canonical_hash, read_json, write_json
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 SCHEMA_VERSION = 1
-
-T = TypeVar("T")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,7 +66,8 @@ def from_data(tp: Any, data: Any, where: str) -> Any:
         raise IRError(errors[0] if errors else f"{where}: unexpected null")
     if dataclasses.is_dataclass(tp):
         if not isinstance(data, dict):
-            raise IRError(f"{where}: expected an object for {tp.__name__}, got {type(data).__name__}")
+            raise IRError(f"{where}: expected an object for {tp.__name__}, "
+                          f"got {type(data).__name__}")
         hints = _hints(tp)
         kwargs = {}
         for f in dataclasses.fields(tp):
@@ -113,10 +114,11 @@ class Document:
         return {"kind": self.KIND, "schema_version": SCHEMA_VERSION, **to_data(self)}
 
     @classmethod
-    def from_json(cls: type[T], data: Any, source: str = "<data>") -> T:
+    def from_json(cls, data: Any, source: str = "<data>") -> Self:
         kind = cls.KIND  # type: ignore[attr-defined]
         if not isinstance(data, dict):
-            raise IRError(f"{source}: expected a JSON object for a {kind}, got {type(data).__name__}")
+            raise IRError(f"{source}: expected a JSON object for a {kind}, "
+                          f"got {type(data).__name__}")
         seen_kind = data.get("kind")
         if seen_kind != kind:
             raise IRError(
@@ -126,8 +128,8 @@ class Document:
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             raise IRError(
-                f"{source} has schema_version {version!r}; this atomc reads version {SCHEMA_VERSION}: "
-                f"regenerate it with this atomc"
+                f"{source} has schema_version {version!r}; this atomc reads version "
+                f"{SCHEMA_VERSION}: regenerate it with this atomc"
             )
         body = {k: v for k, v in data.items() if k not in ("kind", "schema_version")}
         return from_data(cls, body, source)
@@ -136,13 +138,12 @@ class Document:
         return write_json(path, self.to_json())
 
     @classmethod
-    def load(cls: type[T], path: str | Path) -> T:
+    def load(cls, path: str | Path) -> Self:
         return cls.from_json(read_json(path, cls.KIND), str(path))  # type: ignore[attr-defined]
 
     def content_hash(self) -> str:
         """sha256 of the canonical JSON; names this exact document in later stages."""
-        canon = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canon.encode()).hexdigest()[:16]
+        return canonical_hash(self.to_json())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,7 +164,8 @@ class OpNode:
     name: str
     op: str  # placeholder | get_attr | call_module | call_function | call_method | output
     target: str  # module FQN, attribute FQN, qualified function name or method name
-    module_fqn: str  # the module the node runs in ("" at top level); the module itself for call_module
+    # the module the node runs in ("" at top level); the module itself for call_module
+    module_fqn: str
     module_type: str  # class name of the called module, or of the innermost owning module
     block: str  # FQN of the repeated block the node belongs to ("" outside blocks)
     inputs: tuple[str, ...]  # names of nodes whose values this node reads
@@ -191,22 +193,15 @@ class OpGraph(Document):
 
     def structure_hash(self) -> str:
         """Hash of what the model computes (nodes and parameters), not where it came from."""
-        data = {"nodes": to_data(self.nodes), "params": to_data(self.params), "frontend": self.frontend}
-        canon = json.dumps(data, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canon.encode()).hexdigest()[:16]
+        data = {"nodes": to_data(self.nodes), "params": to_data(self.params),
+                "frontend": self.frontend}
+        return canonical_hash(data)
 
     def num_params(self) -> int:
-        return sum(_numel(s.shape) for s in self.params.values())
+        return sum(math.prod(s.shape) for s in self.params.values())
 
     def node_index(self) -> dict[str, int]:
         return {n.name: i for i, n in enumerate(self.nodes)}
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,7 +231,8 @@ class NodeCost:
     param_bytes: int  # bytes of parameters first used here (a tied weight counts once)
     output_bytes: int
     saved_bytes: int  # tensors autograd keeps for the backward
-    peak_fwd_bytes: int  # working memory while running forward (inputs, params, outputs, temporaries)
+    # working memory while running forward (inputs, params, outputs, temporaries)
+    peak_fwd_bytes: int
     peak_bwd_bytes: int
     fwd_ms: float
     bwd_ms: float
@@ -298,14 +294,16 @@ class Submodel:
     offload_ms: float  # gradients back to the host
     slack_memory_bytes: int  # capacity - (this computing + next loading); >= 0 when feasible
     slack_fwd_ms: float  # C*t_fwd(this) - t_load(next)
-    slack_bwd_ms: float  # C*t_bwd(this) - max(t_load(previous), t_offload(next)): next's gradients leave meanwhile
+    # C*t_bwd(this) - max(t_load(previous), t_offload(next)): next's gradients leave meanwhile
+    slack_bwd_ms: float
     inputs: tuple[CutTensor, ...]  # values it reads from earlier sub-models or the model's inputs
     outputs: tuple[CutTensor, ...]  # values later sub-models or the model's output read
     # added by the partition stage (defaults keep older plan files readable):
     checkpoint_ms: float = 0.0  # its C micro-batches' checkpoints, streamed in during its backward
     optimizer_ms: float = 0.0  # CPU AdamW over its fp32 masters
     slack_optimizer_ms: float = 0.0  # C*t_bwd + t_offload(this) - (t_offload + t_opt)(next)
-    crossing: tuple[CutTensor, ...] = ()  # every value crossing the cut after it (incl. pass-through)
+    # every value crossing the cut after it (incl. pass-through)
+    crossing: tuple[CutTensor, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -335,4 +333,5 @@ class Plan(Document):
     notes: tuple[str, ...] = field(default_factory=tuple)
     cpu_adam_gbps: float = 0.0  # CPU optimizer throughput assumed (GB/s of fp32 masters)
     search_tier: int = 0  # 0: every constraint; 1: loads may stall; 2: memory only
-    early_prefetch: bool = False  # sub-model 1 is loaded for the next step during sub-model 0's update
+    # sub-model 1 is loaded for the next step during sub-model 0's update
+    early_prefetch: bool = False

@@ -1,4 +1,4 @@
-"""Atomic JSON and text writes, and checked JSON reads.
+"""Atomic JSON and text writes, checked JSON reads, and the canonical hash of a JSON document.
 
 Nothing a user wrote or trained is lost: every write goes to a temporary file in the same
 directory and is renamed over the target, so a crash leaves either the old file or the new.
@@ -6,6 +6,7 @@ directory and is renamed over the target, so a crash leaves either the old file 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -82,4 +83,13 @@ def read_json(path: str | os.PathLike, kind: str) -> Any:
     try:
         return json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise IRError(f"{p} is not valid JSON ({e}); expected a {kind} file written by atomc") from None
+        raise IRError(f"{p} is not valid JSON ({e}); expected a {kind} file written by "
+                      f"atomc") from None
+
+
+def canonical_hash(data: Any, default: Callable[[Any], Any] | None = None) -> str:
+    """sha256 of `data` as canonical JSON (sorted keys, no spaces), 16 hex digits: the names
+    documents go by in later stages (plan hashes, profile and graph hashes). `default` is
+    json.dumps's hook for objects it cannot encode itself."""
+    canon = json.dumps(data, sort_keys=True, separators=(",", ":"), default=default)
+    return hashlib.sha256(canon.encode()).hexdigest()[:16]

@@ -26,7 +26,7 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 ACCEPTED_SIZES = "a number with a unit, e.g. 11GiB, 512MiB, 8GB, 1.5GiB, or a plain byte count"
 
 
-def parse_size(text: str | int | float, what: str = "size") -> int:
+def parse_size(text: str | float, what: str = "size") -> int:
     """Bytes in `text`; raises UsageError naming the accepted forms."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         if text < 0:

@@ -1,4 +1,4 @@
-"""Layout benchmark: the scheduled DT-FM layout vs a random one, 4 processes, emulated network.
+"""Layout benchmark: the placed DT-FM layout vs a random one, 4 processes, emulated network.
 
     python bench/layout_bench.py                 # prints the report (record it in bench/RESULTS.md)
     python bench/layout_bench.py --steps 8 --regions Oregon:2,Frankfurt:2 --rate-scale 0.05
@@ -9,7 +9,7 @@ What it does:
 2. a 4-device network is built from DT-FM's region-pair data (`build_regions`: two GPUs in each
    of two regions), its bandwidths multiplied by --rate-scale so that this small model is
    network-bound as a large one is at full rate;
-3. `atomc schedule` lays 2 stages x 2 replicas out on it; a random layout (the median-cost one of
+3. `atomc place` lays 2 stages x 2 replicas out on it; a random layout (the median-cost one of
    16 random partitions) is taken for comparison; both costs are DT-FM's prediction (DP + 2 PP);
 4. one Linux network namespace per device, joined by veth pairs to a bridge; per-link rates by
    `tc htb` at the sender; per-link delays by `tc netem` when the kernel has it, otherwise the
@@ -50,7 +50,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="mini", help="examples/gpt.py configuration (default mini)")
     p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per replica and step")
+    p.add_argument("--micro-batches", type=int, default=4,
+                   help="micro-batches per replica and step")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--regions", default="Oregon:2,Frankfurt:2", help="4 devices in DT-FM regions")
     p.add_argument("--rate-scale", type=float, default=0.05, help="multiply every link's bandwidth")
@@ -64,9 +65,9 @@ def parse_args() -> argparse.Namespace:
 def build(args: argparse.Namespace, work: Path):
     from atomc.codegen import generate
     from atomc.codegen.manual import plan_from_cuts
+    from atomc.place import build_network, place
+    from atomc.place.network import Network
     from atomc.profile import profile_model
-    from atomc.schedule import build_network, schedule
-    from atomc.schedule.network import Network
     from atomc.trace import trace_model
 
     traced = trace_model(GPT, args.config, args.micro_batch)
@@ -79,29 +80,32 @@ def build(args: argparse.Namespace, work: Path):
 
     base = build_network(regions=[r for r in args.regions.split(",") if r])
     if base.num_devices != 4:
-        raise SystemExit(f"--regions gives {base.num_devices} devices; the benchmark runs 4 processes")
+        raise SystemExit(f"--regions gives {base.num_devices} devices; the benchmark runs 4 "
+                         f"processes")
     scaled = tuple(tuple(b * args.rate_scale for b in row) for row in base.bandwidth_gbps)
     net = replace(base, bandwidth_gbps=scaled, name=f"{base.name}-x{args.rate_scale:g}",
                   description=f"{base.description}; bandwidths x{args.rate_scale:g}")
     Network.check(net)
     net.save(work / "net.json")
 
-    ours = schedule(net, 2, 2, plan=plan, budget_s=3.0, seed=0, compare_random=False)
-    randoms = [schedule(net, 2, 2, plan=plan, strategy="random", max_evals=1, seed=s, compare_random=False)
-               for s in range(16)]
+    ours = place(net, 2, 2, plan=plan, budget_s=3.0, seed=0, compare_random=False)
+    randoms = [place(net, 2, 2, plan=plan, strategy="random", max_evals=1, seed=s,
+                     compare_random=False) for s in range(16)]
     randoms.sort(key=lambda lay: lay.cost.total_s)
-    rand = next((r for r in randoms[len(randoms) // 2:] if _groups(r) != _groups(ours)), randoms[-1])
-    ours.save(work / "layout_scheduled.json")
+    rand = next((r for r in randoms[len(randoms) // 2:] if _groups(r) != _groups(ours)),
+                randoms[-1])
+    ours.save(work / "layout_placed.json")
     rand.save(work / "layout_random.json")
     # GPT ties its input and output embeddings: their gradients are summed between the first and
     # the last stage of each replica (as Megatron does), a message DT-FM's model does not have
     tied = traced.graph.aliases
     tied_bytes = sum(traced.graph.params[k].num_bytes for k in set(tied.values()))
-    return plan, net, {"scheduled": ours, "random": rand}, tied_bytes
+    return plan, net, {"placed": ours, "random": rand}, tied_bytes
 
 
 def tied_exchange_s(net, layout, tied_bytes: int) -> float:
-    """One round of the tied-weight exchange between stage 0 and the last stage (slowest replica)."""
+    """One round of the tied-weight exchange between stage 0 and the last stage (slowest
+    replica)."""
     idx = {d.name: i for i, d in enumerate(net.devices)}
     worst = 0.0
     for r in range(layout.num_replicas):
@@ -109,7 +113,8 @@ def tied_exchange_s(net, layout, tied_bytes: int) -> float:
         if a == b or not tied_bytes:
             continue
         for x, y in ((a, b), (b, a)):
-            worst = max(worst, net.delay_ms[x][y] / 1e3 + tied_bytes * 8 / (net.bandwidth_gbps[x][y] * 1e9))
+            worst = max(worst, net.delay_ms[x][y] / 1e3
+                        + tied_bytes * 8 / (net.bandwidth_gbps[x][y] * 1e9))
     return worst
 
 
@@ -123,9 +128,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train_args(args: argparse.Namespace, work: Path, layout: Path, metrics: Path, emulate: bool) -> list[str]:
+def _train_args(args: argparse.Namespace, work: Path, layout: Path, metrics: Path,
+                emulate: bool) -> list[str]:
     global_batch = 2 * args.micro_batch * args.micro_batches
-    out = ["--package", str(work / "pkg"), "--layout", str(layout), "--network", str(work / "net.json"),
+    out = ["--package", str(work / "pkg"), "--layout", str(layout),
+           "--network", str(work / "net.json"),
            "--steps", str(args.steps), "--global-batch", str(global_batch), "--micro-batch",
            str(args.micro_batch), "--metrics", str(metrics), "--dp-reduce", "p2p",
            "--timeout", str(args.timeout)]
@@ -150,16 +157,17 @@ def run_in_namespaces(args, work: Path, emu, layout_path: Path, name: str) -> li
     try:
         for k, dev in enumerate(emu.network.devices):
             env = dict(os.environ)
-            env.update({"RANK": str(k), "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": emu.addr(0),
-                        "MASTER_PORT": str(port), "ATOMC_DEVICE": dev.name, "GLOO_SOCKET_IFNAME": emu.iface(k),
+            env.update({"RANK": str(k), "WORLD_SIZE": "4", "LOCAL_RANK": "0",
+                        "MASTER_ADDR": emu.addr(0), "MASTER_PORT": str(port),
+                        "ATOMC_DEVICE": dev.name, "GLOO_SOCKET_IFNAME": emu.iface(k),
                         "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-            log = open(work / f"{name}.rank{k}.log", "w")  # noqa: SIM115 - closed in finally
+            log = open(work / f"{name}.rank{k}.log", "w")  # closed in finally
             logs.append(log)
             argv = emu.exec_prefix(k) + [sys.executable, str(TRAIN),
                                          *_train_args(args, work, layout_path, metrics,
                                                       emulate=emu.delay_mode == "send-path")]
-            procs.append(subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+            procs.append(subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
         deadline = time.monotonic() + args.timeout
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -180,13 +188,14 @@ def run_baseline(args, work: Path, layout_path: Path) -> list[float]:
 
     metrics = work / "baseline.jsonl"
     metrics.unlink(missing_ok=True)
-    cmd = build_command(layout_path, str(TRAIN), _train_args(args, work, layout_path, metrics, emulate=False),
+    cmd = build_command(layout_path, str(TRAIN),
+                        _train_args(args, work, layout_path, metrics, emulate=False),
                         rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0)
     env = dict(os.environ)
     env.update(cmd.env)
     env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    proc = subprocess.Popen(cmd.argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd.argv, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=args.timeout)
     finally:
@@ -229,7 +238,7 @@ def main() -> int:
             print(f"{name}: step {mean:.0f} +- {sd:.0f} ms over {len(ms) - 1} steps")
             rows.append((name, lay, mean, sd, tied_exchange_s(net, lay, tied_bytes)))
         delay_mode = emu.delay_mode
-    base_ms = run_baseline(args, work, work / "layout_scheduled.json")
+    base_ms = run_baseline(args, work, work / "layout_placed.json")
     base_mean, base_sd = summary(base_ms)
     print(f"baseline (loopback, no shaping): step {base_mean:.0f} +- {base_sd:.0f} ms")
     report = render(args, net, plan, rows, base_mean, base_sd, delay_mode, time.time() - t0)
@@ -245,58 +254,59 @@ def main() -> int:
 def render(args, net, plan, rows, base_mean, base_sd, delay_mode, elapsed_s: float) -> str:
     import torch
 
-    sched = next(r for r in rows if r[0] == "scheduled")
+    placed = next(r for r in rows if r[0] == "placed")
     rand = next(r for r in rows if r[0] == "random")
-    model_plus = [(r[1].cost.total_s + r[4]) for r in (sched, rand)]
+    model_plus = [(r[1].cost.total_s + r[4]) for r in (placed, rand)]
     cmd = "python bench/layout_bench.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
         if k in ("config", "micro_batch", "micro_batches", "steps", "regions", "rate_scale"))
     lines = [
-        "# Layout benchmark: scheduled vs random DT-FM layout on an emulated network",
+        "# Layout benchmark: placed vs random DT-FM layout on an emulated network",
         "",
-        (f"Date: 2026-11-22 (run at {datetime.datetime.now().strftime('%H:%M')}, {elapsed_s:.0f} s). "
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, Linux {platform.release()}, "
-        f"torch {torch.__version__}, CPU only (gloo); load average {LOAD_AT_START:.1f} when the run "
-        f"started (the machine was shared with other work)."),
+        (f"Date: 2026-11-22 (run at {datetime.datetime.now().strftime('%H:%M')}, "
+        f"{elapsed_s:.0f} s). Machine: {platform.machine()}, {os.cpu_count()} CPU cores, Linux "
+        f"{platform.release()}, torch {torch.__version__}, CPU only (gloo); load average "
+        f"{LOAD_AT_START:.1f} when the run started (the machine was shared with other work)."),
         "",
         f"Command: `{cmd}`",
         "",
-        (f"Model: examples/gpt.py `{args.config}`, {len(plan.submodels)} sub-models (one per block), "
-        f"micro-batch {args.micro_batch}, {args.micro_batches} micro-batches per replica, "
-        f"2 stages x 2 replicas, GPipe, data-parallel exchange by point-to-point sends (DT-FM's sharded "
-        f"parameter server)."),
+        (f"Model: examples/gpt.py `{args.config}`, {len(plan.submodels)} sub-models (one per "
+        f"block), micro-batch {args.micro_batch}, {args.micro_batches} micro-batches per replica, "
+        f"2 stages x 2 replicas, GPipe, data-parallel exchange by point-to-point sends (DT-FM's "
+        f"sharded parameter server)."),
         "",
-        (f"Network: {net.name} — {net.description}. Four Linux network namespaces joined by veth pairs to a "
-        f"bridge; per-link rate by `tc htb` at the sender; per-link delay by **{delay_mode}** "
-        + ("(this kernel has no `sch_netem`: each rank adds the link's one-way delay to its sends)."
-           if delay_mode == "send-path" else "(`tc netem`).")),
+        (f"Network: {net.name} — {net.description}. Four Linux network namespaces joined by veth "
+        f"pairs to a bridge; per-link rate by `tc htb` at the sender; per-link delay by "
+        f"**{delay_mode}** "
+        + ("(this kernel has no `sch_netem`: each rank adds the link's one-way delay to its "
+           "sends)." if delay_mode == "send-path" else "(`tc netem`).")),
         "",
-        ("| layout | devices [stage][replica] | predicted DP s | predicted PP s | predicted total s "
-        "| tied-weight exchange s | measured step ms | step - baseline ms |"),
+        ("| layout | devices [stage][replica] | predicted DP s | predicted PP s "
+        "| predicted total s | tied-weight exchange s | measured step ms | step - baseline ms |"),
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, lay, mean, sd, tied_s in rows:
         devs = " / ".join(",".join(row) for row in lay.devices)
         c = lay.cost
-        lines.append(f"| {name} | {devs} | {c.dp_s:.3f} | {c.pp_s:.3f} | {c.total_s:.3f} | {tied_s:.3f} | "
-                     f"{mean:.0f} ± {sd:.0f} | {mean - base_mean:.0f} |")
-    lines.append(f"| baseline (loopback, no shaping or delay) | as scheduled | – | – | – | – | "
+        lines.append(f"| {name} | {devs} | {c.dp_s:.3f} | {c.pp_s:.3f} | {c.total_s:.3f} "
+                     f"| {tied_s:.3f} | {mean:.0f} ± {sd:.0f} | {mean - base_mean:.0f} |")
+    lines.append(f"| baseline (loopback, no shaping or delay) | as placed | - | - | - | - | "
                  f"{base_mean:.0f} ± {base_sd:.0f} | 0 |")
-    pred = rand[1].cost.total_s / sched[1].cost.total_s
-    meas = (rand[2] - base_mean) / max(sched[2] - base_mean, 1e-9)
+    pred = rand[1].cost.total_s / placed[1].cost.total_s
+    meas = (rand[2] - base_mean) / max(placed[2] - base_mean, 1e-9)
     lines += [
         "",
-        (f"Random / scheduled: predicted communication cost {pred:.2f}x (with the tied-weight exchange "
-        f"{model_plus[1] / model_plus[0]:.2f}x); measured step time {rand[2] / sched[2]:.2f}x; measured "
-        f"time above the baseline {meas:.2f}x."),
+        (f"Random / placed: predicted communication cost {pred:.2f}x (with the tied-weight "
+        f"exchange {model_plus[1] / model_plus[0]:.2f}x); measured step time "
+        f"{rand[2] / placed[2]:.2f}x; measured time above the baseline {meas:.2f}x."),
         "",
-        ("The prediction is DT-FM's cost model (eq. 2-4: DP + 2 x PP, seconds per step). The measured step "
-        "also holds the compute (baseline row), which the network delays serialise with the transfers "
-        "(a stage waits for its neighbour's activations and gradients instead of overlapping them), and "
-        "the exchange of the tied embedding's gradient between the first and last stage of each replica "
-        "(column 'tied-weight exchange', one round of direct sends), which DT-FM's model leaves out: it "
-        "crosses regions exactly when the pipeline does. The emulation adds each message's one-way delay "
-        "once per send."),
+        ("The prediction is DT-FM's cost model (eq. 2-4: DP + 2 x PP, seconds per step). The "
+        "measured step also holds the compute (baseline row), which the network delays serialise "
+        "with the transfers (a stage waits for its neighbour's activations and gradients instead "
+        "of overlapping them), and the exchange of the tied embedding's gradient between the first "
+        "and last stage of each replica (column 'tied-weight exchange', one round of direct "
+        "sends), which DT-FM's model leaves out: it crosses regions exactly when the pipeline "
+        "does. The emulation adds each message's one-way delay once per send."),
         "",
     ]
     return "\n".join(lines)

@@ -50,10 +50,11 @@ def main(argv=None) -> int:
 
     t = time.perf_counter()
     profile = build_profile(args.config)
-    print(f"profile   {args.config}: {len(profile.graph.nodes)} nodes, {len(profile.graph.blocks)} blocks "
+    print(f"profile   {args.config}: {len(profile.graph.nodes)} nodes, "
+          f"{len(profile.graph.blocks)} blocks "
           f"(estimated for v100-32gb in {time.perf_counter() - t:.1f} s, not timed)")
-    print(f"machine   {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(f"machine   {platform.machine()}, {os.cpu_count()} CPUs, "
+          f"Python {platform.python_version()}, load average {os.getloadavg()[0]:.1f}")
 
     timed(profile, capacity, True)  # warm imports and caches
     runs = {True: [], False: []}
@@ -68,7 +69,8 @@ def main(argv=None) -> int:
         return 1
     plan = plans[True]
     print(f"plan      {format_bytes(capacity)}: {len(plan.submodels)} sub-models, C={plan.accum}, "
-          f"predicted step {format_ms(plan.predicted_step_ms)}, GPU busy {plan.predicted_utilisation:.1%}, "
+          f"predicted step {format_ms(plan.predicted_step_ms)}, "
+          f"GPU busy {plan.predicted_utilisation:.1%}, "
           f"{'feasible' if plan.feasible else 'best relaxed plan'}")
     print(f"{'':10}{'median wall':>12}{'median CPU':>12}{'min wall':>10}")
     med = {}

@@ -64,11 +64,12 @@ def main() -> None:
         print(f"{name:37s} {r['trace_s']:8.2f} {r['profile_s']:9.2f} {total:8.2f} {gib:9.2f} "
               f"{r['nodes']:6d} {r['unique']:6d} {r['reused']:6d}")
         if goal:
-            print(f"  goal < {goal[0]:.0f} s and < {goal[1]:.0f} GiB: time ratio {total / goal[0]:.3f}, "
-                  f"memory ratio {gib / goal[1]:.3f} -> {'met' if total < goal[0] and gib < goal[1] else 'MISSED'}")
+            print(f"  goal < {goal[0]:.0f} s and < {goal[1]:.0f} GiB: "
+                  f"time ratio {total / goal[0]:.3f}, memory ratio {gib / goal[1]:.3f} -> "
+                  f"{'met' if total < goal[0] and gib < goal[1] else 'MISSED'}")
         else:
-            print(f"  model forward {r['fwd_ms']:.0f} ms, backward {r['bwd_ms']:.0f} ms per micro-batch "
-                  f"(sum of isolated operators)")
+            print(f"  model forward {r['fwd_ms']:.0f} ms, backward {r['bwd_ms']:.0f} ms "
+                  f"per micro-batch (sum of isolated operators)")
 
 
 if __name__ == "__main__":

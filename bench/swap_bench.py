@@ -52,7 +52,8 @@ GPT_PATH = ROOT / "examples" / "gpt.py"
 # measurements
 
 
-def pinned_copy_gbps(device: torch.device, num_bytes: int = 1 << 30, repeats: int = 5) -> tuple[float, float]:
+def pinned_copy_gbps(device: torch.device, num_bytes: int = 1 << 30,
+                     repeats: int = 5) -> tuple[float, float]:
     """H2D and D2H GB/s of one plain pinned copy of `num_bytes` (median of repeats)."""
     host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(num_bytes, dtype=torch.uint8, device=device)
@@ -240,9 +241,10 @@ def bench_config(config: str, args, workdir: Path) -> dict:
     batches = token_batches(vocab, C * args.micro_batch, args.seq_len, args.warmup + args.steps)
     model_bytes = sum(s.num_bytes for s in traced.graph.params.values())
 
-    print(f"-- {config}: {traced.graph.num_params() / 1e6:.0f}M parameters ({model_bytes / 2**30:.2f} GiB "
-          f"fp32), budget {args.gpu_mem / 2**30:.2f} GiB -> {len(plan.submodels)} sub-models, C = {C}, "
-          f"{tokens} tokens/step (prepared in {prep_s:.0f} s)", flush=True)
+    print(f"-- {config}: {traced.graph.num_params() / 1e6:.0f}M parameters "
+          f"({model_bytes / 2**30:.2f} GiB fp32), budget {args.gpu_mem / 2**30:.2f} GiB -> "
+          f"{len(plan.submodels)} sub-models, C = {C}, {tokens} tokens/step "
+          f"(prepared in {prep_s:.0f} s)", flush=True)
     free_cuda()  # the profile's cached blocks would count against the cap
     swapped = run_swapped(pkg, state_dict, batches, args, args.gpu_mem)
     free_cuda()
@@ -250,25 +252,29 @@ def bench_config(config: str, args, workdir: Path) -> dict:
     fsdp = {} if args.skip_fsdp else run_fsdp2_offload(config, state_dict, batches, C, args)
     return {"config": config, "params": traced.graph.num_params(), "model_gib": model_bytes / 2**30,
             "submodels": len(plan.submodels), "accum": C, "tokens_per_step": tokens,
-            "predicted_step_ms": plan.predicted_step_ms, "predicted_busy": plan.predicted_utilisation,
+            "predicted_step_ms": plan.predicted_step_ms,
+            "predicted_busy": plan.predicted_utilisation,
             "feasible": plan.feasible, "binding": plan.binding,
             "swapped": swapped, "resident": resident, "fsdp2_offload": fsdp}
 
 
 def report(rows: list[dict], h2d_peak: float, d2h_peak: float) -> None:
     def tps(r: dict, tokens: int) -> str:
-        return f"{tokens / (r['step_ms'] * 1e-3):,.0f}" if "step_ms" in r else r.get("error", "skipped")[:24]
+        return (f"{tokens / (r['step_ms'] * 1e-3):,.0f}" if "step_ms" in r
+                else r.get("error", "skipped")[:24])
 
     print()
-    print(f"pinned-copy peak: H2D {h2d_peak:.1f} GB/s, D2H {d2h_peak:.1f} GB/s (1 GiB, median of 5)")
+    print(f"pinned-copy peak: H2D {h2d_peak:.1f} GB/s, D2H {d2h_peak:.1f} GB/s "
+          f"(1 GiB, median of 5)")
     print(f"{'config':12s} {'k':>3s} {'C':>3s} {'swapped tok/s':>14s} {'resident tok/s':>15s} "
           f"{'FSDP2 tok/s':>12s} {'swap/res':>8s} {'H2D GB/s':>9s} {'/peak':>6s} {'busy':>5s} "
           f"{'opt ms':>7s} {'pred ms':>8s} {'meas ms':>8s} {'pred/meas':>9s}")
     for r in rows:
         s, res, f = r["swapped"], r["resident"], r["fsdp2_offload"]
         ratio = f"{res['step_ms'] / s['step_ms']:.3f}" if "step_ms" in res else "-"
-        print(f"{r['config']:12s} {r['submodels']:3d} {r['accum']:3d} {tps(s, r['tokens_per_step']):>14s} "
-              f"{tps(res, r['tokens_per_step']):>15s} {tps(f, r['tokens_per_step']) if f else 'skipped':>12s} "
+        print(f"{r['config']:12s} {r['submodels']:3d} {r['accum']:3d} "
+              f"{tps(s, r['tokens_per_step']):>14s} {tps(res, r['tokens_per_step']):>15s} "
+              f"{tps(f, r['tokens_per_step']) if f else 'skipped':>12s} "
               f"{ratio:>8s} {s['h2d_gbps']:9.1f} {s['h2d_gbps'] / h2d_peak:6.2f} {s['busy']:5.2f} "
               f"{s['optimizer_ms']:7.1f} {r['predicted_step_ms']:8.1f} {s['step_ms']:8.1f} "
               f"{r['predicted_step_ms'] / s['step_ms']:9.3f}")
@@ -280,17 +286,21 @@ def report(rows: list[dict], h2d_peak: float, d2h_peak: float) -> None:
                   ("pred/meas", r["predicted_step_ms"] / s["step_ms"],
                    abs(r["predicted_step_ms"] / s["step_ms"] - 1) <= 0.15)]
         if "step_ms" in res:
-            checks.insert(0, ("swap/res", res["step_ms"] / s["step_ms"], res["step_ms"] / s["step_ms"] >= 0.9))
-        print(f"  {r['config']:12s} " + ", ".join(f"{n} {v:.3f} {'met' if ok else 'MISSED'}" for n, v, ok in checks))
+            checks.insert(0, ("swap/res", res["step_ms"] / s["step_ms"],
+                              res["step_ms"] / s["step_ms"] >= 0.9))
+        print(f"  {r['config']:12s} "
+              + ", ".join(f"{n} {v:.3f} {'met' if ok else 'MISSED'}" for n, v, ok in checks))
 
 
 def main() -> int:
     from atomc.units import parse_size
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="gpt3-small,gpt3-medium,gpt3-large")
     ap.add_argument("--gpu-mem", default="8GiB", help="memory budget for the swapped runs")
-    ap.add_argument("--reserve", default="1GiB", help="part of the budget kept for CUDA context etc.")
+    ap.add_argument("--reserve", default="1GiB",
+                    help="part of the budget kept for CUDA context etc.")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=6, help="timed steps per contender")
@@ -301,15 +311,16 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "out" / "bench" / "swap_bench.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        print("bench/swap_bench.py needs CUDA (torch.cuda.is_available() is false on this machine); "
-              "nothing was measured")
+        print("bench/swap_bench.py needs CUDA (torch.cuda.is_available() is false on this "
+              "machine); nothing was measured")
         return 0
     args.gpu_mem = parse_size(args.gpu_mem, "--gpu-mem")
     args.reserve = parse_size(args.reserve, "--reserve")
     torch.set_float32_matmul_precision("high")  # TF32 for every contender and the profile
     device = torch.device("cuda", 0)
     name = torch.cuda.get_device_name(device)
-    print(f"swap_bench on {name} ({torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB), "
+    print(f"swap_bench on {name} "
+          f"({torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB), "
           f"torch {torch.__version__}, {platform.node()}, {time.strftime('%Y-%m-%d %H:%M')}")
     h2d_peak, d2h_peak = pinned_copy_gbps(device)
     rows = []
@@ -319,8 +330,9 @@ def main() -> int:
     report(rows, h2d_peak, d2h_peak)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": name, "torch": torch.__version__, "h2d_peak_gbps": h2d_peak,
-                               "d2h_peak_gbps": d2h_peak, "args": {k: v for k, v in vars(args).items()},
+    out.write_text(json.dumps({"device": name, "torch": torch.__version__,
+                               "h2d_peak_gbps": h2d_peak, "d2h_peak_gbps": d2h_peak,
+                               "args": dict(vars(args)),
                                "rows": rows}, indent=1, default=str))
     print(f"\nwrote {out}")
     if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -55,7 +55,8 @@ def choose_budget(profile, accum: int, reserve: int, want: int = 3):
         budget *= 0.8
 
 
-def sample(state_dict: dict, config: str, prompt: bytes, length: int = 120, temperature: float = 0.7) -> str:
+def sample(state_dict: dict, config: str, prompt: bytes, length: int = 120,
+           temperature: float = 0.7) -> str:
     """A continuation of `prompt` by the unpartitioned model with the trained weights (seeded)."""
     sys.path.insert(0, str(MODEL.parent))
     import gpt  # the model file itself
@@ -74,7 +75,8 @@ def sample(state_dict: dict, config: str, prompt: bytes, length: int = 120, temp
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--config", help="GPT config (default: mini on the CPU, demo on CUDA)")
     ap.add_argument("--steps", type=int, default=240)
@@ -104,8 +106,8 @@ def main() -> int:
     print(f"   budget {format_bytes(budget)}: {len(plan.submodels)} sub-models, C = {plan.accum}, "
           f"predicted step {plan.predicted_step_ms:.1f} ms")
     for s in plan.submodels:
-        print(f"   P{s.index}: nodes {s.start}..{s.stop - 1}, weights {format_bytes(s.param_bytes)}, "
-              f"peak {format_bytes(s.peak_bytes)}")
+        print(f"   P{s.index}: nodes {s.start}..{s.stop - 1}, "
+              f"weights {format_bytes(s.param_bytes)}, peak {format_bytes(s.peak_bytes)}")
 
     print("== 3. generate the sub-models")
     pkg = generate(plan, OUT / "pkg", traced=traced)
@@ -113,21 +115,21 @@ def main() -> int:
 
     print(f"== 4. train {args.steps} steps on the standard library's sources (byte tokens)")
     text = stdlib_text()
-    data = ByteBatches(text, traced.model.cfg.seq_len, plan.accum * args.micro_batch, seed=args.seed,
-                       holdout_fraction=0.05)
+    data = ByteBatches(text, traced.model.cfg.seq_len, plan.accum * args.micro_batch,
+                       seed=args.seed, holdout_fraction=0.05)
     held = data.holdout(plan.accum * args.micro_batch)
     optimizer = {"lr": args.lr, "weight_decay": 0.01, "max_grad_norm": 1.0,
                  "lr_schedule": warmup_cosine(max(1, args.steps // 20), args.steps)}
 
     def make(checkpoint=None) -> SwapTrainer:
-        return SwapTrainer.from_package(pkg, device=args.device, seed=args.seed, optimizer=optimizer,
-                                        checkpoint=checkpoint, trace=True)
+        return SwapTrainer.from_package(pkg, device=args.device, seed=args.seed,
+                                        optimizer=optimizer, checkpoint=checkpoint, trace=True)
 
     trainer = make()
     print("   " + trainer.describe().replace("\n", "\n   "))
     print(f"   {len(text) / 1e6:.1f} MB of text; {plan.accum} x {args.micro_batch} x "
-          f"{traced.model.cfg.seq_len} = {plan.accum * args.micro_batch * traced.model.cfg.seq_len} "
-          f"tokens a step")
+          f"{traced.model.cfg.seq_len} = "
+          f"{plan.accum * args.micro_batch * traced.model.cfg.seq_len} tokens a step")
     half = args.steps // 2
     ckpt = OUT / "checkpoint.pt"
     losses: list[float] = []
@@ -162,14 +164,16 @@ def main() -> int:
           f"({len(final)} tensors, max difference {worst:g})")
 
     print("== 6. timelines: measured (last step) beside the partitioner's prediction")
-    measured = to_timeline([trace], len(plan.submodels), plan.accum, label=f"{config}: measured on {args.device}")
+    measured = to_timeline([trace], len(plan.submodels), plan.accum,
+                           label=f"{config}: measured on {args.device}")
     predicted = simulate_plan(plan).timeline
     write_timeline_svg(measured, OUT / "timeline_measured.svg")
     write_timeline_svg(predicted, OUT / "timeline_predicted.svg")
     print(f"   step: measured {trace.span_ms():.1f} ms (wall {trace.wall_ms:.1f} ms), predicted "
           f"{plan.predicted_step_ms:.1f} ms; compute busy {trace.busy_fraction():.0%} measured, "
           f"{plan.predicted_utilisation:.0%} predicted")
-    print(f"   wrote {(OUT / 'timeline_measured.svg').relative_to(ROOT)} and timeline_predicted.svg")
+    print(f"   wrote {(OUT / 'timeline_measured.svg').relative_to(ROOT)} "
+          f"and timeline_predicted.svg")
 
     with torch.no_grad():
         held_loss = _heldout_loss(final, config, held)

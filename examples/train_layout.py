@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 import torch
 
@@ -25,13 +24,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--package", required=True, help="generated package directory (atomc codegen)")
     p.add_argument("--layout", default=os.environ.get("ATOMC_LAYOUT"),
-                   help="layout JSON (atomc schedule); default: $ATOMC_LAYOUT, set by `atomc launch`")
+                   help="layout JSON (atomc place); default: $ATOMC_LAYOUT, set by `atomc launch`")
     p.add_argument("--network", default=os.environ.get("ATOMC_NETWORK"),
                    help="the layout's network JSON (link delays for --emulate-delay)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--global-batch", type=int, default=None,
-                   help="samples per optimizer step over all replicas (default: D_DP x plan's C x micro-batch)")
-    p.add_argument("--micro-batch", type=int, default=None, help="samples per micro-batch (default: the plan's)")
+                   help="samples per optimizer step over all replicas "
+                   "(default: D_DP x plan's C x micro-batch)")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="samples per micro-batch (default: the plan's)")
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.01)
@@ -39,11 +40,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--optimizer-impl", choices=("fused", "foreach", "for-loop"), default="fused")
     p.add_argument("--dtype", choices=("float32", "float64"), default=None)
     p.add_argument("--device", default="cpu", help="cpu, or cuda (LOCAL_RANK's GPU, NCCL)")
-    p.add_argument("--seed", type=int, default=0, help="initial weights: build_model() under this seed")
+    p.add_argument("--seed", type=int, default=0,
+                   help="initial weights: build_model() under this seed")
     p.add_argument("--data-seed", type=int, default=1234)
     p.add_argument("--swap-stages", default="", help="comma-separated stages to run swapped")
-    p.add_argument("--memory-budget", default=None, help="device memory per stage, e.g. 8GiB: stages "
-                   "that do not fit run swapped")
+    p.add_argument("--memory-budget", default=None,
+                   help="device memory per stage, e.g. 8GiB: stages that do not fit run swapped")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--metrics", default=None, help="append one JSON line per step here (replica 0)")
@@ -51,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--emulate-delay", action="store_true",
                    help="add the layout network's link delays in the send path (no tc netem)")
     p.add_argument("--dp-reduce", choices=("auto", "allreduce", "p2p"), default="auto")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds any collective or receive may take")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds any collective or receive may take")
     return p.parse_args(argv)
 
 
@@ -68,12 +71,13 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("no layout: give --layout FILE (or run under `atomc launch`)")
         pkg = load_swap_package(args.package)
         plan = pkg.plan
-        model_path = Path(plan["model_path"])
-        if not model_path.is_file():  # a relative path recorded where the package was made
-            model_path = Path(args.package).resolve().parent / model_path
+        model_path = pkg.model_file()
+        if model_path is None:
+            raise UsageError(f"{args.package} was generated from {plan.model_path}, which is not "
+                             f"found from here; run from the directory the plan was made in")
         module = load_model_file(model_path)
-        options = dict(plan.get("options") or {})
-        config = plan.get("config")
+        options = dict(plan.options)
+        config = plan.config
 
         def initial_state() -> dict[str, torch.Tensor]:
             with torch.random.fork_rng(devices=[]):
@@ -87,32 +91,35 @@ def main(argv: list[str] | None = None) -> int:
         from atomc.distributed.groups import load_layout
 
         layout = load_layout(args.layout, args.network)
-        micro = args.micro_batch or int(plan.get("batch_size") or 1)
-        global_batch = args.global_batch or layout.dp * int(plan.get("accum") or 1) * micro
+        micro = args.micro_batch or (plan.batch_size or 1)
+        global_batch = args.global_batch or layout.dp * plan.accum * micro
 
         def batch_of(step: int):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(args.data_seed * 1_000_003 + step)
-                batch = call_with_options(module.example_inputs, (shape_model, global_batch), options,
-                                          model_path)
+                batch = call_with_options(module.example_inputs, (shape_model, global_batch),
+                                          options, model_path)
             return batch if isinstance(batch, tuple) else (batch,)
 
         cfg = LayoutConfig(
-            package=args.package, layout=layout, network=args.network, global_batch=global_batch, micro_batch=micro,
+            package=args.package, layout=layout, network=args.network, global_batch=global_batch,
+            micro_batch=micro,
             schedule=args.schedule,
-            optimizer={"lr": args.lr, "weight_decay": args.weight_decay, "impl": args.optimizer_impl,
-                       "max_grad_norm": args.max_grad_norm},
+            optimizer={"lr": args.lr, "weight_decay": args.weight_decay,
+                       "impl": args.optimizer_impl, "max_grad_norm": args.max_grad_norm},
             device=args.device, dtype=args.dtype,
             swap_stages=tuple(int(s) for s in args.swap_stages.split(",") if s.strip()),
-            memory_budget_bytes=parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None,
+            memory_budget_bytes=(parse_size(args.memory_budget, "--memory-budget")
+                                 if args.memory_budget else None),
             checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
             dp_reduce=args.dp_reduce, emulate_delay=args.emulate_delay, timeout_s=args.timeout,
             seed=args.seed, metrics_path=args.metrics)
         rank = os.environ.get("RANK", "0")
-        run_layout(cfg, module.loss_fn, initial_state, batch_of, args.steps, final_dir=args.final_dir,
-                   log=lambda s: print(f"[rank {rank}] {s}", flush=True))
+        run_layout(cfg, module.loss_fn, initial_state, batch_of, args.steps,
+                   final_dir=args.final_dir, log=lambda s: print(f"[rank {rank}] {s}", flush=True))
     except AtomcError as e:
-        print(f"train_layout (rank {os.environ.get('RANK', '?')}): error: {e}", file=sys.stderr, flush=True)
+        print(f"train_layout (rank {os.environ.get('RANK', '?')}): error: {e}", file=sys.stderr,
+              flush=True)
         return 2
     return 0
 

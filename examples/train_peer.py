@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 import torch
 
@@ -31,29 +30,38 @@ def _env(name: str, default: str | None = None) -> str | None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--package", required=True, help="generated package directory (atomc codegen)")
-    p.add_argument("--run-id", default=_env("RUN_ID", "atomc"), help="peers with the same run id train together")
+    p.add_argument("--run-id", default=_env("RUN_ID", "atomc"),
+                   help="peers with the same run id train together")
     p.add_argument("--initial-peers", nargs="*", default=(_env("INITIAL_PEERS") or "").split(),
                    help="multiaddresses of live peers (none: start a new run)")
-    p.add_argument("--host-maddrs", nargs="*", default=(_env("HOST_MADDRS") or "/ip4/127.0.0.1/tcp/0").split(),
-                   help="where to listen (default loopback; /ip4/0.0.0.0/tcp/31337 for other machines)")
+    p.add_argument("--host-maddrs", nargs="*",
+                   default=(_env("HOST_MADDRS") or "/ip4/127.0.0.1/tcp/0").split(),
+                   help="where to listen (default loopback; "
+                   "/ip4/0.0.0.0/tcp/31337 for other machines)")
     p.add_argument("--announce-maddrs", nargs="*", default=(_env("ANNOUNCE_MADDRS") or "").split(),
                    help="addresses other peers should dial (public IP behind a forwarded port)")
     p.add_argument("--target-batch-size", type=int, default=int(_env("TARGET_BATCH_SIZE", "64")),
                    help="samples over all peers between two averaging rounds (the global batch)")
-    p.add_argument("--rounds", type=int, default=int(_env("ROUNDS", "10")), help="averaging rounds to train")
-    p.add_argument("--accum", type=int, default=None, help="micro-batches per local step (default: the plan's C)")
+    p.add_argument("--rounds", type=int, default=int(_env("ROUNDS", "10")),
+                   help="averaging rounds to train")
+    p.add_argument("--accum", type=int, default=None,
+                   help="micro-batches per local step (default: the plan's C)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="master dtype: float32 (default) or float64")
     p.add_argument("--seed", type=int, default=0, help="initial weights (the same on every peer)")
     p.add_argument("--data", choices=("counting", "random"), default="counting")
-    p.add_argument("--data-seed", type=int, default=None, help="default: derived from the peer's name")
+    p.add_argument("--data-seed", type=int, default=None,
+                   help="default: derived from the peer's name")
     p.add_argument("--name", default=_env("NAME", ""), help="this peer's name in logs and metrics")
     p.add_argument("--matchmaking-time", type=float, default=float(_env("MATCHMAKING_TIME", "2.0")))
-    p.add_argument("--averaging-timeout", type=float, default=float(_env("AVERAGING_TIMEOUT", "30")))
+    p.add_argument("--averaging-timeout", type=float,
+                   default=float(_env("AVERAGING_TIMEOUT", "30")))
     p.add_argument("--connect-timeout", type=float, default=float(_env("CONNECT_TIMEOUT", "20")))
     p.add_argument("--max-seconds", type=float, default=None, help="fail when the run takes longer")
-    p.add_argument("--linger", type=float, default=0.0, help="seconds to keep serving after the last round")
+    p.add_argument("--linger", type=float, default=0.0,
+                   help="seconds to keep serving after the last round")
     p.add_argument("--metrics", default=None, help="append one JSON line per step and round here")
     p.add_argument("--final", default=None, help="write this peer's final weights here")
     p.add_argument("--maddr-file", default=None, help="write this peer's address here")
@@ -63,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from atomc.distributed.peer import PeerConfig, run_peer
-    from atomc.errors import AtomcError
+    from atomc.errors import AtomcError, UsageError
     from atomc.runtime.package import load_swap_package
     from atomc.trace.load import call_with_options, load_model_file
 
@@ -71,18 +79,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pkg = load_swap_package(args.package)
         plan = pkg.plan
-        model_path = Path(plan["model_path"])
-        if not model_path.is_file():
-            model_path = Path(args.package).resolve().parent / model_path
+        model_path = pkg.model_file()
+        if model_path is None:
+            raise UsageError(f"{args.package} was generated from {plan.model_path}, which is not "
+                             f"found from here; run from the directory the plan was made in")
         module = load_model_file(model_path)
-        options = dict(plan.get("options") or {})
-        config = plan.get("config")
+        options = dict(plan.options)
+        config = plan.config
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(args.seed)
             model = call_with_options(module.build_model, (config,), options, model_path)
         initial = model.state_dict()
-        accum = args.accum or int(plan.get("accum") or 1)
-        local_batch = accum * int(plan.get("batch_size") or 1)
+        accum = args.accum or plan.accum
+        local_batch = accum * (plan.batch_size or 1)
         vocab = int(getattr(getattr(model, "cfg", None), "vocab_size", 256))
         data_seed = args.data_seed if args.data_seed is not None else sum(name.encode())
 
@@ -91,9 +100,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.data == "random":
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(data_seed * 1_000_003 + step)
-                    batch = call_with_options(module.example_inputs, (model, local_batch), options, model_path)
+                    batch = call_with_options(module.example_inputs, (model, local_batch), options,
+                                              model_path)
                 return batch if isinstance(batch, tuple) else (batch,)
-            (x,) = call_with_options(module.example_inputs, (model, local_batch), options, model_path)
+            (x,) = call_with_options(module.example_inputs, (model, local_batch), options,
+                                     model_path)
             start = torch.randint(0, vocab, (local_batch, 1), generator=g)
             return (((start + torch.arange(x.shape[1])) % vocab).to(x.dtype),)
 
@@ -101,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             package=args.package, run_id=args.run_id, initial_peers=tuple(args.initial_peers),
             host_maddrs=tuple(args.host_maddrs), announce_maddrs=tuple(args.announce_maddrs),
             target_batch_size=args.target_batch_size, rounds=args.rounds, accum=accum,
-            optimizer={"lr": args.lr, "weight_decay": args.weight_decay}, device=args.device, seed=args.seed,
+            optimizer={"lr": args.lr, "weight_decay": args.weight_decay}, device=args.device,
+            dtype=args.dtype, seed=args.seed,
             matchmaking_time_s=args.matchmaking_time, averaging_timeout_s=args.averaging_timeout,
             connect_timeout_s=args.connect_timeout, max_seconds=args.max_seconds,
             metrics_path=args.metrics, final_path=args.final, maddr_path=args.maddr_file, name=name)

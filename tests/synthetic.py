@@ -28,12 +28,14 @@ def _node(name, op, inputs, out_bytes, params=(), block="", signature=None, modu
 
 def _cost(name, *, params=0, out=0, saved=0, fwd_ms=0.0, bwd_ms=0.0, peak_extra=0) -> NodeCost:
     return NodeCost(name=name, param_bytes=params, output_bytes=out, saved_bytes=saved,
-                    peak_fwd_bytes=params + out + peak_extra, peak_bwd_bytes=2 * params + out + peak_extra,
+                    peak_fwd_bytes=params + out + peak_extra,
+                    peak_bwd_bytes=2 * params + out + peak_extra,
                     fwd_ms=fwd_ms, bwd_ms=bwd_ms, load_ms=0.0, fwd_flops=int(fwd_ms * 1e9),
                     bwd_flops=int(bwd_ms * 1e9), source="estimated")
 
 
-def make_profile(nodes, costs, params: dict[str, int], blocks=(), h2d_gbps=10.0, d2h_gbps=10.0) -> Profile:
+def make_profile(nodes, costs, params: dict[str, int], blocks=(), h2d_gbps=10.0,
+                 d2h_gbps=10.0) -> Profile:
     graph = OpGraph(model_path="synthetic.py", config="synthetic", batch_size=1, options={},
                     frontend="fx", dtype="float32", nodes=tuple(nodes),
                     params={k: _spec(v) for k, v in params.items()}, buffers={}, aliases={},
@@ -81,11 +83,13 @@ def block_profile(num_blocks: int = 6, block=((4, 1.0, 2.0), (0, 0.5, 1.0), (8, 
         prev = add
     params["ln_f.weight"] = 4096
     nodes.append(_node("ln_f", "call_module", (prev,), act_bytes, ("ln_f.weight",), module="ln_f"))
-    costs.append(_cost("ln_f", params=4096, out=act_bytes, saved=act_bytes, fwd_ms=0.05, bwd_ms=0.1))
+    costs.append(_cost("ln_f", params=4096, out=act_bytes, saved=act_bytes, fwd_ms=0.05,
+                       bwd_ms=0.1))
     head_params = ("wte.weight",) if tied else ("lm_head.weight",)
     if not tied:
         params["lm_head.weight"] = embed_bytes
-    nodes.append(_node("lm_head", "call_module", ("ln_f",), 2 * act_bytes, head_params, module="lm_head"))
+    nodes.append(_node("lm_head", "call_module", ("ln_f",), 2 * act_bytes, head_params,
+                       module="lm_head"))
     costs.append(_cost("lm_head", params=0 if tied else embed_bytes, out=2 * act_bytes,
                        saved=act_bytes, fwd_ms=1.5, bwd_ms=3.0, peak_extra=act_bytes))
     nodes.append(_node("output", "output", ("lm_head",), None))

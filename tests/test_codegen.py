@@ -169,7 +169,8 @@ def test_multiple_inputs_and_outputs(tmp_path):
     assert "scale" in package.SUBMODELS[2].INPUTS and "enc" in package.SUBMODELS[2].OUTPUTS
     assert set(package.SUBMODELS[3].OUTPUTS) == {"mul", "enc", "mean", "amax"}
     # the in-place update whose result nothing reads is kept, as a statement
-    assert "        clone.mul_(0.5)  # [4, 12] float32" in (tmp_path / "pkg" / "submodel_1.py").read_text()
+    assert ("        clone.mul_(0.5)  # [4, 12] float32"
+            in (tmp_path / "pkg" / "submodel_1.py").read_text())
     assert_equivalent(t, package, torch.float64, 1e-10)
 
 
@@ -322,7 +323,7 @@ def test_contract_chain_boundaries_and_state_dict(tmp_path):
     # holders of a tied weight that disagree are reported
     with torch.no_grad():
         submodels[2].lm_head.weight.add_(1.0)
-    with pytest.raises(ValueError, match="tied weight wte.weight"):
+    with pytest.raises(ValueError, match=r"tied weight wte\.weight"):
         package.export_state_dict(submodels)
     # a state dict with only the alias name of a tied weight loads too
     state = model.state_dict()
@@ -429,7 +430,8 @@ def test_plan_for_another_model_is_refused(tmp_path, monkeypatch):
     plan = plan_from_cuts(t, cuts_at(t, "h_1_ln_1"))
     plan.save(tmp_path / "plan.json")
     # the model file changes after profiling: d_model 32 -> 48
-    text = model_file.read_text().replace('"tiny": GPTConfig(2, 32, 4', '"tiny": GPTConfig(2, 48, 4')
+    text = model_file.read_text().replace('"tiny": GPTConfig(2, 32, 4',
+                                          '"tiny": GPTConfig(2, 48, 4')
     model_file.write_text(text)
     with pytest.raises(CodegenError, match="changed since it was profiled"):
         generate(Plan.load(tmp_path / "plan.json"), tmp_path / "pkg")
@@ -518,7 +520,8 @@ BAD_HELPERS = {
 @pytest.mark.parametrize("case", sorted(BAD_HELPERS))
 def test_helper_that_cannot_be_copied(tmp_path, case):
     prelude, body, message = BAD_HELPERS[case]
-    (tmp_path / "mylayers.py").write_text("import torch\n\n\ndef swish(x):\n    return x * torch.sigmoid(x)\n")
+    (tmp_path / "mylayers.py").write_text("import torch\n\n\n"
+                                          "def swish(x):\n    return x * torch.sigmoid(x)\n")
     model_file = tmp_path / f"bad_{case.replace('-', '_')}.py"
     local = "        self.local = Local()\n" if case == "local-class" else ""
     model_file.write_text(

@@ -20,19 +20,21 @@ from pathlib import Path
 import pytest
 import torch
 
+from atomc.actions import gpipe, max_in_flight, one_f_one_b
 from atomc.codegen import generate
 from atomc.codegen.manual import plan_from_cuts
 from atomc.distributed.groups import assign, check_world, load_layout
 from atomc.distributed.launch import build_command
-from atomc.distributed.pipeline import gpipe, max_in_flight, one_f_one_b, stage_boundaries
+from atomc.distributed.pipeline import stage_boundaries
 from atomc.distributed.runner import check_package, final_state
 from atomc.errors import LayoutError
+from atomc.place import place
+from atomc.place.network import network_from_data
 from atomc.runtime.checkpoint import load_checkpoint
 from atomc.runtime.package import load_swap_package
-from atomc.schedule import schedule
-from atomc.schedule.network import network_from_data
 from atomc.trace import trace_model
 from atomc.trace.load import load_model_file
+
 from processes import children, kill_tree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +47,7 @@ gpt = load_model_file(GPT)
 
 
 # ---------------------------------------------------------------------------------------------
-# fixtures: one package, a 4-device network, layouts scheduled on it
+# fixtures: one package, a 4-device network, layouts placed on it
 
 
 @pytest.fixture(scope="module")
@@ -60,17 +62,18 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> dict:
     n = 4
     delay = [[0.0 if i == j else 10.0 for j in range(n)] for i in range(n)]
     bw = [[0.0 if i == j else 10.0 for j in range(n)] for i in range(n)]
-    net = network_from_data({"devices": [{"name": f"d{i}", "region": "r0" if i < 2 else "r1"} for i in range(n)],
-                             "delay_ms": delay, "bandwidth_gbps": bw}, "test network")
+    devices = [{"name": f"d{i}", "region": "r0" if i < 2 else "r1"} for i in range(n)]
+    net = network_from_data({"devices": devices, "delay_ms": delay, "bandwidth_gbps": bw},
+                            "test network")
     net.save(d / "net.json")
     layouts = {}
     for pp, dp in ((2, 2), (4, 1), (1, 4)):
-        lay = schedule(net, pp, dp, plan=plan, budget_s=0.5, compare_random=False)
+        lay = place(net, pp, dp, plan=plan, budget_s=0.5, compare_random=False)
         path = d / f"layout_{pp}x{dp}.json"
         lay.save(path)
         layouts[(pp, dp)] = path
-    return {"dir": d, "plan": plan, "pkg": d / "pkg", "pkg_other": d / "pkg_other", "net": d / "net.json",
-            "layouts": layouts}
+    return {"dir": d, "plan": plan, "pkg": d / "pkg", "pkg_other": d / "pkg_other",
+            "net": d / "net.json", "layouts": layouts}
 
 
 def _free_port() -> int:
@@ -97,14 +100,14 @@ def _launch(layout: Path, script_args: list[str], *, max_restarts: int = 0,
 def _run(argv: list[str], env_add: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
     env = _env()
     env.update(env_add)
-    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         kill_tree(proc)
         out, _ = proc.communicate()
-        raise AssertionError(f"run exceeded {timeout_s} s:\n{out[-4000:]}")
+        raise AssertionError(f"run exceeded {timeout_s} s:\n{out[-4000:]}") from None
     finally:
         kill_tree(proc)
     return subprocess.CompletedProcess(argv, proc.returncode, out, "")
@@ -136,7 +139,8 @@ def reference(steps: int, dtype: torch.dtype) -> tuple[torch.nn.Module, list[flo
     return model, losses
 
 
-def _compare(out: Path, pp: int, steps: int, dtype: torch.dtype, param_tol: float, loss_tol: float) -> None:
+def _compare(out: Path, pp: int, steps: int, dtype: torch.dtype, param_tol: float,
+             loss_tol: float) -> None:
     params, losses = final_state(out, pp)
     model, ref_losses = reference(steps, dtype)
     assert sorted(losses) == list(range(steps))
@@ -155,14 +159,16 @@ def _compare(out: Path, pp: int, steps: int, dtype: torch.dtype, param_tol: floa
 def test_schedules_and_boundaries(work: dict) -> None:
     for M, pp in ((4, 4), (8, 2), (2, 4), (1, 3)):
         for j in range(pp):
-            for ops in (gpipe(M), one_f_one_b(M, j, pp)):
-                assert sorted(ops) == sorted([("F", m) for m in range(M)] + [("B", m) for m in range(M)])
+            for actions in (gpipe(M, j, pp), one_f_one_b(M, j, pp)):
+                ops = [(a.kind, a.micro) for a in actions if a.kind in "FB"]
+                assert sorted(ops) == sorted([("F", m) for m in range(M)]
+                                             + [("B", m) for m in range(M)])
                 done = set()
                 for kind, m in ops:  # a micro-batch's backward after its forward
                     assert kind == "F" or ("F", m) in done
                     done.add((kind, m))
             assert max_in_flight(one_f_one_b(M, j, pp)) == min(pp - j, M)
-        assert max_in_flight(gpipe(M)) == M
+        assert max_in_flight(gpipe(M, 0, pp)) == M
     pkg = load_swap_package(work["pkg"])
     sends = stage_boundaries(pkg.inputs, pkg.outputs, pkg.model_inputs, ((0, 2), (2, 5)))
     # the cut inside block 0's attention carries sizes (ints) and tensors; never the model input
@@ -207,7 +213,8 @@ def test_memory_budget_decides_which_stages_swap(work: dict) -> None:
     pkg = load_swap_package(work["pkg"])
     view = check_package(pkg, load_layout(work["layouts"][(4, 1)]))
     cfg = LayoutConfig(package=work["pkg"], layout=view, global_batch=GLOBAL, micro_batch=MICRO)
-    need = [stage_resident_bytes(pkg, StageSpec(j, 4, a, b, (), (), j == 3, pkg.num_submodels), cfg, 2)
+    need = [stage_resident_bytes(pkg, StageSpec(j, 4, a, b, (), (), j == 3, pkg.num_submodels),
+                                 cfg, 2)
             for j, (a, b) in enumerate(view.stage_ranges)]
     params = [sum(s.param_bytes for s in work["plan"].submodels[a:b]) for a, b in view.stage_ranges]
     assert all(n >= 4 * p for n, p in zip(need, params))  # weights, gradients, two AdamW moments
@@ -222,8 +229,8 @@ def test_package_that_does_not_match_the_plan(work: dict) -> None:
     # the training script says so and exits 2 before any rendezvous
     env = _env() | {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0"}
     r = subprocess.run([sys.executable, str(TRAIN), "--package", str(work["pkg_other"]), "--layout",
-                        str(work["layouts"][(2, 2)])], env=env, cwd=ROOT, capture_output=True, text=True,
-                       timeout=120, check=False)
+                        str(work["layouts"][(2, 2)])], env=env, cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, check=False)
     assert r.returncode == 2 and "was scheduled for plan" in r.stderr
 
 
@@ -233,10 +240,11 @@ def test_launch_command(work: dict, capsys: pytest.CaptureFixture) -> None:
     lay = work["layouts"][(2, 2)]
     cmd = build_command(lay, "train.py", ["--steps", "3"])
     text = cmd.text()
-    for flag in ("torch.distributed.run", "--nproc-per-node=4", "--rdzv-backend=c10d", "--max-restarts=3",
-                 "ATOMC_LAYOUT=", "train.py --steps 3"):
+    for flag in ("torch.distributed.run", "--nproc-per-node=4", "--rdzv-backend=c10d",
+                 "--max-restarts=3", "ATOMC_LAYOUT=", "train.py --steps 3"):
         assert flag in text
-    two = build_command(lay, "train.py", [], nnodes=2, rdzv_endpoint="10.0.0.1:29400", devices=["d0", "d1"])
+    two = build_command(lay, "train.py", [], nnodes=2, rdzv_endpoint="10.0.0.1:29400",
+                        devices=["d0", "d1"])
     assert "--nnodes=2" in two.text() and "--nproc-per-node=2" in two.text()
     assert two.env["ATOMC_DEVICES"] == "d0,d1" and "GLOO_SOCKET_IFNAME" not in two.env
     with pytest.raises(LayoutError, match="4 tasklets"):
@@ -259,8 +267,8 @@ def test_world_size_differs_from_launch(work: dict) -> None:
     env = _env() | {"RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(_free_port())}
     r = subprocess.run([sys.executable, str(TRAIN), "--layout", str(work["layouts"][(2, 2)]),
-                        *_train_args(work, work["dir"] / "never")], env=env, cwd=ROOT, capture_output=True,
-                       text=True, timeout=120, check=False)
+                        *_train_args(work, work["dir"] / "never")], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 2
     assert "launched with world size 3" in r.stderr and "launch exactly 4 processes" in r.stderr
     assert time.monotonic() - t0 < 60
@@ -276,7 +284,8 @@ def test_world_size_differs_from_launch(work: dict) -> None:
 ])
 def test_layout_equals_single_process(work: dict, pp: int, dp: int, extra: list[str]) -> None:
     out = work["dir"] / f"run_{pp}x{dp}"
-    argv, env = _launch(work["layouts"][(pp, dp)], _train_args(work, out, "--dtype", "float64", *extra))
+    argv, env = _launch(work["layouts"][(pp, dp)],
+                        _train_args(work, out, "--dtype", "float64", *extra))
     r = _run(argv, env, 240)
     assert r.returncode == 0, r.stdout[-4000:]
     # float64: the only differences are summation orders (micro-batches, replicas)
@@ -286,20 +295,24 @@ def test_layout_equals_single_process(work: dict, pp: int, dp: int, extra: list[
 @pytest.mark.slow
 def test_swapped_stages_in_layout(work: dict) -> None:
     """Stages 0 (tied wte), 2 (receives sizes and tensors cut inside attention) and 3 (model
-    output, tied lm_head) run with the swap runtime inside a 4 x 1 layout; stage 1 stays resident."""
+    output, tied lm_head) run with the swap runtime inside a 4 x 1 layout; stage 1 stays
+    resident."""
     out = work["dir"] / "run_swap"
     argv, env = _launch(work["layouts"][(4, 1)],
-                        _train_args(work, out, "--dtype", "float64", "--swap-stages", "0,2,3", "--schedule", "1f1b"))
+                        _train_args(work, out, "--dtype", "float64", "--swap-stages", "0,2,3",
+                                    "--schedule", "1f1b"))
     r = _run(argv, env, 240)
     assert r.returncode == 0, r.stdout[-4000:]
-    assert r.stdout.count("swapped, gpipe") == 3  # ATOM's order inside a swapped stage: GPipe around it
+    # ATOM's order inside a swapped stage: GPipe around it
+    assert r.stdout.count("swapped, gpipe") == 3
     _compare(out, 4, STEPS, torch.float64, param_tol=1e-9, loss_tol=1e-9)
 
 
 @pytest.mark.slow
 def test_elastic_restart_resumes_from_checkpoint(work: dict) -> None:
     steps = 16
-    out, ckpt, metrics = work["dir"] / "run_elastic", work["dir"] / "ckpt", work["dir"] / "elastic.jsonl"
+    out, ckpt = work["dir"] / "run_elastic", work["dir"] / "ckpt"
+    metrics = work["dir"] / "elastic.jsonl"
     args = ["--package", str(work["pkg"]), "--steps", str(steps), "--global-batch", str(GLOBAL),
             "--micro-batch", str(MICRO), "--data-seed", str(DATA_SEED), "--final-dir", str(out),
             "--dtype", "float64", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3",
@@ -307,8 +320,8 @@ def test_elastic_restart_resumes_from_checkpoint(work: dict) -> None:
     argv, env_add = _launch(work["layouts"][(2, 2)], args, max_restarts=2, network=work["net"])
     env = _env()
     env.update(env_add)
-    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 150
         killed = None
@@ -392,7 +405,8 @@ class _FakeNccl:
         self.waiting: dict[int, dict] = {}  # thread -> the op it waits for
 
     def _check(self) -> None:
-        if self.live and len(self.waiting) == self.live and not any(o["done"] for o in self.waiting.values()):
+        if (self.live and len(self.waiting) == self.live
+                and not any(o["done"] for o in self.waiting.values())):
             self.deadlock = True
             self.cond.notify_all()
 
@@ -426,7 +440,8 @@ class _FakeNccl:
                         fake.cond.wait_for(lambda: op["done"] or fake.deadlock, timeout=60)
                         del fake.waiting[threading.get_ident()]
                     if not op["done"]:
-                        raise RuntimeError("deadlock: every rank waits for a message that cannot match")
+                        raise RuntimeError("deadlock: every rank waits for a message that cannot "
+                                           "match")
                 return True
         return Work()
 
@@ -477,20 +492,51 @@ class _ToyStage:
             return {}
         return {"h": 2 * g}
 
-    def forward_all(self, received: list, micro: list) -> list:
-        return [self.forward(m, r, b) for m, (r, b) in enumerate(zip(received, micro))]
+    def run(self, actions: list, micro: list, io) -> list:
+        """The Stage interface: F, B, S and R actions through the runner's StageIO."""
+        from atomc.runtime.interpret import directions
 
-    def backward_all(self, grads: list) -> list:
-        return [self.backward(m, g) for m, g in enumerate(grads)]
+        received, outs, grads, losses = {}, {}, {}, []
+        for a, way in zip(actions, directions(actions)):
+            m = a.micro
+            if a.kind == "R" and way == "values":
+                received[m] = io.recv(m)
+            elif a.kind == "R":
+                grads[m] = io.recv_grads(m)
+            elif a.kind == "F":
+                outs[m] = self.forward(m, received.get(m, {}), micro[m])
+                if self.j == self.pp - 1:
+                    losses.append(outs[m])
+            elif a.kind == "S" and way == "values":
+                io.send(m, outs[m])
+            elif a.kind == "B":
+                grads[m] = self.backward(m, grads.get(m))
+            else:
+                io.send_grads(m, grads.pop(m), received.pop(m))
+        return losses
+
+    def order(self, sched: str, M: int) -> list:
+        """GPipe or 1F1B, or (batched) every receive, forward and send before any backward."""
+        from atomc.actions import Action, pipeline_order
+
+        if not self.batched:
+            return pipeline_order(sched, M, self.j, self.pp)
+        first, last = self.j == 0, self.j == self.pp - 1
+        order = [] if first else [Action("R", self.j, m) for m in range(M)]
+        order += [Action("F", self.j, m) for m in range(M)]
+        if not last:
+            order += [Action("S", self.j, m) for m in range(M)]
+            order += [Action("R", self.j, m) for m in range(M)]
+        order += [Action("B", self.j, m) for m in range(M)]
+        return order + ([] if first else [Action("S", self.j, m) for m in range(M)])
 
 
 def _toy_pipeline(pp: int, sched: str, steps: int, per_direction: bool, batched: int = -1) -> list:
-    """Run the toy pipeline's ranks on threads through the real Transport, Link and run_tasks over
-    _FakeNccl; returns each rank's error (None when it finished)."""
+    """Run the toy pipeline's ranks on threads through the real Transport, Link and StageIO
+    over _FakeNccl; returns each rank's error (None when it finished)."""
     from atomc.distributed.groups import LayoutView, link_directions
     from atomc.distributed.pipeline import Link, Transport
-    from atomc.distributed.pipeline import schedule as pipe_schedule
-    from atomc.distributed.runner import run_tasks
+    from atomc.distributed.runner import StageIO
 
     view = LayoutView(pp=pp, dp=1, stage_ranges=(), devices=(tuple(f"d{j}" for j in range(pp)),))
     dirs = link_directions(view, view.rank)
@@ -508,11 +554,11 @@ def _toy_pipeline(pp: int, sched: str, steps: int, per_direction: bool, batched:
             st = _ToyStage(j, pp, batched == j)
             for step in range(steps):
                 micro = [(torch.tensor([1.0, -2.0, 3.0]) * (m + 1 + step),) for m in range(M)]
-                ops = None if st.batched else pipe_schedule(sched, M, j, pp)
-                losses = run_tasks(st, ops, micro, link_in, link_out, j == pp - 1)
+                losses = st.run(st.order(sched, M), micro, StageIO(link_in, link_out, M))
                 t.flush()
                 if j == pp - 1:
-                    assert [float(x) for x in losses] == [2.0**pp * 2 * (m + 1 + step) for m in range(M)]
+                    assert [float(x) for x in losses] == [2.0**pp * 2 * (m + 1 + step)
+                                                          for m in range(M)]
             if j == 0:
                 assert all(torch.equal(g, torch.full((3,), 2.0**pp)) for g in st.grads_in)
                 assert len(st.grads_in) == steps * M

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from atomc.cli import main
 from atomc.errors import InfeasiblePlanError
 from atomc.ir import HardwareProfile, Plan, Profile
-from atomc.partition import graph_hash, partition, plan_from_cuts, profile_hash
+from atomc.partition import build_plan, graph_hash, partition, profile_hash
 from atomc.partition.accum import physical_bound_accum
 from atomc.partition.check import Checker, check_plan
 from atomc.partition.cost import (
@@ -27,7 +27,7 @@ from atomc.partition.cost import (
     node_facts,
     plan_costs,
     range_cost,
-    stage_times,
+    range_stage_times,
 )
 from atomc.partition.search import block_period, prepare_folding, search
 from atomc.simulate.events import StageTimes, simulate_swap
@@ -52,17 +52,19 @@ def _estimate(facts, early: bool) -> int:
     second = facts[1]
     tail = first.offload_ns + first.adam_ns
     if early:
-        stall = max(second.bwd_ns, second.checkpoint_ns + first.load_ns) - max(second.bwd_ns,
-                                                                              second.checkpoint_ns)
-        wait = max(second.offload_ns + second.adam_ns - max(first.bwd_ns, first.checkpoint_ns) - stall,
-                   0) + second.load_ns
+        reload = first.load_ns if len(facts) > 2 else 0  # P_{k-2} stays for its backward
+        stall = max(second.bwd_ns, second.checkpoint_ns + reload) - max(second.bwd_ns,
+                                                                        second.checkpoint_ns)
+        wait = max(second.offload_ns + second.adam_ns - max(first.bwd_ns, first.checkpoint_ns)
+                   - stall, 0) + second.load_ns
         total += first.fwd_ns + max(tail, wait) + first.load_ns
     else:
         total += max(first.fwd_ns, second.load_ns) + tail + first.load_ns
     for i, (left, right) in enumerate(itertools.pairwise(facts)):
         if i:
             total += max(left.fwd_ns, right.load_ns)
-        total += max(right.bwd_ns, right.checkpoint_ns + left.load_ns)
+        reload = left.load_ns if i + 2 < len(facts) else 0
+        total += max(right.bwd_ns, right.checkpoint_ns + reload)
         total += max(right.offload_ns - left.bwd_ns, 0)
         total += max(right.offload_ns + right.adam_ns - left.bwd_ns - left.offload_ns, 0)
     return total
@@ -87,11 +89,12 @@ def brute_force(profile: Profile, accum: int, usable: int, tier: int, cpu_gbps: 
             cut_bytes = sum(sum(checker.value_bytes[v] for v in checker.crossing(q)) for q in cuts)
             for early in ([False, True] if cuts else [False]):
                 kinds = {v.constraint for v in checker.check_facts(facts, early)}
-                if "memory" in kinds or (tier == 0 and kinds) or (tier == 1 and kinds - LOAD_OVERLAPS):
+                if ("memory" in kinds or (tier == 0 and kinds)
+                        or (tier == 1 and kinds - LOAD_OVERLAPS)):
                     continue
                 if tier < 2:
-                    stages = [StageTimes(f.fwd_ns, f.bwd_ns, f.load_ns, f.checkpoint_ns, f.offload_ns,
-                                         f.adam_ns) for f in facts]
+                    stages = [StageTimes(f.fwd_ns, f.bwd_ns, f.load_ns, f.checkpoint_ns,
+                                         f.offload_ns, f.adam_ns) for f in facts]
                     step = simulate_swap(stages, accum, early_prefetch=early).step_ns
                 else:
                     step = _estimate(facts, early)
@@ -127,7 +130,8 @@ def test_search_matches_brute_force(seed):
             # the objective the search reports is what its plan costs
             costs = plan_costs(full, params, got.cuts)
             if tier < 2:
-                sim = simulate_swap(stage_times(costs), accum, early_prefetch=got.early_prefetch)
+                sim = simulate_swap(range_stage_times(costs), accum,
+                                    early_prefetch=got.early_prefetch)
                 assert sim.step_ns == got.step_ns
             kinds = {v.constraint for v in Checker(profile, accum, usable, activations, cpu)
                      .violations(list(got.cuts), got.early_prefetch)}
@@ -154,7 +158,7 @@ def test_additive_step_is_the_simulated_step(seed):
         if kinds & {"gradient offload", "optimizer", "memory"}:
             continue
         costs = plan_costs(tables, params, cuts)
-        sim = simulate_swap(stage_times(costs), accum, early_prefetch=early)
+        sim = simulate_swap(range_stage_times(costs), accum, early_prefetch=early)
         assert sim.step_ns == additive_step_ns(costs, early)
 
 
@@ -164,17 +168,19 @@ def test_additive_step_is_the_simulated_step(seed):
 
 def _period(profile, tables):
     g = profile.graph
-    return block_period(tables, g.blocks, tuple(n.block for n in g.nodes), tuple(n.signature for n in g.nodes))
+    return block_period(tables, g.blocks, tuple(n.block for n in g.nodes),
+                        tuple(n.signature for n in g.nodes))
 
 
 @pytest.mark.parametrize("seed", range(12))
 def test_folding_gives_the_same_plan(seed):
     rng = random.Random(seed)
-    block = tuple((rng.choice([0, 2, 4, 8]), round(rng.uniform(0.05, 3), 2), round(rng.uniform(0.1, 6), 2))
+    block = tuple((rng.choice([0, 2, 4, 8]), round(rng.uniform(0.05, 3), 2),
+                   round(rng.uniform(0.1, 6), 2))
                   for _ in range(rng.randint(2, 4)))
-    profile = block_profile(num_blocks=rng.randint(10, 24), block=block, act_bytes=rng.randint(1, 3) * MB,
-                            embed_bytes=rng.randint(2, 20) * MB, h2d_gbps=rng.choice([2.0, 5.0, 10.0]),
-                            tied=rng.random() < 0.7)
+    profile = block_profile(num_blocks=rng.randint(10, 24), block=block,
+                            act_bytes=rng.randint(1, 3) * MB, embed_bytes=rng.randint(2, 20) * MB,
+                            h2d_gbps=rng.choice([2.0, 5.0, 10.0]), tied=rng.random() < 0.7)
     facts = node_facts(profile)
     usable = rng.randint(40, 150) * MB
     tables = build_tables(facts, max_width_for(facts, usable))
@@ -182,12 +188,14 @@ def test_folding_gives_the_same_plan(seed):
     assert period == len(block) + 1
     folding = prepare_folding(tables, period)
     for accum in (1, 2, 4, 8):
-        params = CostParams(accum, usable, profile.h2d_gbps, profile.d2h_gbps, rng.choice([8.0, 2.0]))
+        params = CostParams(accum, usable, profile.h2d_gbps, profile.d2h_gbps,
+                            rng.choice([8.0, 2.0]))
         for tier in (0, 1, 2):
             a, b = search(tables, params, tier, folding), search(tables, params, tier, None)
             assert (a is None) == (b is None)
             if a:
-                assert (a.objective, a.cuts, a.early_prefetch) == (b.objective, b.cuts, b.early_prefetch)
+                assert ((a.objective, a.cuts, a.early_prefetch)
+                        == (b.objective, b.cuts, b.early_prefetch))
 
 
 def test_folding_engages_on_long_block_chains():
@@ -208,12 +216,13 @@ def test_every_returned_plan_passes_the_checker(seed):
     profile, accum, usable, cpu, activations = _random_case(seed)
     fixed = accum if seed % 2 else None
     try:
-        plan = partition(profile, usable, reserve_bytes=0, accum=fixed, max_accum=8, cpu_adam_gbps=cpu,
-                         activations=activations)
+        plan = partition(profile, usable, reserve_bytes=0, accum=fixed, max_accum=8,
+                         cpu_adam_gbps=cpu, activations=activations)
     except InfeasiblePlanError:
         return
     problems = check_plan(profile, plan)
-    assert not [v for v in problems if v.constraint in ("structure", "recorded", "memory")], problems
+    assert not [v for v in problems
+                if v.constraint in ("structure", "recorded", "memory")], problems
     if plan.feasible:
         assert not problems and plan.binding == ""
     else:
@@ -244,7 +253,8 @@ def test_plan_lists_the_tensors_crossing_each_cut(tmp_path):
     g = profile.graph
     for s, nxt in zip(plan.submodels, plan.submodels[1:]):
         crossing = {t.name for t in s.crossing}
-        assert crossing == {n.name for n in g.nodes[: s.stop] if any(n.name in m.inputs for m in g.nodes[s.stop:])}
+        assert crossing == {n.name for n in g.nodes[: s.stop]
+                            if any(n.name in m.inputs for m in g.nodes[s.stop:])}
         assert {t.name for t in nxt.inputs} <= crossing
         assert sum(t.num_bytes for t in s.crossing) > 0
     assert plan.submodels[0].start == 0 and plan.submodels[-1].stop == len(g.nodes)
@@ -268,7 +278,8 @@ def test_fast_hashes_equal_the_ir_hashes():
 def _feasible_at(profile, usable, accum):
     facts = node_facts(profile)
     tables = build_tables(facts, max_width_for(facts, usable))
-    return search(tables, CostParams(accum, usable, profile.h2d_gbps, profile.d2h_gbps), 0) is not None
+    return (search(tables, CostParams(accum, usable, profile.h2d_gbps, profile.d2h_gbps), 0)
+            is not None)
 
 
 def test_searched_accum_is_the_smallest_feasible():
@@ -290,7 +301,8 @@ def test_capped_accum_returns_the_best_plan_and_names_the_binding_constraint():
 
 def test_physical_bound_matches_design_formula():
     profile = block_profile(num_blocks=2)
-    hw = HardwareProfile(name="t", description="", memory_bytes=32 << 30, peak_tflops={"float32": 100.0},
+    hw = HardwareProfile(name="t", description="", memory_bytes=32 << 30,
+                         peak_tflops={"float32": 100.0},
                          mem_gbps=900, h2d_gbps=12.0, d2h_gbps=12.0, compute_efficiency=0.5,
                          launch_overhead_us=5.0, sources=())
     from dataclasses import replace
@@ -400,10 +412,10 @@ def test_gpt_plan_is_exact_folded_and_checked(gpt_profile):
         assert max(placeholders) < plan.submodels[0].stop
 
 
-def test_plan_from_cuts_single_submodel(gpt_profile):
+def test_build_plan_single_submodel(gpt_profile):
     facts = node_facts(gpt_profile)
     tables = build_tables(facts, facts.num_nodes)
     params = CostParams(2, 10**12, gpt_profile.h2d_gbps, gpt_profile.d2h_gbps)
-    plan = plan_from_cuts(gpt_profile, tables, params, [], capacity_bytes=10**12, reserve_bytes=0)
+    plan = build_plan(gpt_profile, tables, params, [], capacity_bytes=10**12, reserve_bytes=0)
     assert len(plan.submodels) == 1 and plan.cut_bytes == 0 and plan.feasible
     assert plan.submodels[0].crossing == ()

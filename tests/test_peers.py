@@ -27,6 +27,7 @@ from atomc.codegen import generate
 from atomc.codegen.manual import plan_from_cuts
 from atomc.runtime.checkpoint import load_checkpoint
 from atomc.trace import trace_model
+
 from processes import kill_tree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,17 +51,20 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _peer(pkg: Path, d: Path, name: str, initial: list[str], *, via_cli: bool = False) -> subprocess.Popen:
-    args = ["--package", str(pkg), "--name", name, "--rounds", str(ROUNDS), "--target-batch-size", "24",
-            "--accum", "2", "--lr", "3e-3", "--matchmaking-time", "1.5", "--averaging-timeout", "20",
-            "--connect-timeout", "20", "--max-seconds", "150", "--metrics", str(d / f"{name}.jsonl"),
+def _peer(pkg: Path, d: Path, name: str, initial: list[str], *,
+          via_cli: bool = False) -> subprocess.Popen:
+    args = ["--package", str(pkg), "--name", name, "--rounds", str(ROUNDS),
+            "--target-batch-size", "24", "--accum", "2", "--lr", "3e-3",
+            "--matchmaking-time", "1.5", "--averaging-timeout", "20",
+            "--connect-timeout", "20", "--max-seconds", "150",
+            "--metrics", str(d / f"{name}.jsonl"),
             "--final", str(d / f"{name}.pt"), "--maddr-file", str(d / f"{name}.maddr")]
     if via_cli:
-        argv = [sys.executable, "-m", "atomc.cli", "peer", *[x for a in initial for x in ("--initial-peers", a)],
-                str(SCRIPT), *args]
+        argv = [sys.executable, "-m", "atomc.cli", "peer",
+                *[x for a in initial for x in ("--initial-peers", a)], str(SCRIPT), *args]
     else:
         argv = [sys.executable, str(SCRIPT), *args, "--initial-peers", *initial]
-    log = open(d / f"{name}.log", "w")  # noqa: SIM115 - the peer writes to it until it ends
+    log = open(d / f"{name}.log", "w")  # the peer writes to it until it ends
     return subprocess.Popen(argv, env=_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
@@ -91,21 +95,24 @@ def test_peers_average_survive_a_death_and_a_join(pkg: Path, tmp_path: Path) -> 
     procs: dict[str, subprocess.Popen] = {}
     try:
         procs["A"] = _peer(pkg, d, "A", [], via_cli=True)  # `atomc peer` starts the run
-        _wait_for(lambda: (d / "A.maddr").exists() or procs["A"].poll() is not None, 60, "peer A's address")
+        _wait_for(lambda: (d / "A.maddr").exists() or procs["A"].poll() is not None, 60,
+                  "peer A's address")
         assert procs["A"].poll() is None, (d / "A.log").read_text()
         a_addr = (d / "A.maddr").read_text().split()[0]
         procs["B"] = _peer(pkg, d, "B", [a_addr])
         procs["C"] = _peer(pkg, d, "C", [a_addr])
 
         def c_averaged() -> bool:
-            return any(e["event"] == "round" and e["ok"] and "C" in e["group"] for e in _events(d, "C"))
+            return any(e["event"] == "round" and e["ok"] and "C" in e["group"]
+                       for e in _events(d, "C"))
 
         _wait_for(c_averaged, 90, "peer C to average with the others")
         os.killpg(procs["C"].pid, signal.SIGKILL)  # C dies mid-run, with its DHT and p2p daemon
         procs["C"].wait(timeout=10)
         killed_at = time.time()
         # B writes its address once its DHT is up, which may be after C's first round
-        _wait_for(lambda: (d / "B.maddr").exists() or procs["B"].poll() is not None, 60, "peer B's address")
+        _wait_for(lambda: (d / "B.maddr").exists() or procs["B"].poll() is not None, 60,
+                  "peer B's address")
         assert procs["B"].poll() is None, (d / "B.log").read_text()[-3000:]
         b_addr = (d / "B.maddr").read_text().split()[0]
         procs["D"] = _peer(pkg, d, "D", [b_addr])  # joins through any live peer
@@ -114,7 +121,8 @@ def test_peers_average_survive_a_death_and_a_join(pkg: Path, tmp_path: Path) -> 
             try:
                 procs[name].wait(timeout=170)
             except subprocess.TimeoutExpired:
-                raise AssertionError(f"peer {name} did not finish:\n{(d / f'{name}.log').read_text()[-3000:]}")
+                log = (d / f"{name}.log").read_text()[-3000:]
+                raise AssertionError(f"peer {name} did not finish:\n{log}") from None
             assert procs[name].returncode == 0, (d / f"{name}.log").read_text()[-3000:]
     finally:
         for p in procs.values():
@@ -123,7 +131,8 @@ def test_peers_average_survive_a_death_and_a_join(pkg: Path, tmp_path: Path) -> 
     ev = {n: _events(d, n) for n in "ABCD"}
     # the survivors kept averaging with each other after C died
     after = [e for e in ev["A"] if e["event"] == "round" and e["time"] > killed_at + 1]
-    assert sum(1 for e in after if e["ok"] and {"A", "B"} <= set(e["group"]) and "C" not in e["group"]) >= 2
+    assert sum(1 for e in after
+               if e["ok"] and {"A", "B"} <= set(e["group"]) and "C" not in e["group"]) >= 2
     # D joined through B, downloaded the state of a round in progress, and averaged with the others
     joined = [e for e in ev["D"] if e["event"] == "joined"]
     assert joined and joined[0]["epoch"] >= 1
@@ -164,8 +173,9 @@ def test_peer_address_that_never_answers(pkg: Path, tmp_path: Path) -> None:
     addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/12D3KooWStBjA5fhZQM3jdJjBFgEfGkFqkgvTDi39aX6Bchtd9gy"
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--package", str(pkg), "--name", "lonely",
-                             "--connect-timeout", "5", "--initial-peers", addr], env=_env(), cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                             "--connect-timeout", "5", "--initial-peers", addr], env=_env(),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=90)
     finally:
@@ -185,7 +195,9 @@ def test_peer_cli_checks_addresses(tmp_path: Path, capsys: pytest.CaptureFixture
 
     assert main(["peer", "--initial-peers", "not-an-address", str(SCRIPT), "--package", "x"]) == 2
     assert "not a multiaddress" in capsys.readouterr().err
-    assert main(["peer", "--print", "--run-id", "r1", "--target-batch-size", "64", "--initial-peers",
-                 "/ip4/127.0.0.1/tcp/1/p2p/Qm", str(SCRIPT), "--package", "x"]) == 0
+    assert main(["peer", "--print", "--run-id", "r1", "--target-batch-size", "64",
+                 "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/Qm", str(SCRIPT),
+                 "--package", "x"]) == 0
     out = capsys.readouterr().out
-    assert "ATOMC_PEER_RUN_ID=r1" in out and "ATOMC_PEER_TARGET_BATCH_SIZE=64" in out and "--package x" in out
+    assert ("ATOMC_PEER_RUN_ID=r1" in out and "ATOMC_PEER_TARGET_BATCH_SIZE=64" in out
+            and "--package x" in out)

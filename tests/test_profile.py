@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -25,7 +26,8 @@ def measured() -> Profile:
 
 def unique_bytes(profile: Profile) -> int:
     g = profile.graph
-    return sum(s.num_bytes for s in g.params.values()) + sum(s.num_bytes for s in g.buffers.values())
+    return (sum(s.num_bytes for s in g.params.values())
+            + sum(s.num_bytes for s in g.buffers.values()))
 
 
 def test_measured_reuses_identical_blocks(measured):
@@ -41,7 +43,8 @@ def test_measured_reuses_identical_blocks(measured):
             if node.signature in first:
                 assert cost.source == "reused"
                 ref = first[node.signature]
-                assert (cost.fwd_ms, cost.bwd_ms, cost.saved_bytes) == (ref.fwd_ms, ref.bwd_ms, ref.saved_bytes)
+                assert ((cost.fwd_ms, cost.bwd_ms, cost.saved_bytes)
+                        == (ref.fwd_ms, ref.bwd_ms, ref.saved_bytes))
             else:
                 assert cost.source == "measured"
                 first[node.signature] = cost
@@ -70,7 +73,8 @@ def test_measured_costs_are_sane(measured):
 def test_estimated_profile_is_positive_and_monotone():
     totals = []
     for config in ("gpt3-small", "gpt3-medium", "gpt3-large", "gpt3-xl"):
-        p = profile_model(trace_model(EXAMPLES / "gpt.py", config, 1, {"seq_len": 512}), target="a100-40gb")
+        p = profile_model(trace_model(EXAMPLES / "gpt.py", config, 1, {"seq_len": 512}),
+                          target="a100-40gb")
         assert p.mode == "estimated" and p.hardware is not None and p.hardware.name == "a100-40gb"
         for node, cost in zip(p.graph.nodes, p.costs):
             if cost.fwd_flops > 0:
@@ -80,7 +84,7 @@ def test_estimated_profile_is_positive_and_monotone():
         t = p.totals()
         totals.append((t["fwd_ms"], t["bwd_ms"], t["load_ms"], t["param_bytes"]))
         assert t["param_bytes"] == unique_bytes(p)
-    for smaller, larger in zip(totals, totals[1:]):
+    for smaller, larger in itertools.pairwise(totals):
         assert all(a < b for a, b in zip(smaller, larger))
 
 

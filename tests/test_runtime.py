@@ -20,8 +20,15 @@ from atomc.cli import main as atomc_main
 from atomc.codegen import generate
 from atomc.codegen.manual import plan_from_cuts
 from atomc.errors import ModelFileError, RuntimeMismatchError, UsageError
-from atomc.runtime import SwapTrainer, check_device_memory, micro_batch_rng, micro_batch_seed
+from atomc.runtime import (
+    SwapTrainer,
+    TrainerConfig,
+    check_device_memory,
+    micro_batch_rng,
+    micro_batch_seed,
+)
 from atomc.runtime.checkpoint import load_checkpoint
+from atomc.runtime.package import load_swap_package
 from atomc.runtime.store import ARENA_ALIGN, HostArena, pinned_allocation_bytes
 from atomc.runtime.trace import replay_residency, to_timeline
 from atomc.simulate import render_timeline_svg
@@ -33,7 +40,7 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 SKIP_MLP = FIXTURES / "skip_mlp"
 GPT_SPLIT = FIXTURES / "gpt_split"
 sys.path.insert(0, str(REPO / "examples"))
-import gpt
+import gpt  # noqa: E402 - importable once examples/ is on sys.path
 
 MICRO = 2  # micro-batch size of the generated GPT packages
 SEQ = 16
@@ -131,8 +138,10 @@ CASES = [
     pytest.param(("add_1", "ln_f"), 2, torch.float64, {"clip": 0.5}, id="3sub-C2-fp64-clip"),
     # with 3+ sub-models a slot is loaded with another sub-model between a kept forward graph
     # and its backward, and again with the sub-model's own weights before that backward
-    pytest.param(("add_1", "h_1_ln_1"), 2, torch.float32, {"activations": "keep"}, id="3sub-C2-fp32-keep"),
-    pytest.param(("add", "add_1", "add_3"), 3, torch.float32, {"activations": "keep"}, id="4sub-C3-fp32-keep"),
+    pytest.param(("add_1", "h_1_ln_1"), 2, torch.float32, {"activations": "keep"},
+                 id="3sub-C2-fp32-keep"),
+    pytest.param(("add", "add_1", "add_3"), 3, torch.float32, {"activations": "keep"},
+                 id="4sub-C3-fp32-keep"),
 ]
 
 
@@ -143,8 +152,10 @@ def test_swapped_equals_plain_training_bitwise(gpt_traced, pkg_root, cuts, C, dt
     clip = options.pop("clip", None)
     pkg = gpt_package(gpt_traced, pkg_root, cuts, C)
     ref = gpt_model(dtype)
-    trainer = SwapTrainer.from_package(pkg, device="cpu", state_dict=ref.state_dict(), tied_grads="exact",
-                                       optimizer={"lr": 1e-2, "max_grad_norm": clip}, trace=True, **options)
+    trainer = SwapTrainer.from_package(pkg, device="cpu", state_dict=ref.state_dict(),
+                                       tied_grads="exact",
+                                       optimizer={"lr": 1e-2, "max_grad_norm": clip}, trace=True,
+                                       **options)
     assert trainer.accum == C and len(trainer.store.layouts) == len(cuts) + 1
     batches = gpt_batches(3, C)
     swapped = swap_run(trainer, batches)
@@ -152,9 +163,9 @@ def test_swapped_equals_plain_training_bitwise(gpt_traced, pkg_root, cuts, C, dt
     assert swapped == plain
     assert_same(trainer.export_state_dict(), ref.state_dict())
     # never more than two sub-models' weights on the "device", every compute on a resident one
-    assert trainer.executor.max_resident <= 2
+    assert trainer.executor.slots.max_resident <= 2
     for trace in trainer.traces.values():
-        assert replay_residency(trace, {s: h[0] for s, h in enumerate(trainer.executor.slot_holds) if h}) <= 2
+        assert replay_residency(trace, trainer.executor.slots.resident()) <= 2
     trainer.close()
 
 
@@ -183,8 +194,9 @@ def test_hand_written_package_skip_connections_ints_and_middle_tie():
                                        ("keep", False, 0.05, torch.float64)):
         torch.manual_seed(0)
         ref = mf.build_model().to(dtype)
-        trainer = SwapTrainer.from_package(SKIP_MLP, device="cpu", seed=5, state_dict=ref.state_dict(),
-                                           activations=acts, offload_activations=offload, tied_grads="exact",
+        trainer = SwapTrainer.from_package(SKIP_MLP, device="cpu", seed=5,
+                                           state_dict=ref.state_dict(), activations=acts,
+                                           offload_activations=offload, tied_grads="exact",
                                            optimizer={"lr": 1e-2, "max_grad_norm": clip})
         g = torch.Generator().manual_seed(3)
         batches = [torch.randn(C * 4, 8, generator=g, dtype=dtype) for _ in range(3)]
@@ -227,7 +239,8 @@ def test_lr_schedule_weight_decay_groups_and_bf16_autocast(gpt_traced, pkg_root)
 
     trainer = SwapTrainer.from_package(
         pkg, device="cpu", state_dict=ref.state_dict(), tied_grads="exact", autocast="bfloat16",
-        optimizer={"lr": 1e-2, "weight_decay": 0.1, "lr_schedule": schedule, "decay_filter": decays})
+        optimizer={"lr": 1e-2, "weight_decay": 0.1, "lr_schedule": schedule,
+                   "decay_filter": decays})
     groups = [{"params": [p for p in ref.parameters() if p.dim() >= 2], "weight_decay": 0.1},
               {"params": [p for p in ref.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     batches = gpt_batches(3, 2)
@@ -301,17 +314,19 @@ def test_schedule_trace_and_timeline(gpt_traced, pkg_root):
     loads = [(e.submodel, e.kind) for e in sorted(last.events, key=lambda e: e.start_ms)
              if e.lane == "prefetch" and e.kind in ("load", "refresh")]
     # P0 refreshed in place (it stayed resident), P1 refreshed, P2 and P3 loaded for the forward;
-    # P3 and P2 stay for the backward; P1 and P0 loaded again
-    assert loads == [(0, "refresh"), (1, "refresh"), (2, "load"), (3, "load"), (1, "load"), (0, "load")]
+    # P3 and P2 stay for the backward; P1 and P0 loaded again. P1's refresh may go first while
+    # P0's load waits for P0's update (the optimizer thread takes P0 last).
+    assert sorted(loads[:2]) == [(0, "refresh"), (1, "refresh")]
+    assert loads[2:] == [(2, "load"), (3, "load"), (1, "load"), (0, "load")]
     kinds = {(e.lane, e.kind) for e in last.events}
     assert {("offload", "offload"), ("optimizer", "optimizer"), ("offload", "checkpoint_out"),
             ("prefetch", "checkpoint")} <= kinds
     assert sum(1 for e in last.events if e.kind == "optimizer") == k
     assert 0 < last.busy_fraction() <= 1
     # after the first step every activation stash is a view into one arena (not pinned on the CPU)
-    stash = trainer.executor._stash_host
+    stash = trainer.executor.stash.host
     assert stash and {b.untyped_storage().data_ptr() for b in stash.values()} == {
-        trainer.executor._stash_arena.storage.untyped_storage().data_ptr()}
+        trainer.executor.stash.arena.storage.untyped_storage().data_ptr()}
     assert trainer.executor.pinned_bytes() == 0
     timeline = to_timeline(list(traces.values()), k, 3, label="measured")
     assert timeline.source == "measured" and timeline.num_steps == len(traces)
@@ -323,12 +338,13 @@ def test_schedule_trace_and_timeline(gpt_traced, pkg_root):
 def test_check_device_memory_names_the_submodel():
     check_device_memory(10 << 30, 16 << 30, [1 << 30] * 3, "cuda:0")  # fits: no error
     check_device_memory(10 << 30, 16 << 30, [1 << 30] * 3, "cuda:0", free_bytes=2 << 30)
-    with pytest.raises(RuntimeMismatchError, match="sub-model 1 needs 9.00 GiB"):
+    with pytest.raises(RuntimeMismatchError, match=r"sub-model 1 needs 9\.00 GiB"):
         check_device_memory(12 << 30, 8 << 30, [2 << 30, 9 << 30, 10 << 30], "cuda:0 (small)")
     # within the device, but not within what other processes left free
     with pytest.raises(RuntimeMismatchError, match=r"16.00 GiB in total, 2.00 GiB of it free; "
                                                    r"sub-model 1 needs 3.00 GiB .* free memory"):
-        check_device_memory(10 << 30, 16 << 30, [1 << 30, 3 << 30, 3 << 30], "cuda:0", free_bytes=2 << 30)
+        check_device_memory(10 << 30, 16 << 30, [1 << 30, 3 << 30, 3 << 30], "cuda:0",
+                            free_bytes=2 << 30)
 
 
 def test_host_buffers_are_views_of_one_arena_per_kind(gpt_traced, pkg_root):
@@ -339,7 +355,8 @@ def test_host_buffers_are_views_of_one_arena_per_kind(gpt_traced, pkg_root):
     assert starts == [0, ARENA_ALIGN, 2 * ARENA_ALIGN, 2 * ARENA_ALIGN]
     assert [b.shape for b in arena.buffers] == [(3,), (2, 5), (0,), (7,)]
     assert arena.nbytes == 2 * ARENA_ALIGN + 56 and arena.pinned_bytes() == 0
-    assert [pinned_allocation_bytes(n) for n in (0, 1, 512, 513, 3 << 20)] == [0, 1, 512, 1024, 4 << 20]
+    assert ([pinned_allocation_bytes(n) for n in (0, 1, 512, 513, 3 << 20)]
+            == [0, 1, 512, 1024, 4 << 20])
     pkg = gpt_package(gpt_traced, pkg_root, ("add", "add_1", "add_3"), 3)
     trainer = SwapTrainer.from_package(pkg, device="cpu", transfer_dtype="bfloat16")
     store = trainer.store
@@ -394,8 +411,8 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(gpt_traced, pkg_root, t
     resumed.close()
 
 
-def test_corrupt_or_foreign_checkpoints_are_refused_and_nothing_changes(gpt_traced, pkg_root, tmp_path,
-                                                                        monkeypatch):
+def test_corrupt_or_foreign_checkpoints_are_refused_and_nothing_changes(gpt_traced, pkg_root,
+                                                                        tmp_path, monkeypatch):
     pkg = gpt_package(gpt_traced, pkg_root, ("add_1", "h_1_ln_1"), 2)
     trainer = SwapTrainer.from_package(pkg, device="cpu", optimizer={"lr": 1e-2})
     trainer.step(gpt_batches(1, 2)[0])
@@ -413,9 +430,10 @@ def test_corrupt_or_foreign_checkpoints_are_refused_and_nothing_changes(gpt_trac
     state = load_checkpoint(good)
     state["masters"][0][0] += 1.0
     torch.save({"format": "atomc.swap-checkpoint", "version": 1,
-                "checksum": torch.load(good, weights_only=True)["checksum"], "state": state}, flipped)
+                "checksum": torch.load(good, weights_only=True)["checksum"], "state": state},
+               flipped)
     for bad in (truncated, garbage, flipped, tmp_path / "missing.pt"):
-        with pytest.raises(RuntimeMismatchError, match="nothing was loaded|does not exist"):
+        with pytest.raises(RuntimeMismatchError, match=r"nothing was loaded|does not exist"):
             trainer.load_checkpoint(bad)
         assert trainer.step_count == 2
         assert_same(trainer.export_state_dict(), before)
@@ -448,13 +466,15 @@ def test_corrupt_or_foreign_checkpoints_are_refused_and_nothing_changes(gpt_trac
 def test_batch_of_another_shape_is_refused(gpt_traced, pkg_root):
     pkg = gpt_package(gpt_traced, pkg_root, ("add_1", "h_1_ln_1"), 2)
     trainer = SwapTrainer.from_package(pkg, device="cpu")
-    with pytest.raises(RuntimeMismatchError, match=r"leading dimension of C x micro-batch = 2 x 2 = 4"):
+    with pytest.raises(RuntimeMismatchError,
+                       match=r"leading dimension of C x micro-batch = 2 x 2 = 4"):
         trainer.step(torch.randint(0, 256, (6, SEQ)))
-    with pytest.raises(RuntimeMismatchError, match=r"shape \[2, 8\], but the plan was made for \[2, 16\]"):
+    with pytest.raises(RuntimeMismatchError,
+                       match=r"shape \[2, 8\], but the plan was made for \[2, 16\]"):
         trainer.step(torch.randint(0, 256, (4, 8)))
     with pytest.raises(RuntimeMismatchError, match="list of 3 micro-batches, expected C = 2"):
         trainer.step([torch.randint(0, 256, (2, SEQ))] * 3)
-    with pytest.raises(RuntimeMismatchError, match="dtype torch.float32, the plan expects int64"):
+    with pytest.raises(RuntimeMismatchError, match=r"dtype torch\.float32, the plan expects int64"):
         trainer.step(torch.rand(4, SEQ))
     assert trainer.step_count == 0
     trainer.close()
@@ -481,13 +501,28 @@ def test_bad_settings_and_missing_model_file(tmp_path):
     with pytest.raises(UsageError, match="choose recompute or keep"):
         SwapTrainer.from_package(SKIP_MLP, device="cpu", activations="sometimes")
     with pytest.raises(UsageError, match="needs activations='recompute'"):
-        SwapTrainer.from_package(SKIP_MLP, device="cpu", activations="keep", offload_activations=True)
+        SwapTrainer.from_package(SKIP_MLP, device="cpu", activations="keep",
+                                 offload_activations=True)
     with pytest.raises(UsageError, match="optimizer implementation"):
         SwapTrainer.from_package(SKIP_MLP, device="cpu", optimizer={"impl": "magic"})
     with pytest.raises(UsageError, match="unknown"):
         SwapTrainer.from_package(SKIP_MLP, device="cpu", optimizer={"learning_rate": 1})
-    with pytest.raises(RuntimeMismatchError, match="no __init__.py"):
+    with pytest.raises(RuntimeMismatchError, match=r"no __init__\.py"):
         SwapTrainer.from_package(tmp_path, device="cpu")
+    with pytest.raises(UsageError, match=r"unknown trainer option acum; the options are .*accum"):
+        SwapTrainer.from_package(SKIP_MLP, device="cpu", acum=2)
+    with pytest.raises(UsageError, match="not a training dtype; choose one of float32"):
+        SwapTrainer.from_package(SKIP_MLP, TrainerConfig(device="cpu", transfer_dtype="fp8"))
+    # a config and keyword options over it; resolve fills the rest from the package's plan
+    pkg = load_swap_package(SKIP_MLP)
+    cfg = TrainerConfig.of({"device": "cpu", "accum": 5}, {"accum": 2, "transfer_dtype": "bf16"})
+    run = cfg.resolve(pkg, None)
+    assert (run.accum, run.transfer_dtype, run.autocast, run.loss_scale) == \
+        (2, torch.bfloat16, torch.bfloat16, False)
+    assert (run.activations, run.micro_batch, run.master_dtype) == \
+        (pkg.plan.activations, pkg.plan.batch_size, torch.float32)
+    assert TrainerConfig(dtype="float64").resolve(pkg, None).master_dtype == torch.float64
+    assert TrainerConfig(transfer_dtype="half").resolve(pkg, None).loss_scale
     # a package whose model file is gone trains only with loss_fn= (and state_dict=)
     import shutil
     moved = tmp_path / "skip"
@@ -513,8 +548,8 @@ def test_fixture_package_and_train_cli(tmp_path, capsys):
             "--checkpoint", str(ckpt), "--timeline", str(timeline)]
     assert atomc_main(args) == 0
     assert ckpt.is_file() and "<svg" in timeline.read_text()
-    assert atomc_main(["train", str(GPT_SPLIT), "--steps", "3", "--data", str(text), "--resume", str(ckpt),
-                       "--device", "cpu"]) == 0
+    assert atomc_main(["train", str(GPT_SPLIT), "--steps", "3", "--data", str(text),
+                       "--resume", str(ckpt), "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "step 3: loss" in out
     assert atomc_main(["train", str(SKIP_MLP), "--steps", "1", "--device", "cpu"]) == 2
@@ -543,4 +578,33 @@ def test_norm_weights_stay_float32_in_a_bfloat16_image(gpt_traced, pkg_root):
                 assert e.offset % 2 == 0 and e.span == 2 * e.numel
                 master = store.master[e.owner][e.owner_offset:e.owner_offset + e.numel]
                 assert torch.equal(e.image_view(store.image[i]).view(-1), master)
+    trainer.close()
+
+
+def test_runtime_executes_the_schedule_the_simulator_times(gpt_traced, pkg_root):
+    """The recorded trace, lane by lane and mapped to actions, is the plan's action list: the
+    list atomc.simulate times (no reload of P_{k-2} before its backward, for one)."""
+    from atomc.actions import atom_order, runs
+
+    pkg = gpt_package(gpt_traced, pkg_root, ("add", "add_1", "add_3"), 3)
+    # updates on the caller's thread: each ends before the next action is issued, so no load
+    # waits for its weights' update and the lanes keep the list's order exactly (a threaded
+    # update may let 1L go ahead of a 0L still waiting for P_0's update)
+    trainer = SwapTrainer.from_package(pkg, device="cpu", trace=True, optimizer={"lr": 1e-2},
+                                       threaded_optimizer=False)
+    for batch in gpt_batches(2, 3):
+        trainer.step(batch)
+    last = trainer.traces[max(trainer.traces)]
+    kind_of = {"forward": "F", "backward": "B", "load": "L", "refresh": "L", "offload": "O",
+               "optimizer": "U"}
+    measured = {lane: [(kind_of[e.kind], e.submodel)
+                       for e in sorted(last.events, key=lambda e: e.start_ms)
+                       if e.lane == lane and e.kind in kind_of]
+                for lane in ("compute", "prefetch", "offload", "optimizer")}
+    planned = [(kind, i) for kind, i, _ in runs(atom_order(4, 3))]
+    assert measured["compute"] == [x for x in planned if x[0] in "FB"]
+    assert measured["prefetch"] == [x for x in planned if x[0] == "L"]
+    assert measured["offload"] == [x for x in planned if x[0] == "O"]
+    assert sorted(measured["optimizer"]) == sorted(x for x in planned if x[0] == "U")
+    assert ("L", 2) not in measured["prefetch"][3:]  # P_2 stays in its slot into its backward
     trainer.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.resources
 import sys
 import xml.etree.ElementTree as ET
@@ -17,6 +18,7 @@ from atomc.simulate import (
     render_timeline_svg,
     simulate_plan,
     simulate_swap,
+    stage_times,
     write_timeline_svg,
 )
 
@@ -42,9 +44,10 @@ def test_three_submodels_by_hand():
     sim = simulate_swap(stages, accum=1)
     assert spans(sim, "compute") == [
         (0, 0, 2), (1, 5, 8), (2, 8, 12),  # forward; P1 waits for its load until 5
-        (2, 12, 24), (1, 24, 33), (0, 33, 39),  # backward; P1's load (and checkpoint) hide behind P2's 12
+        (2, 12, 24), (1, 24, 33), (0, 33, 39),  # backward; P1 is still in its slot after P2's
     ]
-    assert spans(sim, "prefetch") == [(1, 0, 5), (2, 5, 8), (2, 12, 13), (1, 13, 18), (1, 24, 25),
+    # P1 is not loaded again for its backward; its checkpoint streams in first, then P0 loads
+    assert spans(sim, "prefetch") == [(1, 0, 5), (2, 5, 8), (2, 12, 13), (1, 24, 25),
                                       (0, 25, 26), (0, 41, 42)]
     assert spans(sim, "offload") == [(2, 24, 25), (1, 33, 35), (0, 39, 40)]
     assert spans(sim, "optimizer") == [(2, 25, 26), (1, 35, 37), (0, 40, 41)]
@@ -65,10 +68,12 @@ def test_gradients_leave_before_the_next_load_lands():
 
 
 def test_single_submodel_stays_resident():
-    sim = simulate_swap([stage(2, 4, 3, off=1, opt=2)], accum=3)
-    assert spans(sim, "compute") == [(0, 0, 2), (0, 2, 6)]  # C is already in the stage times
-    assert spans(sim, "prefetch") == [(0, 9, 12)]  # only the refresh after the update
-    assert sim.step_ns == 12 * MS
+    # C is already in the stage times: each micro-batch takes a third, forward then backward
+    sim = simulate_swap([stage(3, 6, 3, off=1, opt=2)], accum=3)
+    assert spans(sim, "compute") == [(0, 0, 1), (0, 1, 3), (0, 3, 4), (0, 4, 6), (0, 6, 7),
+                                     (0, 7, 9)]
+    assert spans(sim, "prefetch") == [(0, 12, 15)]  # only the refresh after the update
+    assert sim.step_ns == 15 * MS
 
 
 def test_early_prefetch_loads_the_second_submodel_during_the_tail():
@@ -89,7 +94,8 @@ def test_steps_are_identical_and_bounded():
         assert tl.num_steps == 3
         assert [tl.step_ms(i) for i in range(3)] == [one.step_ns / MS] * 3
         for e in tl.events:
-            assert tl.step_starts_ms[e.step] <= e.start_ms <= e.end_ms <= tl.step_starts_ms[e.step + 1]
+            assert (tl.step_starts_ms[e.step] <= e.start_ms <= e.end_ms
+                    <= tl.step_starts_ms[e.step + 1])
         assert tl.utilisation() == pytest.approx(one.utilisation)
 
 
@@ -113,6 +119,15 @@ def test_plan_replays_to_its_prediction(plan):
     sim = simulate_plan(plan)
     assert sim.step_ns / MS == pytest.approx(plan.predicted_step_ms, abs=1e-9)
     assert sim.utilisation == pytest.approx(plan.predicted_utilisation)
+
+
+def test_kept_activations_do_not_stream_in(plan):
+    # recomputing, a sub-model's inputs come back from the host for its backward; keeping,
+    # the runtime holds the saved activations on the device, whatever the plan costs
+    assert any(s.checkpoint_ns for s in stage_times(plan))
+    keep = dataclasses.replace(plan, activations="keep")
+    assert not any(s.checkpoint_ns for s in stage_times(keep))
+    assert "checkpoint" not in {e.kind for e in simulate_plan(keep).timeline.events}
 
 
 def test_timeline_svg_is_well_formed_and_shows_every_submodel(plan, tmp_path):

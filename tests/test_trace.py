@@ -108,7 +108,8 @@ def test_output_shapes_equal_eager():
     traced = trace_model(EXAMPLES / "gpt.py", "tiny", 3, device="cpu")
     model = traced.model
     seen: dict[str, tuple] = {}
-    hooks = [m.register_forward_hook(lambda mod, inp, out, name=name: seen.__setitem__(name, tuple(out.shape)))
+    hooks = [m.register_forward_hook(lambda mod, inp, out, name=name:
+                                     seen.__setitem__(name, tuple(out.shape)))
              for name, m in model.named_modules() if name and not list(m.children())]
     with torch.no_grad():
         out = model(*traced.inputs)
@@ -118,7 +119,7 @@ def test_output_shapes_equal_eager():
     assert set(by_module) == set(seen)
     for name, shape in seen.items():
         assert by_module[name].outputs[0].shape == shape, name
-    last = [n for n in traced.graph.nodes if n.name == "lm_head"][0]
+    last = next(n for n in traced.graph.nodes if n.name == "lm_head")
     assert last.outputs[0].shape == tuple(out.shape)
 
 
@@ -205,7 +206,8 @@ def example_inputs(model, batch_size):
 def test_user_leaf_modules(tmp_path):
     g = trace_model(write_model(tmp_path, LEAFY), batch_size=2).graph
     assert [(n.op, n.target) for n in g.nodes] == [
-        ("placeholder", "x"), ("call_module", "inner"), ("call_module", "head"), ("output", "output")]
+        ("placeholder", "x"), ("call_module", "inner"), ("call_module", "head"),
+        ("output", "output")]
     inner = g.nodes[1]
     assert inner.module_type == "Inner"
     assert inner.param_fqns == ("inner.a.weight", "inner.a.bias", "inner.b.weight", "inner.b.bias")
@@ -220,11 +222,14 @@ def test_bad_model_files(tmp_path):
         trace_model(broken)
     empty = tmp_path / "empty.py"
     empty.write_text("x = 1\n")
-    with pytest.raises(ModelFileError, match=r"does not define build_model\(\) and example_inputs\(\)"):
+    with pytest.raises(ModelFileError,
+                       match=r"does not define build_model\(\) and example_inputs\(\)"):
         trace_model(empty)
-    raising = write_model(tmp_path, RESIDUAL.replace("return Net()", "raise RuntimeError('no GPU here')"),
+    raising = write_model(tmp_path,
+                          RESIDUAL.replace("return Net()", "raise RuntimeError('no GPU here')"),
                           "raising.py")
-    with pytest.raises(ModelFileError, match=r"raising.py:\d+: build_model\(\) raised RuntimeError"):
+    with pytest.raises(ModelFileError,
+                       match=r"raising.py:\d+: build_model\(\) raised RuntimeError"):
         trace_model(raising)
     with pytest.raises(ModelFileError, match="takes no option 'seq_len'"):
         trace_model(write_model(tmp_path, RESIDUAL, "r.py"), options={"seq_len": 4})

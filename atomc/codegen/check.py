@@ -232,8 +232,8 @@ def copy_helpers(model_path: Path, wanted: dict[str, str], is_installed, header:
     try:
         source = model_path.read_text(encoding="utf-8")
     except OSError as e:
-        raise CodegenError(f"cannot read {model_path} to copy its helpers ({e}); keep the model file "
-                           f"next to the plan while generating code") from None
+        raise CodegenError(f"cannot read {model_path} to copy its helpers ({e}); keep the model "
+                           f"file next to the plan while generating code") from None
     module = parse(source, str(model_path))
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
     scopes = wrapper.resolve(ScopeProvider)
@@ -276,8 +276,9 @@ def copy_helpers(model_path: Path, wanted: dict[str, str], is_installed, header:
     todo: list[int] = []
     for name, why in sorted(wanted.items()):
         if name not in binders:
-            raise CodegenError(f"{why} uses {name}, which {model_path.name} does not define at the top "
-                               f"level in its source; atomc cannot copy it into the generated package")
+            raise CodegenError(f"{why} uses {name}, which {model_path.name} does not define at the "
+                               f"top level in its source; atomc cannot copy it into the generated "
+                               f"package")
         for i in binders[name]:
             if i not in needed:
                 needed.add(i)
@@ -314,7 +315,8 @@ def copy_helpers(model_path: Path, wanted: dict[str, str], is_installed, header:
                 raise CodegenError(
                     f"{reason[i]} needs `{module.code_for_node(stmt).strip()}`, a relative import "
                     f"that does not resolve outside the model's directory; atomc cannot copy it: "
-                    f"import it absolutely from an installed package, or define it in the model file")
+                    f"import it absolutely from an installed package, or define it in the model "
+                    f"file")
             if target != "__future__" and not is_installed(target):
                 raise CodegenError(
                     f"{reason[i]} needs module {target}, which is neither the model file nor an "
@@ -324,7 +326,8 @@ def copy_helpers(model_path: Path, wanted: dict[str, str], is_installed, header:
                 alias = f" as {imp.asname}" if imp.asname else ""
                 out.append(f"from {imp.module} import {imp.name}{alias}\n")
             else:
-                out.append(f"import {imp.name}" + (f" as {imp.asname}" if imp.asname else "") + "\n")
+                out.append(f"import {imp.name}"
+                           + (f" as {imp.asname}" if imp.asname else "") + "\n")
     text = f'"""{header}"""\n\n' + "".join(
         line if line.endswith("\n") else line + "\n" for line in out)
     return text

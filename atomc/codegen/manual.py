@@ -40,9 +40,9 @@ def plan_from_cuts(source: Profile | TracedModel, cuts: list[int], accum: int = 
         raise UsageError(f"cuts {cuts} must be strictly increasing node indices")
     for c in cuts:
         if not (last_input < c < num_nodes):
-            raise UsageError(f"cut {c} is outside {last_input + 1}..{num_nodes - 1}: sub-model 0 must "
-                             f"hold the model's inputs (nodes 0..{last_input}) and every sub-model "
-                             f"at least one node")
+            raise UsageError(f"cut {c} is outside {last_input + 1}..{num_nodes - 1}: sub-model 0 "
+                             f"must hold the model's inputs (nodes 0..{last_input}) and every "
+                             f"sub-model at least one node")
     bounds = [0, *cuts, num_nodes]
     ranges = list(itertools.pairwise(bounds))
 
@@ -67,7 +67,8 @@ def plan_from_cuts(source: Profile | TracedModel, cuts: list[int], accum: int = 
         writes = _writes(graph, start, stop, producer, tensor)
         in_bytes = sum(t.num_bytes for t in reads)
         saved = sum(c.saved_bytes for c in cost[start:stop])
-        working = max((max(c.peak_fwd_bytes, c.peak_bwd_bytes) for c in cost[start:stop]), default=0)
+        working = max((max(c.peak_fwd_bytes, c.peak_bwd_bytes) for c in cost[start:stop]),
+                      default=0)
         kept = saved * (accum if activations == "keep" else 1)
         fwd = sum(c.fwd_ms for c in cost[start:stop])
         bwd = sum(c.bwd_ms for c in cost[start:stop]) + (fwd if activations == "recompute" else 0.0)
@@ -122,7 +123,8 @@ def plan_from_cuts(source: Profile | TracedModel, cuts: list[int], accum: int = 
         predicted_step_ms=step, predicted_utilisation=compute / step if step > 0 else 0.0,
         physical_bound_accum=total_load / total_fwd if total_fwd > 0 else 0.0,
         feasible=not binding, binding=binding, atomc_version=__version__,
-        notes=(f"manual plan: cuts at nodes {cuts}; step time is a serial estimate, not a simulation",),
+        notes=((f"manual plan: cuts at nodes {cuts}; step time is a serial estimate, not a "
+                f"simulation"),),
     )
 
 
@@ -145,7 +147,8 @@ def _writes(graph: OpGraph, start: int, stop: int, producer: dict[str, int],
         for name in node.inputs:
             if start <= producer[name] < stop and graph.nodes[producer[name]].op != "get_attr":
                 names[name] = None
-    return [_cut(name, tensor) for name in sorted(names, key=producer.__getitem__) if name in tensor]
+    return [_cut(name, tensor) for name in sorted(names, key=producer.__getitem__)
+            if name in tensor]
 
 
 def _cut(name: str, tensor: dict) -> CutTensor:

@@ -39,25 +39,27 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from atomc import __version__
 from atomc.codegen.split import Piece
+from atomc.dtypes import dtype_name
 from atomc.errors import CodegenError
 from atomc.ir import OpGraph, Plan
 from atomc.profile.ops import is_inplace
 from atomc.trace import TracedModel, dtype_args, model_dtype
-from atomc.trace.graph import dtype_name
 from atomc.trace.normalise import MODES
 
 # Names the generated modules bind at top level (or that read badly as locals).
-_RESERVED = {"self", "torch", "nn", "F", "operator", "math", "device", "dtype", "constant", "l", "O",
-             "I"}
+_RESERVED = {"self", "torch", "nn", "F", "operator", "math", "device", "dtype", "constant", "l",
+             "O", "I"}
 
-_DROPOUT_OPS = {"aten.dropout.default", "aten.native_dropout.default", "aten.feature_dropout.default",
-                "aten.alpha_dropout.default", "aten.feature_alpha_dropout.default"}
+_DROPOUT_OPS = {"aten.dropout.default", "aten.native_dropout.default",
+                "aten.feature_dropout.default", "aten.alpha_dropout.default",
+                "aten.feature_alpha_dropout.default"}
 
 _VIEW_OPS = {"aten.view.default", "aten._unsafe_view.default"}
 
 _INFIX = dict(fx.graph.magic_methods)
 _INFIX.pop("getitem")
-_INFIX_OPERATORS = {getattr(operator, name): fmt for name, fmt in _INFIX.items() if hasattr(operator, name)}
+_INFIX_OPERATORS = {getattr(operator, name): fmt for name, fmt in _INFIX.items()
+                    if hasattr(operator, name)}
 
 _SKIP_CTOR_PARAMS = {"device", "dtype"}
 
@@ -161,7 +163,7 @@ def _resolve(path: str) -> Any:
     for cut in range(len(parts), 0, -1):
         try:
             obj: Any = importlib.import_module(".".join(parts[:cut]))
-        except Exception:  # noqa: BLE001, S112 - not a module (or one that fails to import)
+        except Exception:  # noqa: BLE001 - not a module (or one that fails to import)
             continue
         for attr in parts[cut:]:
             obj = getattr(obj, attr)
@@ -202,7 +204,8 @@ class Resolver:
             raise CodegenError(
                 f"{why} uses {obj!r}, which is not a top-level function or class of "
                 f"{self.model_path.name} under its own name; atomc cannot copy it into the "
-                f"generated package: define it at the top level of the model file with def or class")
+                f"generated package: define it at the top level of the model file with def or "
+                f"class")
         self.helpers[name] = obj
         self.helper_users.setdefault(name, why)
         return name
@@ -215,8 +218,9 @@ class Resolver:
             imports.add("import torch")
             return f"torch.ops.{fn}"
         if isinstance(fn, torch._ops.HigherOrderOperator):
-            raise CodegenError(f"{why} calls the higher-order operator {fn}; atomc cannot generate "
-                               f"code for it: avoid torch.cond/torch.no_grad regions inside forward")
+            raise CodegenError(f"{why} calls the higher-order operator {fn}; atomc cannot "
+                               f"generate code for it: avoid torch.cond/torch.no_grad regions "
+                               f"inside forward")
         name = getattr(fn, "__name__", None)
         module = getattr(fn, "__module__", None)
         if module == self.model_module.__name__ or name == "<lambda>":
@@ -258,7 +262,8 @@ class Resolver:
             raise CodegenError(
                 f"{why} calls {path}, defined in module {mod_path} ({where}), which is neither the "
                 f"model file nor an installed package, so the generated package could not import "
-                f"it on another machine; move the function into the model file or install its module")
+                f"it on another machine; move the function into the model file or install its "
+                f"module")
         imports.add(f"import {mod_path}")
         return path
 
@@ -302,7 +307,9 @@ def _resolves_to(path: str, obj: Any) -> bool:
 def render_constant(value: Any, resolver: Resolver, imports: set[str], why: str,
                     device_type: str | None = None) -> str:
     """Python source for a constant argument; CodegenError for what cannot be written down."""
-    r = lambda v: render_constant(v, resolver, imports, why, device_type)
+    def r(v: Any) -> str:
+        return render_constant(v, resolver, imports, why, device_type)
+
     if isinstance(value, _Expr):
         return value.text
     if value is None or isinstance(value, (bool, str)):
@@ -350,10 +357,11 @@ def render_constant(value: Any, resolver: Resolver, imports: set[str], why: str,
         args = ", ".join(f"{f.name}={r(getattr(value, f.name))}" for f in fields)
         return f"{ctor}({args})"
     if isinstance(value, torch.Tensor):
-        raise CodegenError(f"{why} has a tensor constant of shape {list(value.shape)}; atomc cannot "
-                           f"write tensor values into code: register it as a buffer in the model")
-    raise CodegenError(f"{why} has a constant {value!r} of type {type(value).__name__}, which atomc "
-                       f"cannot write as code; pass it as a plain number, string or tuple")
+        raise CodegenError(f"{why} has a tensor constant of shape {list(value.shape)}; atomc "
+                           f"cannot write tensor values into code: register it as a buffer in the "
+                           f"model")
+    raise CodegenError(f"{why} has a constant {value!r} of type {type(value).__name__}, which "
+                       f"atomc cannot write as code; pass it as a plain number, string or tuple")
 
 
 def describe_value(value: Any) -> str:
@@ -445,14 +453,14 @@ def _signature_args(module: nn.Module) -> tuple[list[Any], dict[str, Any]] | Non
         value = getattr(module, name)
         if isinstance(value, torch.Tensor) or (value is None and isinstance(p.default, bool)):
             value = value is not None  # `bias=True` stored as a Parameter (or None)
-        if isinstance(value, nn.Module) or callable(value) and not isinstance(value, type):
+        if isinstance(value, nn.Module) or (callable(value) and not isinstance(value, type)):
             return None
         if p.default is not p.empty:
             positional = False
             try:
                 if type(value) is type(p.default) and value == p.default:
                     continue
-            except Exception:  # noqa: BLE001, S110 - a value whose == fails is kept explicit
+            except Exception:  # noqa: BLE001 - a value whose == fails is kept explicit
                 pass
         if positional and p.kind is not p.KEYWORD_ONLY:
             args.append(value)
@@ -464,7 +472,10 @@ def _signature_args(module: nn.Module) -> tuple[list[Any], dict[str, Any]] | Non
 def _repr_args(module: nn.Module) -> tuple[list[Any], dict[str, Any]] | None:
     """Constructor arguments parsed from `extra_repr()`, which torch writes in call syntax."""
     text = module.extra_repr()
-    collect = lambda *a, **k: (list(a), k)
+
+    def collect(*a: Any, **k: Any) -> tuple[list[Any], dict[str, Any]]:
+        return list(a), k
+
     try:
         return eval(f"_collect({text})", {"_collect": collect, "torch": torch, "inf": math.inf,
                                           "nan": math.nan, "__builtins__": {}})
@@ -627,7 +638,8 @@ class PieceRenderer:
                 continue
             shape = ", ".join(str(int(d)) for d in attr.value.shape) or "()"
             dtype = attr.value.dtype
-            dtype_arg = "" if dtype == torch.get_default_dtype() else f", dtype=torch.{dtype_name(dtype)}"
+            dtype_arg = ("" if dtype == torch.get_default_dtype()
+                         else f", dtype=torch.{dtype_name(dtype)}")
             empty = f"torch.empty({shape}{dtype_arg})"
             if attr.is_buffer:
                 attr_lines.append(f"self.register_buffer({attr.local!r}, {empty}){note}")
@@ -682,7 +694,8 @@ class PieceRenderer:
 
     def index(self, value: Any) -> str:
         if isinstance(value, slice):
-            parts = ["" if v is None else self.arg(v) for v in (value.start, value.stop, value.step)]
+            parts = ["" if v is None else self.arg(v)
+                     for v in (value.start, value.stop, value.step)]
             text = f"{parts[0]}:{parts[1]}"
             return text + (f":{parts[2]}" if parts[2] else "")
         if isinstance(value, tuple) and value:
@@ -871,7 +884,10 @@ class PieceRenderer:
         """The model's output container as code, its class kept: a ModelOutput, a namedtuple."""
         if isinstance(value, fx.Node):
             return self.arg(by_name[value.name])
-        r = lambda v: self._structure(v, by_name)
+
+        def r(v: Any) -> str:
+            return self._structure(v, by_name)
+
         kind = type(value)
         if kind in _PLAIN or not isinstance(value, (tuple, list, dict)):
             if isinstance(value, tuple):
@@ -934,7 +950,8 @@ def _summary(piece: Piece, graph: OpGraph) -> str:
 
 
 def render_submodel(piece: Piece, traced: TracedModel, plan: Plan, plan_hash: str,
-                    resolver: Resolver, helper_names: set[str], env: jinja2.Environment) -> SubmodelSource:
+                    resolver: Resolver, helper_names: set[str],
+                    env: jinja2.Environment) -> SubmodelSource:
     renderer = PieceRenderer(piece, traced, plan, resolver, helper_names, dtype_args(traced))
     op_nodes = {op.name: op for op in traced.graph.nodes}
     init_lines, param_names, param_locals = renderer.constructor()

@@ -59,7 +59,8 @@ class Piece:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]  # for the last piece: the model output's leaves, flattened
     is_last: bool
-    modules: dict[str, tuple[str, nn.Module]] = field(default_factory=dict)  # local -> (FQN, module)
+    # local -> (FQN, module)
+    modules: dict[str, tuple[str, nn.Module]] = field(default_factory=dict)
     attrs: dict[str, Attr] = field(default_factory=dict)  # get_attr target -> attribute
     structure: Any = None  # the last piece's output as the model returns it (traced graph's nodes)
 
@@ -152,7 +153,8 @@ def split_plan(traced: TracedModel, plan: Plan) -> list[Piece]:
 
     for node in graph.nodes:  # getitem on a tuple-valued result follows its producer
         if (node.op == "call_function" and node.target is operator.getitem
-                and isinstance(node.args[0], fx.Node) and _is_container(values.get(node.args[0].name))
+                and isinstance(node.args[0], fx.Node)
+                and _is_container(values.get(node.args[0].name))
                 and node.args[0].op != "placeholder"):
             part[node.name] = part[node.args[0].name]
     _drop_dead(graph)
@@ -277,8 +279,9 @@ def _own_attr(graph: fx.Graph, piece: Piece, node_name: str, path: str, gm: fx.G
             f"node {node_name} reads {path}, which the traced module does not hold; this is a bug "
             f"in atomc's tracing: please report it with the model file") from None
     if not isinstance(value, torch.Tensor):
-        raise CodegenError(f"node {node_name} reads {path}, a {type(value).__name__}; atomc generates "
-                           f"code for tensors only (parameters, buffers and tensor constants)")
+        raise CodegenError(f"node {node_name} reads {path}, a {type(value).__name__}; atomc "
+                           f"generates code for tensors only (parameters, buffers and tensor "
+                           f"constants)")
     if id(value) in canon_params:
         fqn, is_buffer, persistent = canon_params[id(value)], False, True
     elif id(value) in canon_buffers:

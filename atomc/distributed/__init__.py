@@ -17,15 +17,11 @@ Two modes (DESIGN 8 and 9):
 """
 
 from atomc.distributed.groups import LayoutView, Placement, assign, layout_view, load_layout
-from atomc.distributed.pipeline import gpipe, one_f_one_b, schedule
 
 __all__ = [
            "LayoutView",
            "Placement",
            "assign",
-           "gpipe",
            "layout_view",
            "load_layout",
-           "one_f_one_b",
-           "schedule",
 ]

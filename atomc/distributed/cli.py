@@ -15,33 +15,38 @@ from atomc.errors import UsageError
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "launch", help="print (or run) the torchrun command for a layout",
-        description="Build the torchrun command that starts a layout's D_PP x D_DP processes (elastic, "
-                    "c10d rendezvous); each runs SCRIPT with the layout in $ATOMC_LAYOUT. "
+        description="Build the torchrun command that starts a layout's D_PP x D_DP processes "
+                    "(elastic, c10d rendezvous); each runs SCRIPT with the layout in "
+                    "$ATOMC_LAYOUT. "
                     "Usage: atomc launch layout.json [options] -- train_script.py [script args]")
-    p.add_argument("layout", help="layout JSON (atomc schedule)")
+    p.add_argument("layout", help="layout JSON (atomc place)")
     _launch_options(p)
     p.add_argument("script", nargs=argparse.REMAINDER, help="[options] -- SCRIPT [ARGS...]")
     p.set_defaults(func=run_launch)
 
     q = sub.add_parser(
         "peer", help="start one ATOM peer (hivemind) running a training script",
-        description="Run SCRIPT as one peer of a decentralized run: the peer options go to the script as "
-                    "ATOMC_PEER_* variables (examples/train_peer.py reads them). The script runs in its "
-                    "own process group, which is killed as a whole when it ends or is interrupted "
+        description="Run SCRIPT as one peer of a decentralized run: the peer options go to the "
+                    "script as ATOMC_PEER_* variables (examples/train_peer.py reads them). The "
+                    "script runs in its own process group, which is killed as a whole when it ends "
+                    "or is interrupted "
                     "(hivemind leaves helper processes otherwise). "
                     "Usage: atomc peer [options] train_peer.py --package DIR [script args]")
     q.add_argument("--initial-peers", action="append", default=[], metavar="MADDR",
-                   help="multiaddress of a live peer; repeat or separate with commas (none: this peer "
-                        "starts the run)")
+                   help="multiaddress of a live peer; repeat or separate with commas (none: this "
+                        "peer starts the run)")
     q.add_argument("--run-id", default="atomc", help="peers with the same run id train together")
-    q.add_argument("--target-batch-size", type=int, help="samples over all peers per averaging round")
+    q.add_argument("--target-batch-size", type=int,
+                   help="samples over all peers per averaging round")
     q.add_argument("--rounds", type=int, help="averaging rounds to train")
     q.add_argument("--host-maddrs", action="append", default=[], metavar="MADDR",
-                   help="where to listen (default /ip4/127.0.0.1/tcp/0; /ip4/0.0.0.0/tcp/PORT for other machines)")
+                   help="where to listen (default /ip4/127.0.0.1/tcp/0; /ip4/0.0.0.0/tcp/PORT for "
+                        "other machines)")
     q.add_argument("--announce-maddrs", action="append", default=[], metavar="MADDR",
                    help="an address other peers should dial (repeatable)")
     q.add_argument("--name", help="this peer's name in logs")
-    q.add_argument("--print", dest="print_only", action="store_true", help="print the command instead of running it")
+    q.add_argument("--print", dest="print_only", action="store_true",
+                   help="print the command instead of running it")
     q.add_argument("script", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...]")
     q.set_defaults(func=run_peer_cli)
 
@@ -49,13 +54,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _launch_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--network", help="the layout's network JSON, passed on as $ATOMC_NETWORK")
     p.add_argument("--nnodes", type=int, default=1, help="machines taking part (default 1)")
-    p.add_argument("--nproc-per-node", type=int, help="processes on this machine (default: tasklets / nnodes)")
+    p.add_argument("--nproc-per-node", type=int,
+                   help="processes on this machine (default: tasklets / nnodes)")
     p.add_argument("--rdzv-endpoint", default="127.0.0.1:29400",
                    help="HOST:PORT of the rendezvous (one machine's address, the same everywhere)")
-    p.add_argument("--rdzv-id", help="job id shared by all machines (default: from the layout path)")
-    p.add_argument("--max-restarts", type=int, default=3, help="elastic restarts after a failure (default 3)")
-    p.add_argument("--devices", help="comma-separated layout device names of this machine's processes, "
-                   "in local-rank order (several machines: tasklets follow devices)")
+    p.add_argument("--rdzv-id",
+                   help="job id shared by all machines (default: from the layout path)")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="elastic restarts after a failure (default 3)")
+    p.add_argument("--devices", help="comma-separated layout device names of this machine's "
+                   "processes, in local-rank order (several machines: tasklets follow devices)")
     p.add_argument("--run", action="store_true", help="run the command instead of printing it")
 
 
@@ -69,8 +77,8 @@ def _launch_args(args: argparse.Namespace) -> None:
         try:
             extra = own.parse_args(rest[:cut])
         except SystemExit:
-            raise UsageError(f"atomc launch: cannot read the options {' '.join(rest[:cut])!r} before `--`; "
-                             f"see `atomc launch --help`") from None
+            raise UsageError(f"atomc launch: cannot read the options {' '.join(rest[:cut])!r} "
+                             f"before `--`; see `atomc launch --help`") from None
         for key, value in vars(extra).items():
             if value != own.get_default(key):
                 setattr(args, key, value)
@@ -82,8 +90,8 @@ def _script(args: argparse.Namespace) -> tuple[str, list[str]]:
     if rest and rest[0] == "--":
         rest = rest[1:]
     if not rest:
-        raise UsageError("no training script: give it after the options, e.g. `-- examples/train_layout.py "
-                         "--package out/pkg`")
+        raise UsageError("no training script: give it after the options, e.g. "
+                         "`-- examples/train_layout.py --package out/pkg`")
     return rest[0], rest[1:]
 
 
@@ -112,7 +120,8 @@ def peer_env(args: argparse.Namespace) -> dict[str, str]:
     args.initial_peers = _split(args.initial_peers)
     args.host_maddrs = _split(args.host_maddrs)
     args.announce_maddrs = _split(args.announce_maddrs)
-    env = {"ATOMC_PEER_RUN_ID": args.run_id, "ATOMC_PEER_INITIAL_PEERS": " ".join(args.initial_peers)}
+    env = {"ATOMC_PEER_RUN_ID": args.run_id,
+           "ATOMC_PEER_INITIAL_PEERS": " ".join(args.initial_peers)}
     if args.target_batch_size is not None:
         env["ATOMC_PEER_TARGET_BATCH_SIZE"] = str(args.target_batch_size)
     if args.rounds is not None:
@@ -132,8 +141,8 @@ def run_peer_cli(args: argparse.Namespace) -> int:
     env_add = peer_env(args)
     for a in args.initial_peers:
         if not a.startswith("/"):
-            raise UsageError(f"initial peer {a!r} is not a multiaddress; give the address another peer "
-                             f"printed, e.g. /ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID")
+            raise UsageError(f"initial peer {a!r} is not a multiaddress; give the address another "
+                             f"peer printed, e.g. /ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID")
     script, script_args = _script(args)
     argv = [sys.executable, script, *script_args]
     if args.print_only:

@@ -38,7 +38,7 @@ class LayoutView:
     # one-way delay (ms) and bandwidth (Gbit/s) between devices, when the layout carries its network
     delay_ms: dict[tuple[str, str], float] = field(default_factory=dict)
     bandwidth_gbps: dict[tuple[str, str], float] = field(default_factory=dict)
-    predicted: dict[str, float] = field(default_factory=dict)  # the schedule's cost, seconds
+    predicted: dict[str, float] = field(default_factory=dict)  # atomc place's cost, seconds
     source: str = "<layout>"
     digest: str = ""
 
@@ -64,47 +64,51 @@ class LayoutView:
         rows = [f"replica {i} " + "  ".join(d.ljust(max(width, len(f"stage {j} [00:00)")))
                                            for j, d in enumerate(row))
                 for i, row in enumerate(self.devices)]
-        return "\n".join([f"layout {self.source}: {self.pp} stages x {self.dp} replicas", head, *rows])
+        return "\n".join([f"layout {self.source}: {self.pp} stages x {self.dp} replicas", head,
+                          *rows])
 
     def check(self, num_submodels: int | None = None) -> LayoutView:
         where = self.source
         if self.pp < 1 or self.dp < 1:
             raise LayoutError(f"{where}: D_PP={self.pp}, D_DP={self.dp}; both must be at least 1")
         if self.stage_ranges and len(self.stage_ranges) != self.pp:
-            raise LayoutError(f"{where}: {len(self.stage_ranges)} stage ranges for {self.pp} stages; "
-                              f"expected one sub-model range per stage: rerun `atomc schedule`")
+            raise LayoutError(f"{where}: {len(self.stage_ranges)} stage ranges for {self.pp} "
+                              f"stages; expected one sub-model range per stage: rerun "
+                              f"`atomc place`")
         expect = 0
         for j, (a, b) in enumerate(self.stage_ranges):
             if a != expect or b <= a:
-                raise LayoutError(f"{where}: stage {j} covers sub-models [{a}, {b}); stages must cover "
-                                  f"consecutive non-empty ranges starting at {expect}: rerun `atomc schedule`")
+                raise LayoutError(f"{where}: stage {j} covers sub-models [{a}, {b}); stages must "
+                                  f"cover consecutive non-empty ranges starting at {expect}: "
+                                  f"rerun `atomc place`")
             expect = b
         if len(self.devices) != self.dp or any(len(row) != self.pp for row in self.devices):
-            raise LayoutError(f"{where}: the device matrix is not {self.dp} replicas x {self.pp} stages")
+            raise LayoutError(f"{where}: the device matrix is not {self.dp} replicas x {self.pp} "
+                              f"stages")
         flat = [d for row in self.devices for d in row]
         if len(set(flat)) != len(flat):
             dup = sorted({d for d in flat if flat.count(d) > 1})
-            raise LayoutError(f"{where}: devices {dup} run more than one tasklet; a layout puts one "
-                              f"tasklet on each device")
+            raise LayoutError(f"{where}: devices {dup} run more than one tasklet; a layout puts "
+                              f"one tasklet on each device")
         n = num_submodels if num_submodels is not None else self.num_submodels
         if n and expect != n:
-            raise LayoutError(f"{where}: the stages cover sub-models [0, {expect}) but the plan has {n}; "
-                              f"the layout was scheduled for another plan: rerun `atomc schedule` "
-                              f"with this plan")
+            raise LayoutError(f"{where}: the stages cover sub-models [0, {expect}) but the plan "
+                              f"has {n}; the layout was placed for another plan: rerun "
+                              f"`atomc place` with this plan")
         return self
 
 
 def layout_view(obj: Any, source: str = "<layout>", network: Any = None) -> LayoutView:
-    """A LayoutView from a schedule `Layout` document, its file, or a LayoutView.
+    """A LayoutView from an `atomc.place` Layout document, its file, or a LayoutView.
 
     `network` (a Network or its file) adds the link delays and bandwidths; it must be the
-    network the layout was scheduled for.
+    network the layout was placed on.
     """
     if isinstance(obj, LayoutView):
         return obj
     if isinstance(obj, (str, Path)):
         return load_layout(obj, network)
-    from atomc.schedule.layout import Layout
+    from atomc.place.layout import Layout
 
     if isinstance(obj, Layout):
         return _from_document(obj, source, network)
@@ -113,26 +117,26 @@ def layout_view(obj: Any, source: str = "<layout>", network: Any = None) -> Layo
 
 def load_layout(path: str | Path, network: Any = None) -> LayoutView:
     from atomc.errors import IRError
-    from atomc.schedule.layout import Layout
+    from atomc.place.layout import Layout
 
     p = Path(path)
     if not p.is_file():
-        raise LayoutError(f"layout file {p} does not exist; write one with `atomc schedule NET.json --pp P "
-                          f"--dp D --plan PLAN.json -o {p}`")
+        raise LayoutError(f"layout file {p} does not exist; write one with "
+                          f"`atomc place NET.json --pp P --dp D --plan PLAN.json -o {p}`")
     try:
         doc = Layout.load(p)
     except IRError as e:
-        raise LayoutError(f"{e}; give the layout `atomc schedule` wrote") from None
+        raise LayoutError(f"{e}; give the layout `atomc place` wrote") from None
     return _from_document(doc, str(p), network)
 
 
 def _from_document(doc: Any, source: str, network: Any = None) -> LayoutView:
-    from atomc.schedule.network import Network, load_network
+    from atomc.place.network import Network, load_network
 
     try:
         doc.check(source=source)
     except LayoutError as e:
-        raise LayoutError(f"{e}; schedule again") from None
+        raise LayoutError(f"{e}; place again") from None
     pp, dp = int(doc.num_stages), int(doc.num_replicas)
     devices = tuple(tuple(doc.devices[j][i] for j in range(pp)) for i in range(dp))
     ranges = tuple(tuple(st.submodels) for st in doc.stages) if all(
@@ -141,9 +145,10 @@ def _from_document(doc: Any, source: str, network: Any = None) -> LayoutView:
     if network is not None:
         net = network if isinstance(network, Network) else load_network(network)
         if net.content_hash() != doc.network_hash:
-            raise LayoutError(f"{source} was scheduled for network {doc.network_name} ({doc.network_hash}), "
-                              f"but the network given is {net.name or '(unnamed)'} ({net.content_hash()}); "
-                              f"give the network file the layout was scheduled on")
+            raise LayoutError(f"{source} was placed on network {doc.network_name} "
+                              f"({doc.network_hash}), but the network given is "
+                              f"{net.name or '(unnamed)'} ({net.content_hash()}); "
+                              f"give the network file the layout was placed on")
         names = [d.name for d in net.devices]
         for a, na in enumerate(names):
             for b, nb in enumerate(names):
@@ -151,20 +156,20 @@ def _from_document(doc: Any, source: str, network: Any = None) -> LayoutView:
                     delay[(na, nb)] = float(net.delay_ms[a][b])
                     bandwidth[(na, nb)] = float(net.bandwidth_gbps[a][b])
     predicted = {"dp_s": doc.cost.dp_s, "pp_s": doc.cost.pp_s, "total_s": doc.cost.total_s}
-    view = LayoutView(pp=pp, dp=dp, stage_ranges=ranges, devices=devices, plan_hash=doc.plan_hash or "",
-                      delay_ms=delay, bandwidth_gbps=bandwidth, predicted=predicted, source=source,
-                      digest=doc.content_hash())
+    view = LayoutView(pp=pp, dp=dp, stage_ranges=ranges, devices=devices,
+                      plan_hash=doc.plan_hash or "", delay_ms=delay, bandwidth_gbps=bandwidth,
+                      predicted=predicted, source=source, digest=doc.content_hash())
     return view.check() if ranges else view
 
 
 def with_ranges(view: LayoutView, plan: Any) -> LayoutView:
-    """A layout scheduled without a plan gets the stage ranges `atomc schedule --plan` would have
+    """A layout placed without a plan gets the stage ranges `atomc place --plan` would have
     chosen (compute-balanced consecutive sub-models), from the package's own plan."""
     if view.stage_ranges:
         return view
     from dataclasses import replace
 
-    from atomc.schedule.cost import stage_ranges
+    from atomc.place.cost import stage_ranges
 
     return replace(view, stage_ranges=tuple(stage_ranges(plan, view.pp))).check(len(plan.submodels))
 
@@ -232,7 +237,8 @@ def check_world(layout: LayoutView, world_size: int, rank: int) -> None:
         raise LayoutError(
             f"{layout.source} has {layout.pp} stages x {layout.dp} replicas = {layout.world_size} "
             f"tasklets, but this job was launched with world size {world_size}; launch exactly "
-            f"{layout.world_size} processes (`atomc launch {layout.source} -- SCRIPT` prints the command)")
+            f"{layout.world_size} processes (`atomc launch {layout.source} -- SCRIPT` prints the "
+            f"command)")
     if not 0 <= rank < layout.world_size:
         raise LayoutError(
             f"rank {rank} is outside {layout.source}, whose ranks are 0..{layout.world_size - 1} "
@@ -252,9 +258,9 @@ def assign(layout: LayoutView, world_size: int, world_rank: int,
     logical_of_device = {layout.device_of(r): r for r in range(layout.world_size)}
     unknown = sorted({c for c in claims if c not in logical_of_device})
     if unknown:
-        raise LayoutError(f"devices {unknown} (ATOMC_DEVICE) are not in {layout.source}, whose devices "
-                          f"are {sorted(logical_of_device)}; the rank is outside the layout: run it "
-                          f"on a device the layout names")
+        raise LayoutError(f"devices {unknown} (ATOMC_DEVICE) are not in {layout.source}, whose "
+                          f"devices are {sorted(logical_of_device)}; the rank is outside the "
+                          f"layout: run it on a device the layout names")
     dup = sorted({c for c in claims if claims.count(c) > 1})
     if dup:
         raise LayoutError(f"devices {dup} are claimed by more than one process; give each process "
@@ -357,6 +363,6 @@ def device_claim() -> str | None:
         return None
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if local >= len(names):
-        raise LayoutError(f"ATOMC_DEVICES lists {len(names)} devices but this is local process {local}; "
-                          f"list one device per process on this machine")
+        raise LayoutError(f"ATOMC_DEVICES lists {len(names)} devices but this is local process "
+                          f"{local}; list one device per process on this machine")
     return names[local]

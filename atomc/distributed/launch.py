@@ -35,7 +35,8 @@ class LaunchCommand:
 
 def build_command(layout_path: str | Path, script: str, script_args: list[str], *, nnodes: int = 1,
                   nproc_per_node: int | None = None, rdzv_endpoint: str = "127.0.0.1:29400",
-                  rdzv_id: str | None = None, max_restarts: int = 3, monitor_interval_s: float = 0.5,
+                  rdzv_id: str | None = None, max_restarts: int = 3,
+                  monitor_interval_s: float = 0.5,
                   devices: list[str] | None = None, network: str | Path | None = None,
                   python: str | None = None, layout: LayoutView | None = None) -> LaunchCommand:
     view = layout or load_layout(layout_path)
@@ -50,24 +51,26 @@ def build_command(layout_path: str | Path, script: str, script_args: list[str], 
     if nproc_per_node < 1:
         raise UsageError(f"--nproc-per-node {nproc_per_node} must be at least 1")
     if nnodes == 1 and nproc_per_node != world:
-        raise LayoutError(f"{view.source} has {view.pp} stages x {view.dp} replicas = {world} tasklets, "
-                          f"but --nproc-per-node {nproc_per_node} on one machine starts {nproc_per_node} "
-                          f"processes; start {world} (or spread them with --nnodes)")
+        raise LayoutError(f"{view.source} has {view.pp} stages x {view.dp} replicas = {world} "
+                          f"tasklets, but --nproc-per-node {nproc_per_node} on one machine starts "
+                          f"{nproc_per_node} processes; start {world} (or spread them with "
+                          f"--nnodes)")
     if nproc_per_node * nnodes > world:
-        raise LayoutError(f"{nnodes} machines x {nproc_per_node} processes exceed the layout's {world} "
-                          f"tasklets; start exactly {world} processes in all")
+        raise LayoutError(f"{nnodes} machines x {nproc_per_node} processes exceed the layout's "
+                          f"{world} tasklets; start exactly {world} processes in all")
     known = {d for row in view.devices for d in row}
     if devices:
         unknown = [d for d in devices if d not in known]
         if unknown:
-            raise LayoutError(f"devices {unknown} are not in {view.source} (its devices: {sorted(known)}); "
-                              f"name this machine's devices as the layout does")
+            raise LayoutError(f"devices {unknown} are not in {view.source} (its devices: "
+                              f"{sorted(known)}); name this machine's devices as the layout does")
         if len(devices) != nproc_per_node:
-            raise UsageError(f"--devices names {len(devices)} devices for {nproc_per_node} processes on "
-                             f"this machine; name one device per process")
+            raise UsageError(f"--devices names {len(devices)} devices for {nproc_per_node} "
+                             f"processes on this machine; name one device per process")
     if ":" not in rdzv_endpoint:
         raise UsageError(f"--rdzv-endpoint {rdzv_endpoint!r}: expected HOST:PORT")
-    run_id = rdzv_id or "atomc-" + hashlib.sha256(str(Path(layout_path).resolve()).encode()).hexdigest()[:8]
+    run_id = rdzv_id or "atomc-" + hashlib.sha256(
+        str(Path(layout_path).resolve()).encode()).hexdigest()[:8]
     argv = [python or sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={run_id}",

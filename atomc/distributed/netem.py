@@ -58,7 +58,7 @@ def _rate(gbps: float) -> str:
 class EmulatedNetwork:
     """Namespaces for the devices of `network` (see the module docstring)."""
 
-    network: Any  # atomc.schedule.network.Network
+    network: Any  # atomc.place.network.Network
     rate_scale: float = 1.0  # multiply every bandwidth (to make small models network-bound)
     subnet: int = 231  # 10.<subnet>.<n>.<k>
     prefix: str = ""
@@ -129,7 +129,8 @@ class EmulatedNetwork:
         x = self.exec_prefix(k)
         dev = self.iface(k)
         _run(x + ["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1"])
-        _run(x + ["tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", "10gbit"])
+        _run(x + ["tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
+                  "rate", "10gbit"])
         for m in range(self.n):
             if m == k:
                 continue
@@ -137,12 +138,14 @@ class EmulatedNetwork:
             cls = f"1:{10 + m}"
             _run(x + ["tc", "class", "add", "dev", dev, "parent", "1:", "classid", cls, "htb",
                       "rate", _rate(gbps), "ceil", _rate(gbps)])
-            _run(x + ["tc", "filter", "add", "dev", dev, "protocol", "ip", "parent", "1:0", "prio", "1",
-                      "u32", "match", "ip", "dst", f"{self.addr(m)}/32", "flowid", cls])
+            _run(x + ["tc", "filter", "add", "dev", dev, "protocol", "ip", "parent", "1:0",
+                      "prio", "1", "u32", "match", "ip", "dst", f"{self.addr(m)}/32",
+                      "flowid", cls])
             delay = float(self.network.delay_ms[k][m])
             if self.delay_mode == "netem" and delay > 0:
-                r = _run(x + ["tc", "qdisc", "add", "dev", dev, "parent", cls, "handle", f"{10 + m}:",
-                              "netem", "delay", f"{delay:g}ms"], check=False)
+                r = _run(x + ["tc", "qdisc", "add", "dev", dev, "parent", cls,
+                              "handle", f"{10 + m}:", "netem", "delay", f"{delay:g}ms"],
+                         check=False)
                 if r.returncode != 0:
                     self.delay_mode = "send-path"  # this kernel has no sch_netem
 
@@ -164,8 +167,8 @@ class EmulatedNetwork:
         self.down()
 
     def describe(self) -> str:
-        head = (f"{self.n} namespaces ({self.prefix}n0..), bridge {self.prefix}br; rates x{self.rate_scale:g} "
-                f"by tc htb; delays by {self.delay_mode}")
+        head = (f"{self.n} namespaces ({self.prefix}n0..), bridge {self.prefix}br; "
+                f"rates x{self.rate_scale:g} by tc htb; delays by {self.delay_mode}")
         lines = [head]
         names = [d.name for d in self.network.devices]
         for k in range(self.n):

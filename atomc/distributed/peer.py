@@ -49,6 +49,7 @@ class PeerConfig:
     accum: int | None = None  # micro-batches per local step (default: the plan's C)
     optimizer: dict[str, Any] | None = None
     device: str = "cpu"
+    dtype: str | None = None  # master dtype (default float32; float64 for tests)
     seed: int = 0
     matchmaking_time_s: float = 2.0  # how long a ready peer waits for others to join its group
     averaging_timeout_s: float = 30.0  # one round: matchmaking + all-reduce
@@ -69,8 +70,8 @@ class PeerConfig:
             raise UsageError(f"--rounds {self.rounds} must be at least 1")
         for a in self.initial_peers:
             if not a.startswith("/"):
-                raise PeerError(f"initial peer {a!r} is not a multiaddress; give one another peer printed, "
-                                f"e.g. /ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID")
+                raise PeerError(f"initial peer {a!r} is not a multiaddress; give one another peer "
+                                f"printed, e.g. /ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID")
 
 
 def _import_hivemind() -> Any:
@@ -92,6 +93,36 @@ def state_from_bytes(t: torch.Tensor) -> dict[str, Any]:
     return torch.load(io.BytesIO(t.numpy().tobytes()), map_location="cpu", weights_only=True)
 
 
+def round_vector(trainer: Any) -> torch.Tensor:
+    """What a round averages, as one vector in the master dtype (float64 runs average in
+    float64): every master weight, then every persistent buffer, so that BatchNorm's running
+    statistics are averaged with the weights they belong to (as the weights' own rule, weighted
+    by samples). Optimizer state stays local, as in ATOM."""
+    buffers = trainer.persistent_buffers()  # first: it waits for the step's updates
+    dtype = trainer.store.master_dtype
+    parts = [m.detach().reshape(-1).to(dtype) for m in trainer.store.master]
+    parts += [b.detach().reshape(-1).to(dtype) for _, _, b in buffers]
+    return torch.cat(parts)
+
+
+def set_round_vector(trainer: Any, flat: torch.Tensor) -> None:
+    """Load a vector `round_vector` laid out (averaged) into `trainer`; integer buffers (batch
+    counters) take the rounded average."""
+    buffers = trainer.persistent_buffers()
+    state = trainer.state_dict()
+    off = 0
+    for i, m in enumerate(state["masters"]):
+        n = m.numel()
+        state["masters"][i] = flat[off:off + n].view_as(m).to(m.dtype)
+        off += n
+    for i, name, b in buffers:
+        n = b.numel()
+        value = flat[off:off + n].view_as(b)
+        state["buffers"][i][name] = (value if b.is_floating_point() else value.round()).to(b.dtype)
+        off += n
+    trainer.load_state_dict(state, source="averaged weights")
+
+
 def weights_digest(trainer: Any) -> str:
     h = hashlib.sha256()
     for m in trainer.store.master:
@@ -111,9 +142,9 @@ class PeerTrainer:
         self.hm = _import_hivemind()
         from atomc.runtime import SwapTrainer
 
-        self.trainer = SwapTrainer.from_package(cfg.package, device=cfg.device, accum=cfg.accum,
-                                                optimizer=cfg.optimizer, loss_fn=loss_fn,
-                                                state_dict=initial_state, seed=cfg.seed)
+        self.trainer = SwapTrainer.from_package(
+            cfg.package, device=cfg.device, accum=cfg.accum, optimizer=cfg.optimizer,
+            dtype=cfg.dtype, seed=cfg.seed, loss_fn=loss_fn, state_dict=initial_state)
         self.samples_per_step = self.trainer.accum * self.trainer.micro_batch_size
         self.epoch = 0
         self.samples = 0
@@ -133,8 +164,9 @@ class PeerTrainer:
             self.dht, cfg.run_id, cfg.target_batch_size, client_mode=False, min_refresh_period=0.2,
             max_refresh_period=1.0, default_refresh_period=0.5, expected_drift_peers=1,
             metadata_expiration=cfg.progress_expiration_s, start=True)
-        self.flat = self._flat_weights()
-        self.averager = _make_averager(self.hm, [self.flat.clone()], self.dht, cfg, self._current_state)
+        self.flat = round_vector(self.trainer)
+        self.averager = _make_averager(self.hm, [self.flat.clone()], self.dht, cfg,
+                                       self._current_state)
         self._take_snapshot()
         if cfg.initial_peers:
             self._join()
@@ -145,9 +177,10 @@ class PeerTrainer:
         cfg = self.cfg
         # loopback-friendly and private: no IPFS bootstrap, no relays, no NAT traversal or UPnP
         kwargs: dict[str, Any] = {
-            "initial_peers": list(cfg.initial_peers), "host_maddrs": list(cfg.host_maddrs), "start": True,
-            "use_ipfs": False, "use_relay": False, "use_auto_relay": False, "auto_nat": False,
-            "nat_port_map": False, "client_mode": False, "startup_timeout": cfg.connect_timeout_s}
+            "initial_peers": list(cfg.initial_peers), "host_maddrs": list(cfg.host_maddrs),
+            "start": True, "use_ipfs": False, "use_relay": False, "use_auto_relay": False,
+            "auto_nat": False, "nat_port_map": False, "client_mode": False,
+            "startup_timeout": cfg.connect_timeout_s}
         if cfg.announce_maddrs:
             kwargs["announce_maddrs"] = list(cfg.announce_maddrs)
         box: dict[str, Any] = {}
@@ -163,26 +196,16 @@ class PeerTrainer:
         th.join(cfg.connect_timeout_s + 15.0)
         where = ", ".join(cfg.initial_peers) or "(none: first peer)"
         if th.is_alive():
-            raise PeerError(f"the peer network did not start within {cfg.connect_timeout_s + 15:.0f} s "
-                            f"(initial peers {where}); check that they are alive and reachable")
+            raise PeerError(f"the peer network did not start within "
+                            f"{cfg.connect_timeout_s + 15:.0f} s (initial peers {where}); check "
+                            f"that they are alive and reachable")
         if "error" in box:
             e = box["error"]
             raise PeerError(f"could not join the peers through {where}: {type(e).__name__}: "
-                            f"{str(e).strip()[:300]}; give the address of a live peer (it prints it at "
-                            f"start) and check that its port is reachable") from None
+                            f"{str(e).strip()[:300]}; give the address of a live peer (it prints "
+                            f"it at start) and check that its port is reachable") from None
         return box["dht"]
 
-    def _flat_weights(self) -> torch.Tensor:
-        return torch.cat([m.detach().reshape(-1).to(torch.float32) for m in self.trainer.store.master])
-
-    def _set_flat_weights(self, flat: torch.Tensor) -> None:
-        state = self.trainer.state_dict()
-        off = 0
-        for i, m in enumerate(state["masters"]):
-            n = m.numel()
-            state["masters"][i] = flat[off:off + n].view_as(m).to(m.dtype)
-            off += n
-        self.trainer.load_state_dict(state, source="averaged weights")
 
     def _take_snapshot(self) -> None:
         """What a joining peer downloads: the whole trainer state and the round it belongs to."""
@@ -200,21 +223,22 @@ class PeerTrainer:
         deadline = t0 + self.cfg.connect_timeout_s
         while got is None and time.monotonic() < deadline:
             try:
-                got = self.averager.load_state_from_peers(timeout=max(1.0, deadline - time.monotonic()))
+                got = self.averager.load_state_from_peers(
+                    timeout=max(1.0, deadline - time.monotonic()))
             except Exception as e:  # noqa: BLE001 - a peer that left between listing and download
                 self.log(f"state download failed ({type(e).__name__}: {e}); retrying")
                 got = None
             if got is None:
                 time.sleep(0.5)
         if got is None:
-            self.log(f"no peer shared its state within {self.cfg.connect_timeout_s:.0f} s; starting from "
-                     f"the initial weights")
+            self.log(f"no peer shared its state within {self.cfg.connect_timeout_s:.0f} s; "
+                     f"starting from the initial weights")
             return
         meta, tensors = got
         if meta.get("package") != self.trainer.package.fingerprint():
             raise PeerError(f"the peers train package {meta.get('package')}, this peer "
-                            f"{self.trainer.package.fingerprint()} ({self.cfg.package}); give every peer the "
-                            f"same generated package")
+                            f"{self.trainer.package.fingerprint()} ({self.cfg.package}); give "
+                            f"every peer the same generated package")
         self.trainer.load_state_dict(state_from_bytes(tensors[0]), source="a peer's state")
         self.epoch = int(meta["epoch"])
         self.joined = {"from": meta.get("name", ""), "epoch": self.epoch,
@@ -222,8 +246,8 @@ class PeerTrainer:
         self._take_snapshot()
         if self.epoch >= self.cfg.rounds:  # the run is over: that peer's final state is the result
             self.finished_how = f"joined after the end, state from {meta.get('name', '?')}"
-        self.log(f"joined: downloaded the state of round {self.epoch} from peer {meta.get('name', '?')} "
-                 f"in {time.monotonic() - t0:.1f} s")
+        self.log(f"joined: downloaded the state of round {self.epoch} from peer "
+                 f"{meta.get('name', '?')} in {time.monotonic() - t0:.1f} s")
         self._metric({"event": "joined", **self.joined})
 
     # ---- training ------------------------------------------------------------------------------
@@ -236,10 +260,11 @@ class PeerTrainer:
             f.write(json.dumps(line) + "\n")
 
     def _check_time(self) -> None:
-        if self.cfg.max_seconds is not None and time.monotonic() - self.t_start > self.cfg.max_seconds:
-            raise PeerError(f"the run took longer than {self.cfg.max_seconds:.0f} s (round {self.epoch} of "
-                            f"{self.cfg.rounds}); the other peers may be gone: start more peers or "
-                            f"lower --target-batch-size")
+        if (self.cfg.max_seconds is not None
+                and time.monotonic() - self.t_start > self.cfg.max_seconds):
+            raise PeerError(f"the run took longer than {self.cfg.max_seconds:.0f} s (round "
+                            f"{self.epoch} of {self.cfg.rounds}); the other peers may be gone: "
+                            f"start more peers or lower --target-batch-size")
 
     def train(self, batch_of: Callable[[int], Any]) -> None:
         """Local steps until `rounds` averaging rounds are done, then the finish (see `_finish`)."""
@@ -278,12 +303,13 @@ class PeerTrainer:
     def _round(self, weight: float, timeout_s: float) -> dict[str, Any]:
         """One averaging round with the peers looking for a group now; returns what each member
         sent along ({} when no group formed or the round failed: the weights stay local)."""
-        flat = self._flat_weights()
+        flat = round_vector(self.trainer)
         with self.averager.get_tensors() as tensors:
             tensors[0].copy_(flat)
         group = None
         try:
-            group = self.averager.step(weight=weight, gather={"name": self.cfg.name, "epoch": self.epoch},
+            group = self.averager.step(weight=weight,
+                                       gather={"name": self.cfg.name, "epoch": self.epoch},
                                        timeout=timeout_s, allow_retries=True)
         except Exception as e:  # noqa: BLE001 - a groupmate died mid-round: keep the local weights
             self.log(f"round {self.epoch}: averaging failed ({type(e).__name__}: {e})")
@@ -291,12 +317,13 @@ class PeerTrainer:
             return {}
         with self.averager.get_tensors() as tensors:
             averaged = tensors[0].clone()
-        self._set_flat_weights(averaged)
+        set_round_vector(self.trainer, averaged)
         return {str(v["name"]): int(v["epoch"]) for v in group.values() if isinstance(v, dict)}
 
     def _record_round(self, members: dict[str, Any], t0: float, final: bool = False) -> None:
-        info = {"event": "round", "epoch": self.epoch, "group": sorted(members), "ok": bool(members),
-                "final": final, "seconds": time.monotonic() - t0, "digest": weights_digest(self.trainer)}
+        info = {"event": "round", "epoch": self.epoch, "group": sorted(members),
+                "ok": bool(members), "final": final, "seconds": time.monotonic() - t0,
+                "digest": weights_digest(self.trainer)}
         self.rounds_done.append(info)
         self._take_snapshot()
         self._metric(info)
@@ -373,8 +400,8 @@ class PeerTrainer:
                 break
         else:
             self.finished_how = "finish timed out"
-            self.log(f"no final round held every live peer within {cfg.finish_timeout_s:.0f} s (last: "
-                     f"{last['group'] if last else []}); keeping this peer's weights")
+            self.log(f"no final round held every live peer within {cfg.finish_timeout_s:.0f} s "
+                     f"(last: {last['group'] if last else []}); keeping this peer's weights")
         self._declare_finished()
 
     def _declare_finished(self) -> None:
@@ -403,12 +430,13 @@ class PeerTrainer:
             time.sleep(0.2)
 
     def close(self) -> None:
-        for obj in (getattr(self, "averager", None), getattr(self, "tracker", None), getattr(self, "dht", None)):
+        for obj in (getattr(self, "averager", None), getattr(self, "tracker", None),
+                    getattr(self, "dht", None)):
             if obj is None:
                 continue
             try:
                 obj.shutdown()
-            except Exception as e:  # noqa: BLE001 - shutting down: one failure must not keep the rest up
+            except Exception as e:  # noqa: BLE001 - shutting down: close the rest anyway
                 self.log(f"shutdown of {type(obj).__name__} failed: {e}")
         self.trainer.close()
 
@@ -419,7 +447,8 @@ def _make_averager(hm: Any, tensors: list[torch.Tensor], dht: Any, cfg: PeerConf
         def get_current_state(self):  # runs in this process when a peer downloads our state
             return current_state()
 
-    return PeerAverager(tensors, dht, start=True, prefix=f"{cfg.run_id}_averaging", min_group_size=2,
+    return PeerAverager(tensors, dht, start=True, prefix=f"{cfg.run_id}_averaging",
+                        min_group_size=2,
                         min_matchmaking_time=cfg.matchmaking_time_s,
                         request_timeout=min(3.0, cfg.matchmaking_time_s / 2),
                         allreduce_timeout=cfg.averaging_timeout_s, next_chunk_timeout=10.0,
@@ -440,4 +469,5 @@ def run_peer(cfg: PeerConfig, batch_of: Callable[[int], Any], *, loss_fn: Callab
     return peer
 
 
-__all__ = ["PeerConfig", "PeerTrainer", "run_peer", "weights_digest"]
+__all__ = ["PeerConfig", "PeerTrainer", "round_vector", "run_peer", "set_round_vector",
+           "weights_digest"]

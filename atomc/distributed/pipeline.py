@@ -28,6 +28,7 @@ error instead of silently reading the wrong bytes.
 from __future__ import annotations
 
 import json
+import math
 import queue
 import threading
 import time
@@ -38,52 +39,12 @@ from typing import Any
 
 import torch
 
+from atomc.dtypes import dtype_from_name, dtype_name
 from atomc.errors import RuntimeMismatchError
 
 TAG_HEADER = 11
 TAG_ACT = 12
 TAG_GRAD = 13
-
-SCHEDULES = ("gpipe", "1f1b")
-
-
-# ---------------------------------------------------------------------------------------------
-# schedules
-
-
-def gpipe(num_micro: int) -> list[tuple[str, int]]:
-    """GPipe (Huang et al. 2019): every forward, then every backward."""
-    return [("F", m) for m in range(num_micro)] + [("B", m) for m in range(num_micro)]
-
-
-def one_f_one_b(num_micro: int, stage: int, num_stages: int) -> list[tuple[str, int]]:
-    """1F1B with a flush (PipeDream-flush, Narayanan et al. 2021): stage j runs D_PP - j - 1
-    warm-up forwards, then alternates one forward and one backward, then drains backwards.
-    At most D_PP - j micro-batches are in flight on stage j instead of GPipe's M."""
-    warm = min(num_stages - stage - 1, num_micro)
-    ops = [("F", m) for m in range(warm)]
-    for k in range(num_micro - warm):
-        ops += [("F", warm + k), ("B", k)]
-    ops += [("B", m) for m in range(num_micro - warm, num_micro)]
-    return ops
-
-
-def schedule(name: str, num_micro: int, stage: int, num_stages: int) -> list[tuple[str, int]]:
-    if name == "gpipe":
-        return gpipe(num_micro)
-    if name == "1f1b":
-        return one_f_one_b(num_micro, stage, num_stages)
-    raise RuntimeMismatchError(f"pipeline schedule {name!r} is unknown; choose one of {', '.join(SCHEDULES)}")
-
-
-def max_in_flight(ops: list[tuple[str, int]]) -> int:
-    """Micro-batches whose forward ran and backward did not yet: activations held at once."""
-    live = peak = 0
-    for kind, _ in ops:
-        live += 1 if kind == "F" else -1
-        peak = max(peak, live)
-    return peak
-
 
 # ---------------------------------------------------------------------------------------------
 # which values cross which boundary
@@ -99,7 +60,7 @@ def stage_boundaries(inputs: list[tuple[str, ...]], outputs: list[tuple[str, ...
         for n in names:
             produced_by.setdefault(n, i)
     sends: list[tuple[str, ...]] = []
-    for j, (a, b) in enumerate(ranges[:-1]):
+    for _, b in ranges[:-1]:
         later = [n for i in range(b, len(inputs)) for n in inputs[i]]
         names: list[str] = []
         for n in later:
@@ -128,17 +89,11 @@ class Entry:
     def num_bytes(self) -> int:
         if self.kind != "tensor":
             return 0
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * _dtype(self.dtype).itemsize
+        return math.prod(self.shape) * _boundary_dtype(self.dtype).itemsize
 
 
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise RuntimeMismatchError(f"boundary dtype {name!r} is not a torch dtype")
-    return dt
+def _boundary_dtype(name: str) -> torch.dtype:
+    return dtype_from_name(name, "boundary dtype", RuntimeMismatchError)
 
 
 def _encode(v: Any) -> Any:
@@ -147,7 +102,7 @@ def _encode(v: Any) -> Any:
     if isinstance(v, torch.Size):
         return {"size": list(v)}
     if isinstance(v, torch.dtype):
-        return {"dtype": str(v).removeprefix("torch.")}
+        return {"dtype": dtype_name(v)}
     if isinstance(v, torch.device):
         return {"device": v.type}  # the receiver's own device of that type
     if isinstance(v, (list, tuple)):
@@ -163,7 +118,7 @@ def _decode(v: Any, device: torch.device) -> Any:
     if "size" in v:
         return torch.Size(v["size"])
     if "dtype" in v:
-        return _dtype(v["dtype"])
+        return _boundary_dtype(v["dtype"])
     if "device" in v:
         return device if device.type == v["device"] else torch.device(v["device"])
     if "tuple" in v:
@@ -178,7 +133,7 @@ def describe(values: dict[str, Any], names: tuple[str, ...]) -> tuple[Entry, ...
         if isinstance(v, torch.Tensor):
             # every floating-point tensor carries a gradient back: a swapped stage computes its
             # forward without autograd and recomputes it, so requires_grad says nothing there
-            out.append(Entry(n, "tensor", tuple(v.shape), str(v.dtype).removeprefix("torch."),
+            out.append(Entry(n, "tensor", tuple(v.shape), dtype_name(v.dtype),
                              bool(v.is_floating_point() or v.is_complex())))
         else:
             out.append(Entry(n, "value", value=_encode(v)))
@@ -191,7 +146,8 @@ def header_bytes(entries: tuple[Entry, ...]) -> bytes:
 
 
 def parse_header(raw: bytes) -> tuple[Entry, ...]:
-    return tuple(Entry(n, k, tuple(s), d, bool(g), v) for n, k, s, d, g, v in json.loads(raw.decode()))
+    return tuple(Entry(n, k, tuple(s), d, bool(g), v)
+                 for n, k, s, d, g, v in json.loads(raw.decode()))
 
 
 ALIGN = 16  # every value starts at a multiple of this in a packed buffer (any dtype's itemsize)
@@ -217,8 +173,8 @@ def pack(tensors: list[torch.Tensor], total: int, device: torch.device) -> torch
             buf[off:off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
         off += _padded(n)
     if off != total:
-        raise RuntimeMismatchError(f"packed {off} bytes into a buffer of {total}; the boundary values "
-                                   f"do not match their header")
+        raise RuntimeMismatchError(f"packed {off} bytes into a buffer of {total}; the boundary "
+                                   f"values do not match their header")
     return buf
 
 
@@ -227,8 +183,8 @@ def unpack(buf: torch.Tensor, entries: list[Entry]) -> list[torch.Tensor]:
     out, off = [], 0
     for e in entries:
         n = e.num_bytes
-        t = buf[off:off + n].view(_dtype(e.dtype)).view(e.shape) if n else \
-            torch.empty(e.shape, dtype=_dtype(e.dtype), device=buf.device)
+        t = buf[off:off + n].view(_boundary_dtype(e.dtype)).view(e.shape) if n else \
+            torch.empty(e.shape, dtype=_boundary_dtype(e.dtype), device=buf.device)
         out.append(t)
         off += _padded(n)
     return out
@@ -301,9 +257,9 @@ class Transport:
     makes the caller's stream wait for the receive and marks the buffer as used there.
     """
 
-    def __init__(self, device: torch.device, delay_ms: dict[int, float] | None = None, group: Any = None,
-                 *, links: dict[tuple[int, int], Any] | None = None, rank: int | None = None,
-                 dist: Any = None):
+    def __init__(self, device: torch.device, delay_ms: dict[int, float] | None = None,
+                 group: Any = None, *, links: dict[tuple[int, int], Any] | None = None,
+                 rank: int | None = None, dist: Any = None):
         if dist is None:
             import torch.distributed as dist
 
@@ -348,7 +304,8 @@ class Transport:
         if delay > 0:
             line = self._lines.get(dst)
             if line is None:
-                line = self._lines[dst] = _DelayLine(delay / 1e3, f"atomc-link-{dst}", wait_here=not self.cuda)
+                line = self._lines[dst] = _DelayLine(delay / 1e3, f"atomc-link-{dst}",
+                                                     wait_here=not self.cuda)
             self.pending.append((line.submit(post), buf))
         else:
             self.pending.append((post(), buf))
@@ -437,9 +394,9 @@ class Link:
             changed = [f"{a.name}: {a.shape or a.value} -> {b.shape or b.value}"
                        for a, b in zip(self.entries, entries) if a != b]
             raise RuntimeMismatchError(
-                f"{self.where}: boundary values changed between micro-batches ({'; '.join(changed)}); "
-                f"a pipeline needs the same shapes every micro-batch: use a fixed sequence length "
-                f"and equal micro-batches")
+                f"{self.where}: boundary values changed between micro-batches "
+                f"({'; '.join(changed)}); a pipeline needs the same shapes every micro-batch: use "
+                f"a fixed sequence length and equal micro-batches")
         tensors = [values[e.name] for e in self.tensor_entries]
         if tensors:
             self.t.isend(pack(tensors, self.act_bytes, self.t.device), self.peer, TAG_ACT)

@@ -1,4 +1,4 @@
-"""Layout runner, per rank: a generated package + a DT-FM layout -> pipeline x data-parallel training.
+"""Layout runner, per rank: generated package + DT-FM layout -> pipeline x data-parallel training.
 
 input:  the generated package, the layout (D_PP x D_DP tasklets, stage -> sub-model range), the
         world torchrun launched, the model file's loss_fn, initial weights, and per step the global
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import shutil
 import time
@@ -37,6 +36,7 @@ from typing import Any
 
 import torch
 
+from atomc.actions import PIPELINE_ORDERS, max_in_flight, pipeline_order
 from atomc.distributed.groups import (
     Groups,
     LayoutView,
@@ -48,11 +48,13 @@ from atomc.distributed.groups import (
     layout_view,
     with_ranges,
 )
-from atomc.distributed.pipeline import SCHEDULES, Link, Transport, schedule, stage_boundaries
+from atomc.distributed.pipeline import Link, Transport, stage_boundaries
 from atomc.distributed.stage import ResidentStage, StageSpec
+from atomc.dtypes import parse_dtype
 from atomc.errors import AtomcError, LayoutError, RuntimeMismatchError, UsageError
 from atomc.runtime.optim import AdamWConfig
 from atomc.runtime.package import SwapPackage, load_swap_package
+from atomc.runtime.rng import RNG_VALUE
 
 TAG_DP = 21
 TAG_TIED = 23
@@ -74,7 +76,8 @@ class LayoutConfig:
     checkpoint_dir: str | Path | None = None
     checkpoint_every: int = 0  # steps; 0: never
     keep_checkpoints: int = 2
-    dp_reduce: str = "auto"  # "allreduce", "p2p" (sharded exchange), "auto": p2p when delays emulate links
+    # "allreduce", "p2p" (sharded exchange), "auto": p2p when delays emulate links
+    dp_reduce: str = "auto"
     emulate_delay: bool = False  # add the layout's link delays in the send path
     timeout_s: float = 120.0  # every collective and receive
     seed: int = 0
@@ -82,19 +85,18 @@ class LayoutConfig:
     window: int = 2  # receives posted ahead
 
     def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise UsageError(f"schedule {self.schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+        if self.schedule not in PIPELINE_ORDERS:
+            raise UsageError(f"schedule {self.schedule!r} is unknown; choose one of "
+                             f"{', '.join(PIPELINE_ORDERS)}")
         if self.dp_reduce not in ("auto", "allreduce", "p2p"):
             raise UsageError(f"dp_reduce {self.dp_reduce!r}: choose auto, allreduce or p2p")
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
-    if name is None:
-        return None
-    table = {"float32": torch.float32, "float64": torch.float64}
-    if name not in table:
+    dtype = parse_dtype(name, "dtype")
+    if dtype not in (None, torch.float32, torch.float64):
         raise UsageError(f"dtype {name!r}: the layout runner trains in float32 or float64")
-    return table[name]
+    return dtype
 
 
 def check_package(pkg: SwapPackage, layout: LayoutView) -> LayoutView:
@@ -102,9 +104,10 @@ def check_package(pkg: SwapPackage, layout: LayoutView) -> LayoutView:
     stage ranges (computed from the package's plan when the layout was scheduled without one)."""
     if layout.plan_hash and pkg.plan_hash and layout.plan_hash != pkg.plan_hash:
         raise LayoutError(
-            f"{layout.source} was scheduled for plan {layout.plan_hash}, but the package {pkg.path} was "
-            f"generated from plan {pkg.plan_hash}; give the package generated from the layout's plan "
-            f"(atomc codegen PLAN.json) or schedule again with --plan for this package's plan")
+            f"{layout.source} was scheduled for plan {layout.plan_hash}, but the package "
+            f"{pkg.path} was generated from plan {pkg.plan_hash}; give the package generated from "
+            f"the layout's plan (atomc codegen PLAN.json) or schedule again with --plan for this "
+            f"package's plan")
     if not layout.stage_ranges:
         layout = with_ranges(layout, _package_plan(pkg))
     return layout.check(pkg.num_submodels)
@@ -115,7 +118,8 @@ def _package_plan(pkg: SwapPackage) -> Any:
 
     path = Path(pkg.path) / "plan.json"
     if not path.is_file():
-        raise RuntimeMismatchError(f"{pkg.path} has no plan.json; regenerate the package with `atomc codegen`")
+        raise RuntimeMismatchError(f"{pkg.path} has no plan.json; regenerate the package with "
+                                   f"`atomc codegen`")
     return Plan.load(path)
 
 
@@ -123,7 +127,8 @@ class LayoutTrainer:
     """One rank of a layout run (see the module docstring)."""
 
     def __init__(self, cfg: LayoutConfig, loss_fn: Callable[[Any, tuple], torch.Tensor],
-                 initial_state: Callable[[], dict[str, torch.Tensor]] | dict[str, torch.Tensor] | None):
+                 initial_state: (Callable[[], dict[str, torch.Tensor]] | dict[str, torch.Tensor]
+                                 | None)):
         import torch.distributed as dist
 
         self.cfg = cfg
@@ -133,7 +138,8 @@ class LayoutTrainer:
         world_rank = int(os.environ.get("RANK", "0"))
         check_world(self.layout, world_size, world_rank)  # before any rendezvous: fail fast
         if cfg.emulate_delay and not self.layout.delay_ms:
-            raise UsageError("emulating link delays needs the layout's network: give --network NET.json")
+            raise UsageError("emulating link delays needs the layout's network: "
+                             "give --network NET.json")
         self.pkg = load_swap_package(cfg.package)
         self.layout = check_package(self.pkg, self.layout)
         self.opt_cfg = AdamWConfig.coerce(cfg.optimizer)
@@ -160,37 +166,38 @@ class LayoutTrainer:
         self.groups: Groups = build_groups(self.place, list(tied_sets.values()))
         self.tied_sets = tied_sets  # FQN -> stages holding it
 
-        self.swapped = self._decide_swap()
-        if self.swapped:
-            from atomc.distributed.swapstage import SwappedStage
-
-            self.stage = SwappedStage(self.pkg, self.spec, self.device, loss_fn, self.opt_cfg,
-                                      dtype=self.dtype, seed=cfg.seed)
+        swapped = self._decide_swap()
+        if swapped:
+            from atomc.distributed.swapstage import SwappedStage as stage_class
         else:
-            self.stage = ResidentStage(self.pkg, self.spec, self.device, loss_fn, self.dtype)
+            stage_class = ResidentStage
+        self.stage = stage_class(self.pkg, self.spec, self.device, loss_fn, self.opt_cfg,
+                                 dtype=self.dtype, seed=cfg.seed)
         flags: list[Any] = [None] * world_size
-        dist.all_gather_object(flags, bool(getattr(self.stage, "batched", False)))
+        dist.all_gather_object(flags, swapped)
         self.schedule_name = cfg.schedule
         if any(flags) and cfg.schedule != "gpipe":
             # a swapped stage runs each sub-model over all micro-batches (ATOM's order): only GPipe
             # lets its neighbours wait for that without a deadlock
             self.schedule_name = "gpipe"
         self.params = self.stage.named_parameters()
-        self.optimizer = None if self.swapped else self._make_optimizer()
 
         delays = {}
         if cfg.emulate_delay:
             for r in range(world_size):
                 if r != world_rank:
                     delays[r] = self.place.link_delay_ms(r)
-        self.dp_mode = cfg.dp_reduce if cfg.dp_reduce != "auto" else ("p2p" if cfg.emulate_delay else "allreduce")
+        self.dp_mode = (cfg.dp_reduce if cfg.dp_reduce != "auto"
+                        else ("p2p" if cfg.emulate_delay else "allreduce"))
         # one process group per link direction (groups.link_groups): see pipeline.py, Ordering
         self.transport = Transport(self.device, delays, links=self.groups.links, rank=world_rank)
         where = f"replica {self.place.replica} stage {j}"
-        self.link_in = Link(self.transport, self.place.prev, self.spec.recv, window=cfg.window,
-                            where=where) if j > 0 and self.spec.recv else None
-        self.link_out = Link(self.transport, self.place.next, self.spec.send, window=cfg.window,
-                             where=where) if self.place.next is not None and self.spec.send else None
+        # every link carries the micro-batch's RNG state besides the boundary values
+        self.link_in = Link(self.transport, self.place.prev, self.spec.recv + (RNG_VALUE,),
+                            window=cfg.window, where=where) if j > 0 else None
+        self.link_out = (Link(self.transport, self.place.next, self.spec.send + (RNG_VALUE,),
+                              window=cfg.window, where=where)
+                         if self.place.next is not None else None)
         self.step_count = 0
         self.step_ms: list[float] = []
         self.losses: dict[int, float] = {}
@@ -201,8 +208,6 @@ class LayoutTrainer:
                 raise UsageError("no initial weights and no checkpoint to resume from; give the "
                                  "original model's state dict (or a checkpoint directory)")
             self.stage.load_original(state)
-            if self.swapped:
-                self.stage.after_load()
 
     # ---- set-up --------------------------------------------------------------------------------
 
@@ -211,26 +216,28 @@ class LayoutTrainer:
             return torch.device("cpu")
         if self.cfg.device.startswith("cuda"):
             if not torch.cuda.is_available():
-                raise UsageError("--device cuda asked for, but this machine has no CUDA device; use --device cpu")
+                raise UsageError("--device cuda asked for, but this machine has no CUDA device; "
+                                 "use --device cpu")
             local = int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(local)
             return torch.device("cuda", local)
         raise UsageError(f"device {self.cfg.device!r}: expected cpu or cuda")
 
     def _agree_on_package(self) -> None:
-        mine = (self.pkg.fingerprint(), self.pkg.plan_hash, self.layout.digest or self.layout.source)
+        mine = (self.pkg.fingerprint(), self.pkg.plan_hash,
+                self.layout.digest or self.layout.source)
         everyone: list[Any] = [None] * self.dist.get_world_size()
         self.dist.all_gather_object(everyone, mine)
         odd = [r for r, x in enumerate(everyone) if x[:2] != mine[:2]]
         if odd:
             raise LayoutError(
-                f"ranks {odd} run another generated package (fingerprint {everyone[odd[0]][0]}, plan "
-                f"{everyone[odd[0]][1]}) than rank {self.dist.get_rank()} ({mine[0]}, plan {mine[1]}); "
-                f"give every rank the same package")
+                f"ranks {odd} run another generated package (fingerprint {everyone[odd[0]][0]}, "
+                f"plan {everyone[odd[0]][1]}) than rank {self.dist.get_rank()} ({mine[0]}, plan "
+                f"{mine[1]}); give every rank the same package")
         odd = [r for r, x in enumerate(everyone) if x[2] != mine[2]]
         if odd:
-            raise LayoutError(f"ranks {odd} read another layout than rank {self.dist.get_rank()}; give "
-                              f"every rank the same layout file")
+            raise LayoutError(f"ranks {odd} read another layout than rank "
+                              f"{self.dist.get_rank()}; give every rank the same layout file")
 
     def _tied_stage_sets(self) -> dict[str, tuple[int, ...]]:
         stage_of = {}
@@ -250,12 +257,12 @@ class LayoutTrainer:
         budget = self.cfg.memory_budget_bytes
         if budget is None:
             return False
-        return stage_resident_bytes(self.pkg, self.spec, self.cfg, self.schedule_in_flight()) > budget
+        return (stage_resident_bytes(self.pkg, self.spec, self.cfg, self.schedule_in_flight())
+                > budget)
 
     def schedule_in_flight(self) -> int:
-        from atomc.distributed.pipeline import max_in_flight
-
-        return max_in_flight(schedule(self.cfg.schedule, self.num_micro, self.spec.index, self.spec.num_stages))
+        return max_in_flight(pipeline_order(self.cfg.schedule, self.num_micro, self.spec.index,
+                                            self.spec.num_stages))
 
     @property
     def num_micro(self) -> int:
@@ -265,27 +272,15 @@ class LayoutTrainer:
     def _batch_split(self) -> tuple[int, int]:
         dp = self.layout.dp
         g = self.cfg.global_batch
-        mb = self.cfg.micro_batch or int(self.pkg.plan.get("batch_size") or 1)
+        mb = self.cfg.micro_batch or self.pkg.plan.batch_size or 1
         if g % dp:
-            raise UsageError(f"global batch {g} does not split over {dp} replicas; give a multiple of {dp}")
+            raise UsageError(f"global batch {g} does not split over {dp} replicas; give a multiple "
+                             f"of {dp}")
         per = g // dp
         if per % mb:
-            raise UsageError(f"each replica gets {per} samples, not a multiple of the micro-batch {mb}; "
-                             f"give a global batch that is a multiple of {dp} x {mb}")
+            raise UsageError(f"each replica gets {per} samples, not a multiple of the micro-batch "
+                             f"{mb}; give a global batch that is a multiple of {dp} x {mb}")
         return per, mb
-
-    def _make_optimizer(self) -> torch.optim.Optimizer:
-        decay, plain = [], []
-        flt = self.opt_cfg.decay_filter
-        for fqn, p in self.params:
-            (decay if flt is None or flt(fqn, tuple(p.shape)) else plain).append(p)
-        groups = [{"params": decay, "weight_decay": self.opt_cfg.weight_decay}]
-        if plain:
-            groups.append({"params": plain, "weight_decay": 0.0})
-        kwargs = self.opt_cfg.torch_kwargs()
-        if self.device.type == "cuda" and kwargs.get("fused"):
-            kwargs["fused"] = True
-        return torch.optim.AdamW(groups, **kwargs)
 
     # ---- data ----------------------------------------------------------------------------------
 
@@ -303,7 +298,10 @@ class LayoutTrainer:
                         raise RuntimeMismatchError(
                             f"an input has leading dimension {t.shape[0]}, but the global batch is "
                             f"{self.cfg.global_batch}; give the whole global batch to every rank")
-                    parts.append(t[lo + m * mb: lo + (m + 1) * mb].to(self.device))
+                    part = t[lo + m * mb: lo + (m + 1) * mb].to(self.device)
+                    if self.dtype is not None and part.is_floating_point():
+                        part = part.to(self.dtype)  # training in float64: its inputs too
+                    parts.append(part)
                 else:
                     parts.append(t)
             out.append(tuple(parts))
@@ -317,12 +315,10 @@ class LayoutTrainer:
         micro = self.micro_batches(batch)
         M = len(micro)
         st = self.stage
-        st.begin_step(M, self.step_count) if self.swapped else st.begin_step(M)
-        ops = None if getattr(st, "batched", False) else \
-            schedule(self.schedule_name, M, self.spec.index, self.spec.num_stages)
-        losses = run_tasks(st, ops, micro, self.link_in, self.link_out, self.spec.holds_output)
+        st.begin_step(self.step_count, M, first_micro=self.place.replica * M)
+        io = StageIO(self.link_in, self.link_out, M)
+        losses = st.run(st.order(self.schedule_name, M), micro, io)
         self.transport.flush(self.cfg.timeout_s)
-        st.end_step()
         self._reduce_and_update()
         self.step_count += 1
         loss = self._global_loss(losses, M)
@@ -357,7 +353,7 @@ class LayoutTrainer:
 
     def _reduce_and_update(self) -> None:
         st = self.stage
-        params = st.grad_params() if self.swapped else self.params
+        params = self.params
         # 3. tied weights: sum over the stages of this replica that hold them
         by_set: dict[tuple[int, ...], list[str]] = {}
         for fqn, stages in self.tied_sets.items():
@@ -374,24 +370,22 @@ class LayoutTrainer:
             self._sum(self._grads(params), self.groups.dp, ranks, TAG_DP, average=True)
         # 5. clipping and the update
         coef = self._clip_coefficient(params) if self.opt_cfg.max_grad_norm is not None else None
-        if self.swapped:
-            st.update(coef)
-            return
-        if coef is not None:
-            for g in self._grads(params):
-                g.mul_(coef)
-        lr = self.opt_cfg.lr_at(self.step_count)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        st.update(coef)
+        # buffers (running statistics) follow replica 0, as DDP's broadcast_buffers does
+        if self.layout.dp > 1:
+            for b in st.buffers().values():
+                flat = b.detach().to(self.device)
+                self.dist.broadcast(flat, src=self.place.world(0, self.place.stage),
+                                    group=self.groups.dp)
+                b.copy_(flat)
 
     def _sum(self, grads: list[torch.Tensor], group: Any, ranks: list[int], tag: int, average: bool,
              direct: bool = False) -> None:
         """Sum (or average) gradients over `ranks` in one flat buffer per dtype. Over point-to-point
         sends, `direct` swaps whole buffers in one round (one link delay; for the few stages that
-        share a tied weight), otherwise DT-FM's sharded exchange (two rounds, 1/n of the bytes each).
-        The buffer is on this rank's device (a swapped stage's gradients live in host memory,
-        which NCCL cannot send)."""
+        share a tied weight), otherwise DT-FM's sharded exchange (two rounds, 1/n of the bytes
+        each). The buffer is on this rank's device (a swapped stage's gradients live in host
+        memory, which NCCL cannot send)."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
@@ -427,14 +421,18 @@ class LayoutTrainer:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 
-    def _sharded_sum(self, flat: torch.Tensor, ranks: list[int], group: Any, tag: int) -> torch.Tensor:
+    def _sharded_sum(self, flat: torch.Tensor, ranks: list[int], group: Any,
+                     tag: int) -> torch.Tensor:
         """DT-FM's sharded parameter server (eq. 2) over point-to-point sends: rank k owns shard
         k, sums it from every peer (in group order, so all ranks end with identical bits) and
         sends the sum back. Emulated link delays apply to each of the two rounds."""
         me = ranks.index(self.dist.get_rank())
         n = len(ranks)
         bounds = [flat.numel() * k // n for k in range(n + 1)]
-        shard = lambda k: flat[bounds[k]:bounds[k + 1]]
+
+        def shard(k: int) -> torch.Tensor:
+            return flat[bounds[k]:bounds[k + 1]]
+
         peers = [k for k in range(n) if k != me]
         parts = {k: torch.empty_like(shard(me)) for k in peers}
         self._exchange(group, [(shard(k).contiguous(), ranks[k]) for k in peers],
@@ -445,17 +443,20 @@ class LayoutTrainer:
             total = part.clone() if total is None else total + part
         out = torch.empty_like(flat)
         out[bounds[me]:bounds[me + 1]] = total
-        back = {k: out[bounds[k]:bounds[k + 1]] for k in peers}  # contiguous views, received in place
-        self._exchange(group, [(total, ranks[k]) for k in peers], [(back[k], ranks[k]) for k in peers],
-                       tag + 1)
+        # contiguous views, received in place
+        back = {k: out[bounds[k]:bounds[k + 1]] for k in peers}
+        self._exchange(group, [(total, ranks[k]) for k in peers],
+                       [(back[k], ranks[k]) for k in peers], tag + 1)
         return out
 
-    def _direct_sum(self, flat: torch.Tensor, ranks: list[int], group: Any, tag: int) -> torch.Tensor:
+    def _direct_sum(self, flat: torch.Tensor, ranks: list[int], group: Any,
+                    tag: int) -> torch.Tensor:
         """Every rank sends its whole buffer to every other and sums all of them in group order."""
         me = ranks.index(self.dist.get_rank())
         peers = [k for k in range(len(ranks)) if k != me]
         parts = {k: torch.empty_like(flat) for k in peers}
-        self._exchange(group, [(flat, ranks[k]) for k in peers], [(parts[k], ranks[k]) for k in peers], tag)
+        self._exchange(group, [(flat, ranks[k]) for k in peers],
+                       [(parts[k], ranks[k]) for k in peers], tag)
         total = None
         for k in range(len(ranks)):
             part = flat if k == me else parts[k]
@@ -474,22 +475,20 @@ class LayoutTrainer:
                 sq += p.grad.detach().to(torch.float64).pow(2).sum()
         if self.layout.pp > 1:
             self.dist.all_reduce(sq, group=self.groups.pipeline)
-        total = math.sqrt(float(sq))
-        return min(1.0, self.opt_cfg.max_grad_norm / (total + 1e-6))
+        return float(self.opt_cfg.clip_coefficient(sq.sqrt()))
 
     # ---- results -------------------------------------------------------------------------------
 
     def stage_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's weights by original FQN (tied weights under their canonical name)."""
-        if self.swapped:
-            return self.stage.export()
-        return {fqn: p.detach().cpu().clone() for fqn, p in self.params}
+        return self.stage.export()
 
     def _log(self, loss: float | None) -> None:
         if self.cfg.metrics_path is None or loss is None or self.place.replica != 0:
             return
         line = {"step": self.step_count - 1, "loss": loss, "step_ms": self.step_ms[-1],
-                "time": time.time(), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+                "time": time.time(),
+                "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
         with open(self.cfg.metrics_path, "a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -508,15 +507,10 @@ class LayoutTrainer:
             "plan_hash": self.pkg.plan_hash,
             "package": self.pkg.fingerprint(),
             "layout": [self.layout.pp, self.layout.dp, [list(r) for r in self.layout.stage_ranges]],
-            "executor": "swapped" if self.swapped else "resident",
+            "executor": self.stage.kind,
             "losses": {str(k): v for k, v in self.losses.items()},
         }
-        if self.swapped:
-            state["swap"] = self.stage.state_dict()
-        else:
-            state["params"] = {fqn: p.detach().cpu() for fqn, p in self.params}
-            state["optimizer"] = self.optimizer.state_dict()
-            state["buffers"] = self.stage.buffers_state()
+        state["stage_state"] = self.stage.state_dict()
         return state
 
     def save_checkpoint(self) -> Path:
@@ -549,15 +543,7 @@ class LayoutTrainer:
         path = root / f"step_{step:08d}" / self._ckpt_name()
         state = load_checkpoint(path)
         self._check_tasklet_state(state, path)
-        if self.swapped:
-            self.stage.load_state_dict(state["swap"])
-        else:
-            named = dict(self.params)
-            with torch.no_grad():
-                for fqn, value in state["params"].items():
-                    named[fqn].copy_(value)
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.stage.load_buffers_state(state["buffers"])
+        self.stage.load_state_dict(state["stage_state"])
         self.step_count = int(state["step"])
         self.losses = {int(k): float(v) for k, v in state.get("losses", {}).items()}
         self.resumed_from = step
@@ -567,28 +553,26 @@ class LayoutTrainer:
 
     def _check_tasklet_state(self, state: Any, path: Path) -> None:
         if not isinstance(state, dict) or state.get("kind") != "atomc.layout-tasklet":
-            raise RuntimeMismatchError(f"{path} is not a layout checkpoint; give the checkpoint directory "
-                                       f"a layout run wrote")
+            raise RuntimeMismatchError(f"{path} is not a layout checkpoint; give the checkpoint "
+                                       f"directory a layout run wrote")
         want = (self.pkg.plan_hash, self.pkg.fingerprint(), self.place.replica, self.place.stage,
                 list(self.place.submodels))
-        got = (state.get("plan_hash"), state.get("package"), state.get("replica"), state.get("stage"),
-               list(state.get("submodels", [])))
+        got = (state.get("plan_hash"), state.get("package"), state.get("replica"),
+               state.get("stage"), list(state.get("submodels", [])))
         if got != want:
             raise RuntimeMismatchError(
                 f"{path} holds plan {got[0]} (package {got[1]}), replica {got[2]} stage {got[3]} "
-                f"sub-models {got[4]}, but this rank runs plan {want[0]} (package {want[1]}), replica "
-                f"{want[2]} stage {want[3]} sub-models {want[4]}; resume with the package and layout "
-                f"that wrote it, or use a new --checkpoint-dir")
-        if state.get("executor") != ("swapped" if self.swapped else "resident"):
+                f"sub-models {got[4]}, but this rank runs plan {want[0]} (package {want[1]}), "
+                f"replica {want[2]} stage {want[3]} sub-models {want[4]}; resume with the package "
+                f"and layout that wrote it, or use a new --checkpoint-dir")
+        if state.get("executor") != self.stage.kind:
             raise RuntimeMismatchError(
                 f"{path} was written by a {state.get('executor')} stage but this stage runs "
-                f"{'swapped' if self.swapped else 'resident'}; resume with the same --swap-stages and "
-                f"memory budget")
+                f"{self.stage.kind}; resume with the same --swap-stages and memory budget")
 
     def close(self) -> None:
         self.transport.close()
-        if hasattr(self.stage, "close"):
-            self.stage.close()
+        self.stage.close()
 
 
 def _own_steps(root: Path, name: str) -> list[int]:
@@ -636,52 +620,33 @@ def _loopback_for_gloo() -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
 
 
-def run_tasks(st: Any, ops: list[tuple[str, int]] | None, micro: list[tuple], link_in: Link | None,
-              link_out: Link | None, holds_output: bool) -> list[torch.Tensor]:
-    """The pipeline part of one step on one rank: post the receives, then run the stage's tasks
-    in `ops` order, or (`ops` None: a batched, swapped stage) ATOM's order. Returns the losses
-    (last stage). Sends are posted, not waited for: the caller flushes the transport."""
-    M = len(micro)
-    if link_in is not None:
-        link_in.expect(M)
-    if link_out is not None:
-        link_out.expect_grads(M)
-    received: dict[int, dict[str, Any]] = {}
-    losses: list[torch.Tensor] = []
-    if ops is None:
-        # every micro-batch's forward through each sub-model in turn, then the backward in reverse.
-        # The neighbours run GPipe, which sends and expects the same messages in the same order.
-        for m in range(M):
-            received[m] = link_in.recv() if link_in is not None else {}
-        outs = st.forward_all([received[m] for m in range(M)], micro)
-        if holds_output:
-            losses.extend(outs)
-        elif link_out is not None:
-            for out in outs:
-                link_out.send(out)
-        grads = [link_out.recv_grads() if link_out is not None else None for _ in range(M)]
-        in_grads = st.backward_all(grads)
+class StageIO:
+    """A stage's S and R actions over its links (atomc.actions): one call per micro-batch, in
+    micro-batch order; receives are posted ahead (`Link.expect`)."""
+
+    def __init__(self, link_in: Link | None, link_out: Link | None, num_micro: int):
+        self.link_in = link_in
+        self.link_out = link_out
         if link_in is not None:
-            for m in range(M):
-                link_in.send_grads(in_grads[m], received.pop(m))
-        return losses
-    for kind, m in ops:
-        if kind == "F":
-            received[m] = link_in.recv() if link_in is not None else {}
-            out = st.forward(m, received[m], micro[m])
-            if holds_output:
-                losses.append(out.detach())
-            elif link_out is not None:
-                link_out.send(out)
-        else:
-            grads = link_out.recv_grads() if link_out is not None else None
-            in_grads = st.backward(m, grads)
-            if link_in is not None:
-                link_in.send_grads(in_grads, received.pop(m))
-    return losses
+            link_in.expect(num_micro)
+        if link_out is not None:
+            link_out.expect_grads(num_micro)
+
+    def recv(self, m: int) -> dict[str, Any]:
+        return self.link_in.recv()
+
+    def send(self, m: int, values: dict[str, Any]) -> None:
+        self.link_out.send(values)
+
+    def recv_grads(self, m: int) -> dict[str, torch.Tensor]:
+        return self.link_out.recv_grads()
+
+    def send_grads(self, m: int, grads: dict[str, Any], received: dict[str, Any]) -> None:
+        self.link_in.send_grads(grads, received)
 
 
-def stage_resident_bytes(pkg: SwapPackage, spec: StageSpec, cfg: LayoutConfig, in_flight: int) -> int:
+def stage_resident_bytes(pkg: SwapPackage, spec: StageSpec, cfg: LayoutConfig,
+                         in_flight: int) -> int:
     """Device bytes a resident stage needs: weights, gradients and two AdamW moments of its
     sub-models, plus the activations of the micro-batches in flight (the plan's peaks)."""
     plan = _package_plan(pkg)
@@ -691,16 +656,18 @@ def stage_resident_bytes(pkg: SwapPackage, spec: StageSpec, cfg: LayoutConfig, i
     return 4 * weights + acts * max(in_flight, 1)
 
 
-def run_layout(cfg: LayoutConfig, loss_fn: Callable, initial_state: Any, batch_of: Callable[[int], Any],
-               steps: int, *, final_dir: str | Path | None = None, log: Callable[[str], None] = print) -> LayoutTrainer:
+def run_layout(cfg: LayoutConfig, loss_fn: Callable, initial_state: Any,
+               batch_of: Callable[[int], Any], steps: int, *, final_dir: str | Path | None = None,
+               log: Callable[[str], None] = print) -> LayoutTrainer:
     """Train `steps` steps (resuming from a checkpoint when there is one); every rank calls this."""
     trainer = LayoutTrainer(cfg, loss_fn, initial_state)
     try:
         if trainer.place.world_rank == 0:
             log(trainer.layout.text())
-        log(trainer.place.describe() + f", {'swapped' if trainer.swapped else 'resident'}, "
+        log(trainer.place.describe() + f", {trainer.stage.kind}, "
             f"{trainer.schedule_name}, {trainer.num_micro} micro-batches"
-            + (f", resumed at step {trainer.resumed_from}" if trainer.resumed_from is not None else ""))
+            + (f", resumed at step {trainer.resumed_from}"
+               if trainer.resumed_from is not None else ""))
         while trainer.step_count < steps:
             s = trainer.step_count
             loss = trainer.step(batch_of(s))
@@ -713,6 +680,8 @@ def run_layout(cfg: LayoutConfig, loss_fn: Callable, initial_state: Any, batch_o
 
                 save_checkpoint(d / f"final_stage_{trainer.place.stage}.pt",
                                 {"params": trainer.stage_state_dict(),
+                                 "buffers": {k: b.detach().cpu().clone()
+                                             for k, b in trainer.stage.buffers().items()},
                                  "losses": {str(k): v for k, v in trainer.losses.items()},
                                  "step_ms": trainer.step_ms})
         trainer.dist.barrier()
@@ -721,8 +690,10 @@ def run_layout(cfg: LayoutConfig, loss_fn: Callable, initial_state: Any, batch_o
     return trainer
 
 
-def final_state(final_dir: str | Path, num_stages: int) -> tuple[dict[str, torch.Tensor], dict[int, float]]:
-    """Merge the stages' final weights (and the last stage's losses) written by `run_layout`."""
+def final_state(final_dir: str | Path, num_stages: int, buffers: dict | None = None
+                ) -> tuple[dict[str, torch.Tensor], dict[int, float]]:
+    """Merge the stages' final weights (and the last stage's losses) written by `run_layout`;
+    `buffers`, a dict, receives the stages' buffers by FQN."""
     from atomc.runtime.checkpoint import load_checkpoint
 
     params: dict[str, torch.Tensor] = {}
@@ -731,10 +702,19 @@ def final_state(final_dir: str | Path, num_stages: int) -> tuple[dict[str, torch
         st = load_checkpoint(Path(final_dir) / f"final_stage_{j}.pt")
         for k, v in st["params"].items():
             params.setdefault(k, v)
+        if buffers is not None:
+            buffers.update(st.get("buffers", {}))
         if st["losses"]:
             losses = {int(k): float(v) for k, v in st["losses"].items()}
     return params, losses
 
 
-__all__ = ["AtomcError", "LayoutConfig", "LayoutTrainer", "check_package", "final_state", "run_layout",
-           "run_tasks"]
+__all__ = [
+    "AtomcError",
+    "LayoutConfig",
+    "LayoutTrainer",
+    "StageIO",
+    "check_package",
+    "final_state",
+    "run_layout",
+]

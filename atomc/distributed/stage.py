@@ -1,17 +1,21 @@
-"""Layout runner, one stage: a range of a generated package's sub-models, run per micro-batch.
+"""Layout runner, one stage: a range of a generated package's sub-models on one rank.
 
 input:  the generated package (runtime's `SwapPackage`), this stage's sub-model range [a, b),
-        the names it receives from the previous stage and sends to the next, the device
-output: a stage executor with `forward(m, values)` (the values to send, or the loss on the last
-        stage) and `backward(m, grads)` (the gradients of the received values), and its trainable
-        parameters named by their original FQNs
+        the names it receives from the previous stage and sends to the next, the device, the
+        optimizer settings
+output: a `Stage`: `begin_step`, `run(actions, micro_batches, io)` (the stage's part of the
+        step's action list; the losses on the last stage), `named_parameters` (original FQNs,
+        their gradients after `run`), `update(coef)`, `state_dict`/`load_state_dict`, `export`
 
-Two executors keep this one interface:
+Two implementations keep this one interface, as torch.distributed.pipelining splits a stage
+from its schedule:
 - `ResidentStage` keeps the stage's sub-models on the device and the autograd graph of every
-  micro-batch in flight (when the stage fits the device's memory budget);
-- `SwappedStage` (in `atomc.distributed.swapstage`) runs the stage with the runtime's swap
-  machinery: sub-models loaded one after another from the host store, internals recomputed in
+  micro-batch in flight (when the stage fits the device's memory budget), with torch's AdamW;
+- `SwappedStage` (in `atomc.distributed.swapstage`) runs the stage with the swap runtime's
+  executor: sub-models loaded one after another from the host store, internals recomputed in
   the backward, the CPU optimizer over flat buffers.
+Both follow the runtime's RNG rule (atomc.runtime.rng): micro-batch m's stream is seeded by its
+index in the global batch, and its state travels to the next stage with the activations.
 """
 
 from __future__ import annotations
@@ -23,8 +27,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from atomc.actions import Action, pipeline_order
 from atomc.errors import RuntimeMismatchError
+from atomc.runtime.interpret import directions
+from atomc.runtime.optim import AdamWConfig
 from atomc.runtime.package import SwapPackage
+from atomc.runtime.rng import RNG_VALUE, StepRng
 
 
 def tensor_attr(module: nn.Module, name: str) -> torch.Tensor:
@@ -37,15 +45,16 @@ def set_param(module: nn.Module, name: str, value: nn.Parameter) -> None:
     setattr(module.get_submodule(owner) if owner else module, leaf, value)
 
 
-def original_tensor(pkg: SwapPackage, state_dict: dict[str, torch.Tensor], fqn: str) -> torch.Tensor:
+def original_tensor(pkg: SwapPackage, state_dict: dict[str, torch.Tensor],
+                    fqn: str) -> torch.Tensor:
     if fqn in state_dict:
         return state_dict[fqn]
     aliases = dict(getattr(pkg.module, "ALIASES", {}) or {})
     for alias, canonical in aliases.items():
         if canonical == fqn and alias in state_dict:
             return state_dict[alias]
-    raise RuntimeMismatchError(f"the initial state dict has no {fqn!r}, which the package's sub-models "
-                               f"hold; give the original model's state_dict()")
+    raise RuntimeMismatchError(f"the initial state dict has no {fqn!r}, which the package's "
+                               f"sub-models hold; give the original model's state_dict()")
 
 
 @dataclass
@@ -78,9 +87,20 @@ def param_fqns(pkg: SwapPackage, modules: dict[int, nn.Module]) -> list[tuple[st
             seen.add(id(p))
             fqn = pkg.param_names[i].get(local)
             if fqn is None:
-                raise RuntimeMismatchError(f"sub-model {i} parameter {local} is not in PARAM_NAMES; "
-                                           f"the package is damaged, regenerate it")
+                raise RuntimeMismatchError(f"sub-model {i} parameter {local} is not in "
+                                           f"PARAM_NAMES; the package is damaged, regenerate it")
             out.append((fqn, p))
+    return out
+
+
+def named_buffers(pkg: SwapPackage, modules: dict[int, nn.Module]) -> dict[str, torch.Tensor]:
+    """The buffers of the given sub-models by original FQN (those PARAM_NAMES knows)."""
+    out = {}
+    for i, mod in modules.items():
+        for local, b in mod.named_buffers():
+            fqn = pkg.param_names[i].get(local)
+            if fqn is not None:
+                out.setdefault(fqn, b)
     return out
 
 
@@ -90,11 +110,14 @@ class ResidentStage:
     kind = "resident"
 
     def __init__(self, pkg: SwapPackage, spec: StageSpec, device: torch.device,
-                 loss_fn: Callable[[Any, tuple], torch.Tensor] | None, dtype: torch.dtype | None = None):
+                 loss_fn: Callable[[Any, tuple], torch.Tensor] | None, opt_cfg: AdamWConfig,
+                 dtype: torch.dtype | None = None, seed: int = 0):
         self.pkg = pkg
         self.spec = spec
         self.device = device
         self.loss_fn = loss_fn
+        self.opt_cfg = opt_cfg
+        self.seed = seed
         self.modules: dict[int, nn.Module] = {}
         for i in range(spec.start, spec.stop):
             with torch.device(device):  # only this stage's classes: the others live elsewhere
@@ -103,7 +126,10 @@ class ResidentStage:
                 mod = mod.to(dtype)
             self.modules[i] = mod.train()
         self._tie_within()
-        self._flight: dict[int, tuple[dict[str, Any], Any]] = {}  # m -> (received leaves, outputs)
+        self._params = param_fqns(pkg, self.modules)
+        self.optimizer = self._make_optimizer()
+        self.step = 0
+        self.first_micro = 0
         self.num_micro = 1
 
     def _tie_within(self) -> None:
@@ -116,6 +142,15 @@ class ResidentStage:
             shared = tensor_attr(self.modules[i0], l0)
             for i, local in rest:
                 set_param(self.modules[i], local, shared)
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        decay, plain = [], []
+        for fqn, p in self._params:
+            (decay if self.opt_cfg.decays(fqn, tuple(p.shape)) else plain).append(p)
+        groups = [{"params": decay, "weight_decay": self.opt_cfg.weight_decay}]
+        if plain:
+            groups.append({"params": plain, "weight_decay": 0.0})
+        return torch.optim.AdamW(groups, **self.opt_cfg.torch_kwargs())
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -130,61 +165,109 @@ class ResidentStage:
                     dst = tensor_attr(mod, local)
                     if tuple(src.shape) != tuple(dst.shape):
                         raise RuntimeMismatchError(
-                            f"{fqn} has shape {tuple(src.shape)} in the initial state but sub-model {i} "
-                            f"holds {local} with shape {tuple(dst.shape)}; the package was generated "
-                            f"for another model: regenerate it")
+                            f"{fqn} has shape {tuple(src.shape)} in the initial state but "
+                            f"sub-model {i} holds {local} with shape {tuple(dst.shape)}; the "
+                            f"package was generated for another model: regenerate it")
                     dst.copy_(src)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        return param_fqns(self.pkg, self.modules)
+        return self._params
 
-    def buffers_state(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for i, mod in self.modules.items():
-            for local, b in mod.named_buffers():
-                out[f"{i}:{local}"] = b.detach().cpu().clone()
-        return out
+    def export(self) -> dict[str, torch.Tensor]:
+        return {fqn: p.detach().cpu().clone() for fqn, p in self._params}
 
-    def load_buffers_state(self, state: dict[str, torch.Tensor]) -> None:
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The live buffers (running statistics) by original FQN."""
+        return named_buffers(self.pkg, self.modules)
+
+    def state_dict(self) -> dict[str, Any]:
+        buffers = {f"{i}:{local}": b.detach().cpu().clone()
+                   for i, mod in self.modules.items() for local, b in mod.named_buffers()}
+        return {"params": self.export(), "optimizer": self.optimizer.state_dict(),
+                "buffers": buffers}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        named = dict(self._params)
         with torch.no_grad():
+            for fqn, value in state["params"].items():
+                named[fqn].copy_(value)
             for i, mod in self.modules.items():
                 for local, b in mod.named_buffers():
                     key = f"{i}:{local}"
-                    if key in state:
-                        b.copy_(state[key])
+                    if key in state["buffers"]:
+                        b.copy_(state["buffers"][key])
+        self.optimizer.load_state_dict(state["optimizer"])
 
     # ---- a step --------------------------------------------------------------------------------
 
-    def begin_step(self, num_micro: int) -> None:
+    def begin_step(self, step: int, num_micro: int, first_micro: int = 0) -> None:
+        self.step = step
         self.num_micro = num_micro
-        self._flight.clear()
-        for _, p in self.named_parameters():
+        self.first_micro = first_micro
+        for _, p in self._params:
             p.grad = None
 
-    def forward(self, m: int, received: dict[str, Any], batch: tuple) -> Any:
-        """Run micro-batch m; returns the values to send, or (last stage) the loss tensor."""
+    def order(self, schedule: str, num_micro: int) -> list[Action]:
+        return pipeline_order(schedule, num_micro, self.spec.index, self.spec.num_stages)
+
+    def run(self, actions: list[Action], micro: list[tuple], io: Any) -> list[torch.Tensor]:
+        """Execute the stage's F, B, S and R actions (indices: stages); returns the losses of
+        the last stage's micro-batches."""
+        rng = StepRng(self.device, self.seed, self.step, len(micro), self.first_micro)
+        flight: dict[int, tuple[dict[str, Any], Any]] = {}  # m -> (received leaves, outputs)
+        received: dict[int, dict[str, Any]] = {}
+        grads: dict[int, dict[str, torch.Tensor]] = {}
+        losses: dict[int, torch.Tensor] = {}
+        try:
+            for a, way in zip(actions, directions(actions)):
+                m = a.micro
+                if a.kind == "R" and way == "values":
+                    got = dict(io.recv(m))
+                    state = got.pop(RNG_VALUE, None)
+                    if state is not None:
+                        rng.resume(m, state)
+                    received[m] = got
+                elif a.kind == "R":
+                    grads[m] = io.recv_grads(m) or {}
+                elif a.kind == "F":
+                    with rng.forward(m):
+                        flight[m] = (received.get(m, {}),
+                                     self._forward(received.get(m, {}), micro[m]))
+                    if self.spec.holds_output:
+                        losses[m] = flight[m][1].detach()
+                elif a.kind == "S" and way == "values":
+                    values = dict(flight[m][1])
+                    values[RNG_VALUE] = rng.state(m)
+                    io.send(m, values)
+                elif a.kind == "B":
+                    grads[m] = self._backward(*flight.pop(m), grads.pop(m, None))
+                elif a.kind == "S":
+                    io.send_grads(m, grads.pop(m), received.pop(m))
+                else:
+                    raise ValueError(f"a resident stage runs F, B, S and R actions, not {a}")
+        finally:
+            rng.restore()
+        return [losses[m] for m in sorted(losses)]
+
+    def _forward(self, received: dict[str, Any], batch: tuple) -> Any:
+        """One micro-batch through the stage: the values to send, or (last stage) the loss."""
         env: dict[str, Any] = dict(zip(self.pkg.model_inputs, batch))
         env.update(received)
         out: Any = None
         for i in range(self.spec.start, self.spec.stop):
-            args = [env[n] for n in self.pkg.inputs[i]]
-            result = self.modules[i](*args)
+            result = self.modules[i](*[env[n] for n in self.pkg.inputs[i]])
             if i == self.spec.num_submodels - 1:
                 out = result
             else:
-                result = result if isinstance(result, tuple) else (result,)
-                env.update(zip(self.pkg.outputs[i], result))
+                env.update(zip(self.pkg.outputs[i],
+                               result if isinstance(result, tuple) else (result,)))
         if self.spec.holds_output:
             assert self.loss_fn is not None
-            loss = self.loss_fn(out, batch)
-            self._flight[m] = (received, loss)
-            return loss
-        sent = {n: env[n] for n in self.spec.send}
-        self._flight[m] = (received, sent)
-        return sent
+            return self.loss_fn(out, batch)
+        return {n: env[n] for n in self.spec.send}
 
-    def backward(self, m: int, grads: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor | None]:
-        received, out = self._flight.pop(m)
+    def _backward(self, received: dict[str, Any], out: Any,
+                  grads: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor | None]:
         if self.spec.holds_output:
             (out / self.num_micro).backward()
         else:
@@ -192,7 +275,16 @@ class ResidentStage:
                      if isinstance(out.get(n), torch.Tensor) and out[n].requires_grad]
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        return {n: v.grad for n, v in received.items() if isinstance(v, torch.Tensor) and v.requires_grad}
+        return {n: v.grad for n, v in received.items()
+                if isinstance(v, torch.Tensor) and v.requires_grad}
 
-    def end_step(self) -> None:
-        self._flight.clear()
+    def update(self, coef: float | None) -> None:
+        if coef is not None:
+            for _, p in self._params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        self.opt_cfg.set_lr(self.optimizer, self.step)
+        self.optimizer.step()
+
+    def close(self) -> None:
+        pass

@@ -11,15 +11,14 @@ programme with block folding), accum.py (choice of C), check.py (an independent 
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 
 import numpy as np
 
 from atomc import __version__
 from atomc.errors import InfeasiblePlanError, UsageError
 from atomc.ir import SCHEMA_VERSION, CutTensor, OpGraph, Plan, Profile, Submodel
+from atomc.jsonio import canonical_hash
 from atomc.partition.accum import Outcome, choose_accum, physical_bound_accum
 from atomc.partition.cost import (
     ACTIVATIONS,
@@ -42,13 +41,13 @@ from atomc.partition.cost import (
     plan_costs,
     plan_slacks,
     range_cost,
-    stage_times,
+    range_stage_times,
 )
 from atomc.partition.search import SearchResult, block_period, prepare_folding, search
 from atomc.simulate.events import simulate_swap
 from atomc.units import format_bytes
 
-__all__ = ["DEFAULT_MAX_ACCUM", "DEFAULT_RESERVE_BYTES", "partition", "plan_from_cuts"]
+__all__ = ["DEFAULT_MAX_ACCUM", "DEFAULT_RESERVE_BYTES", "build_plan", "partition"]
 
 DEFAULT_RESERVE_BYTES = 1 << 30  # CUDA context, allocator fragmentation, the loss
 DEFAULT_MAX_ACCUM = 64
@@ -80,7 +79,8 @@ def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAUL
             tables, g.blocks, tuple(n.block for n in g.nodes), tuple(n.signature for n in g.nodes)))
 
     def params_for(c: int, usable_bytes: int = usable) -> CostParams:
-        return CostParams(c, usable_bytes, profile.h2d_gbps, profile.d2h_gbps, cpu_adam_gbps, activations)
+        return CostParams(c, usable_bytes, profile.h2d_gbps, profile.d2h_gbps, cpu_adam_gbps,
+                          activations)
 
     first_c = accum or 1
     _check_operators_fit(profile, facts, tables, params_for(first_c), reserve_bytes)
@@ -112,9 +112,10 @@ def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAUL
         c = accum or 1
         need = min_capacity_bytes(profile, facts, params_for(c), reserve_bytes)
         raise InfeasiblePlanError(
-            f"no partition fits {format_bytes(capacity_bytes)} (reserve {format_bytes(reserve_bytes)}) "
-            f"at C={c}: every operator fits alone, but the sub-model computing and the one loading "
-            f"do not fit together; the smallest budget that works is {format_bytes(need)} "
+            f"no partition fits {format_bytes(capacity_bytes)} "
+            f"(reserve {format_bytes(reserve_bytes)}) at C={c}: every operator fits alone, but "
+            f"the sub-model computing and the one loading do not fit together; the smallest "
+            f"budget that works is {format_bytes(need)} "
             f"(--gpu-mem {need // _MIB}MiB)")
     o = choice.outcome
     result: SearchResult = o.result  # type: ignore[assignment]
@@ -122,15 +123,15 @@ def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAUL
     if result.folded_positions:
         notes.append(f"repeated blocks folded {result.folded_positions} of "
                      f"{facts.num_nodes - 1} cut positions")
-    return plan_from_cuts(profile, tables, params_for(o.accum), result.cuts,
-                          capacity_bytes=capacity_bytes, reserve_bytes=reserve_bytes,
-                          accum_fixed=accum is not None, tier=result.tier, notes=notes,
-                          early_prefetch=result.early_prefetch)
+    return build_plan(profile, tables, params_for(o.accum), result.cuts,
+                      capacity_bytes=capacity_bytes, reserve_bytes=reserve_bytes,
+                      accum_fixed=accum is not None, tier=result.tier, notes=notes,
+                      early_prefetch=result.early_prefetch)
 
 
 def _utilisation(tables: RangeTables, p: CostParams, result: SearchResult) -> float:
     costs = plan_costs(tables, p, result.cuts)
-    return simulate_swap(stage_times(costs), p.accum, early_prefetch=result.early_prefetch,
+    return simulate_swap(range_stage_times(costs), p.accum, early_prefetch=result.early_prefetch,
                          record=False).utilisation
 
 
@@ -155,7 +156,8 @@ def _check_operators_fit(profile: Profile, facts: NodeFacts, tables: RangeTables
         f"the smallest budget that works is {format_bytes(budget)} (--gpu-mem {budget // _MIB}MiB)")
 
 
-def min_capacity_bytes(profile: Profile, facts: NodeFacts, p: CostParams, reserve_bytes: int) -> int:
+def min_capacity_bytes(profile: Profile, facts: NodeFacts, p: CostParams,
+                       reserve_bytes: int) -> int:
     """Smallest --gpu-mem (to 1 MiB, reserve included) for which some plan meets memory at p.accum.
 
     Bisection on the memory-only search: feasibility only grows with capacity. The plan that
@@ -193,16 +195,19 @@ def _cut_tensor(profile: Profile, j: int) -> CutTensor:
     return CutTensor(node.name, (), "tuple", sum(o.num_bytes for o in outs))
 
 
-def plan_from_cuts(profile: Profile, tables: RangeTables, p: CostParams, cuts,
-                   capacity_bytes: int, reserve_bytes: int, accum_fixed: bool = False,
-                   tier: int = 0, notes: list[str] | None = None,
-                   early_prefetch: bool = False) -> Plan:
-    """A Plan for given cut positions: costs, slacks, cut tensors and the simulated step."""
+def build_plan(profile: Profile, tables: RangeTables, p: CostParams, cuts,
+               capacity_bytes: int, reserve_bytes: int, accum_fixed: bool = False,
+               tier: int = 0, notes: list[str] | None = None,
+               early_prefetch: bool = False) -> Plan:
+    """A Plan for given cut positions: costs, slacks, cut tensors and the simulated step.
+
+    Costs come from the range tables; atomc.codegen.manual.plan_from_cuts builds a Plan for
+    hand-chosen cuts without them."""
     facts = tables.facts
     graph = profile.graph
     costs: list[RangeCost] = plan_costs(tables, p, list(cuts))
     early_prefetch = early_prefetch and len(costs) > 1
-    sim = simulate_swap(stage_times(costs), p.accum, early_prefetch=early_prefetch)
+    sim = simulate_swap(range_stage_times(costs), p.accum, early_prefetch=early_prefetch)
     slacks = plan_slacks(costs, p.usable_bytes, early_prefetch)
     k = len(costs)
     index = graph.node_index()
@@ -222,7 +227,8 @@ def plan_from_cuts(profile: Profile, tables: RangeTables, p: CostParams, cuts,
         if nxt is None and facts.output_index >= 0:
             out_node = graph.nodes[facts.output_index]
             outputs = [index[name] for name in out_node.inputs]
-        layers = tuple(dict.fromkeys(n.module_fqn for n in graph.nodes[c.start:c.stop] if n.module_fqn))
+        layers = tuple(dict.fromkeys(n.module_fqn for n in graph.nodes[c.start:c.stop]
+                                     if n.module_fqn))
         submodels.append(Submodel(
             index=i, start=c.start, stop=c.stop,
             first_node=graph.nodes[c.start].name, last_node=graph.nodes[c.stop - 1].name,
@@ -248,15 +254,17 @@ def plan_from_cuts(profile: Profile, tables: RangeTables, p: CostParams, cuts,
         binding = (f"sub-model {worst.submodel}: {worst.constraint} short by "
                    f"{-worst.slack / NS_PER_MS:.1f} ms ({worst.detail})"
                    if worst.constraint != MEMORY else
-                   f"sub-model {worst.submodel}: memory short by {format_bytes(-worst.slack)} ({worst.detail})")
+                   f"sub-model {worst.submodel}: memory short by {format_bytes(-worst.slack)} "
+                   f"({worst.detail})")
     bound = physical_bound_accum(profile)
     all_notes = list(notes or [])
-    all_notes.append(f"physical bound C >= {bound:.1f} (bytes/param * achieved FLOP/s / (2 * H2D B/s "
-                     f"* tokens per micro-batch))")
+    all_notes.append(f"physical bound C >= {bound:.1f} (bytes/param * achieved FLOP/s / "
+                     f"(2 * H2D B/s * tokens per micro-batch))")
     all_notes.append(f"CPU AdamW assumed at {p.cpu_adam_gbps:g} GB/s of fp32 masters")
     if tier:
         all_notes.append("no plan meets every constraint at this C: "
-                         + ("loads may stall" if tier == 1 else "loads and gradient offloads may stall"))
+                         + ("loads may stall" if tier == 1
+                            else "loads and gradient offloads may stall"))
     return Plan(
         profile_hash=profile_hash(profile), graph_hash=graph_hash(graph),
         model_path=graph.model_path, config=graph.config, batch_size=graph.batch_size,
@@ -288,16 +296,13 @@ def _fields(obj):
 _FIELDS: dict[type, tuple[str, ...]] = {}
 
 
-def _digest(data) -> str:
-    canon = json.dumps(data, sort_keys=True, separators=(",", ":"), default=_fields)
-    return hashlib.sha256(canon.encode()).hexdigest()[:16]
-
-
 def profile_hash(profile: Profile) -> str:
     """Profile.content_hash(), computed faster (tests compare the two)."""
-    return _digest({"kind": profile.KIND, "schema_version": SCHEMA_VERSION, **_fields(profile)})
+    data = {"kind": profile.KIND, "schema_version": SCHEMA_VERSION, **_fields(profile)}
+    return canonical_hash(data, default=_fields)
 
 
 def graph_hash(graph: OpGraph) -> str:
     """OpGraph.structure_hash(), computed faster (tests compare the two)."""
-    return _digest({"nodes": graph.nodes, "params": graph.params, "frontend": graph.frontend})
+    data = {"nodes": graph.nodes, "params": graph.params, "frontend": graph.frontend}
+    return canonical_hash(data, default=_fields)

@@ -13,6 +13,7 @@ C values tried is kept: the one the simulator predicts keeps the GPU busiest.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,7 +41,8 @@ class AccumChoice:
     tried: dict[int, Outcome] = field(default_factory=dict)
 
 
-def choose_accum(run: Callable[[int], Outcome], max_accum: int, fixed: int | None = None) -> AccumChoice:
+def choose_accum(run: Callable[[int], Outcome], max_accum: int,
+                 fixed: int | None = None) -> AccumChoice:
     tried: dict[int, Outcome] = {}
 
     def at(c: int) -> Outcome:
@@ -101,11 +103,9 @@ def choose_accum(run: Callable[[int], Outcome], max_accum: int, fixed: int | Non
 def tokens_per_microbatch(profile: Profile) -> int:
     """Tokens in one micro-batch: the first integer input's elements (batch x sequence)."""
     for node in profile.graph.nodes:
-        if node.op == "placeholder" and node.outputs and node.outputs[0].dtype.startswith(("int", "uint")):
-            n = 1
-            for d in node.outputs[0].shape:
-                n *= d
-            return max(n, 1)
+        if (node.op == "placeholder" and node.outputs
+                and node.outputs[0].dtype.startswith(("int", "uint"))):
+            return max(math.prod(node.outputs[0].shape), 1)
     seq = profile.graph.options.get("seq_len", 1)
     return max(profile.graph.batch_size * seq, 1)
 

@@ -11,7 +11,8 @@ the constraints of DESIGN 4 as the search states them (see search.py's docstring
                early handover: params(P_0) + grads(P_0) + params(P_1) <= M
     overlap    forward  C*t_fwd(P_i) >= t_load(P_{i+1})   (P_0 with the early handover:
                         its update tail hides P_1's update wait and load)
-               backward C*t_bwd(P_i) >= t_ckpt(P_i) + t_load(P_{i-1})   (P_0: >= t_ckpt(P_0))
+               backward C*t_bwd(P_i) >= t_ckpt(P_i) + t_load(P_{i-1})   (P_0: >= t_ckpt(P_0);
+                        P_{k-1}: >= t_ckpt, P_{k-2} is still in its slot)
     gradients  C*t_bwd(P_i) >= t_offload(P_{i+1})
     optimizer  C*t_bwd(P_i) + t_offload(P_i) >= t_offload(P_{i+1}) + t_adam(P_{i+1})
 
@@ -119,7 +120,8 @@ class Checker:
                            if any(r >= stop for r in self.readers[n.name]))
         boundary = c * (sum(self.value_bytes[name] for name in cross_in) + produced_out)
         mem_fwd = param_bytes + boundary + extra_fwd + (c * saved if self.keep else 0)
-        mem_bwd = param_bytes + grad_bytes + boundary + (c * saved if self.keep else saved) + extra_bwd
+        mem_bwd = (param_bytes + grad_bytes + boundary + (c * saved if self.keep else saved)
+                   + extra_bwd)
         last = stop == len(self.nodes)
         checkpoint = 0 if last else c * (in_bytes + (saved if self.keep else 0))
         return RangeFacts(
@@ -149,35 +151,42 @@ class Checker:
             need(i, "forward alone", r.mem_fwd_bytes)
             need(i, "backward alone", r.mem_bwd_bytes)
         if facts[0].bwd_ns < facts[0].checkpoint_ns:
-            out.append(Violation(0, "backward overlap", f"C*t_bwd {facts[0].bwd_ns} ns < its checkpoints "
-                                                        f"{facts[0].checkpoint_ns} ns"))
+            out.append(Violation(0, "backward overlap",
+                                 f"C*t_bwd {facts[0].bwd_ns} ns < its checkpoints "
+                                 f"{facts[0].checkpoint_ns} ns"))
         for i in range(len(facts) - 1):
             left, right = facts[i], facts[i + 1]
             need(i, "forward + next loading", left.mem_fwd_bytes + right.param_bytes)
             need(i + 1, "backward + previous loading", right.mem_bwd_bytes + left.param_bytes)
             need(i, "backward + next's gradients leaving", left.mem_bwd_bytes + right.grad_bytes)
             if i == 0 and early_prefetch:
-                need(0, "update tail + next loading", left.param_bytes + left.grad_bytes + right.param_bytes)
+                need(0, "update tail + next loading",
+                     left.param_bytes + left.grad_bytes + right.param_bytes)
                 tail = left.offload_ns + left.adam_ns
-                wait = max(right.offload_ns + right.adam_ns - max(left.bwd_ns, left.checkpoint_ns), 0) \
-                    + right.load_ns
+                behind = right.offload_ns + right.adam_ns - max(left.bwd_ns, left.checkpoint_ns)
+                wait = max(behind, 0) + right.load_ns
                 if tail < wait:
                     out.append(Violation(0, "forward overlap",
-                                         f"update tail {tail} ns < next's update wait and load {wait} ns"))
+                                         f"update tail {tail} ns < next's update wait and load "
+                                         f"{wait} ns"))
             elif left.fwd_ns < right.load_ns:
                 out.append(Violation(i, "forward overlap",
                                      f"C*t_fwd {left.fwd_ns} ns < next load {right.load_ns} ns"))
-            if right.bwd_ns < right.checkpoint_ns + left.load_ns:
+            # the last sub-model's predecessor is still in its slot: nothing loads for it
+            reload = left.load_ns if i + 2 < len(facts) else 0
+            if right.bwd_ns < right.checkpoint_ns + reload:
                 out.append(Violation(i + 1, "backward overlap",
-                                     f"C*t_bwd {right.bwd_ns} ns < checkpoints {right.checkpoint_ns} ns "
-                                     f"+ previous load {left.load_ns} ns"))
+                                     f"C*t_bwd {right.bwd_ns} ns < checkpoints "
+                                     f"{right.checkpoint_ns} ns + previous load {reload} ns"))
             if left.bwd_ns < right.offload_ns:
                 out.append(Violation(i, "gradient offload",
-                                     f"C*t_bwd {left.bwd_ns} ns < next's offload {right.offload_ns} ns"))
+                                     f"C*t_bwd {left.bwd_ns} ns < next's offload "
+                                     f"{right.offload_ns} ns"))
             if left.bwd_ns + left.offload_ns < right.offload_ns + right.adam_ns:
                 out.append(Violation(i, "optimizer",
-                                     f"C*t_bwd + offload {left.bwd_ns + left.offload_ns} ns < next's "
-                                     f"offload + update {right.offload_ns + right.adam_ns} ns"))
+                                     f"C*t_bwd + offload {left.bwd_ns + left.offload_ns} ns < "
+                                     f"next's offload + update {right.offload_ns + right.adam_ns} "
+                                     f"ns"))
         return out
 
 
@@ -196,19 +205,23 @@ def check_plan(profile: Profile, plan: Plan) -> list[Violation]:
     expected = 0
     for i, s in enumerate(subs):
         if s.index != i or s.start != expected or s.stop <= s.start:
-            out.append(Violation(i, "structure", f"range [{s.start}, {s.stop}) does not follow {expected}"))
+            out.append(Violation(i, "structure",
+                                 f"range [{s.start}, {s.stop}) does not follow {expected}"))
         expected = s.stop
     if expected != n:
-        out.append(Violation(-1, "structure", f"sub-models end at node {expected}, the graph has {n}"))
+        out.append(Violation(-1, "structure",
+                             f"sub-models end at node {expected}, the graph has {n}"))
     if out:
         return out
     for i, n_ in enumerate(g.nodes):
         if n_.op == "placeholder" and i >= subs[0].stop:
-            out.append(Violation(-1, "structure", f"placeholder '{n_.name}' is not in the first sub-model"))
+            out.append(Violation(-1, "structure",
+                                 f"placeholder '{n_.name}' is not in the first sub-model"))
         if n_.op == "output" and i < subs[-1].start:
-            out.append(Violation(-1, "structure", f"output node '{n_.name}' is not in the last sub-model"))
-    checker = Checker(profile, plan.accum, plan.capacity_bytes - plan.reserve_bytes, plan.activations,
-                      plan.cpu_adam_gbps)
+            out.append(Violation(-1, "structure",
+                                 f"output node '{n_.name}' is not in the last sub-model"))
+    checker = Checker(profile, plan.accum, plan.capacity_bytes - plan.reserve_bytes,
+                      plan.activations, plan.cpu_adam_gbps)
     facts = [checker.range_facts(s.start, s.stop) for s in subs]
     for i, (s, f) in enumerate(zip(subs, facts)):
         if s.param_bytes != f.param_bytes:
@@ -219,7 +232,8 @@ def check_plan(profile: Profile, plan: Plan) -> list[Violation]:
             out.append(Violation(i, "recorded", f"peak_bytes {s.peak_bytes} != "
                                                 f"{max(f.mem_fwd_bytes, f.mem_bwd_bytes)}"))
         if i + 1 < len(subs) and tuple(t.name for t in s.crossing) != f.crossing_out:
-            out.append(Violation(i, "recorded", "the values crossing its end cut are not the ones listed"))
+            out.append(Violation(i, "recorded",
+                                 "the values crossing its end cut are not the ones listed"))
     out.extend(checker.check_facts(facts, plan.early_prefetch))
     if plan.feasible and any(v.constraint not in ("structure", "recorded") for v in out):
         out.append(Violation(-1, "recorded", "the plan says feasible but breaks constraints"))

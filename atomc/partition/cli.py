@@ -16,8 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "partition", help="cut a profiled model into swappable sub-models",
         description="Cut a profile into consecutive sub-models that swap through GPU memory while "
-                    "the next one loads (ATOM Algorithm 1, exact); choose the accumulation degree C; "
-                    "predict the step time and GPU utilisation by simulation.")
+                    "the next one loads (ATOM Algorithm 1, exact); choose the accumulation degree "
+                    "C; predict the step time and GPU utilisation by simulation.")
     p.add_argument("profile", help="profile JSON written by `atomc profile`")
     p.add_argument("--gpu-mem", required=True, metavar="SIZE", help="GPU memory, e.g. 11GiB, 16GB")
     p.add_argument("--reserve", default="1GiB", metavar="SIZE",
@@ -28,9 +28,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--activations", choices=ACTIVATIONS, default="recompute",
                    help="recompute each sub-model's internals in the backward, or keep them")
     p.add_argument("--cpu-adam-gbps", type=float, default=DEFAULT_CPU_ADAM_GBPS, metavar="GBPS",
-                   help=f"CPU AdamW throughput in GB/s of fp32 masters (default {DEFAULT_CPU_ADAM_GBPS:g}; "
-                        f"0 leaves the optimizer out of the model)")
-    p.add_argument("--no-fold", action="store_true", help="do not fold repeated blocks (slower, same plan)")
+                   help=f"CPU AdamW throughput in GB/s of fp32 masters "
+                        f"(default {DEFAULT_CPU_ADAM_GBPS:g}; 0 leaves the optimizer out of the "
+                        f"model)")
+    p.add_argument("--no-fold", action="store_true",
+                   help="do not fold repeated blocks (slower, same plan)")
     p.add_argument("-o", "--output", help="plan JSON path (default PROFILE with .plan.json)")
     p.add_argument("--timeline", metavar="SVG", help="also draw the predicted timeline (two steps)")
     p.add_argument("--all", action="store_true", help="list every sub-model and cut")
@@ -42,6 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("plan", help="plan JSON")
     s.add_argument("--timeline", metavar="SVG", help="draw its predicted timeline (two steps)")
     s.add_argument("--all", action="store_true", help="list every sub-model and cut")
+    s.add_argument("--schedule", action="store_true",
+                   help="also print one step's actions in the order the swap runtime runs them")
     s.set_defaults(func=run_show)
 
 
@@ -60,7 +64,8 @@ def run_partition(args: argparse.Namespace) -> int:
     capacity = parse_size(args.gpu_mem, "--gpu-mem")
     reserve = parse_size(args.reserve, "--reserve")
     if args.cpu_adam_gbps < 0:
-        raise UsageError(f"--cpu-adam-gbps {args.cpu_adam_gbps} is negative; give a rate in GB/s or 0")
+        raise UsageError(f"--cpu-adam-gbps {args.cpu_adam_gbps} is negative; give a rate in GB/s "
+                         f"or 0")
     profile = Profile.load(args.profile)
     plan = partition(profile, capacity, reserve_bytes=reserve, accum=args.accum,
                      max_accum=args.max_accum, activations=args.activations,
@@ -91,6 +96,30 @@ def run_show(args: argparse.Namespace) -> int:
 
     plan = Plan.load(args.plan)
     print(render_plan(plan, None if args.all else 40))
+    if args.schedule:
+        print()
+        print(render_schedule(plan))
     if args.timeline:
         _write_timeline(plan, args.timeline)
     return 0
+
+
+def render_schedule(plan) -> str:
+    """One step of the plan's swap schedule (atomc.actions), a sub-model's phase to a line,
+    wrapped to the terminal."""
+    import shutil
+    import textwrap
+
+    from atomc.actions import atom_order, format_actions, phases
+
+    k = len(plan.submodels)
+    order = atom_order(k, plan.accum, early_prefetch=plan.early_prefetch)
+    width = max(shutil.get_terminal_size().columns, 40)
+    legend = (f"schedule of one step, {k} sub-models, C={plan.accum}: F forward, B backward, "
+              f"L load weights, O offload gradients, U CPU update "
+              f"(2F0: sub-model 2, micro-batch 0)")
+    lines = [legend]
+    for phase in phases(order):
+        lines.append(textwrap.fill(format_actions(phase), width, initial_indent="  ",
+                                   subsequent_indent="    ", break_on_hyphens=False))
+    return "\n".join(lines)

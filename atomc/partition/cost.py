@@ -30,6 +30,7 @@ and a brute-force enumeration add up the same numbers exactly.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -96,7 +97,8 @@ def node_facts(profile: Profile) -> NodeFacts:
     nodes = graph.nodes
     costs = profile.costs
     if not nodes:
-        raise IRError("the profile's graph has no nodes; profile a model with at least one operator")
+        raise IRError("the profile's graph has no nodes; profile a model with at least one "
+                      "operator")
     if len(costs) != len(nodes):
         raise IRError(
             f"the profile has {len(costs)} node costs for {len(nodes)} graph nodes; "
@@ -105,7 +107,8 @@ def node_facts(profile: Profile) -> NodeFacts:
     index = {}
     for i, (n, c) in enumerate(zip(nodes, costs)):
         if c.name != n.name:
-            raise IRError(f"profile cost {i} is for '{c.name}' but node {i} is '{n.name}'; profile again")
+            raise IRError(f"profile cost {i} is for '{c.name}' but node {i} is '{n.name}'; "
+                          f"profile again")
         index[n.name] = i
     users: list[list[int]] = [[] for _ in nodes]
     for i, n in enumerate(nodes):
@@ -312,7 +315,7 @@ def build_tables(facts: NodeFacts, max_width: int) -> RangeTables:
         live = {j for j in live if facts.last_use[j] >= a}
         for j in live:
             users = facts.users[j]
-            nxt = users[_first_at_least(users, a)]
+            nxt = users[bisect.bisect_left(users, a)]  # its first reader at a or later
             if nxt - a < w_max:
                 in_bytes[a, nxt - a + 1:] += facts.value_bytes[j]
 
@@ -323,16 +326,11 @@ def build_tables(facts: NodeFacts, max_width: int) -> RangeTables:
         facts=facts, max_width=w_max, valid=valid,
         fwd_ns=span(facts.fwd_ns), bwd_ns=span(facts.bwd_ns), saved_bytes=span(facts.saved_bytes),
         param_bytes=param_bytes, grad_bytes=grad_bytes, master_bytes=master_bytes,
-        in_bytes=in_bytes, out_bytes=out_bytes, extra_fwd_bytes=extra_fwd, extra_bwd_bytes=extra_bwd,
+        in_bytes=in_bytes, out_bytes=out_bytes, extra_fwd_bytes=extra_fwd,
+        extra_bwd_bytes=extra_bwd,
         start_ok=np.ascontiguousarray(start_ok), end_ok=end_ok & valid, cut_bytes=cut_bytes,
         allowed=allowed,
     )
-
-
-def _first_at_least(sorted_list: tuple[int, ...], value: int) -> int:
-    import bisect
-
-    return bisect.bisect_left(sorted_list, value)
 
 
 @dataclass(frozen=True)
@@ -350,10 +348,11 @@ class CostParams:
         if self.accum < 1:
             raise UsageError(f"accumulation degree {self.accum} must be 1 or more")
         if self.activations not in ACTIVATIONS:
-            raise UsageError(f"activations {self.activations!r}: expected one of {', '.join(ACTIVATIONS)}")
+            raise UsageError(f"activations {self.activations!r}: expected one of "
+                             f"{', '.join(ACTIVATIONS)}")
         if not self.h2d_gbps > 0 or not self.d2h_gbps > 0:
-            raise UsageError(f"host-device bandwidths must be positive (got H2D {self.h2d_gbps} GB/s, "
-                             f"D2H {self.d2h_gbps} GB/s); check the profile")
+            raise UsageError(f"host-device bandwidths must be positive (got H2D {self.h2d_gbps} "
+                             f"GB/s, D2H {self.d2h_gbps} GB/s); check the profile")
 
 
 @dataclass(frozen=True)
@@ -362,7 +361,8 @@ class Derived:
 
     fwd_ns: np.ndarray  # C micro-batches
     bwd_ns: np.ndarray  # C micro-batches, recomputation included
-    load_fwd_ns: np.ndarray  # parameters H2D (before its forward, and again before its backward)
+    load_fwd_ns: np.ndarray  # parameters H2D (before its forward, and again before its backward
+    # unless the next sub-model is the last)
     checkpoint_ns: np.ndarray  # its C micro-batches' checkpoints H2D, during its own backward
     offload_ns: np.ndarray  # gradients D2H
     optimizer_ns: np.ndarray  # CPU AdamW
@@ -432,10 +432,12 @@ class RangeCost:
     out_bytes: int
 
 
-def _gather(tables: RangeTables, p: CostParams, starts: np.ndarray, stops: np.ndarray) -> list[RangeCost]:
+def _gather(tables: RangeTables, p: CostParams, starts: np.ndarray,
+            stops: np.ndarray) -> list[RangeCost]:
     t = tables
     w = stops - starts
-    if len(w) and (w.min() < 1 or w.max() > t.max_width or starts.min() < 0 or stops.max() > t.num_nodes):
+    if len(w) and (w.min() < 1 or w.max() > t.max_width or starts.min() < 0
+                   or stops.max() > t.num_nodes):
         raise ValueError(f"ranges outside the tables (max width {t.max_width})")
     fwd, bwd = t.fwd_ns[starts, w], t.bwd_ns[starts, w]
     d = derive_values(
@@ -449,7 +451,12 @@ def _gather(tables: RangeTables, p: CostParams, starts: np.ndarray, stops: np.nd
             d.offload_ns, d.optimizer_ns, d.param_bytes, d.grad_bytes, d.mem_fwd_bytes,
             d.mem_bwd_bytes, t.in_bytes[starts, w], t.out_bytes[starts, w]]
     rows = zip(*(np.broadcast_to(np.asarray(c, dtype=np.int64), w.shape).tolist() for c in cols))
-    return [RangeCost(*row) for row in rows]
+    return [RangeCost(start=a, stop=b, fwd_ns=f1, bwd_ns=b1, accum_fwd_ns=fc, accum_bwd_ns=bc,
+                      load_fwd_ns=load, checkpoint_ns=ckpt, offload_ns=off, optimizer_ns=opt,
+                      param_bytes=par, grad_bytes=grad, mem_fwd_bytes=mem_f, mem_bwd_bytes=mem_b,
+                      in_bytes=inb, out_bytes=outb)
+            for (a, b, f1, b1, fc, bc, load, ckpt, off, opt, par, grad, mem_f, mem_b, inb, outb)
+            in rows]
 
 
 def range_cost(tables: RangeTables, p: CostParams, start: int, stop: int) -> RangeCost:
@@ -457,14 +464,20 @@ def range_cost(tables: RangeTables, p: CostParams, start: int, stop: int) -> Ran
     return _gather(tables, p, np.array([start]), np.array([stop]))[0]
 
 
-def plan_costs(tables: RangeTables, p: CostParams, cuts: list[int] | tuple[int, ...]) -> list[RangeCost]:
+def plan_costs(tables: RangeTables, p: CostParams,
+               cuts: list[int] | tuple[int, ...]) -> list[RangeCost]:
     bounds = np.array([0, *cuts, tables.num_nodes], dtype=np.int64)
     return _gather(tables, p, bounds[:-1], bounds[1:])
 
 
-def first_pair(f_l, b_l, k_l, o_l, a_l, l_l, pm_l, g_l, l_r, o_r, a_r, pm_r, b_r, k_r, tier: int,
-               usable_bytes):
+def first_pair(*, fwd0_ns, bwd0_ns, checkpoint0_ns, offload0_ns, optimizer0_ns, load0_ns,
+               param0_bytes, grad0_bytes, load1_ns, offload1_ns, optimizer1_ns, param1_bytes,
+               bwd1_ns, checkpoint1_ns, last1, tier: int, usable_bytes):
     """The two ways the first sub-model P_0 (left) can hand over to P_1 (right).
+
+    Times are of C micro-batches (Derived's, a RangeCost's accum_*): F forward, B backward,
+    K checkpoint stream, O gradient offload, A CPU optimizer, L parameter load; the suffix 0
+    or 1 names the sub-model.
 
     late:  P_1 loads during P_0's forward; after P_0's backward its gradients go out, the CPU
            updates it and its parameters are refreshed:  max(F_0, L_1) + O_0 + A_0 + L_0.
@@ -474,19 +487,23 @@ def first_pair(f_l, b_l, k_l, o_l, a_l, l_l, pm_l, g_l, l_r, o_r, a_r, pm_r, b_r
            parameters and outgoing gradients and P_1's parameters fit together.
            S = max(B_1, K_1 + L_0) - max(B_1, K_1) is the stall before P_0's backward (P_1's
            update starts that much earlier); a backward lasts at least its checkpoint stream K.
+           When P_1 is the last sub-model (`last1`), P_0 is still in its slot for its backward
+           (nothing reloads it) and S = 0.
 
     Returns (late_term, late_ok, early_term, early_ok); works elementwise on arrays. In tier 0
     the late way must hide the load behind the forward (F_0 >= L_1) and the early way behind
     the tail; tiers 1 and 2 let loads stall.
     """
-    tail = o_l + a_l
-    late = np.maximum(f_l, l_r) + tail + l_l
-    stall = np.maximum(b_r, k_r + l_l) - np.maximum(b_r, k_r)
-    wait = np.maximum(o_r + a_r - np.maximum(b_l, k_l) - stall, 0) + l_r
-    early = f_l + np.maximum(tail, wait) + l_l
-    early_ok = pm_l + g_l + pm_r <= usable_bytes
+    tail = offload0_ns + optimizer0_ns
+    late = np.maximum(fwd0_ns, load1_ns) + tail + load0_ns
+    reload0 = np.where(last1, 0, load0_ns)
+    stall = np.maximum(bwd1_ns, checkpoint1_ns + reload0) - np.maximum(bwd1_ns, checkpoint1_ns)
+    wait = (np.maximum(offload1_ns + optimizer1_ns - np.maximum(bwd0_ns, checkpoint0_ns) - stall, 0)
+            + load1_ns)
+    early = fwd0_ns + np.maximum(tail, wait) + load0_ns
+    early_ok = param0_bytes + grad0_bytes + param1_bytes <= usable_bytes
     if tier == 0:
-        late_ok = f_l >= l_r
+        late_ok = fwd0_ns >= load1_ns
         early_ok = early_ok & (wait <= tail)
     else:
         late_ok = np.ones_like(early_ok)
@@ -505,16 +522,26 @@ def additive_step_ns(costs: list[RangeCost], early_prefetch: bool = False) -> in
         return total + first.offload_ns + first.optimizer_ns + first.load_fwd_ns
     second = costs[1]
     late, _, early, _ = first_pair(
-        first.accum_fwd_ns, first.accum_bwd_ns, first.checkpoint_ns, first.offload_ns, first.optimizer_ns,
-        first.load_fwd_ns, first.param_bytes, first.grad_bytes, second.load_fwd_ns,
-        second.offload_ns, second.optimizer_ns, second.param_bytes, second.accum_bwd_ns,
-        second.checkpoint_ns, 1, 0)
+        fwd0_ns=first.accum_fwd_ns, bwd0_ns=first.accum_bwd_ns, checkpoint0_ns=first.checkpoint_ns,
+        offload0_ns=first.offload_ns, optimizer0_ns=first.optimizer_ns,
+        load0_ns=first.load_fwd_ns, param0_bytes=first.param_bytes, grad0_bytes=first.grad_bytes,
+        load1_ns=second.load_fwd_ns, offload1_ns=second.offload_ns,
+        optimizer1_ns=second.optimizer_ns, param1_bytes=second.param_bytes,
+        bwd1_ns=second.accum_bwd_ns, checkpoint1_ns=second.checkpoint_ns, last1=len(costs) == 2,
+        tier=1, usable_bytes=0)
     total += int(early if early_prefetch else late)
     for i, (left, right) in enumerate(itertools.pairwise(costs)):
         if i:
             total += max(left.accum_fwd_ns, right.load_fwd_ns)
-        total += max(right.accum_bwd_ns, right.checkpoint_ns + left.load_fwd_ns)
+        total += max(right.accum_bwd_ns, right.checkpoint_ns + backward_load_ns(left, right, costs))
     return total
+
+
+def backward_load_ns(left: RangeCost, right: RangeCost, costs: list[RangeCost]) -> int:
+    """What the H2D lane loads for `left` while `right` runs its backward: left's parameters,
+    unless right is the last sub-model: then left (P_{k-2}) is still in its slot from its
+    forward, and nothing is loaded."""
+    return 0 if right is costs[-1] else left.load_fwd_ns
 
 
 # constraint names, and the search tier from which each is relaxed (memory never is)
@@ -536,7 +563,8 @@ class Slack:
     detail: str  # what is compared, for messages
 
 
-def plan_slacks(costs: list[RangeCost], usable_bytes: int, early_prefetch: bool = False) -> list[Slack]:
+def plan_slacks(costs: list[RangeCost], usable_bytes: int,
+                early_prefetch: bool = False) -> list[Slack]:
     """Every constraint of DESIGN 4 (plus the two gradient-lane ones) for a plan's ranges.
 
     With `early_prefetch` sub-model 1 loads during sub-model 0's update tail, so sub-model 0's
@@ -563,17 +591,19 @@ def plan_slacks(costs: list[RangeCost], usable_bytes: int, early_prefetch: bool 
                          f"its backward + loading sub-model {i - 1}'s parameters"))
         for num_bytes, what in need:
             out.append(Slack(i, MEMORY, usable_bytes - num_bytes,
-                             f"{what} needs {format_bytes(num_bytes)} of {format_bytes(usable_bytes)}"))
+                             f"{what} needs {format_bytes(num_bytes)} of "
+                             f"{format_bytes(usable_bytes)}"))
         if nxt and i == 0 and early_prefetch:
             tail = c.offload_ns + c.optimizer_ns
-            wait = max(nxt.offload_ns + nxt.optimizer_ns - max(c.accum_bwd_ns, c.checkpoint_ns), 0) \
-                + nxt.load_fwd_ns
+            behind = nxt.offload_ns + nxt.optimizer_ns - max(c.accum_bwd_ns, c.checkpoint_ns)
+            wait = max(behind, 0) + nxt.load_fwd_ns
             out.append(Slack(i, FORWARD_OVERLAP, tail - wait,
-                             f"its update tail {ms(tail)} vs sub-model 1's update and load {ms(wait)}"))
+                             f"its update tail {ms(tail)} vs sub-model 1's update and load "
+                             f"{ms(wait)}"))
             num_bytes = c.param_bytes + c.grad_bytes + nxt.param_bytes
             out.append(Slack(i, MEMORY, usable_bytes - num_bytes,
-                             f"its update tail + loading sub-model 1 needs {format_bytes(num_bytes)} "
-                             f"of {format_bytes(usable_bytes)}"))
+                             f"its update tail + loading sub-model 1 needs "
+                             f"{format_bytes(num_bytes)} of {format_bytes(usable_bytes)}"))
         elif nxt:
             out.append(Slack(i, FORWARD_OVERLAP, c.accum_fwd_ns - nxt.load_fwd_ns,
                              f"C*t_fwd {ms(c.accum_fwd_ns)} vs loading sub-model {i + 1} "
@@ -582,21 +612,26 @@ def plan_slacks(costs: list[RangeCost], usable_bytes: int, early_prefetch: bool 
             out.append(Slack(i, GRADIENT_OFFLOAD, c.accum_bwd_ns - nxt.offload_ns,
                              f"C*t_bwd {ms(c.accum_bwd_ns)} vs offloading sub-model {i + 1}'s "
                              f"gradients {ms(nxt.offload_ns)}"))
-            out.append(Slack(i, OPTIMIZER, c.accum_bwd_ns + c.offload_ns - nxt.offload_ns - nxt.optimizer_ns,
-                             f"C*t_bwd + own offload {ms(c.accum_bwd_ns + c.offload_ns)} vs sub-model "
-                             f"{i + 1}'s offload + CPU update {ms(nxt.offload_ns + nxt.optimizer_ns)}"))
-        if prv:
-            out.append(Slack(i, BACKWARD_OVERLAP, c.accum_bwd_ns - c.checkpoint_ns - prv.load_fwd_ns,
+            out.append(Slack(i, OPTIMIZER,
+                             c.accum_bwd_ns + c.offload_ns - nxt.offload_ns - nxt.optimizer_ns,
+                             f"C*t_bwd + own offload {ms(c.accum_bwd_ns + c.offload_ns)} vs "
+                             f"sub-model {i + 1}'s offload + CPU update "
+                             f"{ms(nxt.offload_ns + nxt.optimizer_ns)}"))
+        if prv and nxt:  # the last one's predecessor is still in its slot: nothing loads
+            out.append(Slack(i, BACKWARD_OVERLAP,
+                             c.accum_bwd_ns - c.checkpoint_ns - prv.load_fwd_ns,
                              f"C*t_bwd {ms(c.accum_bwd_ns)} vs its checkpoints "
-                             f"{ms(c.checkpoint_ns)} + loading sub-model {i - 1} {ms(prv.load_fwd_ns)}"))
+                             f"{ms(c.checkpoint_ns)} + loading sub-model {i - 1} "
+                             f"{ms(prv.load_fwd_ns)}"))
         elif c.checkpoint_ns:
             out.append(Slack(i, BACKWARD_OVERLAP, c.accum_bwd_ns - c.checkpoint_ns,
-                             f"C*t_bwd {ms(c.accum_bwd_ns)} vs its checkpoints {ms(c.checkpoint_ns)}"))
+                             f"C*t_bwd {ms(c.accum_bwd_ns)} vs its checkpoints "
+                             f"{ms(c.checkpoint_ns)}"))
     return out
 
 
-def stage_times(costs: list[RangeCost]):
-    """The simulator's input for a plan's ranges."""
+def range_stage_times(costs: list[RangeCost]):
+    """The simulator's input for a plan's ranges (atomc.simulate.stage_times reads a Plan's)."""
     from atomc.simulate.events import StageTimes
 
     return [StageTimes(fwd_ns=c.accum_fwd_ns, bwd_ns=c.accum_bwd_ns, load_ns=c.load_fwd_ns,

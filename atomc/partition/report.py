@@ -20,29 +20,37 @@ def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else "~" + text[-(width - 1):]
 
 
+def _signed_ms(ms: float) -> str:
+    return format_ms(ms) if ms >= 0 else "-" + format_ms(-ms)
+
+
 def summary(plan: Plan) -> str:
     name = plan.config or plan.model_path
     how = "fixed" if plan.accum_fixed else "searched"
     lines = [
         f"plan      {name} ({plan.model_path}), micro-batch {plan.batch_size}, on {plan.device}",
-        (f"memory    {format_bytes(plan.capacity_bytes)} GPU, reserve {format_bytes(plan.reserve_bytes)}, "
-        f"activations {plan.activations}"),
+        (f"memory    {format_bytes(plan.capacity_bytes)} GPU, "
+         f"reserve {format_bytes(plan.reserve_bytes)}, activations {plan.activations}"),
         f"accum     C={plan.accum} ({how}); physical bound C >= {plan.physical_bound_accum:.1f}",
         f"plan      {len(plan.submodels)} sub-models, {format_bytes(plan.cut_bytes)} crossing cuts "
-        f"per micro-batch" + ("; sub-model 1 loads during sub-model 0's update" if plan.early_prefetch else ""),
-        f"predicted step {format_ms(plan.predicted_step_ms)}, GPU busy {plan.predicted_utilisation:.1%}",
+        f"per micro-batch"
+        + ("; sub-model 1 loads during sub-model 0's update" if plan.early_prefetch else ""),
+        (f"predicted step {format_ms(plan.predicted_step_ms)}, "
+         f"GPU busy {plan.predicted_utilisation:.1%}"),
     ]
     if plan.feasible:
         lines.append("status    every constraint met")
     else:
-        lines.append(f"status    no plan meets every constraint up to this C; binding: {plan.binding}")
+        lines.append(f"status    no plan meets every constraint up to this C; "
+                     f"binding: {plan.binding}")
     return "\n".join(lines)
 
 
 def submodel_table(plan: Plan, max_rows: int | None = DEFAULT_ROWS) -> str:
     c = plan.accum
     head = (f"{'#':>4} {'nodes':>11}  {'layers':<34} {'params':>10} {'peak':>10} "
-            f"{'fwd x C':>9} {'bwd x C':>9} {'load':>9} {'slack fwd':>10} {'slack bwd':>10} {'slack mem':>10}")
+            f"{'fwd x C':>9} {'bwd x C':>9} {'load':>9} {'slack fwd':>10} {'slack bwd':>10} "
+            f"{'slack mem':>10}")
     rows = [head, "-" * len(head)]
     subs = list(plan.submodels)
     shown = subs
@@ -58,8 +66,7 @@ def submodel_table(plan: Plan, max_rows: int | None = DEFAULT_ROWS) -> str:
             f"{s.index:>4} {f'{s.start}-{s.stop - 1}':>11}  {_clip(_layers(s), 34):<34} "
             f"{format_bytes(s.param_bytes):>10} {format_bytes(s.peak_bytes):>10} "
             f"{format_ms(c * s.fwd_ms):>9} {format_ms(c * s.bwd_ms):>9} {format_ms(s.load_ms):>9} "
-            f"{format_ms(s.slack_fwd_ms) if s.slack_fwd_ms >= 0 else '-' + format_ms(-s.slack_fwd_ms):>10} "
-            f"{format_ms(s.slack_bwd_ms) if s.slack_bwd_ms >= 0 else '-' + format_ms(-s.slack_bwd_ms):>10} "
+            f"{_signed_ms(s.slack_fwd_ms):>10} {_signed_ms(s.slack_bwd_ms):>10} "
             f"{format_bytes(s.slack_memory_bytes):>10}")
     return "\n".join(rows)
 
@@ -67,7 +74,7 @@ def submodel_table(plan: Plan, max_rows: int | None = DEFAULT_ROWS) -> str:
 def cut_table(plan: Plan, max_rows: int | None = DEFAULT_ROWS) -> str:
     """Which values cross each cut, and their bytes (one micro-batch)."""
     rows = ["cuts (values crossing, one micro-batch)"]
-    cuts = [s for s in plan.submodels[:-1]]
+    cuts = list(plan.submodels[:-1])
     if max_rows is not None and len(cuts) > max_rows:
         cuts = cuts[: max_rows // 2] + [None] + cuts[-(max_rows // 2):]  # type: ignore[list-item]
     for s in cuts:

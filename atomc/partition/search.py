@@ -10,7 +10,8 @@ in during its own backward, O_i gradient offload, A_i CPU optimizer), the simula
     step = sum_{0<i<k-1} max(F_i, L_{i+1})         forward: P_{i+1} loads while P_i computes
          + H(P_0, P_1)                              P_0's forward and the step's tail (below)
          + F_{k-1}                                  P_{k-1} stays for its backward
-         + sum_{i>=1}  max(B_i, K_i + L_{i-1})      backward: P_{i-1} loads while P_i computes
+         + max(B_{k-1}, K_{k-1})                    P_{k-2} is still in its slot
+         + sum_{1<=i<k-1} max(B_i, K_i + L_{i-1})   backward: P_{i-1} loads while P_i computes
          + max(B_0, K_0)                            (a backward outlasts its checkpoint stream)
 
 where H is the cheaper of two handovers at the step boundary (cost.first_pair): P_1 loads
@@ -28,7 +29,7 @@ constraint (DESIGN 4):
              backward mem_bwd(P_{i+1}) + params(P_i)          <= M
                       mem_bwd(P_i) + grads(P_{i+1})           <= M   (gradients leaving)
              alone    mem_fwd(P_i) <= M and mem_bwd(P_i) <= M    (covers "fits alone")
-    overlap  forward  F_i >= L_{i+1};   backward  B_{i+1} >= K_{i+1} + L_i
+    overlap  forward  F_i >= L_{i+1};   backward  B_{i+1} >= K_{i+1} + L_i  (+ L_i: i+1 < k-1)
     gradient O_{i+1} <= B_i;             optimizer O_{i+1} + A_{i+1} <= B_i + O_i
 
 So the objective (step, then bytes crossing cuts, then number of sub-models, compared in that
@@ -108,7 +109,8 @@ def block_period(tables: RangeTables, blocks: tuple[str, ...], node_blocks: tupl
 
 
 def _equal_rows(tables: RangeTables, shift: int) -> np.ndarray:
-    """eq[a]: every range starting at a costs exactly what the same range starting at a+shift costs."""
+    """eq[a]: every range starting at a costs exactly what the same range starting at a+shift
+    costs."""
     n = tables.num_nodes
     eq = np.zeros(n + 1, dtype=bool)
     if shift <= 0 or shift >= n:
@@ -242,19 +244,23 @@ def search(tables: RangeTables, params: CostParams, tier: int = 0, folding: Fold
     if cuts:
         end = cuts[1] if len(cuts) > 1 else n
         _, _, _early_term, _early_ok, pick_early = _first_pair_grid(
-            d, cuts[0], np.array([end - cuts[0]]), tier, m)
+            d, cuts[0], np.array([end - cuts[0]]), n, tier, m)
         early = bool(pick_early[0])
     return SearchResult(tuple(cuts), step, cut_bytes, count, tier, folded, early)
 
 
-def _first_pair_grid(d: Derived, b: int, wr: np.ndarray, tier: int, m: np.int64):
-    """Handover terms for P_0 = [0, b) followed by each [b, b + wr)."""
+def _first_pair_grid(d: Derived, b: int, wr: np.ndarray, n: int, tier: int, m: np.int64):
+    """Handover terms for P_0 = [0, b) followed by each [b, b + wr) of a graph of n nodes."""
     w = b
     late, late_ok, early, early_ok = first_pair(
-        d.fwd_ns[0, w], d.bwd_ns[0, w], d.checkpoint_ns[0, w], d.offload_ns[0, w], d.optimizer_ns[0, w],
-        d.load_fwd_ns[0, w], d.param_bytes[0, w], d.grad_bytes[0, w], d.load_fwd_ns[b, wr],
-        d.offload_ns[b, wr], d.optimizer_ns[b, wr], d.param_bytes[b, wr], d.bwd_ns[b, wr],
-        d.checkpoint_ns[b, wr], tier, m)
+        fwd0_ns=d.fwd_ns[0, w], bwd0_ns=d.bwd_ns[0, w], checkpoint0_ns=d.checkpoint_ns[0, w],
+        offload0_ns=d.offload_ns[0, w], optimizer0_ns=d.optimizer_ns[0, w],
+        load0_ns=d.load_fwd_ns[0, w], param0_bytes=d.param_bytes[0, w],
+        grad0_bytes=d.grad_bytes[0, w], load1_ns=d.load_fwd_ns[b, wr],
+        offload1_ns=d.offload_ns[b, wr], optimizer1_ns=d.optimizer_ns[b, wr],
+        param1_bytes=d.param_bytes[b, wr], bwd1_ns=d.bwd_ns[b, wr],
+        checkpoint1_ns=d.checkpoint_ns[b, wr], last1=b + wr == n, tier=tier,
+        usable_bytes=m)
     pick_early = early_ok & ~(late_ok & (late <= early))
     return late, late_ok, early, early_ok, pick_early
 
@@ -309,7 +315,9 @@ def _solve_middle(b: int, t: RangeTables, d: Derived, v: _Suffix, tier: int, m: 
     f_l, bwd_l = left(d.fwd_ns), left(d.bwd_ns)
     bwd_r = right(d.bwd_ns)
     lf_r = right(d.load_fwd_ns)
-    lb_l = right(d.checkpoint_ns) + left(d.load_fwd_ns)  # the H2D lane during R's backward
+    # the H2D lane during R's backward: R's checkpoints, then L's parameters, unless R is the
+    # last sub-model (L is then still in its slot from its forward)
+    lb_l = right(d.checkpoint_ns) + np.where((ends == n)[None, :], 0, left(d.load_fwd_ns))
     mask = left(d.mem_fwd_bytes) + right(d.param_bytes) <= m
     mask &= right(d.mem_bwd_bytes) + left(d.param_bytes) <= m
     mask &= left(d.mem_bwd_bytes) + right(d.grad_bytes) <= m
@@ -322,7 +330,7 @@ def _solve_middle(b: int, t: RangeTables, d: Derived, v: _Suffix, tier: int, m: 
     fwd_term = np.maximum(f_l, lf_r)
     fwd_ok = f_l >= lf_r if tier == 0 else np.ones_like(mask)
     if al[-1] == 0:  # the first sub-model: its handover to P_1 replaces the forward term
-        late, late_ok, early, early_ok, pick_early = _first_pair_grid(d, b, wr, tier, m)
+        late, late_ok, early, early_ok, pick_early = _first_pair_grid(d, b, wr, n, tier, m)
         fwd_term = np.broadcast_to(fwd_term, mask.shape).copy()
         fwd_ok = np.broadcast_to(fwd_ok, mask.shape).copy()
         fwd_term[-1] = np.where(pick_early, early, late)

@@ -108,7 +108,8 @@ def profile_model(traced: TracedModel, *, device: str | None = None, target: str
             source = "reused" if op.signature in counted else "estimated"
         counted.add(op.signature)
         costs.append(NodeCost(
-            name=op.name, param_bytes=param_bytes, output_bytes=s.output_bytes, saved_bytes=s.saved_bytes,
+            name=op.name, param_bytes=param_bytes, output_bytes=s.output_bytes,
+            saved_bytes=s.saved_bytes,
             peak_fwd_bytes=peak_fwd, peak_bwd_bytes=peak_bwd, fwd_ms=fwd_ms, bwd_ms=bwd_ms,
             load_ms=node_load_ms, fwd_flops=s.fwd_flops, bwd_flops=s.bwd_flops, source=source,
         ))

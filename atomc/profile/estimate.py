@@ -24,7 +24,8 @@ def estimate_ms(stats: MetaStats, hw: HardwareProfile, compute_dtype: str) -> tu
     bwd_ms = 0.0
     if stats.has_backward and (stats.bwd_flops or stats.output_bytes):
         # read output grads and saved tensors; write input grads; read params, write their grads
-        bwd_bytes = stats.output_bytes + stats.saved_bytes + stats.input_bytes + 2 * stats.param_bytes
+        bwd_bytes = (stats.output_bytes + stats.saved_bytes + stats.input_bytes
+                     + 2 * stats.param_bytes)
         bwd_ms = max(stats.bwd_flops / flops_per_s, bwd_bytes / bytes_per_s) * 1e3 + 2 * launch_ms
     return fwd_ms, bwd_ms
 

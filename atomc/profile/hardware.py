@@ -14,7 +14,8 @@ def _files():
 
 
 def hardware_names() -> list[str]:
-    return sorted(f.name.removesuffix(".json") for f in _files().iterdir() if f.name.endswith(".json"))
+    return sorted(f.name.removesuffix(".json") for f in _files().iterdir()
+                  if f.name.endswith(".json"))
 
 
 def load_hardware(name: str) -> HardwareProfile:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 
-def time_ms(fn: Callable[[], Any], device: torch.device, warmup: int = 2, repeats: int = 5) -> float:
+def time_ms(fn: Callable[[], Any], device: torch.device, warmup: int = 2,
+            repeats: int = 5) -> float:
     """Median wall time of fn() in milliseconds."""
     for _ in range(warmup):
         fn()
@@ -64,5 +66,6 @@ class CopyTimer:
         pin = self.device.type == "cuda"
         src = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
         dst = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pin)
-        ms = time_ms(lambda: dst.copy_(src, non_blocking=pin), self.device, warmup=1, repeats=self.repeats)
+        ms = time_ms(lambda: dst.copy_(src, non_blocking=pin), self.device, warmup=1,
+                     repeats=self.repeats)
         return num_bytes / (ms * 1e-3) / 1e9

@@ -25,7 +25,8 @@ VERSION = 1
 
 
 def checksum(obj: Any) -> str:
-    """sha256 over a nested structure of dicts, lists, tensors and plain values, in a fixed order."""
+    """sha256 over a nested structure of dicts, lists, tensors and plain values, in a fixed
+    order."""
     h = hashlib.sha256()
     _feed(h, obj)
     return h.hexdigest()
@@ -67,17 +68,18 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
                                    f"SwapTrainer.save_checkpoint (or `atomc train --checkpoint`)")
     try:
         payload = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any unpickling failure: re-raised as a user error
         raise RuntimeMismatchError(
             f"checkpoint {p} is corrupt or not a torch file ({type(e).__name__}: {str(e)[:200]}); "
             f"nothing was loaded: use an intact checkpoint") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise RuntimeMismatchError(f"{p} is not an atomc swap checkpoint (format "
-                                   f"{payload.get('format') if isinstance(payload, dict) else type(payload).__name__!r}); "
+        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+        raise RuntimeMismatchError(f"{p} is not an atomc swap checkpoint (format {found!r}); "
                                    f"nothing was loaded")
     if payload.get("version") != VERSION:
-        raise RuntimeMismatchError(f"checkpoint {p} has format version {payload.get('version')!r}; this "
-                                   f"atomc reads version {VERSION}; nothing was loaded")
+        raise RuntimeMismatchError(f"checkpoint {p} has format version "
+                                   f"{payload.get('version')!r}; this atomc reads version "
+                                   f"{VERSION}; nothing was loaded")
     state = payload.get("state")
     if not isinstance(state, dict) or checksum(state) != payload.get("checksum"):
         raise RuntimeMismatchError(f"checkpoint {p} fails its checksum: the file is damaged; "

@@ -15,10 +15,11 @@ from atomc.errors import UsageError
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a generated package with the swap runtime",
-                       description="Train the sub-models of PACKAGE_DIR (written by `atomc codegen`) "
-                                   "with the swap runtime on byte-level text.")
+                       description="Train the sub-models of PACKAGE_DIR (written by "
+                                   "`atomc codegen`) with the swap runtime on byte-level text.")
     p.add_argument("package", help="generated package directory")
-    p.add_argument("--steps", type=int, required=True, help="optimizer steps to run (in total, with --resume)")
+    p.add_argument("--steps", type=int, required=True,
+                   help="optimizer steps to run (in total, with --resume)")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--accum", type=int, help="micro-batches per step, C (default: the plan's)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
@@ -28,11 +29,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--transfer-dtype", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the device copy of the weights (default: the master's, float32)")
     p.add_argument("--activations", choices=["recompute", "keep"], help="default: the plan's")
-    p.add_argument("--data", default="stdlib", help="'stdlib' (the Python standard library's sources) "
-                                                    "or a text file (default stdlib)")
+    p.add_argument("--data", default="stdlib",
+                   help="'stdlib' (the Python standard library's sources) or a text file "
+                        "(default stdlib)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint", help="write a checkpoint here at the end (and every --every steps)")
-    p.add_argument("--every", type=int, default=0, help="checkpoint interval in steps (0: only at the end)")
+    p.add_argument("--checkpoint",
+                   help="write a checkpoint here at the end (and every --every steps)")
+    p.add_argument("--every", type=int, default=0,
+                   help="checkpoint interval in steps (0: only at the end)")
     p.add_argument("--resume", help="continue from this checkpoint")
     p.add_argument("--trace", help="write the measured event trace of the last steps (JSON)")
     p.add_argument("--timeline", help="draw the measured timeline of the last steps (SVG)")
@@ -50,27 +54,32 @@ def run_train(args: argparse.Namespace) -> int:
         raise UsageError(f"--steps {args.steps} must be 1 or more")
     schedule = warmup_cosine(args.warmup, args.steps) if args.warmup else None
     trainer = SwapTrainer.from_package(
-        args.package, device=args.device, accum=args.accum, seed=args.seed, activations=args.activations,
-        optimizer={"lr": args.lr, "weight_decay": args.weight_decay, "max_grad_norm": args.max_grad_norm,
-                   "lr_schedule": schedule},
+        args.package, device=args.device, accum=args.accum, seed=args.seed,
+        activations=args.activations,
+        optimizer={"lr": args.lr, "weight_decay": args.weight_decay,
+                   "max_grad_norm": args.max_grad_norm, "lr_schedule": schedule},
         transfer_dtype=args.transfer_dtype, checkpoint=args.resume,
         trace=bool(args.trace or args.timeline))
     try:
         names = trainer.package.model_inputs
         spec = trainer.package.input_specs().get(names[0], {}) if len(names) == 1 else {}
         shape = spec.get("shape")
-        if len(names) != 1 or not shape or len(shape) != 2 or "int" not in str(spec.get("dtype", "")):
-            raise UsageError(f"atomc train feeds byte-level text to a model with one integer input of shape "
-                             f"[batch, sequence]; {args.package} takes {', '.join(names)} "
-                             f"({spec or 'unknown shapes'}): train it with atomc.runtime.SwapTrainer")
+        if (len(names) != 1 or not shape or len(shape) != 2
+                or "int" not in str(spec.get("dtype", ""))):
+            raise UsageError(f"atomc train feeds byte-level text to a model with one integer input "
+                             f"of shape [batch, sequence]; {args.package} takes "
+                             f"{', '.join(names)} ({spec or 'unknown shapes'}): train it with "
+                             f"atomc.runtime.SwapTrainer")
         text = stdlib_text() if args.data == "stdlib" else Path(args.data).read_bytes()
-        data = ByteBatches(text, seq_len=shape[1], batch_size=trainer.accum * shape[0], seed=args.seed)
+        data = ByteBatches(text, seq_len=shape[1], batch_size=trainer.accum * shape[0],
+                           seed=args.seed)
         print(trainer.describe())
         start = trainer.step_count
         if start >= args.steps:
             print(f"the checkpoint is at step {start}, --steps is {args.steps}: nothing to do")
             return 0
-        bar = tqdm(range(start, args.steps), desc="training", unit="step", initial=start, total=args.steps)
+        bar = tqdm(range(start, args.steps), desc="training", unit="step", initial=start,
+                   total=args.steps)
         for step in bar:
             loss = trainer.step(data.batch(step))
             bar.set_postfix(loss=f"{loss:.4f}")
@@ -84,7 +93,8 @@ def run_train(args: argparse.Namespace) -> int:
             traces = list(trainer.traces.values())
             if args.trace:
                 from atomc.jsonio import write_json
-                write_json(args.trace, {"kind": "atomc.swap-trace", "steps": [t.to_json() for t in traces]})
+                write_json(args.trace, {"kind": "atomc.swap-trace",
+                                        "steps": [t.to_json() for t in traces]})
                 print(f"wrote {args.trace}")
             if args.timeline:
                 from atomc.simulate import write_timeline_svg

@@ -43,7 +43,8 @@ class ByteBatches:
     def __init__(self, text: bytes, seq_len: int, batch_size: int, seed: int = 0,
                  holdout_fraction: float = 0.0):
         if len(text) < seq_len + 1:
-            raise UsageError(f"the text has {len(text)} bytes, fewer than one window of {seq_len + 1}")
+            raise UsageError(f"the text has {len(text)} bytes, fewer than one window of "
+                             f"{seq_len + 1}")
         self.tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.int64)
         split = int(len(self.tokens) * (1 - holdout_fraction))
         self.train_tokens = self.tokens[:split]

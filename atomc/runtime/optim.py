@@ -11,7 +11,8 @@ sees updated weights.
   CPU kernels vectorise from each tensor's start and finish with a scalar tail, and FMA
   contraction differs between the two paths: the per-parameter views make the update the
   same bits as on the original tensors. The default implementation is torch's fused CPU
-  kernel, about 10x faster than the foreach and for-loop ones here (see the README, "Host store, optimizer and tied weights").
+  kernel, about 10x faster than the foreach and for-loop ones here (see the README, "Host store,
+  optimizer and tied weights").
 - Without clipping or loss scaling, sub-model i is updated as soon as its gradients are on
   the host, in backward order, overlapping the rest of the backward ("eager").
 - Global gradient-norm clipping and dynamic fp16 loss scaling need every gradient first:
@@ -61,15 +62,33 @@ class AdamWConfig:
             raise UsageError(f"AdamW settings lr={self.lr}, betas={self.betas}, eps={self.eps} are "
                              f"out of range; give lr >= 0, 0 <= betas < 1, eps > 0")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise UsageError(f"max_grad_norm {self.max_grad_norm} must be positive (or None: no clipping)")
+            raise UsageError(f"max_grad_norm {self.max_grad_norm} must be positive (or None: no "
+                             f"clipping)")
 
     def lr_at(self, step: int) -> float:
         return self.lr * (self.lr_schedule(step) if self.lr_schedule is not None else 1.0)
 
+    def set_lr(self, optimizer: torch.optim.Optimizer, step: int) -> None:
+        """Step `step`'s learning rate into every group of `optimizer` (the one LR rule)."""
+        lr = self.lr_at(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+    def decays(self, fqn: str, shape: tuple[int, ...]) -> bool:
+        """Whether weight decay applies to the weight `fqn` (the one decay-group rule)."""
+        return True if self.decay_filter is None else bool(self.decay_filter(fqn, tuple(shape)))
+
+    def clip_coefficient(self, total_norm: torch.Tensor) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_'s factor for a global norm (1 without clipping)."""
+        if self.max_grad_norm is None:
+            return torch.ones_like(total_norm)
+        return torch.clamp(self.max_grad_norm / (total_norm + 1e-6), max=1.0)
+
     def torch_kwargs(self) -> dict[str, Any]:
         impl = {"fused": {"fused": True}, "foreach": {"foreach": True},
                 "for-loop": {"foreach": False}}[self.impl]
-        return dict(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay, **impl)
+        return dict(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
+                    **impl)
 
     @classmethod
     def coerce(cls, value: AdamWConfig | dict[str, Any] | None) -> AdamWConfig:
@@ -86,10 +105,12 @@ class AdamWConfig:
             if "betas" in kw:
                 kw["betas"] = tuple(kw["betas"])
             return cls(**kw)
-        raise UsageError(f"optimizer= takes an AdamWConfig or a dict of its fields, got {type(value).__name__}")
+        raise UsageError(f"optimizer= takes an AdamWConfig or a dict of its fields, "
+                         f"got {type(value).__name__}")
 
 
-def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float = 0.1) -> Callable[[int], float]:
+def warmup_cosine(warmup_steps: int, total_steps: int,
+                  min_ratio: float = 0.1) -> Callable[[int], float]:
     """Linear warm-up to 1, then cosine decay to `min_ratio` at `total_steps`."""
     def schedule(step: int) -> float:
         if step < warmup_steps:
@@ -177,8 +198,10 @@ class CpuOptimizer:
                       for ps, wd in ((decayed, config.weight_decay), (plain, 0.0)) if ps]
             self.params.append(decayed + plain)
             # a sub-model that owns nothing (all its weights are replicas) has no optimizer
-            self.optims.append(torch.optim.AdamW(groups, **config.torch_kwargs()) if groups else None)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomc-cpu-adamw") if threaded else None
+            self.optims.append(torch.optim.AdamW(groups, **config.torch_kwargs())
+                               if groups else None)
+        self._pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomc-cpu-adamw")
+                      if threaded else None)
         self.update_future: list[Future | None] = [None] * self.k
         self._futures: dict[int, list[Future]] = {}  # by step
         self._decide_future: Future | None = None
@@ -224,7 +247,7 @@ class CpuOptimizer:
             fut: Future = Future()
             try:
                 fut.set_result(fn(*args))
-            except BaseException as e:  # surfaced by wait_* like a threaded failure
+            except BaseException as e:  # noqa: BLE001 - surfaced by wait_* like a threaded failure
                 fut.set_exception(e)
         else:
             fut = self._pool.submit(fn, *args)
@@ -318,7 +341,7 @@ class CpuOptimizer:
             self.scaler.update(found_inf)
         self.last_skipped = st.skipped
         if not st.skipped and self.config.max_grad_norm is not None:
-            coef = torch.clamp(self.config.max_grad_norm / (total_t + 1e-6), max=1.0)
+            coef = self.config.clip_coefficient(total_t)
             for i in range(self.k):
                 self.store.grad_master[i].mul_(coef)
         self.tracer.host_event(st.step, "optimizer", -1, "grad_norm", t0, time.perf_counter())
@@ -335,9 +358,7 @@ class CpuOptimizer:
     def _step_one(self, st: _StepState, i: int) -> None:
         opt = self.optims[i]
         if opt is not None:
-            lr = self.config.lr_at(st.step)
-            for group in opt.param_groups:
-                group["lr"] = lr
+            self.config.set_lr(opt, st.step)
             opt.step()
         self.store.refresh_images(i)
 

@@ -16,16 +16,64 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from atomc.codegen import load_package
-from atomc.errors import CodegenError, RuntimeMismatchError
+from atomc.errors import CodegenError, ModelFileError, RuntimeMismatchError
 
 REQUIRED = ("SUBMODELS", "MODEL_INPUTS", "BOUNDARIES", "PLAN", "PARAM_NAMES", "TIED",
             "build_submodels", "load_original_state_dict", "export_state_dict")
+
+
+@dataclass(frozen=True)
+class PackagePlan:
+    """The generated package's PLAN: what it was cut for, read with types.
+
+    Fields an older package lacks take these defaults (a package records no capacity when it
+    was generated from a hand-made plan).
+    """
+
+    plan_hash: str = ""
+    graph_hash: str = ""
+    profile_hash: str = ""
+    model_path: str = ""
+    config: str | None = None
+    batch_size: int = 0  # one micro-batch's samples
+    options: dict[str, Any] = field(default_factory=dict)
+    frontend: str = "fx"
+    accum: int = 1
+    activations: str = "recompute"
+    device: str = ""
+    capacity_bytes: int | None = None
+    node_ranges: tuple[tuple[int, int], ...] = ()
+    atomc_version: str = ""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str) -> PackagePlan:
+        try:
+            return cls(
+                plan_hash=str(data.get("plan_hash") or ""),
+                graph_hash=str(data.get("graph_hash") or ""),
+                profile_hash=str(data.get("profile_hash") or ""),
+                model_path=str(data.get("model_path") or ""),
+                config=None if data.get("config") is None else str(data["config"]),
+                batch_size=int(data.get("batch_size") or 0),
+                options=dict(data.get("options") or {}),
+                frontend=str(data.get("frontend") or "fx"),
+                accum=int(data.get("accum") or 1),
+                activations=str(data.get("activations") or "recompute"),
+                device=str(data.get("device") or ""),
+                capacity_bytes=(None if data.get("capacity_bytes") is None
+                                else int(data["capacity_bytes"])),
+                node_ranges=tuple((int(a), int(b)) for a, b in data.get("node_ranges") or ()),
+                atomc_version=str(data.get("atomc_version") or ""),
+            )
+        except (TypeError, ValueError) as e:
+            raise RuntimeMismatchError(f"{source}: PLAN has a field of the wrong type ({e}); the "
+                                       f"package is damaged, regenerate it") from None
 
 
 @dataclass
@@ -37,7 +85,7 @@ class SwapPackage:
     inputs: list[tuple[str, ...]]  # per sub-model, value names in forward() order
     outputs: list[tuple[str, ...]]
     boundaries: list[dict[str, Any]]
-    plan: dict[str, Any]
+    plan: PackagePlan
     param_names: list[dict[str, str]]
     tied: dict[str, list[tuple[int, str]]]
     build_submodels: Callable[..., list]
@@ -52,7 +100,7 @@ class SwapPackage:
 
     @property
     def plan_hash(self) -> str:
-        return str(self.plan.get("plan_hash", ""))
+        return self.plan.plan_hash
 
     def readers(self) -> dict[str, list[int]]:
         """Value name -> indices of the sub-models that read it, ascending."""
@@ -64,7 +112,7 @@ class SwapPackage:
 
     def producers(self) -> dict[str, int]:
         """Value name -> index of the sub-model that produces it (-1: a model input)."""
-        out = {n: -1 for n in self.model_inputs}
+        out = dict.fromkeys(self.model_inputs, -1)
         for i, names in enumerate(self.outputs[:-1]):
             for n in names:
                 out[n] = i
@@ -85,13 +133,43 @@ class SwapPackage:
         A relative PLAN["model_path"] is tried from the working directory, then beside the
         package and beside its parent directory.
         """
-        raw = self.plan.get("model_path")
+        raw = self.plan.model_path
         if not raw:
             return None
         p = Path(raw)
         candidates = [p] if p.is_absolute() else [p, self.path / p, self.path.parent / p,
                                                    self.path.parent.parent / p]
         return next((c for c in candidates if c.is_file()), None)
+
+    def initial_state_dict(self, seed: int) -> dict[str, Any] | None:
+        """The original model's weights as its build_model() makes them under manual_seed(seed);
+        None when the model file is not found (the sub-models' own initialisation is used)."""
+        path = self.model_file()
+        if path is None:
+            return None
+        import torch
+
+        from atomc.trace.load import call_with_options, load_model_file
+        module = load_model_file(path)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = call_with_options(module.build_model, (self.plan.config,),
+                                      dict(self.plan.options), path)
+        return model.state_dict()
+
+    def model_loss_fn(self) -> Callable:
+        """The model file's loss_fn(outputs, batch); ModelFileError when there is none."""
+        path = self.model_file()
+        if path is None:
+            raise ModelFileError(f"{self.path} was generated from model file "
+                                 f"{self.plan.model_path!r}, which is not found from here; pass "
+                                 f"loss_fn= (and state_dict= for the initial weights)")
+        from atomc.trace import load_model_file
+        fn = getattr(load_model_file(path), "loss_fn", None)
+        if not callable(fn):
+            raise ModelFileError(f"{path} defines no loss_fn(outputs, batch); add one or pass "
+                                 f"loss_fn=")
+        return fn
 
     def fingerprint(self) -> str:
         """Hash of the package's structure: what a checkpoint must agree with."""
@@ -114,14 +192,14 @@ def load_swap_package(path: str | Path) -> SwapPackage:
     missing = [n for n in REQUIRED if not hasattr(module, n)]
     if missing:
         raise RuntimeMismatchError(
-            f"{p} lacks {', '.join(missing)}: not a package `atomc codegen` wrote (or an older one); "
-            f"regenerate it")
+            f"{p} lacks {', '.join(missing)}: not a package `atomc codegen` wrote (or an older "
+            f"one); regenerate it")
     classes = list(module.SUBMODELS)
     k = len(classes)
     for attr in ("BOUNDARIES", "PARAM_NAMES"):
         if len(getattr(module, attr)) != k:
-            raise RuntimeMismatchError(f"{p}: {attr} has {len(getattr(module, attr))} entries for {k} "
-                                       f"sub-models; the package is damaged, regenerate it")
+            raise RuntimeMismatchError(f"{p}: {attr} has {len(getattr(module, attr))} entries for "
+                                       f"{k} sub-models; the package is damaged, regenerate it")
     if k == 0:
         raise RuntimeMismatchError(f"{p} has no sub-models; regenerate it")
     inputs, outputs = [], []
@@ -144,12 +222,14 @@ def load_swap_package(path: str | Path) -> SwapPackage:
         pairs = [(int(i), str(n)) for i, n in holders]
         for i, n in pairs:
             if not 0 <= i < k or n not in module.PARAM_NAMES[i]:
-                raise RuntimeMismatchError(f"{p}: TIED[{fqn!r}] names sub-model {i} parameter {n!r}, "
-                                           f"which PARAM_NAMES does not list; regenerate the package")
+                raise RuntimeMismatchError(f"{p}: TIED[{fqn!r}] names sub-model {i} parameter "
+                                           f"{n!r}, which PARAM_NAMES does not list; regenerate "
+                                           f"the package")
         tied[fqn] = pairs
     return SwapPackage(
         path=p, module=module, classes=classes, model_inputs=model_inputs, inputs=inputs,
-        outputs=outputs, boundaries=list(module.BOUNDARIES), plan=dict(module.PLAN),
+        outputs=outputs, boundaries=list(module.BOUNDARIES),
+        plan=PackagePlan.from_dict(dict(module.PLAN), str(p)),
         param_names=[dict(d) for d in module.PARAM_NAMES], tied=tied,
         build_submodels=module.build_submodels,
         load_original_state_dict=module.load_original_state_dict,

@@ -30,6 +30,7 @@ copy are not pinned (the device never reads them).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -117,9 +118,9 @@ def plan_layouts(package: SwapPackage, modules: list[nn.Module],
         unknown = sorted(set(listed) - set(named) - buffers)
         if lacking or unknown:
             raise RuntimeMismatchError(
-                f"sub-model {i} of {package.path} has parameters {lacking} that PARAM_NAMES does not map, "
-                f"and PARAM_NAMES names {unknown}, which it does not have; the package is damaged, "
-                f"regenerate it")
+                f"sub-model {i} of {package.path} has parameters {lacking} that PARAM_NAMES does "
+                f"not map, and PARAM_NAMES names {unknown}, which it does not have; the package "
+                f"is damaged, regenerate it")
         shapes.append(named)
         param_names.append({local: fqn for local, fqn in listed.items() if local in named})
 
@@ -156,16 +157,16 @@ def plan_layouts(package: SwapPackage, modules: list[nn.Module],
             return start, span, wide
 
         for local, key, shape, decay in owned_decay + owned_plain:
-            n = _numel(shape)
+            n = math.prod(shape)
             owner_offsets[key] = master_offset
             start, span, wide = place(key, n)
             entries.append(ParamEntry(local, key, shape, n, start, i, master_offset, decay, True,
                                       span, wide))
             master_offset += n
         owned = master_offset
-        decay_numel = sum(_numel(s) for _, _, s, _ in owned_decay)
+        decay_numel = sum(math.prod(s) for _, _, s, _ in owned_decay)
         for local, key, shape, decay in replicas:
-            n = _numel(shape)
+            n = math.prod(shape)
             o = owner_of[key]
             if o == i:
                 o_off = owner_offsets[key]
@@ -177,7 +178,8 @@ def plan_layouts(package: SwapPackage, modules: list[nn.Module],
             if owner_shape != shape:
                 raise RuntimeMismatchError(
                     f"tied parameter {key} has shape {list(owner_shape)} in sub-model {o} but "
-                    f"{list(shape)} in sub-model {i} ({local}); the package is damaged, regenerate it")
+                    f"{list(shape)} in sub-model {i} ({local}); the package is damaged, "
+                    f"regenerate it")
             start, span, wide = place(key, n)
             entries.append(ParamEntry(local, key, shape, n, start, o, o_off, decay, False,
                                       span, wide))
@@ -189,13 +191,6 @@ def _entry_shape(layouts: list[SubLayout], current: list[ParamEntry], owner: int
                  key: str) -> tuple[int, ...]:
     pool = current if owner == len(layouts) else layouts[owner].entries
     return next(e.shape for e in pool if e.key == key and e.owned)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 ARENA_ALIGN = 512  # bytes: where each buffer of an arena starts; a multiple of every dtype's size
@@ -225,13 +220,13 @@ class HostArena:
         for shape, dtype in specs:
             start = -(-end // ARENA_ALIGN) * ARENA_ALIGN
             offsets.append(start)
-            end = start + _numel(tuple(shape)) * dtype.itemsize
+            end = start + math.prod(tuple(shape)) * dtype.itemsize
         self.nbytes = end  # what the buffers span, alignment gaps included
         self.storage = torch.zeros(end, dtype=torch.uint8, pin_memory=pin)
         self.specs = [(tuple(shape), dtype) for shape, dtype in specs]
         self.buffers: list[torch.Tensor] = []
         for (shape, dtype), start in zip(self.specs, offsets):
-            nb = _numel(shape) * dtype.itemsize
+            nb = math.prod(shape) * dtype.itemsize
             self.buffers.append(self.storage[start:start + nb].view(dtype).view(shape))
 
     def pinned_bytes(self) -> int:
@@ -271,7 +266,8 @@ class HostStore:
                 if not e.owned:
                     self.replicas_of[e.owner].append((L.index, e))
         self.runs = [L.runs() for L in layouts]
-        self.exact_keys: set[str] = set()  # ties the executor sums on the device (tied_grads="exact")
+        # ties the executor sums on the device (tied_grads="exact")
+        self.exact_keys: set[str] = set()
         # sub-models whose updates change what sub-model i loads
         self.load_deps: list[tuple[int, ...]] = [
             tuple(sorted({L.index} | {e.owner for e in L.entries})) for L in layouts]

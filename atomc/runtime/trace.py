@@ -156,7 +156,8 @@ class Tracer:
             self._add(step, TraceEvent(lane, submodel, kind, self._host_ms(step, t0),
                                        self._host_ms(step, t1), step, num_bytes, slot))
 
-    def host_event(self, step: int, lane: str, submodel: int, kind: str, t0: float, t1: float) -> None:
+    def host_event(self, step: int, lane: str, submodel: int, kind: str, t0: float,
+                   t1: float) -> None:
         """A span timed with perf_counter on another thread, placed on `step`'s axis."""
         if not self.enabled:
             return
@@ -164,7 +165,8 @@ class Tracer:
             if step not in self._host_t0:
                 return
             origin = self._host_t0[step]
-        self._add(step, TraceEvent(lane, submodel, kind, (t0 - origin) * 1e3, (t1 - origin) * 1e3, step))
+        self._add(step, TraceEvent(lane, submodel, kind, (t0 - origin) * 1e3,
+                                   (t1 - origin) * 1e3, step))
 
     def end_step(self, wall_ms: float) -> StepTrace | None:
         """Close the step: read the CUDA events (one wait for the step's last one)."""
@@ -206,7 +208,8 @@ def replay_residency(trace: StepTrace, initially: dict[int, int] | None = None) 
     return most
 
 
-def to_timeline(traces: list[StepTrace], num_submodels: int, accum: int, label: str = "") -> Timeline:
+def to_timeline(traces: list[StepTrace], num_submodels: int, accum: int,
+                label: str = "") -> Timeline:
     """Measured steps as the simulator's Timeline (source "measured"), on one time axis.
 
     Each step starts at its host start time; it ends where the next starts, or for the last
@@ -223,7 +226,8 @@ def to_timeline(traces: list[StepTrace], num_submodels: int, accum: int, label: 
         offset = (t.host_start - origin) * 1e3
         starts.append(offset)
         for e in t.events:
-            events.append(Event(e.lane, e.submodel, e.kind, offset + e.start_ms, offset + e.end_ms, t.step))
+            events.append(Event(e.lane, e.submodel, e.kind, offset + e.start_ms,
+                                offset + e.end_ms, t.step))
     last = traces[-1]
     device_ends = [e.end_ms for e in last.events if e.lane != "optimizer"] or [0.0]
     starts.append(starts[-1] + max(max(device_ends), 0.0))

@@ -17,8 +17,6 @@ was made for (PLAN["batch_size"]): memory was planned for them.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,27 +24,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from atomc.device import parse_device
-from atomc.errors import ModelFileError, RuntimeMismatchError, UsageError
-from atomc.jsonio import read_json
+from atomc.errors import RuntimeMismatchError
+from atomc.ir import Plan
+from atomc.jsonio import canonical_hash, read_json
 from atomc.runtime.checkpoint import load_checkpoint, save_checkpoint
+from atomc.runtime.config import TrainerConfig
 from atomc.runtime.executor import SwapExecutor, rebind_parameters
-from atomc.runtime.optim import AdamWConfig, CpuOptimizer, LossScaler
+from atomc.runtime.optim import CpuOptimizer, LossScaler
 from atomc.runtime.package import SwapPackage, load_swap_package
 from atomc.runtime.store import HostStore, plan_layouts
 from atomc.runtime.trace import StepTrace, Tracer
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-           "fp16": torch.float16, "half": torch.float16}
-
-
-def parse_dtype(value: str | torch.dtype | None, what: str) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    if value not in _DTYPES:
-        raise UsageError(f"{what} {value!r} is not a dtype; choose one of float32, float64, bfloat16, float16")
-    return _DTYPES[value]
 
 
 def _spec_dtype(spec: dict[str, Any]) -> str:
@@ -58,7 +45,7 @@ class SwapTrainer:
 
     def __init__(self, package: SwapPackage, executor: SwapExecutor, store: HostStore,
                  optimizer: CpuOptimizer, host_modules: list[nn.Module], *, device: torch.device,
-                 accum: int, micro_batch_size: int, seed: int, plan: dict[str, Any] | None = None):
+                 accum: int, micro_batch_size: int, seed: int, plan: Plan | None = None):
         self.package = package
         self.executor = executor
         self.store = store
@@ -68,34 +55,33 @@ class SwapTrainer:
         self.accum = accum
         self.micro_batch_size = micro_batch_size
         self.seed = seed
-        self.plan = plan  # the plan's JSON data, when the package or the caller has it
+        self.plan = plan  # the plan the package was generated for, when it is known
         self.step_count = 0
         self.last_loss: float | None = None
 
     # ---- construction --------------------------------------------------------------------------
 
     @classmethod
-    def from_package(cls, generated_dir: str | Path, *, device: str | torch.device | None = None,
-                     accum: int | None = None, optimizer: AdamWConfig | dict[str, Any] | None = None,
-                     loss_fn: Callable[[Any, tuple], torch.Tensor] | None = None,
+    def from_package(cls, generated_dir: str | Path,
+                     config: TrainerConfig | dict[str, Any] | None = None,
+                     *, loss_fn: Callable[[Any, tuple], torch.Tensor] | None = None,
                      state_dict: dict[str, torch.Tensor] | None = None,
-                     checkpoint: str | Path | None = None, plan: Any = None, seed: int = 0,
-                     activations: str | None = None, offload_activations: bool | None = None,
-                     dtype: str | torch.dtype | None = None,
-                     transfer_dtype: str | torch.dtype | None = None,
-                     autocast: str | torch.dtype | None = None, loss_scale: bool | None = None,
-                     gpu_mem: int | None = None, trace: bool = False, tied_grads: str = "fast",
-                     threaded_optimizer: bool = True) -> SwapTrainer:
+                     checkpoint: str | Path | None = None, plan: Any = None,
+                     **options: Any) -> SwapTrainer:
         """Build a trainer for the package in `generated_dir`.
 
+        What to train with: loss_fn(outputs, micro_batch) (default: the model file's);
+        state_dict, the initial weights by original names (default: the model file's
+        build_model() under torch.manual_seed(seed)); checkpoint, a file to resume from; plan,
+        the Plan (or its JSON path) the package must have been generated for (default: the
+        package's plan.json).
+
+        How: `config` (a TrainerConfig or a dict of its fields), with keyword `options` over it:
         device: "cpu", "cuda" or "cuda:N" (default: cuda when available).
         accum: C, micro-batches per step (default: the plan's).
         optimizer: AdamWConfig or a dict of its fields (lr, betas, eps, weight_decay,
             max_grad_norm, lr_schedule, impl, decay_filter).
-        loss_fn: loss_fn(outputs, micro_batch) (default: the model file's).
-        state_dict: initial weights by original names (default: the model file's
-            build_model() under torch.manual_seed(seed)); checkpoint: resume from this file.
-        plan: the Plan (or its JSON path) the package must have been generated for.
+        seed: the initial weights' seed and every micro-batch's RNG stream.
         activations: "recompute" (default: the plan's) or "keep"; offload_activations: stash
             boundary activations in pinned host memory between their forward and backward.
         dtype: master dtype (default float32, float64 when the initial weights are float64);
@@ -110,54 +96,29 @@ class SwapTrainer:
             plain model); "exact" sums it micro-batch by micro-batch as the plain model does,
             bit for bit, keeping C copies of the tied weight's gradient on the device.
         """
+        cfg = TrainerConfig.of(config, options)
         pkg = load_swap_package(generated_dir)
-        dev = parse_device(device)
-        plan_obj = _check_plan(pkg, plan)
-        C = int(accum if accum is not None else pkg.plan.get("accum", 1))
-        if C < 1:
-            raise UsageError(f"accum {C} must be 1 or more")
-        acts = activations or pkg.plan.get("activations") or "recompute"
-        if acts not in ("recompute", "keep"):
-            raise UsageError(f"activations={acts!r}: choose recompute or keep")
-        if tied_grads not in ("fast", "exact"):
-            raise UsageError(f"tied_grads={tied_grads!r}: choose fast or exact")
-        micro = int(pkg.plan.get("batch_size") or 0)
-        opt_cfg = AdamWConfig.coerce(optimizer)
-
+        plan_data = _check_plan(pkg, plan)
+        typed_plan = Plan.from_json(plan_data, str(pkg.path / "plan.json")) if plan_data else None
         if loss_fn is None:
-            loss_fn = _model_file_loss(pkg)
+            loss_fn = pkg.model_loss_fn()
         resume = load_checkpoint(checkpoint) if checkpoint is not None else None  # verified first
         if state_dict is None and resume is None:
-            state_dict = _initial_state_dict(pkg, seed)
+            state_dict = pkg.initial_state_dict(cfg.seed)
+        run = cfg.resolve(pkg, typed_plan, resume=resume, initial=state_dict)
+        dev = run.device
 
-        master_dtype = parse_dtype(dtype, "dtype")
-        if master_dtype is None and resume is not None and "master_dtype" in resume:
-            master_dtype = parse_dtype(str(resume["master_dtype"]), "checkpoint master dtype")
-        if master_dtype is None and state_dict is not None:
-            float_dtypes = {t.dtype for t in state_dict.values()
-                            if isinstance(t, torch.Tensor) and t.is_floating_point()}
-            master_dtype = torch.float64 if float_dtypes == {torch.float64} else None
-        master_dtype = master_dtype or torch.float32
-        if master_dtype not in (torch.float32, torch.float64):
-            raise UsageError(f"master dtype {master_dtype} is not float32 or float64; half-precision "
-                             f"weights go to the device with transfer_dtype=, masters stay float32")
-        xfer = parse_dtype(transfer_dtype, "transfer dtype") or master_dtype
-        amp = parse_dtype(autocast, "autocast dtype")
-        if amp is None and xfer in (torch.float16, torch.bfloat16):
-            amp = xfer
-        if loss_scale is None:  # float16 gradients underflow without it, from fp16 weights or compute
-            loss_scale = torch.float16 in (xfer, amp)
-        scaler = LossScaler() if loss_scale else None
-
-        host_modules = [m.to(master_dtype) for m in pkg.build_submodels()]
+        host_modules = [m.to(run.master_dtype) for m in pkg.build_submodels()]
         if state_dict is not None:
             try:
                 pkg.load_original_state_dict(host_modules, state_dict)
             except KeyError as e:
-                raise RuntimeMismatchError(f"the initial state dict lacks {e}, which {pkg.path} needs; "
-                                           f"give the original model's state_dict()") from None
-        layouts = plan_layouts(pkg, host_modules, opt_cfg.decay_filter, transfer_dtype=xfer)
-        store = HostStore(layouts, master_dtype, xfer, pin=dev.type == "cuda")
+                raise RuntimeMismatchError(
+                    f"the initial state dict lacks {e}, which {pkg.path} needs; give the original "
+                    f"model's state_dict()") from None
+        layouts = plan_layouts(pkg, host_modules, run.optimizer.decays,
+                               transfer_dtype=run.transfer_dtype)
+        store = HostStore(layouts, run.master_dtype, run.transfer_dtype, pin=dev.type == "cuda")
         # the masters take the initial weights; the host modules are re-pointed at the masters
         for i, (mod, L) in enumerate(zip(host_modules, layouts)):
             params = dict(mod.named_parameters())
@@ -165,27 +126,25 @@ class SwapTrainer:
                 for e in L.entries:
                     if e.owned:
                         store.master_param(i, e).copy_(params[e.local])
-            rebind_parameters(mod, {e.local: store.master_param(i, e) for e in L.entries}, requires_grad=False)
+            rebind_parameters(mod, {e.local: store.master_param(i, e) for e in L.entries},
+                              requires_grad=False)
         for i in range(len(layouts)):
             store.refresh_images(i)
         host_buffers = [dict(m.named_buffers()) for m in host_modules]
 
-        _check_device_memory(dev, pkg, store, plan_obj, gpu_mem)
-        tracer = Tracer(dev, enabled=trace)
-        opt = CpuOptimizer(store, opt_cfg, scaler, tracer, threaded=threaded_optimizer,
+        _check_device_memory(dev, store, typed_plan, run.capacity_bytes)
+        tracer = Tracer(dev, enabled=run.trace)
+        scaler = LossScaler() if run.loss_scale else None
+        opt = CpuOptimizer(store, run.optimizer, scaler, tracer, threaded=run.threaded_optimizer,
                            param_order=_original_order(pkg))
-        if offload_activations is None:  # the plan's memory model streams checkpoints when it costs them
-            offload_activations = acts == "recompute" and plan_obj is not None and any(
-                float(sm.get("checkpoint_ms", 0.0)) > 0 for sm in plan_obj.get("submodels", [])[:-1])
-        elif offload_activations and acts == "keep":
-            raise UsageError("offload_activations=True needs activations='recompute': with 'keep' the "
-                             "autograd graphs hold every saved activation on the device")
-        executor = SwapExecutor(pkg, store, opt, host_buffers, device=dev, accum=C, activations=acts,
-                                offload_activations=bool(offload_activations),
-                                autocast_dtype=amp, loss_fn=loss_fn, seed=seed, tracer=tracer,
-                                tied_grads=tied_grads)
-        trainer = cls(pkg, executor, store, opt, host_modules, device=dev, accum=C,
-                      micro_batch_size=micro, seed=seed, plan=plan_obj)
+        executor = SwapExecutor(pkg, store, opt, host_buffers, device=dev, accum=run.accum,
+                                activations=run.activations,
+                                offload_activations=run.offload_activations,
+                                autocast_dtype=run.autocast, loss_fn=loss_fn, seed=run.seed,
+                                tracer=tracer, tied_grads=run.tied_grads,
+                                early_prefetch=run.early_prefetch)
+        trainer = cls(pkg, executor, store, opt, host_modules, device=dev, accum=run.accum,
+                      micro_batch_size=run.micro_batch, seed=run.seed, plan=typed_plan)
         if resume is not None:
             trainer.load_state_dict(resume, source=f"checkpoint {checkpoint}")
         return trainer
@@ -205,8 +164,9 @@ class SwapTrainer:
         names = self.package.model_inputs
         if isinstance(batch, list):
             if len(batch) != C:
-                raise RuntimeMismatchError(f"got a list of {len(batch)} micro-batches, expected C = {C}; "
-                                           f"give {C} micro-batches or the whole batch as one tuple")
+                raise RuntimeMismatchError(f"got a list of {len(batch)} micro-batches, expected "
+                                           f"C = {C}; give {C} micro-batches or the whole batch as "
+                                           f"one tuple")
             micro = [mb if isinstance(mb, tuple) else (mb,) for mb in batch]
         else:
             full = batch if isinstance(batch, tuple) else (batch,)
@@ -221,9 +181,9 @@ class SwapTrainer:
                 want = C * self.micro_batch_size
                 if t.dim() == 0 or t.shape[0] != want:
                     raise RuntimeMismatchError(
-                        f"input {name} has shape {list(t.shape)}; the plan expects a leading dimension "
-                        f"of C x micro-batch = {C} x {self.micro_batch_size} = {want}: give batches of "
-                        f"that size, or regenerate the plan for your batch size")
+                        f"input {name} has shape {list(t.shape)}; the plan expects a leading "
+                        f"dimension of C x micro-batch = {C} x {self.micro_batch_size} = {want}: "
+                        f"give batches of that size, or regenerate the plan for your batch size")
                 micro_parts.append(list(t.chunk(C, dim=0)))
             micro = [tuple(parts[m] for parts in micro_parts) for m in range(C)]
         specs = self.package.input_specs()
@@ -237,9 +197,9 @@ class SwapTrainer:
                     continue
                 if list(t.shape) != list(spec["shape"]):
                     raise RuntimeMismatchError(
-                        f"input {name} of micro-batch {m} has shape {list(t.shape)}, but the plan was made "
-                        f"for {list(spec['shape'])}; give micro-batches of the planned shape or "
-                        f"regenerate the package for this shape")
+                        f"input {name} of micro-batch {m} has shape {list(t.shape)}, but the plan "
+                        f"was made for {list(spec['shape'])}; give micro-batches of the planned "
+                        f"shape or regenerate the package for this shape")
                 want_float = _spec_dtype(spec).startswith(("float", "bfloat", "complex"))
                 if t.is_floating_point() != want_float:
                     raise RuntimeMismatchError(
@@ -270,11 +230,23 @@ class SwapTrainer:
             for name, buf in host.named_buffers():
                 buf.copy_(dev_bufs[name])
 
+    def persistent_buffers(self) -> list[tuple[int, str, torch.Tensor]]:
+        """(sub-model, name, host copy) of every buffer a state dict holds (running statistics,
+        counters), as of the last step; non-persistent buffers are constants and left out."""
+        self.wait()
+        self._sync_buffers_to_host()
+        out = []
+        for i, m in enumerate(self.host_modules):
+            persistent = m.state_dict(keep_vars=True)
+            out += [(i, n, b) for n, b in m.named_buffers() if n in persistent]
+        return out
+
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """The trained weights by the original model's names (tied names included), on the CPU."""
         self.wait()
         self._sync_buffers_to_host()
-        return {k: v.detach().clone() for k, v in self.package.export_state_dict(self.host_modules).items()}
+        state = self.package.export_state_dict(self.host_modules)
+        return {k: v.detach().clone() for k, v in state.items()}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resume needs (copies): weights, optimizer state, step, loss scale."""
@@ -297,7 +269,8 @@ class SwapTrainer:
             "accum": self.accum,
             "masters": [c(m) for m in self.store.master],
             "optimizer": opt_states,
-            "scaler": self.optimizer.scaler.state_dict() if self.optimizer.scaler is not None else None,
+            "scaler": (self.optimizer.scaler.state_dict() if self.optimizer.scaler is not None
+                       else None),
             "buffers": [{n: c(b) for n, b in m.named_buffers()} for m in self.host_modules],
         }
 
@@ -326,30 +299,33 @@ class SwapTrainer:
     def _validate_state(self, state: Any, source: str) -> None:
         if not isinstance(state, dict):
             raise RuntimeMismatchError(f"{source} is not a swap trainer state")
-        missing = [k for k in ("plan_hash", "package", "layout", "step", "seed", "masters", "optimizer",
-                               "buffers") if k not in state]
+        missing = [k for k in ("plan_hash", "package", "layout", "step", "seed", "masters",
+                               "optimizer", "buffers") if k not in state]
         if missing:
-            raise RuntimeMismatchError(f"{source} lacks {', '.join(missing)}; it was not written by "
-                                       f"SwapTrainer.state_dict(); nothing was loaded")
-        if state["plan_hash"] != self.package.plan_hash or state["package"] != self.package.fingerprint():
+            raise RuntimeMismatchError(f"{source} lacks {', '.join(missing)}; it was not written "
+                                       f"by SwapTrainer.state_dict(); nothing was loaded")
+        if (state["plan_hash"] != self.package.plan_hash
+                or state["package"] != self.package.fingerprint()):
             raise RuntimeMismatchError(
-                f"{source} belongs to plan {state['plan_hash']} (package {state['package']}), but this trainer "
-                f"runs plan {self.package.plan_hash} (package {self.package.fingerprint()}) from "
+                f"{source} belongs to plan {state['plan_hash']} (package {state['package']}), but "
+                f"this trainer runs plan {self.package.plan_hash} (package "
+                f"{self.package.fingerprint()}) from "
                 f"{self.package.path}; load it into a trainer of the package it was written from; "
                 f"nothing was loaded")
         layout = [L.signature() for L in self.store.layouts]
         if _plain(state["layout"]) != _plain(layout):
-            raise RuntimeMismatchError(f"{source} has another parameter layout than {self.package.path}; "
-                                       f"nothing was loaded")
+            raise RuntimeMismatchError(f"{source} has another parameter layout than "
+                                       f"{self.package.path}; nothing was loaded")
         for i, m in enumerate(state["masters"]):
             want = self.store.master[i]
             if not isinstance(m, torch.Tensor) or m.shape != want.shape:
                 raise RuntimeMismatchError(f"{source}: master weights of sub-model {i} have shape "
-                                           f"{getattr(m, 'shape', None)}, expected {tuple(want.shape)}; "
-                                           f"nothing was loaded")
+                                           f"{getattr(m, 'shape', None)}, expected "
+                                           f"{tuple(want.shape)}; nothing was loaded")
         if len(state["optimizer"]) != len(self.store.layouts):
-            raise RuntimeMismatchError(f"{source} has optimizer state for {len(state['optimizer'])} "
-                                       f"sub-models, expected {len(self.store.layouts)}; nothing was loaded")
+            raise RuntimeMismatchError(f"{source} has optimizer state for "
+                                       f"{len(state['optimizer'])} sub-models, expected "
+                                       f"{len(self.store.layouts)}; nothing was loaded")
 
     def save_checkpoint(self, path: str | Path) -> Path:
         """Write the state to `path` atomically (temporary file, fsync, rename)."""
@@ -379,8 +355,8 @@ class SwapTrainer:
                   f"host {format_bytes(s.host_bytes())} (pinned {format_bytes(pinned)})")]
         for L in s.layouts:
             tied = sum(1 for e in L.entries if not e.owned)
-            lines.append(f"  P{L.index}: {format_bytes(s.param_bytes(L.index)):>11s} in {len(L.entries)} "
-                         f"tensors{f' ({tied} tied replicas)' if tied else ''}")
+            lines.append(f"  P{L.index}: {format_bytes(s.param_bytes(L.index)):>11s} in "
+                         f"{len(L.entries)} tensors{f' ({tied} tied replicas)' if tied else ''}")
         return "\n".join(lines)
 
 
@@ -422,28 +398,22 @@ def _original_order(pkg: SwapPackage) -> list[str]:
     return [group[k] for k in names if k in group]
 
 
-def _raw_hash(data: dict[str, Any]) -> str:
-    """Document.content_hash() of a plan's JSON as written, whatever fields this atomc knows."""
-    canon = json.dumps(data, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canon.encode()).hexdigest()[:16]
-
-
 def _check_plan(pkg: SwapPackage, plan: Any) -> dict[str, Any] | None:
     """The plan the package was generated for, as JSON data: given (and checked), or its plan.json.
 
     A package generated for another plan is refused. The data (not a Plan object) is kept, so
     that a plan written by an atomc with more or fewer IR fields still hashes as it was written.
     """
-    from atomc.ir import Plan
     if plan is None:
         beside = pkg.path / "plan.json"
         if not beside.is_file():
             return None
         data = read_json(beside, Plan.KIND)
-        if _raw_hash(data) != pkg.plan_hash:
+        if canonical_hash(data) != pkg.plan_hash:
             raise RuntimeMismatchError(
-                f"{beside} has hash {_raw_hash(data)}, but the package's code was generated for plan "
-                f"{pkg.plan_hash}; the package was edited or mixed up: regenerate it (atomc codegen)")
+                f"{beside} has hash {canonical_hash(data)}, but the package's code was generated "
+                f"for plan {pkg.plan_hash}; the package was edited or mixed up: regenerate it "
+                f"(atomc codegen)")
         return data
     if isinstance(plan, (str, Path)):
         source = str(plan)
@@ -451,45 +421,17 @@ def _check_plan(pkg: SwapPackage, plan: Any) -> dict[str, Any] | None:
     else:
         source = "the plan given"
         data = plan.to_json()
-    h = _raw_hash(data)
+    h = canonical_hash(data)
     if h != pkg.plan_hash:
         raise RuntimeMismatchError(
-            f"{pkg.path} was generated for plan {pkg.plan_hash or '(none recorded)'}, but {source} has "
-            f"hash {h}; regenerate the package from this plan (atomc codegen) or give the plan it was "
-            f"generated from")
+            f"{pkg.path} was generated for plan {pkg.plan_hash or '(none recorded)'}, but "
+            f"{source} has hash {h}; regenerate the package from this plan (atomc codegen) or give "
+            f"the plan it was generated from")
     if len(data.get("submodels", ())) != pkg.num_submodels:
-        raise RuntimeMismatchError(f"{source} has {len(data.get('submodels', ()))} sub-models, {pkg.path} "
-                                   f"has {pkg.num_submodels}; regenerate the package")
+        raise RuntimeMismatchError(f"{source} has {len(data.get('submodels', ()))} sub-models, "
+                                   f"{pkg.path} has {pkg.num_submodels}; regenerate the package")
     return data
 
-
-def _model_file_loss(pkg: SwapPackage) -> Callable:
-    path = pkg.model_file()
-    if path is None:
-        raise ModelFileError(f"{pkg.path} was generated from model file {pkg.plan.get('model_path')!r}, "
-                             f"which is not found from here; pass loss_fn= to SwapTrainer.from_package "
-                             f"(and state_dict= for the initial weights)")
-    from atomc.trace import load_model_file
-    module = load_model_file(path)
-    fn = getattr(module, "loss_fn", None)
-    if not callable(fn):
-        raise ModelFileError(f"{path} defines no loss_fn(outputs, batch); add one or pass loss_fn= "
-                             f"to SwapTrainer.from_package")
-    return fn
-
-
-def _initial_state_dict(pkg: SwapPackage, seed: int) -> dict[str, torch.Tensor] | None:
-    """The original model's weights as its build_model() makes them under manual_seed(seed)."""
-    path = pkg.model_file()
-    if path is None:
-        return None  # the sub-models' own initialisation (build_submodels) is used
-    from atomc.trace.load import call_with_options, load_model_file
-    module = load_model_file(path)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = call_with_options(module.build_model, (pkg.plan.get("config"),),
-                                  dict(pkg.plan.get("options") or {}), path)
-    return model.state_dict()
 
 
 def check_device_memory(capacity_bytes: int, device_bytes: int, submodel_bytes: Sequence[int],
@@ -518,25 +460,23 @@ def check_device_memory(capacity_bytes: int, device_bytes: int, submodel_bytes: 
     culprit = next((i for i, b in enumerate(submodel_bytes) if b > free_bytes), None)
     if culprit is not None:
         raise RuntimeMismatchError(
-            f"{has}; sub-model {culprit} needs {fmt(submodel_bytes[culprit])} while it computes and "
-            f"will not fit in the free memory: free device memory (other processes, tensors held), or "
-            f"re-plan with --gpu-mem {fmt(free_bytes)} or less")
+            f"{has}; sub-model {culprit} needs {fmt(submodel_bytes[culprit])} while it computes "
+            f"and will not fit in the free memory: free device memory (other processes, tensors "
+            f"held), or re-plan with --gpu-mem {fmt(free_bytes)} or less")
 
 
-def _check_device_memory(dev: torch.device, pkg: SwapPackage, store: HostStore, plan: Any,
-                         gpu_mem: int | None) -> None:
+def _check_device_memory(dev: torch.device, store: HostStore, plan: Plan | None,
+                         capacity: int | None) -> None:
     if dev.type != "cuda":
         return  # not enforced on the CPU
     free, total = torch.cuda.mem_get_info(dev)
     # memory this process's caching allocator holds but does not use is free for the executor too
     free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-    capacity = gpu_mem if gpu_mem is not None else (plan.get("capacity_bytes") if plan is not None
-                                                    else pkg.plan.get("capacity_bytes"))
     k = len(store.layouts)
     slot_bytes = max(store.param_bytes(i) for i in range(k))
-    if plan is not None:
-        subs = plan["submodels"]
-        need = [int(sm["peak_bytes"]) + (int(subs[i + 1]["param_bytes"]) if i + 1 < k else 0)
+    if plan is not None:  # each sub-model computing with the next one loading
+        subs = plan.submodels
+        need = [sm.peak_bytes + (subs[i + 1].param_bytes if i + 1 < k else 0)
                 for i, sm in enumerate(subs)]
     else:  # weights and gradients of the two slots, at least
         need = [2 * (store.param_bytes(i) + slot_bytes) for i in range(k)]

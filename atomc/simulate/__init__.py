@@ -1,6 +1,7 @@
 """Simulate: a swap schedule's stage times -> predicted Timeline, step time and GPU busy fraction.
 
-`simulate_swap` replays the schedule on four lanes (compute, prefetch, offload, CPU optimizer);
+`simulate_actions` times a list of actions (atomc.actions) on four lanes (compute, prefetch,
+offload, CPU optimizer); `simulate_swap` times ATOM's order, the list the swap runtime runs;
 `simulate_plan` does it from a Plan's recorded per-sub-model times; `render_timeline_svg`
 draws a Timeline (predicted or measured) like ATOM's Fig. 12.
 """
@@ -15,13 +16,14 @@ from atomc.simulate.events import (
     Simulation,
     StageTimes,
     Timeline,
+    simulate_actions,
     simulate_swap,
 )
 from atomc.simulate.svg import render_timeline_svg, write_timeline_svg
 
 __all__ = [
     "KINDS", "LANES", "Event", "Simulation", "StageTimes", "Timeline", "render_timeline_svg",
-    "simulate_plan", "simulate_swap", "stage_times", "write_timeline_svg",
+    "simulate_actions", "simulate_plan", "simulate_swap", "stage_times", "write_timeline_svg",
 ]
 
 
@@ -30,12 +32,18 @@ def _ns(ms: float) -> int:
 
 
 def stage_times(plan: Plan) -> list[StageTimes]:
-    """Per-sub-model durations recorded in a plan (per micro-batch times scaled by C)."""
+    """Per-sub-model durations recorded in a plan (per micro-batch times scaled by C).
+
+    With activations="keep" the runtime keeps each sub-model's saved activations on the
+    device from its forward to its backward, so nothing streams in for the backward, whatever
+    checkpoint time the plan records.
+    """
     c = plan.accum
+    keep = plan.activations == "keep"
     return [
         StageTimes(
             fwd_ns=c * _ns(s.fwd_ms), bwd_ns=c * _ns(s.bwd_ms), load_ns=_ns(s.load_ms),
-            checkpoint_ns=_ns(s.checkpoint_ms), offload_ns=_ns(s.offload_ms),
+            checkpoint_ns=0 if keep else _ns(s.checkpoint_ms), offload_ns=_ns(s.offload_ms),
             optimizer_ns=_ns(s.optimizer_ms),
         )
         for s in plan.submodels

@@ -1,31 +1,35 @@
-"""Event simulation of the swap schedule (DESIGN 5, ATOM Fig. 12): stage times -> Timeline.
+"""Event simulation of a swap schedule (DESIGN 5, ATOM Fig. 12): actions + stage times -> Timeline.
 
-Four lanes, each doing one thing at a time, in schedule order:
+Input: one step's list of actions (atomc.actions; `simulate_swap` takes ATOM's order, the list
+the swap runtime executes) and each sub-model's durations. Output: a Timeline of predicted
+events, the step time and the compute lane's busy time.
 
-- compute: forward of P_0..P_{k-1} (each on C micro-batches), then backward of P_{k-1}..P_0;
-- prefetch (host to device): the parameters of P_{i+1}, starting when P_i starts its forward;
-  in the backward, when P_i starts: P_i's own checkpoints (its C micro-batches' inputs, streamed
-  one micro-batch ahead; the first is taken to be there already, and the backward cannot end
-  before the last has arrived) and then the parameters of P_{i-1}; at the end of the step,
-  P_0's updated parameters;
-- offload (device to host): the gradients of P_i when its backward ends;
-- optimizer (CPU AdamW): P_i's update once its gradients are on the host.
+Four lanes, each doing one thing at a time, in list order:
 
-P_0 stays resident across the step boundary and P_{k-1} across the forward/backward turn, so
-neither is loaded there; P_0's parameters are refreshed in place after its CPU update, and
-the next step starts when that copy ends (every other update has finished by then, since the
-optimizer lane takes P_0 last). With `early_prefetch`, P_1's parameters for the next step are
-loaded during that tail instead of during P_0's next forward, as soon as P_1's update is done;
-a step then starts with P_1 already on the device.
+- compute: F and B (forward, recomputation + backward) of one micro-batch; a sub-model's times
+  are given for C micro-batches, so each micro-batch takes its C-th share;
+- prefetch (host to device): L, a sub-model's parameters, and its checkpoints (its C
+  micro-batches' inputs offloaded in the forward), which stream in from its first B on, ahead
+  of the loads listed before that B, one micro-batch ahead (the first is taken to be there
+  already; its last B cannot end before the last has arrived);
+- offload (device to host): O, a sub-model's gradients, after its latest B;
+- optimizer (CPU AdamW): U, after its O.
 
-Memory shapes two rules. While P_i computes, the other buffer receives P_{i+1}'s parameters in
-the forward, or P_{i-1}'s in the backward; in the backward that buffer still holds P_{i+1}'s
-gradients on their way out, so the load streams in behind the offload (chunk k of the load
-waits for chunk k of the offload) and cannot end before the offload does.
+F and B wait for the latest load of their sub-model listed before them (for P_{k-2}'s
+backward, the one before its forward: it is still in its slot; for P_1's forward after an
+early prefetch, none: the previous step loaded it). Sub-model i uses
+weight slot i % 2, and memory shapes the loads: a load starts when the compute listed before
+it has ended (the weights it overwrites and that compute's working memory are free) and the
+latest update of its weights is done; and it streams in behind the gradients of the slot's
+latest offload, leaving through the same buffer (chunk k of the load waits for chunk k of the
+offload), so it cannot end before that offload does.
 
-Every duration is an integer number of nanoseconds, so a simulated step is exactly the sum the
-partitioner's search adds up (see atomc.partition.search). The runtime records measured
-events in the same `Event`/`Timeline` form, so a prediction and a measurement draw alike.
+A step lasts from the end of its first action, P_0's refresh in ATOM's order (every update has
+ended by then: the optimizer lane takes P_0 last), to the end of the next step's; steps are
+identical. Every duration is an integer number of nanoseconds, so a simulated step is exactly
+the sum the partitioner's search adds up (see atomc.partition.search). The runtime records
+measured events in the same `Event`/`Timeline` form, so a prediction and a measurement draw
+alike.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from atomc.actions import Action, Run, atom_runs, runs
 from atomc.ir import Document
 
 LANES = ("compute", "prefetch", "offload", "optimizer")
@@ -103,11 +108,6 @@ class StageTimes:
     optimizer_ns: int  # CPU AdamW over its fp32 masters
 
 
-class _Discard(list):
-    def append(self, item) -> None:
-        pass
-
-
 @dataclass(frozen=True)
 class Simulation:
     timeline: Timeline
@@ -119,81 +119,142 @@ class Simulation:
         return self.compute_ns / self.step_ns if self.step_ns else 0.0
 
 
+
 def simulate_swap(stages: list[StageTimes], accum: int, num_steps: int = 1,
                   label: str = "", early_prefetch: bool = False, record: bool = True) -> Simulation:
-    """Replay `num_steps` steady-state steps of the swap schedule; they are identical.
+    """Time `num_steps` steady-state steps of ATOM's order (atomc.actions.atom_order).
 
     With record=False the timeline keeps no events (the partitioner only needs the times).
     """
     if not stages:
         raise ValueError("a schedule needs at least one sub-model")
+    order = atom_runs(len(stages), accum, early_prefetch=early_prefetch)
+    return _simulate(_compile(order, stages, accum), stages, accum, num_steps, label, record)
+
+
+def simulate_actions(actions: list[Action], stages: list[StageTimes], accum: int, *,
+                     num_steps: int = 1, label: str = "", record: bool = True) -> Simulation:
+    """Time `num_steps` repetitions of one step's `actions` (F, B, L, O, U) on the four lanes.
+
+    A step lasts from the end of its first action (in ATOM's order, P_0's refresh) to the end
+    of the next step's first action; the first step starts when its first action has ended,
+    at time 0, with every lane idle, which is how each step leaves the next one. Raises
+    ValueError for an action the swap lanes do not run, or one listed before the compute
+    whose output it needs.
+    """
+    _check_order(actions, len(stages), accum)
+    return _simulate(_compile(runs(actions), stages, accum), stages, accum, num_steps, label,
+                     record)
+
+
+def _check_order(actions: list[Action], k: int, accum: int) -> None:
+    done: set[tuple[str, int, int | None]] = set()
+    for a in actions:
+        if a.kind in "SR" or a.index >= k or (a.micro is not None and a.micro >= accum):
+            raise ValueError(f"action {a} is not one of this swap schedule's ({k} sub-models, "
+                             f"C={accum}: F B L O U)")
+        if a.kind == "F" and a.index and ("F", a.index - 1, a.micro) not in done:
+            raise ValueError(f"action {a} comes before {Action('F', a.index - 1, a.micro)}, "
+                             f"whose output it reads")
+        if a.kind == "B":
+            source = ("B", a.index + 1, a.micro) if a.index + 1 < k else ("F", a.index, a.micro)
+            if source not in done:
+                raise ValueError(f"action {a} comes before {Action(*source)}, whose output "
+                                 f"gradient it needs")
+        done.add((a.kind, a.index, a.micro))
+
+
+def _compile(order: list[Run], stages: list[StageTimes], accum: int) -> tuple[list[tuple], int]:
+    """One step's runs as lane jobs (op, sub-model, duration, waits, lane, event kind), and
+    its compute time.
+
+    A run of F (or B) is one job: the lane runs it back to back and only its first action
+    waits for a load, so it times as its actions do and draws as one bar. Each micro-batch
+    takes its share of the sub-model's time for C micro-batches (the shares add up exactly).
+    A sub-model's checkpoints become a prefetch job "K" right after the compute before its
+    first B (ahead of the loads listed before that B, as the runtime issues them), and the
+    job holding its last B waits for them. The step's first action, a load, is P_0's refresh.
+    """
+    first_b: dict[int, int] = {}
+    last_b: dict[int, int] = {}
+    for pos, (kind, i, _) in enumerate(order):
+        if kind == "B":
+            first_b.setdefault(i, pos)
+            last_b[i] = pos
+    jobs: list[tuple] = []
+    after_compute = 0  # where a checkpoint job goes: after the latest compute job
+    compute_ns = 0
+    for pos, (kind, i, micros) in enumerate(order):
+        st = stages[i]
+        if kind == "F" or kind == "B":
+            total = st.fwd_ns if kind == "F" else st.bwd_ns
+            dur = total * micros.stop // accum - total * micros.start // accum
+            compute_ns += dur
+            if st.checkpoint_ns and first_b.get(i) == pos:
+                jobs.insert(after_compute,
+                            ("K", i, st.checkpoint_ns, False, "prefetch", "checkpoint"))
+            waits = bool(st.checkpoint_ns) and last_b.get(i) == pos  # for its checkpoints
+            jobs.append((kind, i, dur, waits, "compute", "forward" if kind == "F" else "backward"))
+            after_compute = len(jobs)
+        elif kind == "L":
+            jobs.append(("L", i, st.load_ns, False, "prefetch", "load" if pos else "refresh"))
+        elif kind == "O":
+            jobs.append(("O", i, st.offload_ns, False, "offload", "offload"))
+        else:
+            jobs.append(("U", i, st.optimizer_ns, False, "optimizer", "optimizer"))
+    return jobs, compute_ns
+
+
+def _simulate(program: tuple[list[tuple], int], stages: list[StageTimes], accum: int,
+              num_steps: int, label: str, record: bool) -> Simulation:
+    """Run the jobs of `num_steps` steps and the first job of the next one (see
+    simulate_actions): each job starts when its lane is free and what it waits for is done."""
+    if num_steps < 1:
+        raise ValueError(f"num_steps {num_steps}: simulate at least one step")
+    jobs, compute_ns = program
     k = len(stages)
+    comp = h2d = d2h = cpu = 0  # when each lane is next free
+    load_end = [0] * k  # of the latest load of each sub-model
+    ckpt_end = [0] * k
+    bwd_end = [0] * k
+    offload_end = [0] * k
+    update_end = [0] * k
+    slot_offload_end = [0, 0]  # of the latest gradient copy out of each slot
     events: list[tuple[str, int, str, int, int, int]] = []
-    if not record:
-        events = _Discard()  # type: ignore[assignment]
     starts = [0]
-    t0 = 0
-    step_ns = compute_ns = 0
-    for step in range(num_steps):
-        # lane_free: when each lane can take its next job; all are free when a step starts
-        h2d = d2h = cpu = compute = t0
-        early = early_prefetch and k > 1
-        loaded = {0: t0}  # P_0 is resident and fresh
-        if early:
-            loaded[1] = t0  # loaded during the previous step's tail
-        for i in range(k):  # forward
-            start = max(compute, loaded[i])
-            if i + 1 < k and not (early and i == 0):
-                ls = max(start, h2d)
-                h2d = ls + stages[i + 1].load_ns
-                loaded[i + 1] = h2d
-                events.append(("prefetch", i + 1, "load", ls, h2d, step))
-            compute = start + stages[i].fwd_ns
-            events.append(("compute", i, "forward", start, compute, step))
-        bwd_loaded = {k - 1: compute}  # P_{k-1} stays resident
-        offload_end: dict[int, int] = {}
-        update_end: dict[int, int] = {}
-        for i in range(k - 1, -1, -1):  # backward
-            start = max(compute, bwd_loaded[i])
-            ls = max(start, h2d)
-            h2d = ls + stages[i].checkpoint_ns
-            checkpoints_in = h2d
-            if stages[i].checkpoint_ns:
-                events.append(("prefetch", i, "checkpoint", ls, h2d, step))
-            if i > 0:
-                ls = h2d
-                le = ls + stages[i - 1].load_ns
-                if i + 1 < k:  # streams in behind P_{i+1}'s gradients leaving the same buffer
-                    le = max(le, offload_end[i + 1])
-                h2d = le
-                bwd_loaded[i - 1] = le
-                events.append(("prefetch", i - 1, "load", ls, le, step))
-            events.append(("compute", i, "backward", start, start + stages[i].bwd_ns, step))
-            # its last micro-batch cannot run before its checkpoint has arrived
-            compute = max(start + stages[i].bwd_ns, checkpoints_in)
-            os_ = max(compute, d2h)
-            d2h = os_ + stages[i].offload_ns
-            offload_end[i] = d2h
-            events.append(("offload", i, "offload", os_, d2h, step))
-            as_ = max(d2h, cpu)
-            cpu = as_ + stages[i].optimizer_ns
-            update_end[i] = cpu
-            events.append(("optimizer", i, "optimizer", as_, cpu, step))
-        if early:  # P_1 for the next step, once updated, while P_0's update runs
-            ls = max(compute, update_end[1], h2d)
-            h2d = ls + stages[1].load_ns
-            events.append(("prefetch", 1, "load", ls, h2d, step))
-        rs = max(cpu, h2d)
-        end = rs + stages[0].load_ns
-        events.append(("prefetch", 0, "refresh", rs, end, step))
-        step_ns = end - t0
-        compute_ns = sum(s.fwd_ns + s.bwd_ns for s in stages)
-        t0 = end
-        starts.append(end)
+    for step in range(num_steps + 1):
+        # the first step starts as its opening job ends, at 0; the last round runs only the
+        # opening job of the step after, which ends the last step
+        todo = jobs[1:] if step == 0 else jobs[:1] if step == num_steps else jobs
+        opening = step > 0
+        for op, i, dur, waits, lane, kind in todo:
+            if op == "F" or op == "B":
+                start = max(comp, load_end[i])
+                end = start + dur
+                comp = max(end, ckpt_end[i]) if waits else end
+                if op == "B":
+                    bwd_end[i] = comp
+            elif op == "L":
+                start = max(h2d, comp, update_end[i])
+                end = h2d = load_end[i] = max(start + dur, slot_offload_end[i % 2])
+            elif op == "O":
+                start = max(d2h, bwd_end[i])
+                end = d2h = offload_end[i] = slot_offload_end[i % 2] = start + dur
+            elif op == "U":
+                start = max(cpu, offload_end[i])
+                end = cpu = update_end[i] = start + dur
+            else:  # "K", checkpoints
+                start = max(h2d, comp)
+                end = h2d = ckpt_end[i] = start + dur
+            if opening:  # it belongs to the step it ends
+                starts.append(end)
+            if record:
+                events.append((lane, i, kind, start, end, step - 1 if opening else step))
+            opening = False
     timeline = Timeline(
         source="predicted", label=label, num_submodels=k, accum=accum,
         events=tuple(Event(lane, sub, kind, s / NS_PER_MS, e / NS_PER_MS, st)
                      for lane, sub, kind, s, e, st in events),
         step_starts_ms=tuple(s / NS_PER_MS for s in starts),
     )
-    return Simulation(timeline=timeline, step_ns=step_ns, compute_ns=compute_ns)
+    return Simulation(timeline=timeline, step_ns=starts[-1] - starts[-2], compute_ns=compute_ns)

@@ -18,7 +18,8 @@ from atomc.simulate.events import LANES, Timeline
 LANE_TITLES = {"compute": "GPU compute", "prefetch": "host to device", "offload": "device to host",
                "optimizer": "CPU optimizer"}
 KIND_COLOURS = {"forward": "#4e79a7", "backward": "#f28e2b", "load": "#59a14f",
-                "checkpoint": "#8cd17d", "offload": "#b07aa1", "optimizer": "#9c755f", "refresh": "#76b7b2"}
+                "checkpoint": "#8cd17d", "offload": "#b07aa1", "optimizer": "#9c755f",
+                "refresh": "#76b7b2"}
 WIDTH_PX = 1200
 LEFT_PX = 130
 RIGHT_PX = 40
@@ -71,7 +72,8 @@ def render_timeline_svg(timeline: Timeline, title: str | None = None) -> str:
                 "x": x0, "width": round(w, 2), "colour": KIND_COLOURS.get(e.kind, "#bab0ac"),
                 "submodel": e.submodel, "kind": e.kind, "step": e.step,
                 "tooltip": (f"sub-model {e.submodel} {e.kind} (step {e.step + 1}): "
-                            f"{_fmt_ms(round(e.start_ms - t0, 3))} to {_fmt_ms(round(e.end_ms - t0, 3))}"),
+                            f"{_fmt_ms(round(e.start_ms - t0, 3))} to "
+                            f"{_fmt_ms(round(e.end_ms - t0, 3))}"),
                 "label": label if w >= CHAR_PX * len(label) + 4 else "",
                 "label_x": round(x0 + w / 2, 2),
             })
@@ -82,8 +84,8 @@ def render_timeline_svg(timeline: Timeline, title: str | None = None) -> str:
              for i in range(int(span / tick) + 1)]
     steps = [{"x": x(s), "label": f"step {i + 1}" if i < timeline.num_steps else "end"}
              for i, s in enumerate(timeline.step_starts_ms)]
-    legend = [{"kind": k, "colour": c, "x": LEFT_PX + i * 110} for i, c in enumerate(KIND_COLOURS.values())
-              for k in [list(KIND_COLOURS)[i]]]
+    legend = [{"kind": k, "colour": c, "x": LEFT_PX + i * 110}
+              for i, c in enumerate(KIND_COLOURS.values()) for k in [list(KIND_COLOURS)[i]]]
     step_text = ", ".join(dict.fromkeys(_fmt_ms(round(timeline.step_ms(i), 3))
                                         for i in range(timeline.num_steps)))
     return _template().render(

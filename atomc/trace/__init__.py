@@ -29,8 +29,16 @@ from atomc.trace.normalise import (
     register_constants,
 )
 
-__all__ = ["TracedModel", "trace_model", "load_model_file", "build_and_inputs", "dtype_args",
-           "buffer_values", "constant_values", "model_dtype"]
+__all__ = [
+    "TracedModel",
+    "buffer_values",
+    "build_and_inputs",
+    "constant_values",
+    "dtype_args",
+    "load_model_file",
+    "model_dtype",
+    "trace_model",
+]
 
 
 @dataclass
@@ -56,17 +64,19 @@ def build_and_inputs(path: str | Path, config: str | None, batch_size: int, opti
     p = Path(path)
     module = load_model_file(p)
     if batch_size < 1:
-        raise ModelFileError(f"batch size {batch_size} is not positive; give --batch-size 1 or more")
+        raise ModelFileError(f"batch size {batch_size} is not positive; give --batch-size 1 or "
+                             f"more")
     with torch.device(device):
         model = call_with_options(module.build_model, (config,), options, p)
         if not isinstance(model, nn.Module):
-            raise ModelFileError(f"{p}: build_model() returned {type(model).__name__}, expected an nn.Module")
+            raise ModelFileError(f"{p}: build_model() returned {type(model).__name__}, expected an "
+                                 f"nn.Module")
         inputs = call_with_options(module.example_inputs, (model, batch_size), options, p)
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
     if not isinstance(inputs, tuple) or not tensors_in(inputs):
-        raise ModelFileError(f"{p}: example_inputs() returned {type(inputs).__name__}, expected a tuple "
-                             f"of tensors (the model's positional inputs)")
+        raise ModelFileError(f"{p}: example_inputs() returned {type(inputs).__name__}, expected a "
+                             f"tuple of tensors (the model's positional inputs)")
     return module, model, inputs
 
 

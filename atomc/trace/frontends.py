@@ -73,12 +73,12 @@ def trace(model: nn.Module, inputs: tuple, leaf_types: tuple[type, ...], model_p
     if frontend in ("auto", "fx"):
         try:
             return trace_fx(model, leaf_types), "fx"
-        except Exception as e:  # symbolic tracing raises many kinds; all mean "try the next"
+        except Exception as e:  # noqa: BLE001 - fx raises many kinds; all mean "try the next"
             failures.append(f"torch.fx.symbolic_trace: {_describe(e, model_path)}")
     if frontend in ("auto", "export"):
         try:
             return trace_export(model, inputs), "export"
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - export raises many kinds; all are reported below
             failures.append(f"torch.export: {_describe(e, model_path)}")
     raise TraceError(
         f"cannot trace the model in {model_path}: " + "; ".join(failures)

@@ -9,17 +9,13 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
+from atomc.dtypes import dtype_name
 from atomc.ir import OpGraph, OpNode, TensorSpec
-
-DTYPE_NAMES = {v: k for k, v in vars(torch).items() if isinstance(v, torch.dtype)}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def tensor_spec(t: torch.Tensor) -> TensorSpec:
-    return TensorSpec(tuple(int(d) for d in t.shape), dtype_name(t.dtype), int(t.numel() * t.element_size()))
+    return TensorSpec(tuple(int(d) for d in t.shape), dtype_name(t.dtype),
+                      int(t.numel() * t.element_size()))
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -88,7 +84,8 @@ def find_blocks(model: nn.Module) -> list[str]:
 
 
 def build_opgraph(gm: fx.GraphModule, model: nn.Module, values: dict[str, Any], *, model_path: str,
-                  config: str | None, batch_size: int, options: dict[str, int], frontend: str) -> OpGraph:
+                  config: str | None, batch_size: int, options: dict[str, int],
+                  frontend: str) -> OpGraph:
     canonical: dict[int, str] = {}
     aliases: dict[str, str] = {}
     params: dict[str, TensorSpec] = {}
@@ -114,7 +111,8 @@ def build_opgraph(gm: fx.GraphModule, model: nn.Module, values: dict[str, Any], 
             mod = modules[str(node.target)]
             module_fqn, module_type = str(node.target), type(mod).__name__
             extra = mod.extra_repr()
-            param_fqns = _unique(canonical[id(p)] for _, p in mod.named_parameters(remove_duplicate=False))
+            param_fqns = _unique(canonical[id(p)]
+                                 for _, p in mod.named_parameters(remove_duplicate=False))
             buffer_fqns = [buffer_ids[id(b)] for b in mod.buffers() if id(b) in buffer_ids]
         else:
             module_fqn, module_type = _owner(node)

@@ -15,9 +15,10 @@ import importlib.util
 import inspect
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from atomc.errors import ModelFileError
 
@@ -50,7 +51,8 @@ def load_model_file(path: str | Path) -> ModuleType:
         spec.loader.exec_module(module)
     except SyntaxError as e:
         del sys.modules[name]
-        raise ModelFileError(f"{p}:{e.lineno}: syntax error: {e.msg}; fix the file and run again") from None
+        raise ModelFileError(f"{p}:{e.lineno}: syntax error: {e.msg}; fix the file and run "
+                             f"again") from None
     except Exception as e:
         del sys.modules[name]
         where = _user_frame(e, p)
@@ -59,14 +61,15 @@ def load_model_file(path: str | Path) -> ModuleType:
     missing = [f for f in REQUIRED if not callable(getattr(module, f, None))]
     if missing:
         raise ModelFileError(
-            f"{p} does not define {' and '.join(f + '()' for f in missing)}; a model file must define "
-            f"build_model(config) -> nn.Module and example_inputs(model, batch_size) -> tuple "
-            f"(see the README's model-file contract)"
+            f"{p} does not define {' and '.join(f + '()' for f in missing)}; a model file must "
+            f"define build_model(config) -> nn.Module and example_inputs(model, batch_size) -> "
+            f"tuple (see the README's model-file contract)"
         )
     return module
 
 
-def call_with_options(fn: Callable[..., Any], args: tuple, options: dict[str, Any], path: Path) -> Any:
+def call_with_options(fn: Callable[..., Any], args: tuple, options: dict[str, Any],
+                      path: Path) -> Any:
     """Call a contract function, passing only the options its signature accepts."""
     params = inspect.signature(fn).parameters
     takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -80,7 +83,8 @@ def call_with_options(fn: Callable[..., Any], args: tuple, options: dict[str, An
         return fn(*args, **options)
     except Exception as e:
         where = _user_frame(e, path)
-        raise ModelFileError(f"{path}{where}: {fn.__name__}() raised {type(e).__name__}: {e}") from e
+        raise ModelFileError(f"{path}{where}: {fn.__name__}() raised {type(e).__name__}: "
+                             f"{e}") from e
 
 
 def _user_frame(exc: BaseException, path: Path) -> str:

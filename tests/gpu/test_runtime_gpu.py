@@ -65,15 +65,16 @@ def test_cuda_executor_equals_cpu_path(tmp_path):
     close(runs["cuda"][1], runs["cpu"][1], 1e-9)
     cuda = runs["cuda"][2]
     assert cuda.store.image[0].is_pinned() and cuda.store.grad[0].is_pinned()
-    assert cuda.executor.max_resident <= 2
+    assert cuda.executor.slots.max_resident <= 2
     trace = cuda.last_trace()
-    assert replay_residency(trace, {s: h[0] for s, h in enumerate(cuda.executor.slot_holds) if h}) <= 2
+    assert replay_residency(trace, cuda.executor.slots.resident()) <= 2
     lanes = {e.lane for e in trace.events}
     assert {"compute", "prefetch", "offload", "optimizer"} <= lanes
     # pinned host memory: one arena per kind (images, gradients, activation stash)
-    stash = cuda.executor._stash_arena
-    assert cuda.store.image_arena.storage.is_pinned() and stash is not None and stash.storage.is_pinned()
-    assert all(b.is_pinned() for b in cuda.executor._stash_host.values())
+    stash = cuda.executor.stash.arena
+    assert (cuda.store.image_arena.storage.is_pinned() and stash is not None
+            and stash.storage.is_pinned())
+    assert all(b.is_pinned() for b in cuda.executor.stash.host.values())
     assert cuda.store.pinned_bytes() >= cuda.store.image_arena.nbytes + cuda.store.grad_arena.nbytes
     # a batch already on the device (made on the caller's stream, freed right after the step)
     on_device = SwapTrainer.from_package(pkg, device="cuda", state_dict=state, optimizer=opt,
@@ -90,8 +91,8 @@ def test_cuda_dropout_equals_plain_training_on_the_gpu(tmp_path):
     pkg = make_package(tmp_path, "tiny-dropout", ("add_1", "h_1_ln_1"), 2)
     torch.manual_seed(0)
     ref = gpt.build_model("tiny-dropout").double().cuda()
-    trainer = SwapTrainer.from_package(pkg, device="cuda", state_dict=ref.state_dict(), tied_grads="exact",
-                                       optimizer={"lr": 1e-3})
+    trainer = SwapTrainer.from_package(pkg, device="cuda", state_dict=ref.state_dict(),
+                                       tied_grads="exact", optimizer={"lr": 1e-3})
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
     for step, batch in enumerate(batches(3, 2)):
         loss = trainer.step(batch)
@@ -110,9 +111,12 @@ def test_cuda_dropout_equals_plain_training_on_the_gpu(tmp_path):
 
 def test_cuda_bf16_transfer_and_resume(tmp_path):
     pkg = make_package(tmp_path, "tiny", ("add_1", "h_1_ln_1"), 2)
-    data = batches(1, 2) * 4  # one batch, repeated: the loss must fall (fresh random tokens need not)
-    full = SwapTrainer.from_package(pkg, device="cuda", transfer_dtype="bfloat16", optimizer={"lr": 1e-2})
-    assert full.store.image[0].dtype == torch.bfloat16 and full.store.master[0].dtype == torch.float32
+    # one batch, repeated: the loss must fall (fresh random tokens need not)
+    data = batches(1, 2) * 4
+    full = SwapTrainer.from_package(pkg, device="cuda", transfer_dtype="bfloat16",
+                                    optimizer={"lr": 1e-2})
+    assert (full.store.image[0].dtype == torch.bfloat16
+            and full.store.master[0].dtype == torch.float32)
     ckpt = tmp_path / "c.pt"
     losses = []
     for i, b in enumerate(data):
@@ -120,8 +124,8 @@ def test_cuda_bf16_transfer_and_resume(tmp_path):
         if i == 1:
             full.save_checkpoint(ckpt)
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
-    resumed = SwapTrainer.from_package(pkg, device="cuda", transfer_dtype="bfloat16", optimizer={"lr": 1e-2},
-                                       checkpoint=ckpt)
+    resumed = SwapTrainer.from_package(pkg, device="cuda", transfer_dtype="bfloat16",
+                                       optimizer={"lr": 1e-2}, checkpoint=ckpt)
     for b in data[2:]:
         resumed.step(b)
     a, b = full.export_state_dict(), resumed.export_state_dict()
@@ -133,5 +137,5 @@ def test_cuda_bf16_transfer_and_resume(tmp_path):
 def test_device_smaller_than_the_budget_is_refused(tmp_path):
     pkg = make_package(tmp_path, "tiny", ("add_1",), 2)
     total = torch.cuda.get_device_properties(0).total_memory
-    with pytest.raises(RuntimeMismatchError, match="sub-model \\d+ needs .* will not fit"):
+    with pytest.raises(RuntimeMismatchError, match=r"sub-model \d+ needs .* will not fit"):
         SwapTrainer.from_package(pkg, device="cuda", gpu_mem=total + (1 << 30))

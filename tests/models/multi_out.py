@@ -19,7 +19,8 @@ class MultiOut(nn.Module):
         h.mul_(0.5)  # in place, its result unused: must not be dropped as dead code
         g = F.gelu(h)
         logits = self.head(g) * scale  # `scale` is read only here
-        return {"logits": logits, "features": features, "stats": (g.mean(dim=-1), logits.amax(dim=-1))}
+        return {"logits": logits, "features": features,
+                "stats": (g.mean(dim=-1), logits.amax(dim=-1))}
 
 
 def build_model(config: str | None = None) -> nn.Module:

@@ -5,6 +5,7 @@ from their attributes; atomc traces through them."""
 import torch
 from torch import nn
 
+
 class Encoder(nn.Module):
     def __init__(self):
         super().__init__()

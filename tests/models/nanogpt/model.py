@@ -88,7 +88,7 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
+        self.transformer = nn.ModuleDict(dict(  # noqa: C408 - written the way nanoGPT writes it
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
@@ -112,7 +112,8 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None):
         _, t = idx.size()
-        assert t <= self.config.block_size, f"sequence of {t} is longer than {self.config.block_size}"
+        assert t <= self.config.block_size, (
+            f"sequence of {t} is longer than {self.config.block_size}")
         pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:

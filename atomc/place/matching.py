@@ -1,4 +1,4 @@
-"""Schedule stage: the pipeline edge between two data-parallel groups (DT-FM eq. 3).
+"""Place stage: the pipeline edge between two data-parallel groups (DT-FM eq. 3).
 
 input:  an n x n cost matrix, cost[r][c] = time for device r of one group to send one
         replica's activations to device c of the other

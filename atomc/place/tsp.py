@@ -1,4 +1,4 @@
-"""Schedule stage: the pipeline order of the data-parallel groups (DT-FM eq. 4).
+"""Place stage: the pipeline order of the data-parallel groups (DT-FM eq. 4).
 
 input:  the coarsened graph, a symmetric n x n matrix of pipeline edge costs between groups
 output: the open-loop travelling salesman path (visit every group once, any start, any end)

@@ -1,4 +1,4 @@
-"""Schedule stage: DT-FM's communication cost of a layout (eq. 2-4).
+"""Place stage: DT-FM's communication cost of a layout (eq. 2-4).
 
 input:  a Network, the degrees D_PP (stages) and D_DP (replicas), the message sizes c_PP
         (activation bytes one replica sends across a stage boundary per step) and c_DP
@@ -22,9 +22,9 @@ import numpy as np
 
 from atomc.errors import LayoutError
 from atomc.ir import Plan
-from atomc.schedule.matching import refined_values
-from atomc.schedule.network import Network, symmetric
-from atomc.schedule.tsp import open_loop_tsp, open_loop_tsp_costs
+from atomc.place.matching import refined_values
+from atomc.place.network import Network, symmetric
+from atomc.place.tsp import open_loop_tsp, open_loop_tsp_costs
 
 BITS_PER_BYTE = 8
 SEARCH_EXACT_MAX_STAGES = 10  # Held-Karp over 2**10 subsets: about a millisecond per call

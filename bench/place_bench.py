@@ -1,17 +1,17 @@
-"""Schedule-stage benchmark: DT-FM's five 64-GPU scenarios, 8 stages x 8 replicas.
+"""Place-stage benchmark: DT-FM's five 64-GPU scenarios, 8 stages x 8 replicas.
 
 Every strategy gets the same wall-clock budget, side by side in one run, and the table shows
 the cost of its best layout (DP, PP, total = DP + 2*PP, seconds per step in DT-FM's model),
 when it found that layout, and how many candidate layouts it evaluated.
 
-- ours:   genetic algorithm + DT-FM's local search (the default of `atomc schedule`)
+- ours:   genetic algorithm + DT-FM's local search (the default of `atomc place`)
 - kl:     the same with the Kernighan-Lin gain
 - random: random layouts
 - "random start" rows: the genetic algorithms started from random partitions only, without
   the two link-built seeds (DT-FM's own setting), to isolate what the local search does.
 
 Message sizes default to DT-FM's scheduler for GPT-3 XL (c_PP 0.5 GB, c_DP 0.9 GB).
-Usage: python bench/schedule_bench.py [--budget-s 5] [--seeds 1] [--c-pp 500MB] [--c-dp 900MB]
+Usage: python bench/place_bench.py [--budget-s 5] [--seeds 1] [--c-pp 500MB] [--c-dp 900MB]
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import argparse
 import statistics
 import time
 
-from atomc.schedule import Budget, CostModel, scenario_names, search
-from atomc.schedule.layout import device_matrix
-from atomc.schedule.network import build_scenario
+from atomc.place import Budget, CostModel, scenario_names, search
+from atomc.place.layout import device_matrix
+from atomc.place.network import build_scenario
 from atomc.units import parse_size
 
 RUNS = [("ours", True), ("kl", True), ("random", True), ("ours", False), ("kl", False)]

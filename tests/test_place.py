@@ -1,4 +1,4 @@
-"""Schedule stage: network IR, DT-FM cost model (eq. 2-4), exact matching and TSP, search,
+"""Place stage: network IR, DT-FM cost model (eq. 2-4), exact matching and TSP, search,
 layout, command line."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from atomc.cli import main
 from atomc.errors import AtomcError, LayoutError, NetworkError, UsageError
 from atomc.ir import CutTensor, Plan, Submodel
-from atomc.schedule import (
+from atomc.place import (
     Budget,
     CostModel,
     Layout,
@@ -25,19 +25,19 @@ from atomc.schedule import (
     matrix_cost,
     message_sizes,
     network_from_data,
+    place,
     scenario_names,
-    schedule,
     search,
 )
-from atomc.schedule.matching import (
+from atomc.place.matching import (
     bottleneck_matching,
     bottleneck_value,
     bottleneck_values,
     max_matching_sizes,
     refined_values,
 )
-from atomc.schedule.network import Device, build_scenario
-from atomc.schedule.tsp import open_loop_tsp, open_loop_tsp_costs, path_cost
+from atomc.place.network import Device, build_scenario
+from atomc.place.tsp import open_loop_tsp, open_loop_tsp_costs, path_cost
 
 SHARED_SCENARIOS = Path(__file__).resolve().parents[2] / "shared" / "dtfm" / "scenarios.json"
 
@@ -101,7 +101,7 @@ def test_scenarios_build_faithfully():
     not SHARED_SCENARIOS.exists(), reason="shared scenario data not in this checkout"
 )
 def test_packaged_scenarios_are_the_shared_data():
-    from atomc.schedule.network import scenario_data
+    from atomc.place.network import scenario_data
 
     assert scenario_data() == json.loads(SHARED_SCENARIOS.read_text())
 
@@ -173,7 +173,7 @@ def test_bad_networks_are_rejected_clearly(tmp_path, capsys, change, message):
     assert (
         main(
             [
-                "schedule",
+                "place",
                 str(tmp_path / "net.json"),
                 "--pp",
                 "3",
@@ -463,7 +463,7 @@ def test_plan_with_fewer_submodels_than_stages(tmp_path, capsys):
     assert (
         main(
             [
-                "schedule",
+                "place",
                 str(tmp_path / "net.json"),
                 "--pp",
                 "4",
@@ -486,7 +486,7 @@ def test_plan_with_fewer_submodels_than_stages(tmp_path, capsys):
 def small_layout():
     net = build_network(regions=["Oregon:4", "Tokyo:4", "London:4"])
     plan = make_plan([3, 1, 1, 2, 2, 1], [5, 5, 5, 5, 5, 5], [7, 7, 7, 7, 7])
-    layout = schedule(net, 3, 4, plan=plan, seed=3, budget_s=None, max_evals=600)
+    layout = place(net, 3, 4, plan=plan, seed=3, budget_s=None, max_evals=600)
     return net, plan, layout
 
 
@@ -517,30 +517,30 @@ def test_layout_round_trip_rank_map_and_invariants(small_layout, tmp_path):
     with pytest.raises(LayoutError, match="rank 12 is outside"):
         layout.position(12)
     other = build_network(regions=["Oregon:4", "Tokyo:4", "Ireland:4"])
-    with pytest.raises(LayoutError, match="schedule again"):
+    with pytest.raises(LayoutError, match="place again"):
         layout.check(other)
 
 
 def test_degrees_must_cover_the_devices():
     net = build_network(regions=["Oregon:3", "Tokyo:3"])
     with pytest.raises(LayoutError, match=r"--pp 4 x --dp 2 = 8 tasklets but .* has 6 devices"):
-        schedule(net, 4, 2, 10, 10)
+        place(net, 4, 2, 10, 10)
     with pytest.raises(UsageError, match="needs the message sizes"):
-        schedule(net, 3, 2)
+        place(net, 3, 2)
     with pytest.raises(UsageError, match="unknown strategy"):
-        schedule(net, 3, 2, 10, 10, strategy="annealing")
+        place(net, 3, 2, 10, 10, strategy="annealing")
 
 
 def test_single_stage_or_single_replica():
     net = build_network(regions=["Oregon:2", "Tokyo:2"])
-    pipeline = schedule(net, 4, 1, 10**8, 10**8, max_evals=50, budget_s=None)
+    pipeline = place(net, 4, 1, 10**8, 10**8, max_evals=50, budget_s=None)
     assert pipeline.cost.dp_s == 0
     # the pipeline crosses the ocean once, not three times
     regions = [
         net.devices[[d.name for d in net.devices].index(row[0])].region for row in pipeline.devices
     ]
     assert sum(a != b for a, b in itertools.pairwise(regions)) == 1
-    data_parallel = schedule(net, 1, 4, 10**8, 10**8, max_evals=50, budget_s=None)
+    data_parallel = place(net, 1, 4, 10**8, 10**8, max_evals=50, budget_s=None)
     assert data_parallel.cost.pp_s == 0 and data_parallel.cost.dp_s > 0
 
 
@@ -599,7 +599,7 @@ def test_budget_validation():
 # command line
 
 
-def test_cli_network_and_schedule(tmp_path, capsys):
+def test_cli_network_and_place(tmp_path, capsys):
     net_path = tmp_path / "net.json"
     assert main(["network", "3", "-o", str(net_path)]) == 0
     out = capsys.readouterr().out
@@ -608,7 +608,7 @@ def test_cli_network_and_schedule(tmp_path, capsys):
     assert (
         main(
             [
-                "schedule",
+                "place",
                 str(net_path),
                 "--pp",
                 "8",
@@ -637,11 +637,11 @@ def test_cli_network_and_schedule(tmp_path, capsys):
     capsys.readouterr()
 
 
-def test_cli_schedule_from_a_plan(tmp_path, capsys):
+def test_cli_place_from_a_plan(tmp_path, capsys):
     plan = make_plan([2, 2, 4, 1, 1, 2], [10] * 6, [1000] * 5, accum=4)
     plan.save(tmp_path / "plan.json")
     build_network(regions=["Ohio:3", "Oregon:3"]).save(tmp_path / "net.json")
-    argv = ["schedule", str(tmp_path / "net.json"), "--pp", "3", "--dp", "2", "--plan"]
+    argv = ["place", str(tmp_path / "net.json"), "--pp", "3", "--dp", "2", "--plan"]
     argv += [str(tmp_path / "plan.json"), "--max-evals", "200", "-o", str(tmp_path / "layout.json")]
     assert main(argv) == 0
     assert "sub-models" in capsys.readouterr().out
@@ -657,17 +657,17 @@ def test_cli_schedule_from_a_plan(tmp_path, capsys):
         (["network", "9"], "unknown network scenario"),
         (["network", "--regions", "Mars:3"], "unknown region"),
         (
-            ["schedule", "NET", "--pp", "8", "--dp", "4", "--c-pp", "1", "--c-dp", "1"],
+            ["place", "NET", "--pp", "8", "--dp", "4", "--c-pp", "1", "--c-dp", "1"],
             "= 32 tasklets but",
         ),
-        (["schedule", "NET", "--pp", "8", "--dp", "8", "--c-pp", "1"], "--c-dp is missing"),
+        (["place", "NET", "--pp", "8", "--dp", "8", "--c-pp", "1"], "--c-dp is missing"),
         (
-            ["schedule", "NET", "--pp", "8", "--dp", "8", "--c-pp", "-5", "--c-dp", "1"],
+            ["place", "NET", "--pp", "8", "--dp", "8", "--c-pp", "-5", "--c-dp", "1"],
             "is not a size",
         ),
         (
             [
-                "schedule",
+                "place",
                 "NET",
                 "--pp",
                 "8",
@@ -683,7 +683,7 @@ def test_cli_schedule_from_a_plan(tmp_path, capsys):
             "unknown strategy",
         ),
         (
-            ["schedule", "missing.json", "--pp", "8", "--dp", "8", "--c-pp", "1", "--c-dp", "1"],
+            ["place", "missing.json", "--pp", "8", "--dp", "8", "--c-pp", "1", "--c-dp", "1"],
             "does not exist",
         ),
     ],

@@ -1,4 +1,4 @@
-"""Schedule stage: search for the partition into data-parallel groups of least cost (DT-FM 3.4).
+"""Place stage: search for the partition into data-parallel groups of least cost (DT-FM 3.4).
 
 input:  a CostModel (network, D_PP, D_DP, c_PP, c_DP), a strategy, a seed and a budget
 output: the best partition found (D_PP groups of D_DP device indices), its cost, and the
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from atomc.errors import UsageError
-from atomc.schedule.cost import CostModel
+from atomc.place.cost import CostModel
 
 STRATEGIES = ("ours", "kl", "random")
 CANDIDATES_PER_PAIR = 4  # DT-FM's four swaps; the KL variant keeps as many of its best
@@ -71,7 +71,7 @@ class Budget:
 
 
 @dataclass
-class SearchResult:
+class PlacementResult:
     groups: np.ndarray  # (pp, dp) device indices, rows sorted
     total_s: float
     evaluations: int
@@ -403,7 +403,7 @@ class Searcher:
 
     def run(
         self, strategy: str, population_size: int = POPULATION_SIZE, link_seeds: bool = True
-    ) -> SearchResult:
+    ) -> PlacementResult:
         m = self.model
         stopped = "complete"
         try:
@@ -427,7 +427,7 @@ class Searcher:
             self.budget = Budget(time_s=None)
             self.full(self.random_groups())
         assert self.best is not None
-        return SearchResult(
+        return PlacementResult(
             groups=self.best.groups,
             total_s=self.best.total,
             evaluations=self.evaluations,
@@ -450,7 +450,7 @@ def search(
     budget: Budget | None = None,
     population_size: int = POPULATION_SIZE,
     link_seeds: bool = True,
-) -> SearchResult:
+) -> PlacementResult:
     """Best partition `strategy` finds within `budget`. link_seeds=False starts the genetic
     algorithm from random partitions only (DT-FM's setting)."""
     if strategy not in STRATEGIES:

@@ -1,9 +1,9 @@
-"""Schedule stage: DT-FM layouts of pipeline stages x data-parallel replicas over a network.
+"""Place stage: DT-FM layouts of pipeline stages x data-parallel replicas over a network.
 
-    network (+ plan or message sizes) -schedule-> Layout
+    network (+ plan or message sizes) -place-> Layout
 
 `build_network` makes a Network from DT-FM's scenarios or a region list, `load_network` reads
-one from JSON, and `schedule` searches the assignment of tasklets (replica i, stage j) to
+one from JSON, and `place` searches the assignment of tasklets (replica i, stage j) to
 devices that minimises DT-FM's communication cost (eq. 1-4) and returns it as a Layout.
 """
 
@@ -14,18 +14,18 @@ import numpy as np
 from atomc import __version__
 from atomc.errors import UsageError
 from atomc.ir import Plan
-from atomc.schedule.cost import Cost, CostModel, plan_message_sizes, stage_ranges
-from atomc.schedule.layout import (
+from atomc.place.cost import Cost, CostModel, plan_message_sizes, stage_ranges
+from atomc.place.layout import (
     Layout,
     LayoutCost,
     SearchPoint,
     device_matrix,
     evaluate_layout,
     layout_cost,
+    layout_stages,
     matrix_cost,
-    stage_specs,
 )
-from atomc.schedule.network import (
+from atomc.place.network import (
     Device,
     Network,
     build_regions,
@@ -34,7 +34,7 @@ from atomc.schedule.network import (
     network_from_data,
     scenario_names,
 )
-from atomc.schedule.search import STRATEGIES, Budget, SearchResult, search
+from atomc.place.search import STRATEGIES, Budget, PlacementResult, search
 
 __all__ = [
     "STRATEGIES",
@@ -45,16 +45,16 @@ __all__ = [
     "Layout",
     "LayoutCost",
     "Network",
-    "SearchResult",
+    "PlacementResult",
     "build_network",
     "evaluate_layout",
     "load_network",
     "matrix_cost",
     "message_sizes",
     "network_from_data",
+    "place",
     "random_cost",
     "scenario_names",
-    "schedule",
     "search",
 ]
 
@@ -89,7 +89,7 @@ def message_sizes(plan: Plan, pp: int) -> tuple[int, int, tuple[tuple[int, int],
 
 
 def random_cost(model: CostModel, seed: int, samples: int = RANDOM_SAMPLES) -> LayoutCost:
-    """The median (by total) of `samples` random layouts: what scheduling is measured against.
+    """The median (by total) of `samples` random layouts: what placing is measured against.
     They are ranked with the search's quick pipeline cost; only the median one is evaluated
     in full (Held-Karp over 16 stages takes a good fraction of a second)."""
     rng = np.random.default_rng([seed, 1])  # apart from the search's own stream
@@ -106,7 +106,7 @@ def random_cost(model: CostModel, seed: int, samples: int = RANDOM_SAMPLES) -> L
     return layout_cost(model.evaluate(candidates[median]))
 
 
-def schedule(
+def place(
     network: Network,
     pp: int,
     dp: int,
@@ -162,7 +162,7 @@ def schedule(
         num_replicas=dp,
         devices=devices,
         ranks=ranks,
-        stages=stage_specs(model, matrix, cost, dp_by_stage, plan, ranges),
+        stages=layout_stages(model, matrix, cost, dp_by_stage, plan, ranges),
         c_pp_bytes=int(c_pp_bytes),
         c_dp_bytes=int(c_dp_bytes),
         cost=layout_cost(cost),

@@ -1,4 +1,4 @@
-"""Schedule stage input: the Network IR and the builders of DT-FM's network scenarios.
+"""Place stage input: the Network IR and the builders of DT-FM's network scenarios.
 
 input:  a scenario name (DT-FM section 4.1, data in `scenarios.json`), a region list, or a JSON
         file {"devices": [...], "delay_ms": [[...]], "bandwidth_gbps": [[...]]}
@@ -210,7 +210,7 @@ def load_network(path: str | Path) -> Network:
 
 def scenario_data() -> dict[str, Any]:
     """The DT-FM scenario data shipped with the package (a copy of shared/dtfm/scenarios.json)."""
-    text = resources.files("atomc.schedule").joinpath("scenarios.json").read_text()
+    text = resources.files("atomc.place").joinpath("scenarios.json").read_text()
     return json.loads(text)
 
 
@@ -239,15 +239,17 @@ def build_scenario(name: str) -> Network:
     intra = (float(case["intra"]["delay_ms"]), float(case["intra"]["bandwidth_gbps"]))
     groups = [(g["name"], int(g["devices"])) for g in case["groups"]]
 
-    if "cross_pairs" in case:
-        table = _pair_table(case["cross_pairs"])
-        cross = lambda a, b: table[(a, b)]
-    elif case.get("cross") == "region_pairs":
-        table = _pair_table(data["region_pairs"]["pairs"])
-        cross = lambda a, b: table[(a, b)]
+    if "cross_pairs" in case or case.get("cross") == "region_pairs":
+        pairs = case["cross_pairs"] if "cross_pairs" in case else data["region_pairs"]["pairs"]
+        table = _pair_table(pairs)
+
+        def cross(a: str, b: str) -> tuple[float, float]:
+            return table[(a, b)]
     else:
         value = (float(case["cross"]["delay_ms"]), float(case["cross"]["bandwidth_gbps"]))
-        cross = lambda a, b: value
+
+        def cross(a: str, b: str) -> tuple[float, float]:
+            return value
     # Every scenario in the paper runs on V100s (section 4.1).
     return _build(key, case.get("paper", ""), groups, intra, cross, gpu="V100")
 

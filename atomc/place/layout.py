@@ -1,4 +1,4 @@
-"""Schedule stage output: the Layout IR (kind "atomc.layout") and its text grid.
+"""Place stage output: the Layout IR (kind "atomc.layout") and its text grid.
 
 input:  the network, the best partition the search found (D_PP groups of D_DP devices), the
         cost model (for the pipeline order and the matchings), and optionally the plan
@@ -20,9 +20,9 @@ import numpy as np
 
 from atomc.errors import LayoutError
 from atomc.ir import Document, Plan
-from atomc.schedule.cost import Cost, CostModel
-from atomc.schedule.matching import bottleneck_matching
-from atomc.schedule.network import Network
+from atomc.place.cost import Cost, CostModel
+from atomc.place.matching import bottleneck_matching
+from atomc.place.network import Network
 from atomc.units import format_bytes
 
 
@@ -36,7 +36,9 @@ class LayoutCost:
 
 
 @dataclass(frozen=True)
-class StageSpec:
+class LayoutStage:
+    """One pipeline stage of a layout: its sub-models and its share of the cost."""
+
     stage: int
     submodels: tuple[int, int] | None  # [start, stop) in the plan's sub-models; None without a plan
     compute_ms: float  # fwd + bwd of one micro-batch over those sub-models (0 without a plan)
@@ -62,7 +64,7 @@ class Layout(Document):
     num_replicas: int  # D_DP
     devices: tuple[tuple[str, ...], ...]  # [stage][replica]: the D_PP x D_DP device matrix
     ranks: dict[str, int]  # device name -> rank = replica * D_PP + stage
-    stages: tuple[StageSpec, ...]
+    stages: tuple[LayoutStage, ...]
     c_pp_bytes: int
     c_dp_bytes: int
     cost: LayoutCost
@@ -117,9 +119,9 @@ class Layout(Document):
             raise LayoutError(f"{source}: {len(self.stages)} stage entries for {pp} stages")
         if network is not None and network.content_hash() != self.network_hash:
             raise LayoutError(
-                f"{source} was scheduled for network {self.network_name} ({self.network_hash}), "
+                f"{source} was placed on network {self.network_name} ({self.network_hash}), "
                 f"not for {network.name or 'this network'} ({network.content_hash()}); "
-                f"schedule again"
+                f"place again"
             )
         return self
 
@@ -209,14 +211,14 @@ def matrix_cost(model: CostModel, matrix: np.ndarray) -> LayoutCost:
     return LayoutCost(dp_s=dp_s, pp_s=pp_s, total_s=dp_s + 2.0 * pp_s)
 
 
-def stage_specs(
+def layout_stages(
     model: CostModel,
     matrix: np.ndarray,
     cost: Cost,
     groups_order_dp: list[float],
     plan: Plan | None,
     ranges: tuple[tuple[int, int], ...] | None,
-) -> tuple[StageSpec, ...]:
+) -> tuple[LayoutStage, ...]:
     specs = []
     for s in range(model.pp):
         if plan is not None and ranges is not None:
@@ -229,7 +231,7 @@ def stage_specs(
             compute_ms, param_bytes, submodels = 0.0, 0, None
         send = cost.edge_s[s] if s < model.pp - 1 else 0.0
         specs.append(
-            StageSpec(
+            LayoutStage(
                 stage=s,
                 submodels=submodels,
                 compute_ms=compute_ms,

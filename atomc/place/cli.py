@@ -1,9 +1,9 @@
-"""`atomc network` and `atomc schedule`: build a network, then lay stages x replicas out on it.
+"""`atomc network` and `atomc place`: build a network, then lay stages x replicas out on it.
 
 atomc network 5-worldwide -o net.json
 atomc network --regions Oregon:8,Tokyo:8,London:8 -o net.json
-atomc schedule net.json --pp 8 --dp 8 --plan plan.json -o layout.json
-atomc schedule net.json --pp 8 --dp 8 --c-pp 500MB --c-dp 900MB --strategy ours --budget-s 5
+atomc place net.json --pp 8 --dp 8 --plan plan.json -o layout.json
+atomc place net.json --pp 8 --dp 8 --c-pp 500MB --c-dp 900MB --strategy ours --budget-s 5
 """
 
 from __future__ import annotations
@@ -40,42 +40,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     net.add_argument("-o", "--output", help="write the network JSON here")
     net.set_defaults(func=run_network)
 
-    sch = subparsers.add_parser(
-        "schedule",
+    plc = subparsers.add_parser(
+        "place",
         help="lay pipeline stages x data-parallel replicas out over a network (DT-FM)",
         description="Search the assignment of (replica, stage) tasklets to devices that minimises "
         "DT-FM's communication cost: DP + 2*PP.",
     )
-    sch.add_argument("network", help="network JSON (from `atomc network`, or hand-written)")
-    sch.add_argument("--pp", type=int, required=True, help="pipeline stages D_PP")
-    sch.add_argument("--dp", type=int, required=True, help="data-parallel replicas D_DP")
-    sch.add_argument(
+    plc.add_argument("network", help="network JSON (from `atomc network`, or hand-written)")
+    plc.add_argument("--pp", type=int, required=True, help="pipeline stages D_PP")
+    plc.add_argument("--dp", type=int, required=True, help="data-parallel replicas D_DP")
+    plc.add_argument(
         "--plan", help="plan JSON: message sizes and stage -> sub-model ranges come from it"
     )
-    sch.add_argument(
+    plc.add_argument(
         "--c-pp", help="activation bytes one replica sends across a stage boundary per step"
     )
-    sch.add_argument("--c-dp", help="gradient bytes of one stage")
-    sch.add_argument("--strategy", default="ours", help="ours | kl | random (default ours)")
-    sch.add_argument("--seed", type=int, default=0)
-    sch.add_argument(
+    plc.add_argument("--c-dp", help="gradient bytes of one stage")
+    plc.add_argument("--strategy", default="ours", help="ours | kl | random (default ours)")
+    plc.add_argument("--seed", type=int, default=0)
+    plc.add_argument(
         "--budget-s", type=float, default=5.0, help="wall-clock budget in seconds (default 5)"
     )
-    sch.add_argument("--max-evals", type=int, help="stop after this many candidate layouts")
-    sch.add_argument(
+    plc.add_argument("--max-evals", type=int, help="stop after this many candidate layouts")
+    plc.add_argument(
         "--patience",
         type=int,
         default=5000,
         help="stop after this many candidates without a better layout (default 5000)",
     )
-    sch.add_argument("-o", "--output", help="write the layout JSON here")
-    sch.set_defaults(func=run_schedule)
+    plc.add_argument("-o", "--output", help="write the layout JSON here")
+    plc.set_defaults(func=run_place)
 
 
 def run_network(args: argparse.Namespace) -> int:
     from atomc.errors import UsageError
-    from atomc.schedule import build_network, scenario_names
-    from atomc.schedule.network import scenario_data
+    from atomc.place import build_network, scenario_names
+    from atomc.place.network import scenario_data
 
     if args.list:
         print("scenarios: " + ", ".join(scenario_names()))
@@ -97,10 +97,10 @@ def run_network(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_schedule(args: argparse.Namespace) -> int:
+def run_place(args: argparse.Namespace) -> int:
     from atomc.errors import UsageError
     from atomc.ir import Plan
-    from atomc.schedule import load_network, schedule
+    from atomc.place import load_network, place
     from atomc.units import parse_size
 
     network = load_network(args.network)
@@ -112,7 +112,7 @@ def run_schedule(args: argparse.Namespace) -> int:
         raise UsageError(
             f"{missing} is missing: without --plan give both --c-pp and --c-dp (bytes, e.g. 500MB)"
         )
-    layout = schedule(
+    layout = place(
         network,
         args.pp,
         args.dp,

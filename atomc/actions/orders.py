@@ -1,0 +1,117 @@
+"""Schedule generators: (sub-models or stages, micro-batches) -> one step's list of actions.
+
+`atom_order` is the swap runtime's step (ATOM Fig. 12, DESIGN 7); `gpipe` and `one_f_one_b`
+are one pipeline stage's step in the layout runner (DESIGN 8). The lists are in issue order:
+a runtime executes them front to back, and the simulator times them in that order.
+"""
+
+from __future__ import annotations
+
+from atomc.actions import Action, Run
+from atomc.errors import UsageError
+
+PIPELINE_ORDERS = ("gpipe", "1f1b")
+
+
+def _check(num_micro: int, count: int, what: str, stage: int = 0) -> None:
+    if count < 1 or num_micro < 1:
+        raise ValueError(f"a schedule needs at least one {what} and one micro-batch "
+                         f"(got {count} and {num_micro})")
+    if not 0 <= stage < count:
+        raise ValueError(f"stage {stage} is not one of the {count} stages")
+
+
+def atom_order(num_submodels: int, num_micro: int, *, early_prefetch: bool = False) -> list[Action]:
+    """One step of ATOM's swap schedule over k sub-models and C micro-batches.
+
+    Sub-model i uses weight slot i % 2. The step opens with P_0's load: its weights changed in
+    the previous step's update, though it is still in its slot. Each forward P_i (i < k-1)
+    first prefetches P_{i+1} into the other slot; P_{k-1} runs forward and backward per
+    micro-batch; P_{k-2} is still in its own slot for its backward, so it is not loaded
+    again; each backward P_i (0 < i < k-1) prefetches P_{i-1}. Gradients leave (O) after a
+    sub-model's last backward and the CPU updates them (U) while the backward goes on.
+    With `early_prefetch` (k > 1 only), P_1's load for the next step ends this one, after its
+    update, while P_0's update runs: the next step then opens with P_0's load alone.
+    """
+    order = atom_runs(num_submodels, num_micro, early_prefetch=early_prefetch)
+    return [Action(kind, i, m) for kind, i, micros in order for m in (micros or (None,))]
+
+
+def atom_runs(num_submodels: int, num_micro: int, *, early_prefetch: bool = False) -> list[Run]:
+    """`atom_order` as runs (atomc.actions.runs): O(k + C) items for its O(k C) actions, so
+    that the partitioner's simulation of a plan does not build the whole list."""
+    _check(num_micro, num_submodels, "sub-model")
+    k, micro = num_submodels, range(num_micro)
+    early = early_prefetch and k > 1
+    out: list[Run] = [("L", 0, None)]
+    for i in range(k - 1):
+        if not (early and i == 0):
+            out.append(("L", i + 1, None))
+        out.append(("F", i, micro))
+    last = k - 1
+    for m in micro:
+        out += [("F", last, range(m, m + 1)), ("B", last, range(m, m + 1))]
+    out += [("O", last, None), ("U", last, None)]
+    for i in range(k - 2, -1, -1):
+        if i > 0:
+            out.append(("L", i - 1, None))
+        out += [("B", i, micro), ("O", i, None), ("U", i, None)]
+    if early:
+        out.append(("L", 1, None))
+    return out
+
+
+def _with_wires(order: list[tuple[str, int]], stage: int, num_stages: int) -> list[Action]:
+    """F and B with their messages: values come in before F and go on after it; gradients
+    come back before B and go back after it. The first stage reads the batch and the last
+    computes the loss, so neither talks past the ends of the pipeline."""
+    first, last = stage == 0, stage == num_stages - 1
+    out = []
+    for kind, m in order:
+        before, after = (not first, not last) if kind == "F" else (not last, not first)
+        if before:
+            out.append(Action("R", stage, m))
+        out.append(Action(kind, stage, m))
+        if after:
+            out.append(Action("S", stage, m))
+    return out
+
+
+def gpipe(num_micro: int, stage: int, num_stages: int) -> list[Action]:
+    """GPipe (Huang et al. 2019): every forward, then every backward."""
+    _check(num_micro, num_stages, "stage", stage)
+    order = [("F", m) for m in range(num_micro)] + [("B", m) for m in range(num_micro)]
+    return _with_wires(order, stage, num_stages)
+
+
+def one_f_one_b(num_micro: int, stage: int, num_stages: int) -> list[Action]:
+    """1F1B with a flush (PipeDream-flush, Narayanan et al. 2021): stage j runs D_PP - j - 1
+    warm-up forwards, then alternates one forward and one backward, then drains backwards.
+    At most D_PP - j micro-batches are in flight on stage j instead of GPipe's M."""
+    _check(num_micro, num_stages, "stage", stage)
+    warm = min(num_stages - stage - 1, num_micro)
+    order = [("F", m) for m in range(warm)]
+    for m in range(num_micro - warm):
+        order += [("F", warm + m), ("B", m)]
+    order += [("B", m) for m in range(num_micro - warm, num_micro)]
+    return _with_wires(order, stage, num_stages)
+
+
+def pipeline_order(name: str, num_micro: int, stage: int, num_stages: int) -> list[Action]:
+    """Stage `stage`'s step of the pipeline schedule `name` ("gpipe" or "1f1b")."""
+    if name == "gpipe":
+        return gpipe(num_micro, stage, num_stages)
+    if name == "1f1b":
+        return one_f_one_b(num_micro, stage, num_stages)
+    raise UsageError(f"pipeline schedule {name!r} is unknown; choose one of "
+                     f"{', '.join(PIPELINE_ORDERS)}")
+
+
+def max_in_flight(actions: list[Action]) -> int:
+    """Micro-batches whose forward ran and backward did not yet: activations held at once."""
+    live = peak = 0
+    for a in actions:
+        if a.kind in ("F", "B"):
+            live += 1 if a.kind == "F" else -1
+            peak = max(peak, live)
+    return peak

@@ -1,0 +1,51 @@
+"""Dtype names: the one place that turns a dtype's name into a torch.dtype and back.
+
+- `parse_dtype(value, what)`: a floating-point dtype a user chose (an option, a config, a
+  checkpoint's field): float32/fp32, float64/fp64, bfloat16/bf16, float16/fp16/half, or a
+  torch.dtype as is; UsageError naming `what` and the accepted names otherwise.
+- `dtype_name(dtype)`: "float32" for torch.float32, the name the IR, checkpoints and the
+  pipeline's wire headers write.
+- `dtype_from_name(name, what, error)`: the inverse of dtype_name for every torch dtype (a
+  name read back from a file or a wire header, not typed by a user).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atomc.errors import AtomcError, IRError, UsageError
+
+# what users may write for each floating-point dtype, canonical name first
+_ALIASES = {
+    torch.float32: ("float32", "fp32"),
+    torch.float64: ("float64", "fp64"),
+    torch.bfloat16: ("bfloat16", "bf16"),
+    torch.float16: ("float16", "fp16", "half"),
+}
+_BY_ALIAS = {name: dtype for dtype, names in _ALIASES.items() for name in names}
+ACCEPTED = ", ".join(
+    names[0] + (f" ({', '.join(names[1:])})" if names[1:] else "") for names in _ALIASES.values()
+)
+
+
+def parse_dtype(value: str | torch.dtype | None, what: str) -> torch.dtype | None:
+    """`value` as a torch.dtype; None stays None (the caller's default applies)."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    dtype = _BY_ALIAS.get(value) if isinstance(value, str) else None
+    if dtype is None:
+        raise UsageError(f"{what} {value!r} is not a training dtype; choose one of {ACCEPTED}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str, what: str = "dtype",
+                    error: type[AtomcError] = IRError) -> torch.dtype:
+    """The torch dtype `dtype_name` wrote as `name`; `error` when torch has no such dtype."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise error(f"{what} {name!r} is not a torch dtype")
+    return dtype

@@ -1,0 +1,140 @@
+"""Runtime stage, settings: what a user may choose for a swap run, and the one step that turns
+those choices into the settings a run uses.
+
+`TrainerConfig` holds the choices as given (None: "the plan's" or "the default"). `resolve`
+fills every None from the plan the package was generated for, the package's PLAN, a checkpoint
+being resumed and the initial weights, checks the combination, and returns `RunSettings`,
+where nothing is left open. SwapTrainer.from_package, peers and the CLI build the same config,
+so a default is decided in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from atomc.device import parse_device
+from atomc.dtypes import parse_dtype
+from atomc.errors import UsageError
+from atomc.ir import Plan
+from atomc.runtime.optim import AdamWConfig
+from atomc.runtime.package import SwapPackage
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """A swap run's choices (see SwapTrainer.from_package for what each one means)."""
+
+    device: str | torch.device | None = None  # default: cuda when available
+    accum: int | None = None  # C; default: the plan's
+    optimizer: AdamWConfig | dict[str, Any] | None = None
+    activations: str | None = None  # "recompute" or "keep"; default: the plan's
+    offload_activations: bool | None = None  # default: when the plan streams checkpoints
+    dtype: str | torch.dtype | None = None  # master dtype
+    transfer_dtype: str | torch.dtype | None = None  # the device copy's dtype
+    autocast: str | torch.dtype | None = None
+    loss_scale: bool | None = None
+    gpu_mem: int | None = None  # bytes; default: the plan's capacity
+    trace: bool = False
+    tied_grads: str = "fast"  # or "exact"
+    threaded_optimizer: bool = True
+    seed: int = 0
+
+    @classmethod
+    def of(cls, config: TrainerConfig | dict[str, Any] | None,
+           options: dict[str, Any]) -> TrainerConfig:
+        """`config` (a TrainerConfig or a dict of its fields) with `options` over it."""
+        if config is None:
+            config = cls()
+        elif isinstance(config, dict):
+            options = {**config, **options}
+            config = cls()
+        elif not isinstance(config, cls):
+            raise UsageError(f"config is a {type(config).__name__}; give a TrainerConfig or a dict "
+                             f"of its fields")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise UsageError(f"unknown trainer option{'s' if len(unknown) > 1 else ''} "
+                             f"{', '.join(unknown)}; the options are {', '.join(sorted(known))}")
+        return dataclasses.replace(config, **options)
+
+    def resolve(self, pkg: SwapPackage, plan: Plan | None, *,
+                resume: dict[str, Any] | None = None,
+                initial: dict[str, Any] | None = None) -> RunSettings:
+        """Every choice made: from this config, else `plan`, else the package's PLAN, else the
+        defaults. `resume` is the checkpoint being resumed, `initial` the initial weights;
+        they decide the master dtype when none is given."""
+        accum = int(self.accum if self.accum is not None else pkg.plan.accum)
+        if accum < 1:
+            raise UsageError(f"accum {accum} must be 1 or more")
+        activations = self.activations or pkg.plan.activations
+        if activations not in ("recompute", "keep"):
+            raise UsageError(f"activations={activations!r}: choose recompute or keep")
+        if self.tied_grads not in ("fast", "exact"):
+            raise UsageError(f"tied_grads={self.tied_grads!r}: choose fast or exact")
+
+        master = parse_dtype(self.dtype, "dtype")
+        if master is None and resume is not None and "master_dtype" in resume:
+            master = parse_dtype(str(resume["master_dtype"]), "checkpoint master dtype")
+        if master is None and initial is not None:
+            floats = {t.dtype for t in initial.values()
+                      if isinstance(t, torch.Tensor) and t.is_floating_point()}
+            master = torch.float64 if floats == {torch.float64} else None
+        master = master or torch.float32
+        if master not in (torch.float32, torch.float64):
+            raise UsageError(f"master dtype {master} is not float32 or float64; half-precision "
+                             f"weights go to the device with transfer_dtype=, masters stay float32")
+        transfer = parse_dtype(self.transfer_dtype, "transfer dtype") or master
+        autocast = parse_dtype(self.autocast, "autocast dtype")
+        if autocast is None and transfer in _HALF:
+            autocast = transfer
+        loss_scale = self.loss_scale
+        if loss_scale is None:  # float16 gradients underflow without it, from weights or compute
+            loss_scale = torch.float16 in (transfer, autocast)
+
+        offload = self.offload_activations
+        if offload is None:  # the plan's memory model streams checkpoints when it costs them
+            offload = activations == "recompute" and plan is not None and any(
+                sm.checkpoint_ms > 0 for sm in plan.submodels[:-1])
+        elif offload and activations == "keep":
+            raise UsageError("offload_activations=True needs activations='recompute': with 'keep' "
+                             "the autograd graphs hold every saved activation on the device")
+        capacity = self.gpu_mem
+        if capacity is None:
+            capacity = plan.capacity_bytes if plan is not None else pkg.plan.capacity_bytes
+        return RunSettings(
+            device=parse_device(self.device), accum=accum, micro_batch=pkg.plan.batch_size,
+            activations=activations, offload_activations=bool(offload), master_dtype=master,
+            transfer_dtype=transfer, autocast=autocast, loss_scale=bool(loss_scale),
+            optimizer=AdamWConfig.coerce(self.optimizer), capacity_bytes=capacity,
+            trace=self.trace, tied_grads=self.tied_grads,
+            threaded_optimizer=self.threaded_optimizer, seed=self.seed,
+            early_prefetch=bool(plan is not None and plan.early_prefetch))
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """A TrainerConfig with every choice made (TrainerConfig.resolve)."""
+
+    device: torch.device
+    accum: int
+    micro_batch: int  # samples per micro-batch, as planned
+    activations: str
+    offload_activations: bool
+    master_dtype: torch.dtype
+    transfer_dtype: torch.dtype
+    autocast: torch.dtype | None
+    loss_scale: bool
+    optimizer: AdamWConfig
+    capacity_bytes: int | None  # checked against a CUDA device; None: no plan recorded one
+    trace: bool
+    tied_grads: str
+    threaded_optimizer: bool
+    seed: int
+    early_prefetch: bool

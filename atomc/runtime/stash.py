@@ -1,0 +1,153 @@
+"""Runtime, activation stash: boundary values kept in host memory between forward and backward.
+
+With offload_activations (activations="recompute"), a boundary value whose last forward
+reader is done goes to host memory (offload stream) and comes back when its first backward
+reader's backward starts (prefetch stream), so device memory does not hold every
+micro-batch's checkpoints through the forward. The host buffers are reused every step; after
+the first step (or one whose shapes changed) they are views into one arena, pinned on CUDA
+(see `ActivationStash._buffer`).
+
+CUDA: the copies run on the executor's streams, ordered with events; tensors that cross
+streams are marked with record_stream. CPU: the same code with no streams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from atomc.runtime.store import HostArena
+from atomc.runtime.trace import Tracer
+
+
+@dataclass
+class Stashed:
+    """A boundary value moved to host memory between its forward and backward uses."""
+
+    host: torch.Tensor
+    ready: Any  # CUDA event after the device-to-host copy (None on the CPU)
+
+
+class ActivationStash:
+    """The host buffers of stashed boundary values, their arena, and the copies both ways."""
+
+    def __init__(self, device: torch.device, tracer: Tracer, compute_stream: Any,
+                 prefetch_stream: Any, offload_stream: Any):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.tracer = tracer
+        self.compute_stream = compute_stream
+        self.prefetch_stream = prefetch_stream
+        self.offload_stream = offload_stream
+        # (value, micro-batch) -> its host buffer, reused every step: views into one arena (pinned
+        # on CUDA) once a step has shown every stash's shape; see _buffer
+        self.host: dict[tuple[str, int], torch.Tensor] = {}
+        self.arena: HostArena | None = None
+        self.unplaced = False  # a buffer outside the arena was made this step
+        self._back_ready: dict[tuple[int, int], Any] = {}  # (sub-model, micro-batch) -> event
+
+    def stash(self, envs: list[dict[str, Any]], names: list[str], after: int) -> None:
+        """Move boundary values to host memory until their backward readers need them."""
+        tensors = [(n, m) for n in names for m in range(len(envs))
+                   if isinstance(envs[m].get(n), torch.Tensor)]
+        if not tensors:
+            return
+        nbytes = sum(envs[m][n].numel() * envs[m][n].element_size() for n, m in tensors)
+        if self.cuda:
+            os_ = self.offload_stream
+            os_.wait_stream(self.compute_stream)
+            with torch.cuda.stream(os_), \
+                    self.tracer.span("offload", after, "checkpoint_out", os_, nbytes):
+                for n, m in tensors:
+                    t = envs[m][n]
+                    host = self._buffer(n, m, t)
+                    host.copy_(t, non_blocking=True)
+                    t.record_stream(os_)  # freed on the compute stream's side below
+            ready = torch.cuda.Event()
+            ready.record(os_)
+        else:
+            ready = None
+            with self.tracer.span("offload", after, "checkpoint_out", None, nbytes):
+                for n, m in tensors:
+                    self._buffer(n, m, envs[m][n]).copy_(envs[m][n])
+        for n, m in tensors:
+            envs[m][n] = Stashed(self.host[(n, m)], ready)
+
+    def _buffer(self, name: str, m: int, like: torch.Tensor) -> torch.Tensor:
+        """The host buffer of value `name` of micro-batch m: a view into the stash arena.
+
+        The shapes are only known as the forward makes the values, so the first step (or one
+        whose shapes changed) stashes into ordinary memory, which is correct on CUDA too (a
+        device-to-host copy into pageable memory returns when it is done; the copy back is
+        staged before it returns), only slower; at the end of that step `end_step` puts
+        every buffer into one arena, pinned on CUDA, so the pinned allocator's power-of-two
+        rounding is paid once and not per buffer. Pinned blocks made per buffer and freed
+        would stay in PyTorch's pinned cache, which is why the first step does not pin.
+        """
+        buf = self.host.get((name, m))
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+            buf = torch.empty(like.shape, dtype=like.dtype)
+            self.host[(name, m)] = buf
+            self.unplaced = True
+        return buf
+
+    def end_step(self) -> None:
+        """After a step that made new buffers: move every buffer into one new arena."""
+        if not self.unplaced:
+            return
+        keys = list(self.host)
+        self.arena = HostArena([(tuple(self.host[k].shape), self.host[k].dtype) for k in keys],
+                               pin=self.cuda)
+        # the old buffers may still be read by queued copies: pageable ones were staged when the
+        # copy was issued; an old arena's pinned block is kept by the allocator until they end
+        self.host = dict(zip(keys, self.arena.buffers))
+        self.unplaced = False
+
+    def pinned_bytes(self) -> int:
+        """Pinned host memory of the stash (0 before the first offloading step)."""
+        return self.arena.pinned_bytes() if self.arena is not None else 0
+
+    def unstash(self, envs: list[dict[str, Any]], i: int, names: tuple[str, ...]) -> None:
+        """Issue the copies of sub-model i's stashed inputs `names` back to the device, one per
+        micro-batch.
+
+        Issued on the prefetch stream when i's backward starts, before the load of P_{i-1}, so
+        micro-batch m's inputs arrive while micro-batch m-1 computes (the order the simulator
+        assumes); `inputs_ready(i, m)` makes the compute stream wait for micro-batch m's.
+        """
+        for m, env in enumerate(envs):
+            todo = [n for n in names if isinstance(env.get(n), Stashed)]
+            if not todo:
+                continue
+            nbytes = sum(env[n].host.numel() * env[n].host.element_size() for n in todo)
+            if self.cuda:
+                ps = self.prefetch_stream
+                for ev in {id(env[n].ready): env[n].ready for n in todo}.values():
+                    ps.wait_event(ev)  # the copy to the host is done
+                back = []
+                with torch.cuda.stream(ps), \
+                        self.tracer.span("prefetch", i, "checkpoint", ps, nbytes):
+                    for n in todo:
+                        host = env[n].host
+                        dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+                        dev.copy_(host, non_blocking=True)
+                        back.append(dev)
+                ready = torch.cuda.Event()
+                ready.record(ps)
+                self._back_ready[(i, m)] = ready
+                for n, dev in zip(todo, back):
+                    # allocated on the prefetch stream, read on the compute stream
+                    dev.record_stream(self.compute_stream)
+                    env[n] = dev
+            else:
+                with self.tracer.span("prefetch", i, "checkpoint", None, nbytes):
+                    for n in todo:
+                        env[n] = env[n].host.clone()
+
+    def inputs_ready(self, i: int, m: int) -> None:
+        """Make the compute stream wait for micro-batch m's inputs of sub-model i (CUDA)."""
+        ready = self._back_ready.pop((i, m), None)
+        if ready is not None:
+            self.compute_stream.wait_event(ready)

@@ -1,0 +1,188 @@
+"""One runtime core: a BatchNorm + dropout model trained by layouts (resident and swapped
+stages, GPipe and 1F1B, 2x1, 1x2, 2x2) equals plain training in losses, weights and buffers;
+peers equal plain copies that average weights and running statistics.
+
+The plain reference follows the runtime's rules: micro-batch m of step s draws its dropout masks
+from micro_batch_rng(seed, s, m) (m counted over the global batch), the loss is the mean over
+every micro-batch, and running statistics follow replica 0 (as DDP's broadcast_buffers): the
+micro-batches of the other replicas leave the reference's buffers as they were.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from atomc.codegen import generate
+from atomc.codegen.manual import plan_from_cuts
+from atomc.distributed.runner import final_state
+from atomc.place import place
+from atomc.place.network import network_from_data
+from atomc.runtime import micro_batch_rng
+from atomc.trace import trace_model
+from atomc.trace.load import load_model_file
+
+from test_distributed import _launch, _run
+
+FIXTURE = Path(__file__).parent / "fixtures" / "bn_mlp_model.py"
+MICRO, GLOBAL, STEPS, DATA_SEED = 4, 16, 3, 77
+bn = load_model_file(FIXTURE)
+
+
+@pytest.fixture(scope="module")
+def bn_work(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    d = tmp_path_factory.mktemp("bn_layout")
+    traced = trace_model(FIXTURE, None, MICRO, device="cpu")
+    plan = plan_from_cuts(traced, [3, 6])
+    plan.save(d / "plan.json")
+    generate(plan, d / "pkg", traced=traced)
+    layouts = {}
+    for pp, dp in ((2, 1), (1, 2), (2, 2)):
+        n = pp * dp
+        net = network_from_data(
+            {"devices": [{"name": f"d{i}", "region": "r0"} for i in range(n)],
+             "delay_ms": [[0.0 if i == j else 1.0 for j in range(n)] for i in range(n)],
+             "bandwidth_gbps": [[0.0 if i == j else 10.0 for j in range(n)] for i in range(n)]},
+            "test network")
+        path = d / f"layout_{pp}x{dp}.json"
+        place(net, pp, dp, plan=plan, budget_s=0.2, compare_random=False).save(path)
+        layouts[(pp, dp)] = path
+    return {"dir": d, "pkg": d / "pkg", "layouts": layouts}
+
+
+def reference(dp: int) -> tuple[torch.nn.Module, list[float]]:
+    torch.manual_seed(0)
+    model = bn.build_model().to(torch.float64).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
+    total = GLOBAL // MICRO
+    local = total // dp
+    losses = []
+    for s in range(STEPS):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(DATA_SEED * 1_000_003 + s)
+            (x,) = bn.example_inputs(None, GLOBAL)
+        x = x.to(torch.float64)
+        opt.zero_grad()
+        step_loss = 0.0
+        for m in range(total):
+            saved = None if m < local else {n: b.clone() for n, b in model.named_buffers()}
+            xm = x[m * MICRO:(m + 1) * MICRO]
+            with micro_batch_rng(0, s, m):
+                loss = bn.loss_fn(model(xm), (xm,))
+            (loss / total).backward()
+            step_loss += loss.item() / total
+            if saved is not None:
+                with torch.no_grad():
+                    for n, b in model.named_buffers():
+                        b.copy_(saved[n])
+        opt.step()
+        losses.append(step_loss)
+    return model, losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp,dp,extra", [
+    (2, 1, ["--schedule", "gpipe"]),
+    (2, 1, ["--schedule", "1f1b", "--swap-stages", "1"]),
+    (2, 1, ["--swap-stages", "0,1"]),
+    (1, 2, []),
+    (2, 2, ["--schedule", "1f1b", "--swap-stages", "0"]),
+], ids=["2x1-gpipe", "2x1-1f1b-swapped-last", "2x1-all-swapped", "1x2", "2x2-swapped-first"])
+def test_batch_norm_and_dropout_layouts_equal_plain_training(bn_work: dict, pp: int, dp: int,
+                                                             extra: list[str]) -> None:
+    out = bn_work["dir"] / f"run_{pp}x{dp}_{'_'.join(extra) or 'plain'}"
+    args = ["--package", str(bn_work["pkg"]), "--steps", str(STEPS), "--global-batch", str(GLOBAL),
+            "--micro-batch", str(MICRO), "--data-seed", str(DATA_SEED), "--final-dir", str(out),
+            "--timeout", "60", "--dtype", "float64", *extra]
+    argv, env = _launch(bn_work["layouts"][(pp, dp)], args)
+    r = _run(argv, env, 240)
+    assert r.returncode == 0, r.stdout[-4000:]
+    buffers: dict[str, torch.Tensor] = {}
+    params, losses = final_state(out, pp, buffers)
+    model, ref_losses = reference(dp)
+    assert [round(losses[s], 12) for s in range(STEPS)] == [round(v, 12) for v in ref_losses]
+    ref = dict(model.named_parameters())
+    assert set(params) == set(ref)
+    for k, p in ref.items():
+        torch.testing.assert_close(params[k].to(torch.float64), p.detach(), rtol=0, atol=1e-10)
+    ref_buffers = dict(model.named_buffers())
+    assert set(buffers) == set(ref_buffers)
+    for k, b in ref_buffers.items():
+        # num_batches_tracked counts each micro-batch once: recomputation does not update it
+        torch.testing.assert_close(buffers[k].to(b.dtype), b, rtol=0, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------------------------
+# peers: full copies that average weights and running statistics after each global batch
+
+
+def test_batch_norm_and_dropout_peers_equal_plain_copies_that_average(bn_work: dict) -> None:
+    """Two peers (swap trainers, as PeerTrainer holds them) at different speeds: after each
+    round the peer mode's averaging (round_vector/set_round_vector, weighted by samples) gives
+    the plain copies' weighted average of weights and running statistics, the counters
+    rounded (3 after round one: 2 and 4 batches weighted 1:2); the optimizer state stays
+    local."""
+    from atomc.distributed.peer import round_vector, set_round_vector
+    from atomc.runtime import SwapTrainer
+
+    C, rounds = 2, 3
+    steps_per_round = {"a": 1, "b": 2}  # b is twice as fast
+    torch.manual_seed(0)
+    init = bn.build_model().to(torch.float64).state_dict()
+    peers = {p: SwapTrainer.from_package(bn_work["pkg"], device="cpu", accum=C, seed=0,
+                                         dtype="float64", state_dict=init,
+                                         optimizer={"lr": 1e-3, "weight_decay": 0.01})
+             for p in steps_per_round}
+    plain = {}
+    for p in steps_per_round:
+        torch.manual_seed(0)
+        model = bn.build_model().to(torch.float64).train()
+        plain[p] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01,
+                                             fused=True))
+
+    def batch(p: str, s: int) -> torch.Tensor:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1000 * ord(p) + s)
+            (x,) = bn.example_inputs(None, C * MICRO)
+        return x.to(torch.float64)
+
+    step = dict.fromkeys(steps_per_round, 0)
+    for _ in range(rounds):
+        samples = {}
+        for p, n in steps_per_round.items():
+            model, opt = plain[p]
+            for _ in range(n):
+                x = batch(p, step[p])
+                swapped = peers[p].step(x)
+                opt.zero_grad()
+                total = 0.0
+                for m, xm in enumerate(x.chunk(C)):
+                    with micro_batch_rng(0, step[p], m):
+                        loss = bn.loss_fn(model(xm), (xm,))
+                    (loss / C).backward()
+                    total += loss.item() / C
+                opt.step()
+                assert abs(swapped - total) < 1e-12
+                step[p] += 1
+            samples[p] = n * C * MICRO
+        weight = sum(samples.values())
+        # the round: what hivemind's averager computes from each peer's vector and weight
+        mean = sum(round_vector(peers[p]) * samples[p] for p in peers) / weight
+        for trainer in peers.values():
+            set_round_vector(trainer, mean.clone())
+        with torch.no_grad():
+            states = {p: plain[p][0].state_dict() for p in plain}
+            for k, v in states["a"].items():
+                avg = sum(states[p][k].to(torch.float64) * samples[p] for p in plain) / weight
+                avg = avg if v.is_floating_point() else avg.round()
+                for p in plain:
+                    states[p][k].copy_(avg.to(v.dtype))
+    for p, trainer in peers.items():
+        exported = trainer.export_state_dict()
+        ref = plain[p][0].state_dict()
+        assert set(exported) == set(ref) and "bn.running_mean" in ref
+        for k, v in ref.items():
+            torch.testing.assert_close(exported[k].to(v.dtype), v, rtol=0, atol=1e-10, msg=k)
+        trainer.close()
