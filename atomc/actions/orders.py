@@ -1,7 +1,8 @@
 """Schedule generators: (sub-models or stages, micro-batches) -> one step's list of actions.
 
 `atom_order` is the swap runtime's step (ATOM Fig. 12, DESIGN 7); `gpipe` and `one_f_one_b`
-are one pipeline stage's step in the layout runner (DESIGN 8). The lists are in issue order:
+are one pipeline stage's step in the layout runner (DESIGN 8); `swapped_stage_order` is a
+layout stage's step when its sub-models are swapped. The lists are in issue order:
 a runtime executes them front to back, and the simulator times them in that order.
 """
 
@@ -115,3 +116,35 @@ def max_in_flight(actions: list[Action]) -> int:
             live += 1 if a.kind == "F" else -1
             peak = max(peak, live)
     return peak
+
+
+def swapped_stage_order(k: int, num_micro: int, stage: int,
+                        holds_output: bool) -> list[Action]:
+    """A swapped stage's step: receive every micro-batch, run ATOM's forward over the stage's k
+    sub-models, send, then the same for the gradients in reverse. The stage's last sub-model
+    is the loss's (forward and backward per micro-batch) only when it holds the output."""
+    M = range(num_micro)
+    first = stage == 0
+    order = [] if first else [Action("R", stage, m) for m in M]
+    top = k - 1 if holds_output else k
+    for i in range(top):
+        if i == 0:
+            order.append(Action("L", 0))
+        if i + 1 < k:
+            order.append(Action("L", i + 1))
+        order += [Action("F", i, m) for m in M]
+    if holds_output:
+        for m in M:
+            order += [Action("F", k - 1, m), Action("B", k - 1, m)]
+        order.append(Action("O", k - 1))
+    else:
+        order += [Action("S", stage, m) for m in M]
+        order += [Action("R", stage, m) for m in M]
+    for i in range(top - 1 if holds_output else k - 1, -1, -1):
+        if i > 0:
+            order.append(Action("L", i - 1))
+        order += [Action("B", i, m) for m in M]
+        order.append(Action("O", i))
+    if not first:
+        order += [Action("S", stage, m) for m in M]
+    return order

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from atomc.actions import Action
+from atomc.actions.orders import swapped_stage_order
 from atomc.distributed.stage import StageSpec, named_buffers, original_tensor, tensor_attr
 from atomc.errors import RuntimeMismatchError
 from atomc.runtime.executor import SwapExecutor, rebind_parameters
@@ -215,7 +216,7 @@ class SwappedStage:
     def order(self, schedule: str, num_micro: int) -> list[Action]:
         """ATOM's order inside the stage, between the pipeline's receives and sends: every
         micro-batch through each sub-model in turn (only GPipe neighbours wait for that)."""
-        return swapped_stage_order(self.k, num_micro, self.spec.index, self.spec.num_stages,
+        return swapped_stage_order(self.k, num_micro, self.spec.index,
                                    self.spec.holds_output)
 
     def update(self, coef: float | None) -> None:
@@ -228,35 +229,3 @@ class SwappedStage:
 
     def close(self) -> None:
         self.opt.close()
-
-
-def swapped_stage_order(k: int, num_micro: int, stage: int, num_stages: int,
-                        holds_output: bool) -> list[Action]:
-    """A swapped stage's step: receive every micro-batch, run ATOM's forward over the stage's k
-    sub-models, send, then the same for the gradients in reverse. The stage's last sub-model
-    is the loss's (forward and backward per micro-batch) only when it holds the output."""
-    M = range(num_micro)
-    first = stage == 0
-    order = [] if first else [Action("R", stage, m) for m in M]
-    top = k - 1 if holds_output else k
-    for i in range(top):
-        if i == 0:
-            order.append(Action("L", 0))
-        if i + 1 < k:
-            order.append(Action("L", i + 1))
-        order += [Action("F", i, m) for m in M]
-    if holds_output:
-        for m in M:
-            order += [Action("F", k - 1, m), Action("B", k - 1, m)]
-        order.append(Action("O", k - 1))
-    else:
-        order += [Action("S", stage, m) for m in M]
-        order += [Action("R", stage, m) for m in M]
-    for i in range(top - 1 if holds_output else k - 1, -1, -1):
-        if i > 0:
-            order.append(Action("L", i - 1))
-        order += [Action("B", i, m) for m in M]
-        order.append(Action("O", i))
-    if not first:
-        order += [Action("S", stage, m) for m in M]
-    return order
