@@ -190,6 +190,9 @@ class OpGraph(Document):
     buffers: dict[str, TensorSpec]
     aliases: dict[str, str]  # other FQN of a tied parameter -> canonical FQN
     blocks: tuple[str, ...] = ()  # FQNs of repeated blocks in order (e.g. blocks.0 .. blocks.95)
+    # parameters of normalisation layers: kept in float32 on the device when the other weights
+    # travel in half precision (atomc.trace.graph.is_norm_weight)
+    full_precision: tuple[str, ...] = ()
 
     def structure_hash(self) -> str:
         """Hash of what the model computes (nodes and parameters), not where it came from."""
@@ -223,6 +226,9 @@ class HardwareProfile:
     launch_overhead_us: float
     sources: tuple[str, ...]
     default_dtype: str = "float32"  # the compute dtype estimates assume unless told otherwise
+    # fused AdamW throughput of a host such a GPU is sold in, GB/s of fp32 masters (0: none
+    # given); where the figure comes from is one of `sources`
+    host_adam_gbps: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -257,6 +263,9 @@ class Profile(Document):
     num_reused: int  # operators that reused an equal signature's numbers
     atomc_version: str = ""
     notes: tuple[str, ...] = ()
+    # the dtype the times are for: the estimate's compute dtype, or the dtype measured in
+    # ("" in older files: the graph's dtype)
+    compute_dtype: str = ""
 
     def totals(self) -> dict[str, float]:
         keys = ("param_bytes", "output_bytes", "saved_bytes", "fwd_ms", "bwd_ms", "load_ms",
@@ -335,3 +344,10 @@ class Plan(Document):
     search_tier: int = 0  # 0: every constraint; 1: loads may stall; 2: memory only
     # sub-model 1 is loaded for the next step during sub-model 0's update
     early_prefetch: bool = False
+    # where cpu_adam_gbps comes from: "given", "measured on this host ..." or a hardware
+    # profile's host figure
+    cpu_adam_source: str = ""
+    # the device copies of weights and gradients ("" in older files: the graph's dtype) and
+    # the compute dtype of torch.autocast ("" none); activations are sized for them
+    transfer_dtype: str = ""
+    autocast: str = ""

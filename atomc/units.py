@@ -10,6 +10,11 @@ import re
 
 from atomc.errors import UsageError
 
+# bytes per element of the dtypes the IR names (torch's names without "torch.")
+DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
+               "float8_e5m2": 1, "int8": 1}
+FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
+
 _SIZE_UNITS = {
     "": 1,
     "B": 1,

@@ -1,9 +1,16 @@
-"""Shared test set-up: `gpu` tests skip cleanly where CUDA is absent."""
+"""Shared test set-up: `gpu` tests skip cleanly where CUDA is absent; the host measurements
+`atomc partition --cpu-adam-gbps auto` caches go to a temporary folder, not the home folder
+(processes the tests start inherit it)."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
+
+os.environ["ATOMC_CACHE_DIR"] = tempfile.mkdtemp(prefix="atomc-test-cache-")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -7,7 +7,8 @@ alone (codegen traces the model again, as `atomc codegen` does), and then:
 - the chained sub-models give the original model's outputs and every parameter's gradient:
   float64 to 1e-10, float32 to 1e-5;
 - SwapTrainer gives plain torch.optim.AdamW's weights and buffers after 3 steps;
-- a bfloat16 run (half-precision device copies, autocast) starts within 1% of the float32 loss.
+- a plan made for bfloat16 weights (half-precision device copies, autocast) trains by default
+  in bfloat16, refuses float32, and starts within 1% of the float32 plan's loss.
 
 The families: seven Hugging Face causal LMs (examples/hf.py's tiny presets), a Hugging Face
 BERT returning its own ModelOutput, a ResNet-style CNN with BatchNorm (traced by symbolic
@@ -29,10 +30,11 @@ from torch.utils._pytree import tree_flatten
 
 from atomc.cli import main as atomc_main
 from atomc.codegen import generate, load_package
-from atomc.errors import InfeasiblePlanError
+from atomc.errors import InfeasiblePlanError, UsageError
 from atomc.partition import partition
 from atomc.profile import profile_model
 from atomc.runtime import SwapTrainer, micro_batch_rng
+from atomc.runtime.trace import replay_residency
 from atomc.trace import trace_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,12 +62,13 @@ CASES = {
 }
 
 
-def three_way_plan(profile):
+def three_way_plan(profile, transfer_dtype=None):
     """The partitioner's plan at (about) the smallest budget it can meet: 3+ sub-models."""
     lo, hi = 1 << 10, 1 << 30  # infeasible, feasible
 
     def plan_for(budget: int):
-        return partition(profile, budget, reserve_bytes=0, accum=C, cpu_adam_gbps=8.0)
+        return partition(profile, budget, reserve_bytes=0, accum=C, cpu_adam_gbps=8.0,
+                         transfer_dtype=transfer_dtype)
 
     while hi - lo > hi // 32:
         mid = (lo + hi) // 2
@@ -80,21 +83,27 @@ def three_way_plan(profile):
 
 
 _CHAINS: dict = {}
+_PROFILES: dict = {}
 
 
-def chain(name: str, tmp_root: Path):
-    """(package dir, plan, CPU trace of the original) for a case, made once per session."""
-    if name not in _CHAINS:
+def chain(name: str, tmp_root: Path, transfer_dtype: str | None = None):
+    """(package dir, plan, CPU trace of the original) for a case and a planned transfer dtype,
+    made once per session."""
+    key = (name, transfer_dtype)
+    if key not in _CHAINS:
         path, config = CASES[name]
-        meta = trace_model(path, config, MICRO, device="meta")
-        profile = profile_model(meta, device="cpu", repeats=1, progress=False)
-        plan = three_way_plan(profile)
-        plan_path = tmp_root / f"{name}.plan.json"
+        if name not in _PROFILES:
+            meta = trace_model(path, config, MICRO, device="meta")
+            _PROFILES[name] = profile_model(meta, device="cpu", repeats=1, progress=False)
+        profile = _PROFILES[name]
+        plan = three_way_plan(profile, transfer_dtype)
+        tag = f"{name}-{transfer_dtype}" if transfer_dtype else name
+        plan_path = tmp_root / f"{tag}.plan.json"
         plan.save(plan_path)
-        out = generate(plan, tmp_root / name, profile=profile, plan_path=plan_path)
+        out = generate(plan, tmp_root / tag, profile=profile, plan_path=plan_path)
         reference = trace_model(path, config, MICRO, device="cpu")
-        _CHAINS[name] = (out, plan, reference)
-    return _CHAINS[name]
+        _CHAINS[key] = (out, plan, reference)
+    return _CHAINS[key]
 
 
 @pytest.fixture(scope="module")
@@ -214,22 +223,35 @@ def test_swap_trainer_equals_adamw(root, name):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_bfloat16_first_step_within_one_percent(root, name):
-    out, _, reference = chain(name, root)
+def test_bfloat16_plan_trains_within_one_percent(root, name):
+    """A plan made for bfloat16 weights: the package runs in bfloat16 by default (norm weights
+    in float32), refuses float32 weights, keeps at most two sub-models' weights resident, and
+    its first step's loss is within 1% of the float32 plan's."""
+    out32, _, reference = chain(name, root)
+    out16, plan16, _ = chain(name, root, "bfloat16")
+    assert (plan16.transfer_dtype, plan16.autocast) == ("bfloat16", "bfloat16")
     model = original(reference)
     batch = batch_of(reference, C, 7)
-    losses = {}
-    for dtype in ("float32", "bfloat16"):
-        trainer = SwapTrainer.from_package(out, device="cpu", state_dict=model.state_dict(),
-                                           transfer_dtype=dtype)
-        losses[dtype] = trainer.step(batch)
-        if dtype == "bfloat16":  # norms' weights travel in float32, the others in bfloat16
-            full = set(trainer.package.full_precision)
-            for L in trainer.store.layouts:
-                for e in L.entries:
-                    assert e.wide == (e.key in full)
-        trainer.close()
-    assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=0.01)
+    fp32 = SwapTrainer.from_package(out32, device="cpu", state_dict=model.state_dict())
+    loss32 = fp32.step(batch)
+    fp32.close()
+    with pytest.raises(UsageError, match="planned for bfloat16"):
+        SwapTrainer.from_package(out16, device="cpu", transfer_dtype="float32")
+    trainer = SwapTrainer.from_package(out16, device="cpu", state_dict=model.state_dict(),
+                                       trace=True)
+    assert trainer.store.transfer_dtype == torch.bfloat16
+    assert trainer.executor.autocast_dtype == torch.bfloat16
+    full = set(trainer.package.full_precision)
+    for L in trainer.store.layouts:
+        for e in L.entries:
+            assert e.wide == (e.key in full)
+    losses = [trainer.step(batch) for _ in range(2)]
+    assert losses[0] == pytest.approx(loss32, rel=0.01)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert trainer.executor.slots.max_resident <= 2
+    for trace in trainer.traces.values():
+        assert replay_residency(trace, trainer.executor.slots.resident()) <= 2
+    trainer.close()
 
 
 # ---------------------------------------------------------------------------------------------

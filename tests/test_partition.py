@@ -334,18 +334,23 @@ def profile_file(tmp_path) -> Path:
     return block_profile(num_blocks=4).save(tmp_path / "m.profile.json")
 
 
+# a synthetic profile names no hardware, so no host figure: the CLI needs a number
+RATE = ["--cpu-adam-gbps", "8"]
+
+
 def test_cli_partition_and_show(profile_file, tmp_path, capsys):
     plan_path = tmp_path / "m.plan.json"
     svg = tmp_path / "m.svg"
     assert main(["partition", str(profile_file), "--gpu-mem", "40MB", "--reserve", "0",
-                 "-o", str(plan_path), "--timeline", str(svg)]) == 0
+                 "-o", str(plan_path), "--timeline", str(svg), *RATE]) == 0
     out = capsys.readouterr().out
     assert "predicted step" in out and "sub-models" in out and svg.exists()
     plan = Plan.load(plan_path)
     assert main(["show", str(plan_path)]) == 0
     shown = capsys.readouterr().out
     assert f"C={plan.accum}" in shown and "GPU busy" in shown
-    assert main(["partition", str(profile_file), "--gpu-mem", "40MB", "--reserve", "0"]) == 0
+    assert main(["partition", str(profile_file), "--gpu-mem", "40MB", "--reserve", "0",
+                 *RATE]) == 0
     assert (tmp_path / "m.plan.json").exists()  # default name next to the profile
 
 
@@ -367,16 +372,19 @@ def test_cli_rejects_malformed_and_wrong_profiles(tmp_path, profile_file, capsys
                            ({"costs": data["costs"][:-1]}, "node costs for")]:
         wrong = tmp_path / "wrong.json"
         wrong.write_text(json.dumps({**data, **change}))
-        assert main(["partition", str(wrong), "--gpu-mem", "11GiB"]) == 2
+        assert main(["partition", str(wrong), "--gpu-mem", "11GiB", *RATE]) == 2
         assert expect in capsys.readouterr().err
     assert main(["partition", str(tmp_path / "missing.json"), "--gpu-mem", "11GiB"]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 
 def test_cli_budget_too_small(profile_file, capsys):
-    assert main(["partition", str(profile_file), "--gpu-mem", "3MB", "--reserve", "0"]) == 2
+    assert main(["partition", str(profile_file), "--gpu-mem", "3MB", "--reserve", "0",
+                 *RATE]) == 2
     err = capsys.readouterr().err
     assert "operator '" in err and "smallest budget that works" in err and "--gpu-mem" in err
+    assert main(["partition", str(profile_file), "--gpu-mem", "40MB"]) == 2  # auto: no hardware
+    assert "no host figure" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1017,11 +1017,13 @@ def render_package_init(subs: list[SubmodelSource], traced: TracedModel, plan: P
         "capacity_bytes": plan.capacity_bytes,
         "node_ranges": [[s.start, s.stop] for s in plan.submodels],
         "atomc_version": __version__,
+        "transfer_dtype": plan.transfer_dtype,
+        "autocast": plan.autocast,
     }
     tensors = [{"inputs": s.inputs, "outputs": s.outputs} for s in subs]
     params = {fqn for sub in subs for local, fqn in sub.param_names.items()
               if local in sub.param_locals}
-    full_precision = sorted(f for f in params if is_norm_weight(traced.model, f))
+    full_precision = sorted(params & set(graph.full_precision))
     return env.get_template("package_init.py.jinja").render(
         num_submodels=len(subs),
         model_path=plan.model_path,
@@ -1042,21 +1044,6 @@ def render_package_init(subs: list[SubmodelSource], traced: TracedModel, plan: P
         original_names=py_literal(tuple(original_names)),
         full_precision=py_literal(tuple(full_precision)),
     )
-
-
-_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm,
-          *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
-
-
-def is_norm_weight(model: nn.Module, fqn: str) -> bool:
-    """True for a parameter of a normalisation layer: torch's own, or a class named *Norm*
-    (LlamaRMSNorm, T5LayerNorm, nanoGPT's LayerNorm), whose statistics want full precision."""
-    owner_path = fqn.rpartition(".")[0]
-    try:
-        owner = model.get_submodule(owner_path) if owner_path else model
-    except AttributeError:
-        return False
-    return isinstance(owner, _NORMS) or "Norm" in type(owner).__name__
 
 
 def _state_dict_names(model: nn.Module) -> list[tuple[str, Any]]:

@@ -43,6 +43,7 @@ from atomc.partition.cost import (
     range_cost,
     range_stage_times,
 )
+from atomc.partition.precision import Precision, device_view, model_dtype, resolve_precision
 from atomc.partition.search import SearchResult, block_period, prepare_folding, search
 from atomc.simulate.events import simulate_swap
 from atomc.units import format_bytes
@@ -57,8 +58,12 @@ _MIB = 1 << 20
 def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAULT_RESERVE_BYTES,
               accum: int | None = None, max_accum: int = DEFAULT_MAX_ACCUM,
               activations: str = "recompute", fold_blocks: bool = True,
-              cpu_adam_gbps: float = DEFAULT_CPU_ADAM_GBPS) -> Plan:
-    """The best plan for a GPU of `capacity_bytes`; InfeasiblePlanError when nothing fits."""
+              cpu_adam_gbps: float = DEFAULT_CPU_ADAM_GBPS, transfer_dtype: str | None = None,
+              autocast: str | None = None, cpu_adam_source: str = "given") -> Plan:
+    """The best plan for a GPU of `capacity_bytes`; InfeasiblePlanError when nothing fits.
+
+    `transfer_dtype` is the dtype of the device copies of weights and gradients and `autocast`
+    the compute dtype (atomc.partition.precision.resolve_precision gives the defaults)."""
     if activations not in ACTIVATIONS:
         raise UsageError(f"activations {activations!r}: expected one of {', '.join(ACTIVATIONS)}")
     if accum is not None and accum < 1:
@@ -70,11 +75,13 @@ def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAUL
         raise UsageError(
             f"GPU memory {format_bytes(capacity_bytes)} leaves nothing after the reserve of "
             f"{format_bytes(reserve_bytes)}; give a larger --gpu-mem or a smaller --reserve")
-    facts = node_facts(profile)
+    precision = resolve_precision(profile, transfer_dtype, autocast)
+    view = device_view(profile, precision)
+    facts = node_facts(view)
     tables = build_tables(facts, max_width_for(facts, usable))
     folding = None
     if fold_blocks:
-        g = profile.graph
+        g = view.graph
         folding = prepare_folding(tables, block_period(
             tables, g.blocks, tuple(n.block for n in g.nodes), tuple(n.signature for n in g.nodes)))
 
@@ -83,19 +90,21 @@ def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAUL
                           activations)
 
     first_c = accum or 1
-    _check_operators_fit(profile, facts, tables, params_for(first_c), reserve_bytes)
+    _check_operators_fit(view, facts, tables, params_for(first_c), reserve_bytes)
 
     def run(c: int) -> Outcome:
         p = params_for(c)
         d = derive(tables, p)
         best = search(tables, p, 0, folding, d)
         if best is not None:
-            return Outcome(c, True, True, best, _utilisation(tables, p, best))
-        # memory alone decides whether a larger C can still help; tier 2 also gives a plan
-        relaxed = search(tables, p, 2, folding, d)
-        if relaxed is None:
-            return Outcome(c, False, False, None)
-        return Outcome(c, False, True, relaxed, _utilisation(tables, p, relaxed))
+            return Outcome(c, True, best, _utilisation(tables, p, best))
+
+        def relax():
+            # memory alone decides whether a larger C can still help; tier 2 also gives a plan
+            relaxed = search(tables, p, 2, folding, d)
+            return relaxed, (0.0 if relaxed is None else _utilisation(tables, p, relaxed))
+
+        return Outcome(c, False, relax=relax)
 
     choice = choose_accum(run, max_accum, fixed=accum)
     if choice.outcome is not None and not choice.outcome.feasible:
@@ -107,10 +116,10 @@ def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAUL
         if tier1 is not None:
             util = _utilisation(tables, p, tier1)
             if util >= o.utilisation:
-                choice.outcome = Outcome(o.accum, False, True, tier1, util)
+                choice.outcome = Outcome(o.accum, False, tier1, util)
     if choice.outcome is None:
         c = accum or 1
-        need = min_capacity_bytes(profile, facts, params_for(c), reserve_bytes)
+        need = min_capacity_bytes(facts, params_for(c), reserve_bytes)
         raise InfeasiblePlanError(
             f"no partition fits {format_bytes(capacity_bytes)} "
             f"(reserve {format_bytes(reserve_bytes)}) at C={c}: every operator fits alone, but "
@@ -123,10 +132,12 @@ def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAUL
     if result.folded_positions:
         notes.append(f"repeated blocks folded {result.folded_positions} of "
                      f"{facts.num_nodes - 1} cut positions")
+    notes.extend(precision.notes)
     return build_plan(profile, tables, params_for(o.accum), result.cuts,
                       capacity_bytes=capacity_bytes, reserve_bytes=reserve_bytes,
                       accum_fixed=accum is not None, tier=result.tier, notes=notes,
-                      early_prefetch=result.early_prefetch)
+                      early_prefetch=result.early_prefetch, precision=precision, view=view,
+                      cpu_adam_source=cpu_adam_source)
 
 
 def _utilisation(tables: RangeTables, p: CostParams, result: SearchResult) -> float:
@@ -145,7 +156,7 @@ def _check_operators_fit(profile: Profile, facts: NodeFacts, tables: RangeTables
     if need <= p.usable_bytes:
         return
     c = range_cost(tables, p, j, j + 1)
-    budget = min_capacity_bytes(profile, facts, p, reserve_bytes)
+    budget = min_capacity_bytes(facts, p, reserve_bytes)
     node = profile.graph.nodes[j]
     where = f" ({node.module_fqn})" if node.module_fqn else ""
     raise InfeasiblePlanError(
@@ -156,8 +167,7 @@ def _check_operators_fit(profile: Profile, facts: NodeFacts, tables: RangeTables
         f"the smallest budget that works is {format_bytes(budget)} (--gpu-mem {budget // _MIB}MiB)")
 
 
-def min_capacity_bytes(profile: Profile, facts: NodeFacts, p: CostParams,
-                       reserve_bytes: int) -> int:
+def min_capacity_bytes(facts: NodeFacts, p: CostParams, reserve_bytes: int) -> int:
     """Smallest --gpu-mem (to 1 MiB, reserve included) for which some plan meets memory at p.accum.
 
     Bisection on the memory-only search: feasibility only grows with capacity. The plan that
@@ -198,13 +208,16 @@ def _cut_tensor(profile: Profile, j: int) -> CutTensor:
 def build_plan(profile: Profile, tables: RangeTables, p: CostParams, cuts,
                capacity_bytes: int, reserve_bytes: int, accum_fixed: bool = False,
                tier: int = 0, notes: list[str] | None = None,
-               early_prefetch: bool = False) -> Plan:
+               early_prefetch: bool = False, precision: Precision | None = None,
+               view: Profile | None = None, cpu_adam_source: str = "given") -> Plan:
     """A Plan for given cut positions: costs, slacks, cut tensors and the simulated step.
 
-    Costs come from the range tables; atomc.codegen.manual.plan_from_cuts builds a Plan for
-    hand-chosen cuts without them."""
+    Costs come from the range tables, built from `view` (the profile as the device holds it
+    at `precision`; the profile itself when None). atomc.codegen.manual.plan_from_cuts builds
+    a Plan for hand-chosen cuts without them."""
     facts = tables.facts
-    graph = profile.graph
+    view = view or profile
+    graph = view.graph
     costs: list[RangeCost] = plan_costs(tables, p, list(cuts))
     early_prefetch = early_prefetch and len(costs) > 1
     sim = simulate_swap(range_stage_times(costs), p.accum, early_prefetch=early_prefetch)
@@ -240,11 +253,11 @@ def build_plan(profile: Profile, tables: RangeTables, p: CostParams, cuts,
             slack_fwd_ms=worst.get((i, FORWARD_OVERLAP), c.accum_fwd_ns) / NS_PER_MS,
             slack_bwd_ms=min(worst.get((i, BACKWARD_OVERLAP), c.accum_bwd_ns - c.checkpoint_ns),
                              worst.get((i, GRADIENT_OFFLOAD), c.accum_bwd_ns)) / NS_PER_MS,
-            inputs=tuple(_cut_tensor(profile, j) for j in inputs),
-            outputs=tuple(_cut_tensor(profile, j) for j in outputs),
+            inputs=tuple(_cut_tensor(view, j) for j in inputs),
+            outputs=tuple(_cut_tensor(view, j) for j in outputs),
             checkpoint_ms=c.checkpoint_ns / NS_PER_MS, optimizer_ms=c.optimizer_ns / NS_PER_MS,
             slack_optimizer_ms=worst.get((i, OPTIMIZER), c.accum_bwd_ns + c.offload_ns) / NS_PER_MS,
-            crossing=tuple(_cut_tensor(profile, j) for j in crossing[i]) if nxt else (),
+            crossing=tuple(_cut_tensor(view, j) for j in crossing[i]) if nxt else (),
         ))
     violated = [s for s in slacks if s.slack < 0]
     binding = ""
@@ -256,17 +269,18 @@ def build_plan(profile: Profile, tables: RangeTables, p: CostParams, cuts,
                    if worst.constraint != MEMORY else
                    f"sub-model {worst.submodel}: memory short by {format_bytes(-worst.slack)} "
                    f"({worst.detail})")
-    bound = physical_bound_accum(profile)
+    bound = physical_bound_accum(view)
     all_notes = list(notes or [])
     all_notes.append(f"physical bound C >= {bound:.1f} (bytes/param * achieved FLOP/s / "
                      f"(2 * H2D B/s * tokens per micro-batch))")
-    all_notes.append(f"CPU AdamW assumed at {p.cpu_adam_gbps:g} GB/s of fp32 masters")
+    all_notes.append(f"CPU AdamW at {p.cpu_adam_gbps:g} GB/s of fp32 masters ({cpu_adam_source})")
+    precision = precision or Precision(model_dtype(profile.graph))
     if tier:
         all_notes.append("no plan meets every constraint at this C: "
                          + ("loads may stall" if tier == 1
                             else "loads and gradient offloads may stall"))
     return Plan(
-        profile_hash=profile_hash(profile), graph_hash=graph_hash(graph),
+        profile_hash=profile_hash(profile), graph_hash=graph_hash(profile.graph),
         model_path=graph.model_path, config=graph.config, batch_size=graph.batch_size,
         options=dict(graph.options), device=profile.device, capacity_bytes=capacity_bytes,
         reserve_bytes=reserve_bytes, accum=p.accum, accum_fixed=accum_fixed,
@@ -275,7 +289,8 @@ def build_plan(profile: Profile, tables: RangeTables, p: CostParams, cuts,
         predicted_step_ms=sim.step_ns / NS_PER_MS, predicted_utilisation=sim.utilisation,
         physical_bound_accum=bound, feasible=not violated, binding=binding,
         atomc_version=__version__, notes=tuple(all_notes), cpu_adam_gbps=p.cpu_adam_gbps,
-        search_tier=tier, early_prefetch=early_prefetch,
+        search_tier=tier, early_prefetch=early_prefetch, cpu_adam_source=cpu_adam_source,
+        transfer_dtype=precision.transfer_dtype, autocast=precision.autocast,
     )
 
 

@@ -14,25 +14,48 @@ C values tried is kept: the one the simulator predicts keeps the GPU busiest.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from atomc.ir import Profile
-
-DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
-               "float8_e5m2": 1, "int8": 1}
+from atomc.units import DTYPE_BYTES
 
 
-@dataclass(frozen=True)
 class Outcome:
-    """What one C gives: a feasible plan, or the best relaxed plan, or nothing that fits."""
+    """What one C gives: a feasible plan, or the best relaxed plan, or nothing that fits.
 
-    accum: int
-    feasible: bool
-    memory_ok: bool  # some plan meets the memory constraints
-    result: object | None  # SearchResult of tier 0 when feasible, else of the relaxed tier
-    utilisation: float = 0.0  # simulated, of `result`
+    The relaxed search runs only when memory_ok, result or utilisation of an infeasible C is
+    asked for: when a larger C turns out feasible, nobody asks (it proves this C fits).
+    """
+
+    def __init__(self, accum: int, feasible: bool, result: object | None = None,
+                 utilisation: float = 0.0,
+                 relax: Callable[[], tuple[object | None, float]] | None = None):
+        self.accum = accum
+        self.feasible = feasible
+        self._relaxed = None if relax is not None else (result, utilisation)
+        self._relax = relax
+
+    def _get(self) -> tuple[object | None, float]:
+        if self._relaxed is None:
+            assert self._relax is not None
+            self._relaxed = self._relax()
+        return self._relaxed
+
+    @property
+    def memory_ok(self) -> bool:
+        """Some plan meets the memory constraints."""
+        return self._get()[0] is not None
+
+    @property
+    def result(self) -> object | None:
+        """SearchResult of tier 0 when feasible, else of the relaxed tier."""
+        return self._get()[0]
+
+    @property
+    def utilisation(self) -> float:
+        """Simulated, of `result`."""
+        return self._get()[1]
 
 
 @dataclass
@@ -54,12 +77,18 @@ def choose_accum(run: Callable[[int], Outcome], max_accum: int,
         o = at(fixed)
         return AccumChoice(o if o.memory_ok else None, tried)
 
-    # doubling: find a feasible C, or the first C that does not fit
+    # doubling: find a feasible C, or the first C that does not fit. Memory only gets harder
+    # with C, so a feasible next C proves this one fits: ask it first, and run this C's
+    # relaxed search only when it is not
     c, last_bad, feasible_at, no_memory_at = 1, 0, None, None
     while True:
         o = at(c)
         if o.feasible:
             feasible_at = c
+            break
+        nxt = min(2 * c, max_accum)
+        if c < max_accum and at(nxt).feasible:
+            last_bad, feasible_at = c, nxt
             break
         if not o.memory_ok:
             no_memory_at = c
@@ -67,7 +96,7 @@ def choose_accum(run: Callable[[int], Outcome], max_accum: int,
         last_bad = c
         if c >= max_accum:
             break
-        c = min(2 * c, max_accum)
+        c = nxt
 
     if feasible_at is None and no_memory_at is not None and last_bad:
         # between the last C that fits and the first that does not, one may still be feasible
@@ -93,7 +122,8 @@ def choose_accum(run: Callable[[int], Outcome], max_accum: int,
                 lo = mid
         return AccumChoice(at(hi), tried)
 
-    fitting = [o for o in tried.values() if o.memory_ok]
+    fitting = [o for o in tried.values()
+               if (no_memory_at is None or o.accum < no_memory_at) and o.memory_ok]
     if not fitting:
         return AccumChoice(None, tried)
     best = max(fitting, key=lambda o: (round(o.utilisation, 9), -o.accum))
@@ -114,11 +144,9 @@ def achieved_flops_per_s(profile: Profile) -> float:
     """F: the hardware profile's peak for the compute dtype times its efficiency, else measured."""
     hw = profile.hardware
     if hw is not None:
-        dtype = profile.graph.dtype
-        for note in profile.notes:
-            m = re.search(r"compute dtype (\w+)", note)
-            if m:
-                dtype = m.group(1)
+        from atomc.partition.precision import profile_compute_dtype
+
+        dtype = profile_compute_dtype(profile)
         peak = hw.peak_tflops.get(dtype) or max(hw.peak_tflops.values(), default=0.0)
         if peak:
             return peak * 1e12 * hw.compute_efficiency

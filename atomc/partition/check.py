@@ -19,7 +19,9 @@ the constraints of DESIGN 4 as the search states them (see search.py's docstring
 with mem_fwd = params + C*(values crossing its start cut + values it passes on) + largest
 single-node forward transient (+ C*saved when keeping activations), mem_bwd = params + grads +
 the same boundary + one micro-batch's saved activations (C*saved when keeping) + largest
-backward transient. It also checks the plan's structure and the numbers it records.
+backward transient. It also checks the plan's structure and the numbers it records. Bytes
+are the device's at the plan's transfer and autocast dtypes
+(atomc.partition.precision.device_view, which the cost model reads too).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 from atomc.ir import Plan, Profile
+from atomc.partition.precision import Precision, device_view, model_dtype
 
 NS_PER_MS = 1_000_000
 
@@ -220,7 +223,9 @@ def check_plan(profile: Profile, plan: Plan) -> list[Violation]:
         if n_.op == "output" and i < subs[-1].start:
             out.append(Violation(-1, "structure",
                                  f"output node '{n_.name}' is not in the last sub-model"))
-    checker = Checker(profile, plan.accum, plan.capacity_bytes - plan.reserve_bytes,
+    # the bytes the device holds at the plan's dtypes: the one rule both sides read
+    view = device_view(profile, Precision(plan.transfer_dtype or model_dtype(g), plan.autocast))
+    checker = Checker(view, plan.accum, plan.capacity_bytes - plan.reserve_bytes,
                       plan.activations, plan.cpu_adam_gbps)
     facts = [checker.range_facts(s.start, s.stop) for s in subs]
     for i, (s, f) in enumerate(zip(subs, facts)):

@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from atomc.errors import UsageError
 from atomc.units import parse_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     from atomc.partition import DEFAULT_MAX_ACCUM
-    from atomc.partition.cost import ACTIVATIONS, DEFAULT_CPU_ADAM_GBPS
+    from atomc.partition.cost import ACTIVATIONS
 
     p = sub.add_parser(
         "partition", help="cut a profiled model into swappable sub-models",
@@ -27,10 +26,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"largest C the search may choose (default {DEFAULT_MAX_ACCUM})")
     p.add_argument("--activations", choices=ACTIVATIONS, default="recompute",
                    help="recompute each sub-model's internals in the backward, or keep them")
-    p.add_argument("--cpu-adam-gbps", type=float, default=DEFAULT_CPU_ADAM_GBPS, metavar="GBPS",
-                   help=f"CPU AdamW throughput in GB/s of fp32 masters "
-                        f"(default {DEFAULT_CPU_ADAM_GBPS:g}; 0 leaves the optimizer out of the "
-                        f"model)")
+    p.add_argument("--cpu-adam-gbps", default="auto", metavar="GBPS",
+                   help="CPU AdamW throughput in GB/s of fp32 masters, or auto (default): "
+                        "measured on this host for a measured profile (cached), the hardware "
+                        "profile's host figure for an estimated one; 0 leaves the optimizer out "
+                        "of the model")
+    p.add_argument("--transfer-dtype", metavar="DTYPE",
+                   help="dtype of the weights and gradients on the GPU: float32, bfloat16 or "
+                        "float16 (default: the model's); masters stay float32 on the host")
+    p.add_argument("--autocast", metavar="DTYPE",
+                   help="compute dtype under torch.autocast: bfloat16, float16 or none (default: "
+                        "the transfer dtype when it is half, else an estimated profile's compute "
+                        "dtype when that is half)")
     p.add_argument("--no-fold", action="store_true",
                    help="do not fold repeated blocks (slower, same plan)")
     p.add_argument("-o", "--output", help="plan JSON path (default PROFILE with .plan.json)")
@@ -59,17 +66,18 @@ def _default_output(profile_path: str) -> Path:
 def run_partition(args: argparse.Namespace) -> int:
     from atomc.ir import Profile
     from atomc.partition import partition
+    from atomc.partition.host import resolve_cpu_adam
     from atomc.partition.report import render_plan
 
     capacity = parse_size(args.gpu_mem, "--gpu-mem")
     reserve = parse_size(args.reserve, "--reserve")
-    if args.cpu_adam_gbps < 0:
-        raise UsageError(f"--cpu-adam-gbps {args.cpu_adam_gbps} is negative; give a rate in GB/s "
-                         f"or 0")
     profile = Profile.load(args.profile)
+    cpu_adam, cpu_adam_source = resolve_cpu_adam(args.cpu_adam_gbps, profile)
     plan = partition(profile, capacity, reserve_bytes=reserve, accum=args.accum,
                      max_accum=args.max_accum, activations=args.activations,
-                     fold_blocks=not args.no_fold, cpu_adam_gbps=args.cpu_adam_gbps)
+                     fold_blocks=not args.no_fold, cpu_adam_gbps=cpu_adam,
+                     cpu_adam_source=cpu_adam_source, transfer_dtype=args.transfer_dtype,
+                     autocast=args.autocast)
     out = Path(args.output) if args.output else _default_output(args.profile)
     plan.save(out)
     print(render_plan(plan, None if args.all else 40))

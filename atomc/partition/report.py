@@ -31,6 +31,10 @@ def summary(plan: Plan) -> str:
         f"plan      {name} ({plan.model_path}), micro-batch {plan.batch_size}, on {plan.device}",
         (f"memory    {format_bytes(plan.capacity_bytes)} GPU, "
          f"reserve {format_bytes(plan.reserve_bytes)}, activations {plan.activations}"),
+        (f"dtypes    weights and gradients {plan.transfer_dtype or 'as the model'} on the GPU, "
+         f"compute {'autocast ' + plan.autocast if plan.autocast else 'without autocast'}, "
+         f"CPU AdamW {plan.cpu_adam_gbps:g} GB/s "
+         f"({(plan.cpu_adam_source or 'given').split(':')[0]})"),
         f"accum     C={plan.accum} ({how}); physical bound C >= {plan.physical_bound_accum:.1f}",
         f"plan      {len(plan.submodels)} sub-models, {format_bytes(plan.cut_bytes)} crossing cuts "
         f"per micro-batch"

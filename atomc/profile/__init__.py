@@ -128,6 +128,7 @@ def profile_model(traced: TracedModel, *, device: str | None = None, target: str
         graph=graph, costs=tuple(costs), mode="estimated" if hw else "measured", device=where,
         hardware=hw, h2d_gbps=h2d, d2h_gbps=d2h, num_unique=len(unique_sigs),
         num_reused=num_compute - len(unique_sigs), atomc_version=__version__, notes=notes,
+        compute_dtype=compute_dtype if hw is not None else graph.dtype,
     )
 
 

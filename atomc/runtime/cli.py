@@ -26,8 +26,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--warmup", type=int, default=0, help="linear warm-up steps, then cosine decay")
     p.add_argument("--max-grad-norm", type=float, help="clip the global gradient norm to this")
-    p.add_argument("--transfer-dtype", choices=["float32", "bfloat16", "float16"],
-                   help="dtype of the device copy of the weights (default: the master's, float32)")
+    p.add_argument("--transfer-dtype", metavar="DTYPE",
+                   help="weights and gradients on the GPU: float32, bfloat16 or float16 "
+                        "(default: the plan's)")
+    p.add_argument("--autocast", metavar="DTYPE",
+                   help="compute dtype under torch.autocast (default: the plan's)")
     p.add_argument("--activations", choices=["recompute", "keep"], help="default: the plan's")
     p.add_argument("--data", default="stdlib",
                    help="'stdlib' (the Python standard library's sources) or a text file "
@@ -58,7 +61,7 @@ def run_train(args: argparse.Namespace) -> int:
         activations=args.activations,
         optimizer={"lr": args.lr, "weight_decay": args.weight_decay,
                    "max_grad_norm": args.max_grad_norm, "lr_schedule": schedule},
-        transfer_dtype=args.transfer_dtype, checkpoint=args.resume,
+        transfer_dtype=args.transfer_dtype, autocast=args.autocast, checkpoint=args.resume,
         trace=bool(args.trace or args.timeline))
     try:
         names = trainer.package.model_inputs

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from atomc.device import parse_device
-from atomc.dtypes import parse_dtype
+from atomc.dtypes import dtype_from_name, dtype_name, parse_dtype
 from atomc.errors import UsageError
 from atomc.ir import Plan
 from atomc.runtime.optim import AdamWConfig
-from atomc.runtime.package import SwapPackage
+from atomc.runtime.package import PackagePlan, SwapPackage
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -90,10 +90,7 @@ class TrainerConfig:
         if master not in (torch.float32, torch.float64):
             raise UsageError(f"master dtype {master} is not float32 or float64; half-precision "
                              f"weights go to the device with transfer_dtype=, masters stay float32")
-        transfer = parse_dtype(self.transfer_dtype, "transfer dtype") or master
-        autocast = parse_dtype(self.autocast, "autocast dtype")
-        if autocast is None and transfer in _HALF:
-            autocast = transfer
+        transfer, autocast = self.dtypes_for(master, plan if plan is not None else pkg.plan)
         loss_scale = self.loss_scale
         if loss_scale is None:  # float16 gradients underflow without it, from weights or compute
             loss_scale = torch.float16 in (transfer, autocast)
@@ -116,6 +113,42 @@ class TrainerConfig:
             trace=self.trace, tied_grads=self.tied_grads,
             threaded_optimizer=self.threaded_optimizer, seed=self.seed,
             early_prefetch=bool(plan is not None and plan.early_prefetch))
+
+    def dtypes_for(self, master: torch.dtype,
+                planned: Plan | PackagePlan) -> tuple[torch.dtype, torch.dtype | None]:
+        """(transfer, autocast): given, else the plan's, else the defaults. A plan made by
+        `atomc partition` records the dtypes its memory was sized for; running it with others
+        is refused (a hand-made plan or an older package records none)."""
+        given_transfer = parse_dtype(self.transfer_dtype, "transfer dtype")
+        given_autocast = parse_dtype(self.autocast, "autocast dtype")
+        if not planned.transfer_dtype:  # no dtypes recorded: nothing to hold the run to
+            transfer = given_transfer or master
+            autocast = given_autocast
+            if autocast is None and transfer in _HALF:
+                autocast = transfer
+            return transfer, autocast
+        plan_transfer = dtype_from_name(planned.transfer_dtype, "the plan's transfer dtype")
+        plan_autocast = (dtype_from_name(planned.autocast, "the plan's autocast dtype")
+                         if planned.autocast else None)
+        half_plan = plan_transfer in _HALF
+        transfer = given_transfer or (plan_transfer if half_plan else master)
+        if (half_plan and transfer != plan_transfer) or (not half_plan and transfer in _HALF):
+            raise UsageError(
+                f"transfer dtype {dtype_name(transfer)}: this plan's memory and transfers were "
+                f"planned for {planned.transfer_dtype} weights and gradients on the GPU; drop "
+                f"the option to run as planned, or partition again with --transfer-dtype "
+                f"{dtype_name(transfer)}")
+        autocast = given_autocast or plan_autocast
+        if autocast != plan_autocast:
+            planned_as = (f"autocast {planned.autocast}" if planned.autocast
+                          else "no autocast")
+            again = (f"--autocast {dtype_name(autocast)}" if autocast is not None
+                     else "--autocast none")
+            raise UsageError(
+                f"autocast {dtype_name(autocast) if autocast is not None else 'off'}: this "
+                f"plan's activations were sized for {planned_as}; drop the option to run as "
+                f"planned, or partition again with {again}")
+        return transfer, autocast
 
 
 @dataclass(frozen=True)

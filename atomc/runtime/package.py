@@ -50,6 +50,9 @@ class PackagePlan:
     capacity_bytes: int | None = None
     node_ranges: tuple[tuple[int, int], ...] = ()
     atomc_version: str = ""
+    # the plan's dtypes ("" in older packages: planned for the model's dtype, no autocast)
+    transfer_dtype: str = ""
+    autocast: str = ""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str) -> PackagePlan:
@@ -70,6 +73,8 @@ class PackagePlan:
                                 else int(data["capacity_bytes"])),
                 node_ranges=tuple((int(a), int(b)) for a, b in data.get("node_ranges") or ()),
                 atomc_version=str(data.get("atomc_version") or ""),
+                transfer_dtype=str(data.get("transfer_dtype") or ""),
+                autocast=str(data.get("autocast") or ""),
             )
         except (TypeError, ValueError) as e:
             raise RuntimeMismatchError(f"{source}: PLAN has a field of the wrong type ({e}); the "

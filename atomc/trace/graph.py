@@ -83,6 +83,21 @@ def find_blocks(model: nn.Module) -> list[str]:
     return blocks
 
 
+_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm,
+          *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
+
+
+def is_norm_weight(model: nn.Module, fqn: str) -> bool:
+    """True for a parameter of a normalisation layer: torch's own, or a class named *Norm*
+    (LlamaRMSNorm, T5LayerNorm, nanoGPT's LayerNorm), whose statistics want full precision."""
+    owner_path = fqn.rpartition(".")[0]
+    try:
+        owner = model.get_submodule(owner_path) if owner_path else model
+    except AttributeError:
+        return False
+    return isinstance(owner, _NORMS) or "Norm" in type(owner).__name__
+
+
 def build_opgraph(gm: fx.GraphModule, model: nn.Module, values: dict[str, Any], *, model_path: str,
                   config: str | None, batch_size: int, options: dict[str, int],
                   frontend: str) -> OpGraph:
@@ -137,6 +152,7 @@ def build_opgraph(gm: fx.GraphModule, model: nn.Module, values: dict[str, Any], 
         model_path=model_path, config=config, batch_size=batch_size, options=dict(options),
         frontend=frontend, dtype=dtypes.pop() if len(dtypes) == 1 else "mixed", nodes=tuple(nodes),
         params=params, buffers=buffers, aliases=aliases, blocks=tuple(blocks),
+        full_precision=tuple(f for f in params if is_norm_weight(model, f)),
     )
 
 

@@ -1,0 +1,204 @@
+"""The host's CPU AdamW rate for the cost model: `--cpu-adam-gbps auto`.
+
+Input: the `--cpu-adam-gbps` value and the profile being partitioned. Output: a rate in GB/s
+of fp32 master bytes (optimizer time = 4 bytes x parameters / rate) and a sentence saying
+where it comes from, for the plan's notes.
+
+- A measured profile is partitioned for this machine, so "auto" measures this machine: a short
+  benchmark of the runtime's own CPU AdamW (atomc.runtime.optim), cached per machine in
+  `$ATOMC_CACHE_DIR/host.json` (default `~/.cache/atomc`).
+- An estimated profile is for a target GPU that is not here, so "auto" takes the host figure
+  of its hardware profile (`host_adam_gbps`, with its source in `sources`).
+- A number is taken as given.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from atomc.errors import UsageError
+from atomc.ir import HardwareProfile, Profile
+from atomc.jsonio import write_atomic
+
+CACHE_ENV = "ATOMC_CACHE_DIR"
+CACHE_FILE = "host.json"
+CACHE_VERSION = 1
+# the sentence in a hardware profile's `sources` that says where host_adam_gbps comes from
+HOST_SOURCE_PREFIX = "Host CPU AdamW"
+# 32M fp32 parameters: weights, gradients and two moments are 512 MB, past the last-level cache
+# of all but AMD's stacked-cache parts, so the update streams from DRAM as a real model's does
+BENCH_PARAMS = 32 << 20
+BENCH_TENSORS = 4
+BENCH_STEPS = 5
+
+
+def measure_adam_gbps(num_params: int = BENCH_PARAMS, num_steps: int = BENCH_STEPS) -> float:
+    """GB/s of fp32 master bytes that the runtime's CPU AdamW updates on this machine.
+
+    The runtime's path exactly: `torch.optim.AdamW` with the runtime's default settings
+    (AdamWConfig: the fused CPU kernel), parameters that are views of one flat master with
+    gradients that are views of one flat gradient buffer, stepped on a worker thread. Two
+    steps first (the first allocates the moments), then the median of `num_steps` timed steps.
+    """
+    import torch
+
+    from atomc.runtime.optim import AdamWConfig
+
+    size = max(1, num_params // BENCH_TENSORS)
+    master = torch.zeros(size * BENCH_TENSORS, dtype=torch.float32)
+    # a normal-range gradient: subnormal moments would time the CPU's slow path
+    grad = torch.full_like(master, 1e-3)
+    params = []
+    for i in range(BENCH_TENSORS):
+        p = torch.nn.Parameter(master[i * size:(i + 1) * size])
+        p.grad = grad[i * size:(i + 1) * size]
+        params.append(p)
+    optimizer = torch.optim.AdamW(params, **AdamWConfig().torch_kwargs())
+
+    def timed_steps() -> list[float]:
+        for _ in range(2):
+            optimizer.step()
+        times = []
+        for _ in range(num_steps):
+            t0 = time.perf_counter()
+            optimizer.step()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    # the runtime steps its optimizer on one worker thread (atomc-cpu-adamw); do the same
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomc-adam-bench") as pool:
+        times = pool.submit(timed_steps).result()
+    return 4 * size * BENCH_TENSORS / statistics.median(times) / 1e9
+
+
+def _cpu_model() -> str:
+    # platform.processor() is empty or just "x86_64" on Linux; the model name is in cpuinfo
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def machine_identity() -> dict[str, Any]:
+    """What the rate depends on: a cached rate is reused only for the same values."""
+    import torch
+
+    from atomc.runtime.optim import AdamWConfig
+
+    return {"hostname": socket.gethostname(), "machine": platform.machine(),
+            "processor": _cpu_model(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "adamw_impl": AdamWConfig().impl}
+
+
+def _identity_key(identity: dict[str, Any]) -> str:
+    return json.dumps(identity, sort_keys=True)
+
+
+def _describe(identity: dict[str, Any]) -> str:
+    return (f"{identity['hostname']}: {identity['processor'] or identity['machine']}, "
+            f"{identity['torch_threads']} torch threads, torch {identity['torch']}")
+
+
+def cache_path() -> Path:
+    base = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "atomc"
+    return Path(base) / CACHE_FILE
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    """The cache's entries by identity key; a missing, unreadable or broken file is empty."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+        return {}
+    hosts = data.get("hosts")
+    return hosts if isinstance(hosts, dict) else {}
+
+
+def _valid_rate(entry: Any) -> float | None:
+    rate = entry.get("adam_gbps") if isinstance(entry, dict) else None
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)):
+        return None
+    return float(rate) if math.isfinite(rate) and rate > 0 else None
+
+
+def host_adam_gbps() -> tuple[float, str]:
+    """This machine's CPU AdamW rate (GB/s of fp32 masters) and where it comes from.
+
+    Measured once per machine identity and kept in the cache file; machines that share a home
+    directory keep separate entries. A cache that cannot be written still gives the rate.
+    """
+    path = cache_path()
+    identity = machine_identity()
+    key = _identity_key(identity)
+    hosts = _read_cache(path)
+    where = f"measured on this host ({_describe(identity)}), cached in {path}"
+    rate = _valid_rate(hosts.get(key))
+    if rate is not None:
+        return rate, where
+    rate = measure_adam_gbps()
+    hosts = {k: v for k, v in hosts.items() if _valid_rate(v) is not None}
+    hosts[key] = {"adam_gbps": rate, "identity": identity,
+                  "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    try:
+        write_atomic(path, json.dumps({"version": CACHE_VERSION, "hosts": hosts}, indent=1))
+    except OSError as e:
+        return rate, (f"measured on this host ({_describe(identity)}); not cached: cannot "
+                      f"write {path} ({e.strerror or e}); set ${CACHE_ENV} to a writable folder")
+    return rate, where
+
+
+def _host_source(hardware: HardwareProfile) -> str:
+    for sentence in hardware.sources:
+        if sentence.startswith(HOST_SOURCE_PREFIX):
+            return sentence
+    return ""
+
+
+def resolve_cpu_adam(value: str | float, profile: Profile) -> tuple[float, str]:
+    """`--cpu-adam-gbps` -> (rate in GB/s of fp32 masters, where it comes from)."""
+    expected = ('give "auto" (measure this host, or take an estimated profile\'s host figure) '
+                'or a rate in GB/s of fp32 master weights (0 leaves the optimizer out of the '
+                'model)')
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        if profile.mode != "estimated":
+            return host_adam_gbps()
+        hw = profile.hardware
+        if hw is None:
+            raise UsageError(f"--cpu-adam-gbps auto: the profile is estimated for "
+                             f"{profile.device!r} but carries no hardware profile, so there is "
+                             f"no host figure to take; give a rate in GB/s, e.g. "
+                             f"--cpu-adam-gbps 8")
+        if not hw.host_adam_gbps > 0:
+            raise UsageError(f"--cpu-adam-gbps auto: hardware profile {hw.name} gives no host "
+                             f"CPU AdamW rate (host_adam_gbps is {hw.host_adam_gbps:g}); give a "
+                             f"rate in GB/s for the host it will run on, e.g. "
+                             f"--cpu-adam-gbps 8, or 0 to leave the optimizer out of the model")
+        source = f"host figure of hardware profile {hw.name}"
+        sentence = _host_source(hw)
+        return float(hw.host_adam_gbps), f"{source}: {sentence}" if sentence else source
+    if isinstance(value, bool):
+        raise UsageError(f"--cpu-adam-gbps {value!r} is not a rate; {expected}")
+    try:
+        rate = float(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError):
+        raise UsageError(f"--cpu-adam-gbps {value!r} is not a rate; {expected}") from None
+    if math.isnan(rate):
+        raise UsageError(f"--cpu-adam-gbps {value!r} is not a number; {expected}")
+    if rate < 0:
+        raise UsageError(f"--cpu-adam-gbps {value!r} is negative; {expected}")
+    return rate, "given"
