@@ -13,7 +13,8 @@ from atomc.errors import UsageError
 # bytes per element of the dtypes the IR names (torch's names without "torch.")
 DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
                "float8_e5m2": 1, "int8": 1}
-FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
+# the floating ones, which autocast and half-precision transfers change
+FLOAT_BYTES = {d: DTYPE_BYTES[d] for d in ("float64", "float32", "float16", "bfloat16")}
 
 _SIZE_UNITS = {
     "": 1,

@@ -13,19 +13,22 @@ C values tried is kept: the one the simulator predicts keeps the GPU busiest.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from atomc.ir import Profile
+from atomc.partition.precision import profile_compute_dtype
 from atomc.units import DTYPE_BYTES
 
 
 class Outcome:
     """What one C gives: a feasible plan, or the best relaxed plan, or nothing that fits.
 
-    The relaxed search runs only when memory_ok, result or utilisation of an infeasible C is
-    asked for: when a larger C turns out feasible, nobody asks (it proves this C fits).
+    The relaxed search (`relax`) runs only when memory_ok, result or utilisation of an
+    infeasible C is asked for: when a larger C turns out feasible, nobody asks (it proves this
+    C fits).
     """
 
     def __init__(self, accum: int, feasible: bool, result: object | None = None,
@@ -33,29 +36,26 @@ class Outcome:
                  relax: Callable[[], tuple[object | None, float]] | None = None):
         self.accum = accum
         self.feasible = feasible
-        self._relaxed = None if relax is not None else (result, utilisation)
-        self._relax = relax
+        self._relax = relax or (lambda: (result, utilisation))
 
-    def _get(self) -> tuple[object | None, float]:
-        if self._relaxed is None:
-            assert self._relax is not None
-            self._relaxed = self._relax()
-        return self._relaxed
+    @functools.cached_property
+    def _relaxed(self) -> tuple[object | None, float]:
+        return self._relax()
 
     @property
     def memory_ok(self) -> bool:
         """Some plan meets the memory constraints."""
-        return self._get()[0] is not None
+        return self._relaxed[0] is not None
 
     @property
     def result(self) -> object | None:
         """SearchResult of tier 0 when feasible, else of the relaxed tier."""
-        return self._get()[0]
+        return self._relaxed[0]
 
     @property
     def utilisation(self) -> float:
         """Simulated, of `result`."""
-        return self._get()[1]
+        return self._relaxed[1]
 
 
 @dataclass
@@ -144,8 +144,6 @@ def achieved_flops_per_s(profile: Profile) -> float:
     """F: the hardware profile's peak for the compute dtype times its efficiency, else measured."""
     hw = profile.hardware
     if hw is not None:
-        from atomc.partition.precision import profile_compute_dtype
-
         dtype = profile_compute_dtype(profile)
         peak = hw.peak_tflops.get(dtype) or max(hw.peak_tflops.values(), default=0.0)
         if peak:

@@ -21,7 +21,7 @@ GPU run's.
 from __future__ import annotations
 
 from atomc.ir import OpGraph, OpNode
-from atomc.units import DTYPE_BYTES, FLOAT_DTYPES
+from atomc.units import FLOAT_BYTES
 
 LOWER = frozenset({
     "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
@@ -74,7 +74,6 @@ _MODULES = {
 }
 _CASTS = {"float": "float32", "double": "float64", "half": "float16", "bfloat16": "bfloat16"}
 _ELIGIBLE = ("float32", "float16", "bfloat16")
-_WIDTH = {d: DTYPE_BYTES[d] for d in FLOAT_DTYPES}
 
 
 def op_name(node: OpNode) -> str:
@@ -94,12 +93,12 @@ def op_name(node: OpNode) -> str:
 def promote(dtypes) -> str:
     """The widest floating dtype of `dtypes` ("" when there is none). float16 with bfloat16
     promotes to float32, as torch does."""
-    floats = {d for d in dtypes if d in _WIDTH}
+    floats = {d for d in dtypes if d in FLOAT_BYTES}
     if not floats:
         return ""
     if floats == {"float16", "bfloat16"}:
         return "float32"
-    return max(floats, key=lambda d: _WIDTH[d])
+    return max(floats, key=lambda d: FLOAT_BYTES[d])
 
 
 def device_dtypes(graph: OpGraph, param_dtypes: dict[str, str],
@@ -121,7 +120,7 @@ def device_dtypes(graph: OpGraph, param_dtypes: dict[str, str],
             fqn = node.param_fqns[0] if node.param_fqns else ""
             out[node.name] = tuple(param_dtypes.get(fqn, d) for d in was)
             continue
-        if node.op in ("placeholder", "output") or not any(d in _WIDTH for d in was):
+        if node.op in ("placeholder", "output") or not any(d in FLOAT_BYTES for d in was):
             out[node.name] = was
             continue
         inputs = [(d, z) for src in node.inputs for d, z in zip(out[src], scalar[src])]
@@ -131,7 +130,7 @@ def device_dtypes(graph: OpGraph, param_dtypes: dict[str, str],
                        if f in graph.buffers]
         before = promote_values([(d, z) for src in node.inputs
                                  for d, z in zip(traced[src], scalar[src])])
-        out[node.name] = tuple(_result(node, d, inputs, before, autocast) if d in _WIDTH else d
+        out[node.name] = tuple(_result(node, d, inputs, before, autocast) if d in FLOAT_BYTES else d
                                for d in was)
     return [out[n.name] for n in graph.nodes]
 
@@ -156,7 +155,7 @@ def _result(node: OpNode, was: str, inputs: list[tuple[str, bool]], before: str,
     now = promote_values(inputs)
     if not now:
         return was  # made from integers or sizes (arange, a float mask): as traced
-    eligible = autocast and all(d in _ELIGIBLE for d, _ in inputs if d in _WIDTH)
+    eligible = autocast and all(d in _ELIGIBLE for d, _ in inputs if d in FLOAT_BYTES)
     if eligible and name in LOWER:
         return autocast
     if eligible and name in FP32:

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from atomc.errors import UsageError
 from atomc.ir import NodeCost, OpGraph, Profile, TensorSpec
 from atomc.partition.autocast import device_dtypes, promote
-from atomc.units import DTYPE_BYTES, FLOAT_DTYPES
+from atomc.units import FLOAT_BYTES
 
 HALF = ("float16", "bfloat16")
-_WIDTH = {d: DTYPE_BYTES[d] for d in FLOAT_DTYPES}
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,7 @@ def resolve_precision(profile: Profile, transfer_dtype: str | None = None,
     """
     model = model_dtype(profile.graph)
     transfer = _name(transfer_dtype, "--transfer-dtype") if transfer_dtype else model
-    if _WIDTH[transfer] > _WIDTH.get(model, 4):
+    if FLOAT_BYTES[transfer] > FLOAT_BYTES.get(model, 4):
         raise UsageError(f"--transfer-dtype {transfer} is wider than the model's {model} weights; "
                          f"choose {model} or a half-precision dtype ({', '.join(HALF)})")
     timed = profile_compute_dtype(profile)
@@ -115,7 +114,7 @@ def device_view(profile: Profile, precision: Precision) -> Profile:
     wide = set(graph.full_precision)
     param_dtypes = {}
     for fqn, spec in graph.params.items():
-        narrower = _WIDTH.get(precision.transfer_dtype, 8) < _WIDTH.get(spec.dtype, 0)
+        narrower = FLOAT_BYTES.get(precision.transfer_dtype, 8) < FLOAT_BYTES.get(spec.dtype, 0)
         param_dtypes[fqn] = (precision.transfer_dtype if narrower and fqn not in wide
                              else spec.dtype)
     dtypes = device_dtypes(graph, param_dtypes, precision.autocast)
@@ -127,8 +126,8 @@ def device_view(profile: Profile, precision: Precision) -> Profile:
     ratios = []
     for node, new in zip(graph.nodes, dtypes):
         outputs = tuple(_as(o, d) for o, d in zip(node.outputs, new))
-        before = sum(o.num_bytes for o in node.outputs if o.dtype in _WIDTH)
-        after = sum(o.num_bytes for o in outputs if o.dtype in _WIDTH)
+        before = sum(o.num_bytes for o in node.outputs if o.dtype in FLOAT_BYTES)
+        after = sum(o.num_bytes for o in outputs if o.dtype in FLOAT_BYTES)
         ratios.append(after / before if before else 1.0)
         nodes.append(dataclasses.replace(node, outputs=outputs))
     narrowed = [d for f, d in param_dtypes.items() if d != graph.params[f].dtype]
@@ -140,9 +139,10 @@ def device_view(profile: Profile, precision: Precision) -> Profile:
 
 
 def _as(spec: TensorSpec, dtype: str) -> TensorSpec:
-    if dtype == spec.dtype or spec.dtype not in _WIDTH or dtype not in _WIDTH:
+    if dtype == spec.dtype or spec.dtype not in FLOAT_BYTES or dtype not in FLOAT_BYTES:
         return spec
-    return TensorSpec(spec.shape, dtype, spec.num_bytes * _WIDTH[dtype] // _WIDTH[spec.dtype])
+    num_bytes = spec.num_bytes * FLOAT_BYTES[dtype] // FLOAT_BYTES[spec.dtype]
+    return TensorSpec(spec.shape, dtype, num_bytes)
 
 
 def _scaled_cost(node, cost: NodeCost, ratio: float, graph: OpGraph, view: OpGraph) -> NodeCost:

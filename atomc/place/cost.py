@@ -114,17 +114,16 @@ class CostModel:
 
     def edge_matrix(self, groups: np.ndarray) -> np.ndarray:
         """The coarsened graph: exact eq. 3 between every two groups (rows of groups sorted)."""
-        e = np.zeros((self.pp, self.pp))
-        if self.pp > 1:
-            vals = self.edges(groups[self.pair_j], groups[self.pair_k])
-            e[self.pair_j, self.pair_k] = vals
-            e[self.pair_k, self.pair_j] = vals
-        return e
+        return self._pair_matrix(self.edges, groups)
 
     def bound_matrix(self, groups: np.ndarray) -> np.ndarray:
+        """The same graph with each edge's lower bound."""
+        return self._pair_matrix(self.edge_bounds, groups)
+
+    def _pair_matrix(self, edge_fn, groups: np.ndarray) -> np.ndarray:
         e = np.zeros((self.pp, self.pp))
         if self.pp > 1:
-            vals = self.edge_bounds(groups[self.pair_j], groups[self.pair_k])
+            vals = edge_fn(groups[self.pair_j], groups[self.pair_k])
             e[self.pair_j, self.pair_k] = vals
             e[self.pair_k, self.pair_j] = vals
         return e
