@@ -22,6 +22,7 @@ COMMANDS = [
     "atomc.runtime.cli",
     "atomc.place.cli",
     "atomc.distributed.cli",
+    "atomc.swarm.cli",
 ]
 
 

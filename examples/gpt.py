@@ -11,6 +11,7 @@ the parameter count. Input and output embeddings are tied, as in GPT-2/GPT-3.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ class GPTConfig:
     vocab_size: int = 50257
     seq_len: int = 2048
     dropout: float = 0.0
+    tied: bool = True  # the LM head shares the token embedding (GPT-2/GPT-3)
 
 
 CONFIGS = {
@@ -41,6 +43,9 @@ CONFIGS = {
     # small ones for tests and the CPU demo; byte-level vocabulary
     "tiny": GPTConfig(2, 32, 4, vocab_size=256, seq_len=16),
     "tiny-dropout": GPTConfig(2, 32, 4, vocab_size=256, seq_len=16, dropout=0.1),
+    # untied LM head: SWARM stages average within a stage, so no weight may span two stages
+    "tiny-untied": GPTConfig(2, 32, 4, vocab_size=256, seq_len=16, dropout=0.1, tied=False),
+    "mini-untied": GPTConfig(4, 128, 4, vocab_size=256, seq_len=64, tied=False),
     "mini": GPTConfig(4, 128, 4, vocab_size=256, seq_len=64),
     "demo": GPTConfig(6, 256, 8, vocab_size=256, seq_len=128, dropout=0.1),
 }
@@ -115,7 +120,8 @@ class GPT(nn.Module):
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied input/output embedding
+        if cfg.tied:
+            self.lm_head.weight = self.wte.weight  # tied input/output embedding
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
@@ -144,7 +150,7 @@ def build_model(config: str | None = None, seq_len: int | None = None) -> nn.Mod
         raise ValueError(f"unknown GPT config {name!r}; choose one of {', '.join(CONFIGS)}")
     cfg = CONFIGS[name]
     if seq_len is not None:
-        cfg = GPTConfig(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.vocab_size, seq_len, cfg.dropout)
+        cfg = dataclasses.replace(cfg, seq_len=seq_len)
     return GPT(cfg)
 
 

@@ -27,7 +27,7 @@ import io
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,6 +123,45 @@ def set_round_vector(trainer: Any, flat: torch.Tensor) -> None:
     trainer.load_state_dict(state, source="averaged weights")
 
 
+def start_dht(hm: Any, initial_peers: Sequence[str], host_maddrs: Sequence[str],
+              announce_maddrs: Sequence[str], timeout_s: float) -> Any:
+    """A hivemind DHT node joined through `initial_peers` (none: a new network), with every wait
+    bounded: an initial peer that never answers is a PeerError after `timeout_s`."""
+    for a in initial_peers:
+        if not a.startswith("/"):
+            raise PeerError(f"initial peer {a!r} is not a multiaddress; give one another peer "
+                            f"printed, e.g. /ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID")
+    # loopback-friendly and private: no IPFS bootstrap, no relays, no NAT traversal or UPnP
+    kwargs: dict[str, Any] = {
+        "initial_peers": list(initial_peers), "host_maddrs": list(host_maddrs),
+        "start": True, "use_ipfs": False, "use_relay": False, "use_auto_relay": False,
+        "auto_nat": False, "nat_port_map": False, "client_mode": False,
+        "startup_timeout": timeout_s}
+    if announce_maddrs:
+        kwargs["announce_maddrs"] = list(announce_maddrs)
+    box: dict[str, Any] = {}
+
+    def start() -> None:
+        try:
+            box["dht"] = hm.DHT(**kwargs)
+        except BaseException as e:  # noqa: BLE001 - surfaced below as a PeerError
+            box["error"] = e
+
+    th = threading.Thread(target=start, daemon=True)
+    th.start()
+    th.join(timeout_s + 15.0)
+    where = ", ".join(initial_peers) or "(none: first peer)"
+    if th.is_alive():
+        raise PeerError(f"the peer network did not start within {timeout_s + 15:.0f} s (initial "
+                        f"peers {where}); check that they are alive and reachable")
+    if "error" in box:
+        e = box["error"]
+        raise PeerError(f"could not join the peers through {where}: {type(e).__name__}: "
+                        f"{str(e).strip()[:300]}; give the address of a live peer (it prints "
+                        f"it at start) and check that its port is reachable") from None
+    return box["dht"]
+
+
 def weights_digest(trainer: Any) -> str:
     h = hashlib.sha256()
     for m in trainer.store.master:
@@ -152,7 +191,8 @@ class PeerTrainer:
         self.rounds_done: list[dict[str, Any]] = []
         self.finished_how = ""  # how this peer's final weights came about (see _finish)
         self._snapshot: tuple[dict[str, Any], list[torch.Tensor]] | None = None
-        self.dht = self._start_dht()
+        self.dht = start_dht(self.hm, cfg.initial_peers, cfg.host_maddrs, cfg.announce_maddrs,
+                             cfg.connect_timeout_s)
         self.maddrs = [str(a) for a in self.dht.get_visible_maddrs()]
         if cfg.maddr_path:
             from atomc.jsonio import write_atomic
@@ -172,40 +212,6 @@ class PeerTrainer:
             self._join()
 
     # ---- set-up --------------------------------------------------------------------------------
-
-    def _start_dht(self) -> Any:
-        cfg = self.cfg
-        # loopback-friendly and private: no IPFS bootstrap, no relays, no NAT traversal or UPnP
-        kwargs: dict[str, Any] = {
-            "initial_peers": list(cfg.initial_peers), "host_maddrs": list(cfg.host_maddrs),
-            "start": True, "use_ipfs": False, "use_relay": False, "use_auto_relay": False,
-            "auto_nat": False, "nat_port_map": False, "client_mode": False,
-            "startup_timeout": cfg.connect_timeout_s}
-        if cfg.announce_maddrs:
-            kwargs["announce_maddrs"] = list(cfg.announce_maddrs)
-        box: dict[str, Any] = {}
-
-        def start() -> None:
-            try:
-                box["dht"] = self.hm.DHT(**kwargs)
-            except BaseException as e:  # noqa: BLE001 - surfaced below as a PeerError
-                box["error"] = e
-
-        th = threading.Thread(target=start, daemon=True)
-        th.start()
-        th.join(cfg.connect_timeout_s + 15.0)
-        where = ", ".join(cfg.initial_peers) or "(none: first peer)"
-        if th.is_alive():
-            raise PeerError(f"the peer network did not start within "
-                            f"{cfg.connect_timeout_s + 15:.0f} s (initial peers {where}); check "
-                            f"that they are alive and reachable")
-        if "error" in box:
-            e = box["error"]
-            raise PeerError(f"could not join the peers through {where}: {type(e).__name__}: "
-                            f"{str(e).strip()[:300]}; give the address of a live peer (it prints "
-                            f"it at start) and check that its port is reachable") from None
-        return box["dht"]
-
 
     def _take_snapshot(self) -> None:
         """What a joining peer downloads: the whole trainer state and the round it belongs to."""

@@ -20,10 +20,21 @@ from atomc.simulate.events import (
     simulate_swap,
 )
 from atomc.simulate.svg import render_timeline_svg, write_timeline_svg
+from atomc.simulate.swarm import (
+    ChurnTrace,
+    SwarmSimConfig,
+    SwarmSimResult,
+    WiringResult,
+    simulate_swarm,
+    simulate_wiring,
+    synthetic_churn_trace,
+)
 
 __all__ = [
-    "KINDS", "LANES", "Event", "Simulation", "StageTimes", "Timeline", "render_timeline_svg",
-    "simulate_actions", "simulate_plan", "simulate_swap", "stage_times", "write_timeline_svg",
+    "KINDS", "LANES", "ChurnTrace", "Event", "Simulation", "StageTimes", "SwarmSimConfig",
+    "SwarmSimResult", "Timeline", "WiringResult", "render_timeline_svg", "simulate_actions",
+    "simulate_plan", "simulate_swap", "simulate_swarm", "simulate_wiring", "stage_times",
+    "synthetic_churn_trace", "write_timeline_svg",
 ]
 
 

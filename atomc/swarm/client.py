@@ -1,0 +1,363 @@
+"""SWARM trainer: each micro-batch through one server per stage, chosen by stochastic wiring.
+
+input:  a generated package, the number of stages, the DHT of the servers, batches
+output: one optimizer step of every stage per global batch; the step's loss
+
+Routing is SWARM's Algorithm 1 (`Router`): per stage, servers keyed by the work routed to them,
+each use adding its EMA time per sample times the samples sent, the least keyed taken (an
+interleaved weighted round robin: a server twice as fast gets twice the micro-batches). A
+call that fails or times out bans its server with exponential backoff, until it announces a
+new incarnation, and the micro-batch goes to another server of the stage; if every server of
+a stage is banned the bans are ignored (as Petals does). Every call has a timeout: a SIGKILLed
+hivemind server gives its client no error at all.
+
+A backward carries the stage's inputs and output gradients, and the server recomputes the
+forward (SWARM's design): so the backward goes to any server of the stage, and a micro-batch
+whose forward server is gone re-runs its forward there as part of the backward. The trainer
+keeps each stage's inputs and output gradients until every stage has taken the step. If a
+server that holds some of its gradients fails (a call errs, or its record expires), the
+trainer excludes that server from the step in the DHT and sends those micro-batches' backward
+again to other servers: the stage's step waits until its servers hold every micro-batch
+exactly once (atomc.swarm.server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from hivemind.p2p import PeerID
+
+from atomc.distributed.peer import _import_hivemind, start_dht
+from atomc.errors import PeerError, UsageError
+from atomc.runtime.package import load_swap_package
+from atomc.swarm.records import ServerRecord, read_excluded, read_servers
+from atomc.swarm.server import BATCH, GRAD, SwarmServicer, exclude, stage_specs
+from atomc.swarm.wire import decode, encode, wire_bytes
+
+
+@dataclass
+class TrainConfig:
+    package: str | Path
+    num_stages: int
+    prefix: str = "atomc-swarm"
+    initial_peers: tuple[str, ...] = ()
+    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    announce_maddrs: tuple[str, ...] = ()
+    micro_batch_size: int | None = None  # default: the plan's
+    global_micro: int | None = None  # micro-batches of all trainers per step (default: ours)
+    first_micro: int = 0  # our micro-batches' indices in the global batch start here
+    compress: bool = False  # 8-bit blockwise activations and gradients on the links
+    request_timeout_s: float = 30.0
+    connect_timeout_s: float = 20.0
+    servers_timeout_s: float = 60.0  # a stage without servers for this long is an error
+    step_timeout_s: float = 600.0
+    ban_s: float = 1.0  # first ban; doubles with each further failure
+    name: str = ""
+
+
+@dataclass
+class _Server:
+    priority: float = 0.0
+    ema: float | None = None  # seconds per sample
+    banned_until: float = 0.0
+    failures: int = 0
+    started: float = 0.0  # the incarnation banned
+
+
+class Router:
+    """SWARM Algorithm 1 (see the module docstring); `now` is monotonic seconds."""
+
+    def __init__(self, num_stages: int, ban_s: float = 1.0, alpha: float = 0.1):
+        self.stages: list[dict[str, _Server]] = [{} for _ in range(num_stages)]
+        self.ban_s = ban_s
+        self.alpha = alpha
+
+    def refresh(self, records: list[ServerRecord]) -> None:
+        """The live servers: new ones enter at the stage's lowest key (not flooded with work,
+        not starved); a banned server that announces a new incarnation is forgiven."""
+        seen: list[set[str]] = [set() for _ in self.stages]
+        for r in records:
+            if r.moving or not 0 <= r.stage < len(self.stages):
+                continue
+            queue = self.stages[r.stage]
+            seen[r.stage].add(r.peer)
+            s = queue.get(r.peer)
+            if s is None:
+                low = min((x.priority for x in queue.values()), default=0.0)
+                queue[r.peer] = s = _Server(priority=low)
+            if s.failures and r.started > s.started:
+                s.banned_until, s.failures = 0.0, 0
+            s.started = max(s.started, r.started) if not s.failures else s.started
+        for queue, live in zip(self.stages, seen):
+            for peer in set(queue) - live:
+                del queue[peer]
+
+    def servers(self, stage: int) -> list[str]:
+        return sorted(self.stages[stage])
+
+    def choose(self, stage: int, samples: int, now: float, avoid: set[str] = frozenset()
+               ) -> str | None:
+        queue = self.stages[stage]
+        cands = [p for p in queue if p not in avoid]
+        open_ = [p for p in cands if queue[p].banned_until <= now]
+        pool = open_ or cands  # every server banned: try them anyway rather than stop
+        if not pool:
+            return None
+        peer = min(pool, key=lambda p: (queue[p].priority, p))
+        s = queue[peer]
+        known = [x.ema for x in queue.values() if x.ema is not None]
+        ema = s.ema if s.ema is not None else (sum(known) / len(known) if known else 1.0)
+        s.priority += ema * samples
+        return peer
+
+    def report(self, stage: int, peer: str, seconds: float, samples: int) -> None:
+        s = self.stages[stage].get(peer)
+        if s is None:
+            return
+        per = seconds / max(1, samples)
+        s.ema = per if s.ema is None else self.alpha * per + (1 - self.alpha) * s.ema
+
+    def ban(self, stage: int, peer: str, now: float) -> float:
+        s = self.stages[stage].get(peer)
+        if s is None:
+            return 0.0
+        s.failures += 1
+        span = self.ban_s * 2 ** (s.failures - 1)
+        s.banned_until = now + span
+        return span
+
+
+@dataclass
+class _Held:
+    """What a micro-batch's backward at one stage needs to run again elsewhere."""
+
+    peer: str
+    inputs: dict[str, Any]
+    grads: dict[str, torch.Tensor] | None
+
+
+@dataclass
+class StepStats:
+    loss: float
+    seconds: float
+    calls: int = 0
+    retries: int = 0
+    resent: int = 0  # backward calls sent again because their server failed
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    per_server: dict[str, int] = field(default_factory=dict)  # micro-batch calls per server
+
+
+class SwarmTrainer:
+    """One trainer (see the module docstring)."""
+
+    def __init__(self, cfg: TrainConfig, log: Callable[[str], None] = print):
+        self.cfg = cfg
+        self.log = log
+        self.hm = _import_hivemind()
+        self.pkg = load_swap_package(cfg.package)
+        self.fingerprint = self.pkg.fingerprint()
+        self.specs = stage_specs(self.pkg, cfg.num_stages)
+        self.micro_batch_size = cfg.micro_batch_size or int(self.pkg.plan.batch_size or 1)
+        self.dht = start_dht(self.hm, cfg.initial_peers, cfg.host_maddrs, cfg.announce_maddrs,
+                             cfg.connect_timeout_s)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
+                                        name="swarm-trainer")
+        self._thread.start()
+        self.p2p = asyncio.run_coroutine_threadsafe(self.dht.replicate_p2p(), self.loop).result()
+        self.router = Router(cfg.num_stages, cfg.ban_s)
+        self.step_count = 0
+        self.name = cfg.name or f"trainer-{self.dht.peer_id.to_base58()[-6:]}"
+
+    # ---- servers -------------------------------------------------------------------------------
+
+    def _records(self) -> list[ServerRecord]:
+        records = read_servers(self.dht, self.cfg.prefix)
+        for r in records:
+            if r.package != self.fingerprint:
+                raise PeerError(
+                    f"server {r.name or r.peer} under prefix {self.cfg.prefix!r} serves package "
+                    f"{r.package}, this trainer {self.fingerprint} ({self.cfg.package}); give "
+                    f"trainers and servers the same generated package")
+        return records
+
+    def wait_for_servers(self, timeout_s: float | None = None) -> list[ServerRecord]:
+        """Block until every stage has a server; PeerError naming the empty stages if not."""
+        timeout_s = self.cfg.servers_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while True:
+            records = self._records()
+            self.router.refresh(records)
+            empty = [j for j in range(self.cfg.num_stages) if not self.router.servers(j)]
+            if not empty:
+                return records
+            if time.monotonic() > deadline:
+                raise PeerError(
+                    f"no server for stage{'s' if len(empty) > 1 else ''} "
+                    f"{', '.join(map(str, empty))} under DHT prefix {self.cfg.prefix!r} within "
+                    f"{timeout_s:.0f} s; start one (atomc swarm serve PACKAGE --stage "
+                    f"{empty[0]}) with --initial-peers pointing at this swarm")
+            time.sleep(0.3)
+
+    # ---- a step --------------------------------------------------------------------------------
+
+    def micro_batches(self, batch: tuple) -> list[tuple]:
+        size = self.micro_batch_size
+        n = batch[0].shape[0]
+        if n % size:
+            raise UsageError(f"the batch has {n} samples, not a multiple of the micro-batch "
+                             f"size {size}")
+        return [tuple(t[i:i + size] for t in batch) for i in range(0, n, size)]
+
+    def step(self, batch: tuple | torch.Tensor) -> StepStats:
+        """One step: every micro-batch of `batch` through the swarm; returns once every stage
+        has taken the step (the mean loss of our micro-batches)."""
+        batch = batch if isinstance(batch, tuple) else (batch,)
+        micro = self.micro_batches(batch)
+        self.wait_for_servers()
+        future = asyncio.run_coroutine_threadsafe(self._step(self.step_count, micro), self.loop)
+        try:
+            stats = future.result(self.cfg.step_timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise PeerError(f"step {self.step_count} did not finish within "
+                            f"{self.cfg.step_timeout_s:.0f} s; see the servers' logs") from None
+        self.step_count += 1
+        return stats
+
+    async def _step(self, k: int, micro: list[tuple]) -> StepStats:
+        t0 = time.monotonic()
+        self._stats = StepStats(0.0, 0.0)
+        self._held: dict[tuple[int, int], _Held] = {}
+        total = self.cfg.global_micro or len(micro)
+        losses = await asyncio.gather(*[
+            self._micro(k, self.cfg.first_micro + m, b, total) for m, b in enumerate(micro)])
+        await self._wait_for_commit(k, micro, total)
+        stats = self._stats
+        stats.loss = float(sum(losses) / len(losses))
+        stats.seconds = time.monotonic() - t0
+        return stats
+
+    async def _micro(self, k: int, g: int, batch: tuple, total: int) -> float:
+        S = self.cfg.num_stages
+        inputs: list[dict[str, Any]] = []
+        x: dict[str, Any] = {}
+        for j in range(S - 1):
+            inputs.append(x)
+            x, _ = await self._call(j, "forward", k, g, batch, total, x)
+        inputs.append(x)
+        grads: dict[str, torch.Tensor] | None = None
+        loss = None
+        for j in range(S - 1, -1, -1):
+            out, meta = await self._call(j, "backward", k, g, batch, total, inputs[j], grads)
+            if j == S - 1:
+                loss = meta["loss"]
+            grads = out
+        return float(loss)
+
+    async def _call(self, j: int, kind: str, k: int, g: int, batch: tuple, total: int,
+                    values: dict[str, Any], grads: dict[str, torch.Tensor] | None = None,
+                    avoid: set[str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """One call to some server of stage j, retried on others until one answers."""
+        cfg = self.cfg
+        avoid = set(avoid or ())
+        payload = dict(values)
+        payload.update({f"{BATCH}{i}": t for i, t in enumerate(batch)})
+        payload.update({f"{GRAD}{n}": t for n, t in (grads or {}).items()})
+        samples = int(batch[0].shape[0])
+        meta = {"step": k, "stage": j, "micro": g, "num_micro": total, "samples": samples,
+                "id": f"{self.name}:{k}:{g}", "batch_len": len(batch),
+                "package": self.fingerprint, "compress": cfg.compress}
+        request = encode(payload, meta, compress=cfg.compress)
+        deadline = time.monotonic() + cfg.servers_timeout_s
+        while True:
+            now = time.monotonic()
+            peer = self.router.choose(j, samples, now, avoid)
+            if peer is None:
+                if now > deadline:
+                    raise PeerError(f"no server of stage {j} under DHT prefix {cfg.prefix!r} "
+                                    f"answered within {cfg.servers_timeout_s:.0f} s")
+                await asyncio.sleep(0.3)
+                records = await asyncio.get_running_loop().run_in_executor(None, self._records)
+                self.router.refresh(records)
+                avoid.clear()  # every server failed once: they may have come back
+                continue
+            stub = SwarmServicer.get_stub(self.p2p, PeerID.from_base58(peer),
+                                          namespace=cfg.prefix)
+            method = stub.rpc_forward if kind == "forward" else stub.rpc_backward
+            t0 = time.monotonic()
+            self._stats.calls += 1
+            try:
+                response = await method(request, timeout=cfg.request_timeout_s)
+            except Exception as e:  # noqa: BLE001 - any failure of a remote call: route elsewhere
+                self._stats.retries += 1
+                span = self.router.ban(j, peer, time.monotonic())
+                self.log(f"stage {j} server ...{peer[-6:]}: {kind} of micro-batch {g} failed "
+                         f"({type(e).__name__}: {str(e).strip()[:160]}); banned for {span:.1f} s")
+                if kind == "backward":  # it may hold some of our gradients: they must not count
+                    await self._exclude(k, j, peer)
+                avoid.add(peer)
+                continue
+            self.router.report(j, peer, time.monotonic() - t0, samples)
+            self._stats.bytes_sent += wire_bytes(request)
+            self._stats.bytes_received += wire_bytes(response)
+            self._stats.per_server[peer] = self._stats.per_server.get(peer, 0) + 1
+            if kind == "backward":
+                self._held[(j, g)] = _Held(peer, values, grads)
+            return decode(response, torch.device("cpu"))
+
+    async def _exclude(self, k: int, j: int, peer: str) -> None:
+        await asyncio.get_running_loop().run_in_executor(
+            None, exclude, self.dht, self.cfg.prefix, k, peer, j)
+
+    async def _wait_for_commit(self, k: int, micro: list[tuple], total: int) -> None:
+        """Until every stage has taken step k; backward calls held by servers that failed
+        (excluded by any trainer, or gone from the DHT) are sent again to other servers."""
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + self.cfg.step_timeout_s
+        while True:
+            records = await loop.run_in_executor(None, self._records)
+            done = {r.stage for r in records if r.step > k and not r.moving}
+            if len(done) == self.cfg.num_stages:
+                return
+            excluded = await loop.run_in_executor(None, read_excluded, self.dht,
+                                                  self.cfg.prefix, k)
+            live = {r.peer for r in records}
+            self.router.refresh(records)
+            lost = [(j, g) for (j, g), h in self._held.items()
+                    if j not in done and ((h.peer, j) in excluded or h.peer not in live)]
+            for j, g in lost:
+                h = self._held.pop((j, g))
+                if (h.peer, j) not in excluded:
+                    await self._exclude(k, j, h.peer)
+                    excluded.add((h.peer, j))
+                self.log(f"stage {j}: server ...{h.peer[-6:]} failed holding micro-batch {g} "
+                         f"of step {k}; sending it again")
+                self._stats.resent += 1
+                m = g - self.cfg.first_micro
+                await self._call(j, "backward", k, g, micro[m], total, h.inputs, h.grads,
+                                 avoid={h.peer} | {p for p, s in excluded if s == j})
+            if time.monotonic() > deadline:
+                raise PeerError(f"step {k} was not taken by stages "
+                                f"{sorted(set(range(self.cfg.num_stages)) - done)} within "
+                                f"{self.cfg.step_timeout_s:.0f} s")
+            await asyncio.sleep(0.2)
+
+    def close(self) -> None:
+        try:
+            asyncio.run_coroutine_threadsafe(self.p2p.shutdown(), self.loop).result(5)
+            self.dht.shutdown()
+        except Exception as e:  # noqa: BLE001 - shutting down
+            self.log(f"DHT shutdown failed: {e}")
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+__all__ = ["Router", "StepStats", "SwarmTrainer", "TrainConfig"]

@@ -1,0 +1,85 @@
+"""SWARM, what servers and trainers share in hivemind's DHT (one key per fact, one subkey per peer).
+
+- `{prefix}.servers`: each server's record, refreshed every heartbeat and expiring after
+  `expiration_s` (a SIGKILLed server drops out when it stops refreshing): stage, the step its
+  stage is at, the samples it holds for that step, throughput, queue, the package it serves.
+- `{prefix}.excluded.{step}`: servers a trainer stopped trusting during a step (a call that
+  failed or timed out). Their gradients for that step never count: the trainers send those
+  micro-batches again elsewhere, and the server itself, if it is alive after all, drops them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ServerRecord:
+    peer: str  # hivemind peer id (base58)
+    name: str
+    stage: int
+    step: int  # optimizer steps its stage has taken (the step it accumulates for)
+    samples: int  # samples of `step` whose gradients it holds
+    throughput: float  # samples per second it has served (EMA)
+    queue: int  # requests waiting or running
+    package: str  # the package's fingerprint
+    started: float  # when this incarnation started serving its stage (DHT time)
+    moving: bool = False  # changing stage: not taking requests
+
+    def to_value(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_value(cls, peer: str, value: Any) -> ServerRecord | None:
+        if not isinstance(value, dict):
+            return None
+        try:
+            return cls(**{**value, "peer": peer})
+        except TypeError:
+            return None  # another version's record: ignored rather than trusted
+
+
+def servers_key(prefix: str) -> str:
+    return f"{prefix}.servers"
+
+
+def excluded_key(prefix: str, step: int) -> str:
+    return f"{prefix}.excluded.{step}"
+
+
+def read_dict(dht: Any, key: str) -> dict[str, Any]:
+    """Subkey -> value of a dictionary key (the latest, unexpired entries)."""
+    found = dht.get(key, latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    out = {}
+    for sub, item in found.value.items():
+        value = getattr(item, "value", None)
+        if value is not None:
+            out[str(sub)] = value
+    return out
+
+
+def read_servers(dht: Any, prefix: str) -> list[ServerRecord]:
+    out = []
+    for peer, value in read_dict(dht, servers_key(prefix)).items():
+        rec = ServerRecord.from_value(peer, value)
+        if rec is not None:
+            out.append(rec)
+    return sorted(out, key=lambda r: (r.stage, r.peer))
+
+
+def excluded_subkey(peer: str, stage: int) -> str:
+    return f"{peer}@{stage}"
+
+
+def read_excluded(dht: Any, prefix: str, step: int) -> set[tuple[str, int]]:
+    """(peer, stage) pairs excluded from `step`: a server that moves on to another stage is
+    trusted there."""
+    out = set()
+    for sub in read_dict(dht, excluded_key(prefix, step)):
+        peer, _, stage = sub.rpartition("@")
+        if peer and stage.isdigit():
+            out.add((peer, int(stage)))
+    return out

@@ -1,0 +1,688 @@
+"""SWARM server: one pipeline stage of a generated package, served over hivemind's p2p RPC.
+
+input:  a generated package, the number of stages, the stage to serve (or the one that needs a
+        server most), the global batch (samples over all trainers per step), the DHT to join
+output: forward and backward calls for that stage from any trainer; one optimizer step per
+        global batch, the same on every server of the stage
+
+A call carries one micro-batch (its step, its index in the global batch, the stage's input
+values and RNG state, the batch, and for a backward the output gradients). The backward
+recomputes the forward from the inputs it is sent, so any server of the stage can run it
+(SWARM's design): nothing of a micro-batch stays on a server between calls. A stage computes
+with the runtime core's `Stage` (resident, or swapped with `swap=True`), one call at a time
+on a worker thread; the p2p event loop only moves bytes.
+
+A step commits when the stage's servers together hold the gradients of exactly the global
+batch, each micro-batch once. Each server sums the gradients of the micro-batches it ran. The
+servers that are ready form a group with hivemind's `DecentralizedAverager` (its matchmaking
+and all-gather of the ids of their micro-batches), then each fetches the others' sums over
+p2p (streamed in parts) and adds them in peer order. The sum is ordered, so every member gets
+the same bits: hivemind's all-reduce hands each member the average as a delta to its own
+tensor, which rounds differently on each, and servers of one stage would drift apart. Every
+member sees the same gathered ids, so all decide alike: apply the step when the ids cover the
+global batch with no repeats and no member is excluded (`records`), otherwise keep their sums
+and try again (a dead server's micro-batches come back from the trainers). A server that missed
+the round downloads the stage's state from one that took it (the averager's state sharing,
+priority = step), as does a server that joins or moves to the stage. BatchNorm statistics are
+updated by the forward call only (the backward's recomputation restores them) and averaged at
+the commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+# hivemind recognises streaming handlers by typing's AsyncIterator, not collections.abc's
+from typing import Any, AsyncIterator  # noqa: UP035
+
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2PContext, PeerID, ServicerBase
+from hivemind.proto import runtime_pb2
+from hivemind.utils import get_dht_time
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+from atomc.distributed.peer import _import_hivemind, start_dht, state_bytes, state_from_bytes
+from atomc.distributed.pipeline import stage_boundaries
+from atomc.distributed.runner import _dtype, _package_plan
+from atomc.distributed.stage import ResidentStage, StageSpec
+from atomc.errors import PeerError, UsageError
+from atomc.place.cost import stage_ranges
+from atomc.runtime.optim import AdamWConfig
+from atomc.runtime.package import SwapPackage, load_swap_package
+from atomc.runtime.rng import RNG_VALUE
+from atomc.swarm import balance
+from atomc.swarm.records import (
+    ServerRecord,
+    excluded_key,
+    excluded_subkey,
+    read_excluded,
+    read_servers,
+    servers_key,
+)
+from atomc.swarm.wire import decode, encode
+
+BATCH = "atomc.batch."  # batch tensors travel as atomc.batch.0, atomc.batch.1, ...
+GRAD = "atomc.grad."  # output gradients of a backward call
+
+
+@dataclass
+class ServeConfig:
+    package: str | Path
+    num_stages: int
+    stage: int | None = None  # None: the stage that needs a server most
+    target_batch_size: int = 8  # samples per step over all trainers (the global batch)
+    prefix: str = "atomc-swarm"
+    initial_peers: tuple[str, ...] = ()
+    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    announce_maddrs: tuple[str, ...] = ()
+    device: str = "cpu"
+    dtype: str | None = None  # master dtype (float64 for exact tests)
+    seed: int = 0  # initial weights, as build_model makes them under manual_seed(seed)
+    optimizer: dict[str, Any] | None = None
+    swap: bool = False  # the swap runtime's stage (sub-models loaded one at a time)
+    heartbeat_s: float = 0.5
+    expiration_s: float = 4.0  # a server that stops refreshing its record drops out after this
+    rebalance_s: float | None = None  # SWARM's T: None, no rebalancing
+    matchmaking_s: float = 1.0
+    averaging_timeout_s: float = 20.0
+    connect_timeout_s: float = 20.0
+    request_wait_s: float = 30.0  # a call for a step this server has not reached waits this long
+    slowdown: float = 1.0  # emulate a slower device: every call takes this many times longer
+    checkpoint_dir: str | Path | None = None  # the stage's state after every step (shared dir)
+    name: str = ""
+    maddr_path: str | Path | None = None
+    metrics_path: str | Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_stages < 1:
+            raise UsageError(f"--stages {self.num_stages} must be at least 1")
+        if self.stage is not None and not 0 <= self.stage < self.num_stages:
+            raise UsageError(f"--stage {self.stage} is not one of the {self.num_stages} stages "
+                             f"(0 to {self.num_stages - 1}); or give --stage auto")
+        if self.target_batch_size < 1:
+            raise UsageError(f"--target-batch-size {self.target_batch_size} must be at least 1")
+        if self.slowdown < 1:
+            raise UsageError(f"--slowdown {self.slowdown} must be 1 or more")
+
+
+def stage_specs(pkg: SwapPackage, num_stages: int) -> list[StageSpec]:
+    """The package's sub-models in `num_stages` consecutive stages of balanced compute."""
+    ranges = stage_ranges(_package_plan(pkg), num_stages)
+    sends = stage_boundaries(pkg.inputs, pkg.outputs, pkg.model_inputs, ranges)
+    specs = [StageSpec(j, num_stages, a, b, sends[j - 1] if j > 0 else (),
+                       sends[j] if j < num_stages - 1 else (), j == num_stages - 1,
+                       pkg.num_submodels) for j, (a, b) in enumerate(ranges)]
+    where = {i: j for j, s in enumerate(specs) for i in range(s.start, s.stop)}
+    for fqn, holders in pkg.tied.items():
+        stages = sorted({where[i] for i, _ in holders})
+        if len(stages) > 1:
+            raise UsageError(
+                f"{fqn} is tied across stages {stages} of {pkg.path}; SWARM averages gradients "
+                f"within a stage, so a weight shared by two stages would drift apart: untie it "
+                f"in the model (e.g. tie_word_embeddings=False) or train with fewer --stages")
+    return specs
+
+
+class SwarmServicer(ServicerBase):
+    """The p2p handlers; the work is the server's."""
+
+    def __init__(self, server: SwarmServer):
+        self.server = server
+
+    async def rpc_forward(self, request: runtime_pb2.ExpertRequest,
+                          context: P2PContext) -> runtime_pb2.ExpertResponse:
+        return await self.server.handle("forward", request)
+
+    async def rpc_backward(self, request: runtime_pb2.ExpertRequest,
+                           context: P2PContext) -> runtime_pb2.ExpertResponse:
+        return await self.server.handle("backward", request)
+
+    async def rpc_contribution(self, request: runtime_pb2.ExpertUID,
+                               context: P2PContext) -> AsyncIterator[runtime_pb2.Tensor]:
+        for part in self.server.contribution(int(request.uid)):
+            yield part
+
+    async def rpc_info(self, request: runtime_pb2.ExpertUID,
+                       context: P2PContext) -> runtime_pb2.ExpertInfo:
+        return runtime_pb2.ExpertInfo(serialized_info=json.dumps(self.server.info()).encode())
+
+
+class _OneMicro:
+    """A stage's io for one micro-batch: what the call brought, and what the stage sends."""
+
+    def __init__(self, values: dict[str, Any], grads: dict[str, torch.Tensor]):
+        self.values, self.grads = values, grads
+        self.sent: dict[str, Any] = {}
+        self.sent_grads: dict[str, torch.Tensor] = {}
+
+    def recv(self, m: int) -> dict[str, Any]:
+        return self.values
+
+    def recv_grads(self, m: int) -> dict[str, torch.Tensor]:
+        return self.grads
+
+    def send(self, m: int, values: dict[str, Any]) -> None:
+        self.sent = values
+
+    def send_grads(self, m: int, grads: dict[str, Any], received: dict[str, Any]) -> None:
+        self.sent_grads = {n: g if g is not None else torch.zeros_like(received[n])
+                           for n, g in grads.items()}
+
+
+class SwarmServer:
+    """One server (see the module docstring)."""
+
+    def __init__(self, cfg: ServeConfig, *, loss_fn: Callable | None = None,
+                 initial_state: dict[str, torch.Tensor] | None = None,
+                 log: Callable[[str], None] = print):
+        self.cfg = cfg
+        self.log = log
+        self.hm = _import_hivemind()
+        self.pkg = load_swap_package(cfg.package)
+        self.fingerprint = self.pkg.fingerprint()
+        self.specs = stage_specs(self.pkg, cfg.num_stages)
+        self.loss_fn = loss_fn or self.pkg.model_loss_fn()
+        self.initial_state = (initial_state if initial_state is not None
+                              else self.pkg.initial_state_dict(cfg.seed))
+        self.opt_cfg = AdamWConfig.coerce(cfg.optimizer)
+        self.dtype = _dtype(cfg.dtype)
+        self.device = torch.device(cfg.device)
+        self.cv = threading.Condition()  # guards the stage, its step and its gradient sums
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-compute")
+        self.queue = 0
+        self.served = 0
+        self.sec_per_sample: float | None = None  # EMA of compute time per sample
+        self.closing = False
+        self.moving = False
+        self.stage: Any = None
+        self.averager: Any = None
+        self.dht = start_dht(self.hm, cfg.initial_peers, cfg.host_maddrs, cfg.announce_maddrs,
+                             cfg.connect_timeout_s)
+        self.peer = self.dht.peer_id.to_base58()
+        self.maddrs = [str(a) for a in self.dht.get_visible_maddrs()]
+        if cfg.maddr_path:
+            from atomc.jsonio import write_atomic
+
+            write_atomic(cfg.maddr_path, "\n".join(self.maddrs) + "\n")
+        self.loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self.loop.run_forever, daemon=True,
+                                             name="swarm-p2p")
+        self._loop_thread.start()
+        self.p2p = self._await(self.dht.replicate_p2p())
+        self._await(SwarmServicer(self).add_p2p_handlers(self.p2p, namespace=cfg.prefix))
+        self._check_swarm()
+        self._enter(cfg.stage if cfg.stage is not None else self._stage_in_need())
+        self.last_rebalance = time.monotonic()
+
+    # ---- plumbing ------------------------------------------------------------------------------
+
+    def _await(self, coro: Any, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def _metric(self, line: dict[str, Any]) -> None:
+        if self.cfg.metrics_path is None:
+            return
+        line = {"server": self.cfg.name, "peer": self.peer, "time": time.time(), **line}
+        with open(self.cfg.metrics_path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def _check_swarm(self) -> None:
+        """Servers of another package (or another split) must not share this prefix."""
+        for rec in read_servers(self.dht, self.cfg.prefix):
+            if rec.package != self.fingerprint:
+                raise PeerError(
+                    f"server {rec.name or rec.peer} under prefix {self.cfg.prefix!r} serves "
+                    f"package {rec.package}, this one is {self.fingerprint} ({self.cfg.package}); "
+                    f"give every server and trainer the same generated package, or another "
+                    f"--prefix")
+
+    # ---- stages --------------------------------------------------------------------------------
+
+    def _stage_in_need(self) -> int:
+        servers = [balance.ServerLoad(r.peer, r.stage, r.throughput, r.queue)
+                   for r in read_servers(self.dht, self.cfg.prefix)
+                   if r.peer != self.peer and not r.moving]
+        return balance.choose_join_stage(servers, self.cfg.num_stages)
+
+    def _build_stage(self, j: int) -> Any:
+        spec = self.specs[j]
+        if self.cfg.swap:
+            from atomc.distributed.swapstage import SwappedStage as stage_class
+        else:
+            stage_class = ResidentStage
+        return stage_class(self.pkg, spec, self.device,
+                           self.loss_fn if spec.holds_output else None, self.opt_cfg,
+                           dtype=self.dtype, seed=self.cfg.seed)
+
+    def _enter(self, j: int) -> None:
+        """Serve stage j: build it, join its averaging group, take its latest state from a
+        server of the stage (or the checkpoint directory; the initial weights at step 0)."""
+        t0 = time.monotonic()
+        stage = self._build_stage(j)
+        self.params = stage.named_parameters()
+        sizes = [p.numel() for _, p in self.params]
+        master = self.dtype or torch.float32
+        self.acc = torch.zeros(sum(sizes), dtype=master)
+        self.ids: dict[str, int] = {}
+        self.float_buffers = [b for b in stage.buffers().values() if b.is_floating_point()]
+        self.step = 0
+        self.stage = stage
+        self.spec = self.specs[j]
+        self.started = float(get_dht_time())
+        rates = [r.throughput for r in read_servers(self.dht, self.cfg.prefix)
+                 if r.peer != self.peer and r.throughput > 0]
+        self.prior_rate = sum(rates) / len(rates) if rates else 1.0
+        self.offers: dict[int, torch.Tensor] = {}  # step -> our sums (and buffers) offered
+        # the averager forms groups and gathers their ids; the sums travel by rpc_contribution
+        self.averager = self._make_averager(j, [torch.zeros(1)])
+        source = self._load_state(j)
+        self.moving = False
+        self._announce()
+        self.log(f"serving stage {j} (sub-models {self.spec.start}..{self.spec.stop - 1}) at "
+                 f"step {self.step}, state from {source}, in {time.monotonic() - t0:.1f} s")
+        self._metric({"event": "enter", "stage": j, "step": self.step, "source": source})
+
+    def _make_averager(self, j: int, tensors: list[torch.Tensor]) -> Any:
+        server = self
+
+        class StageAverager(self.hm.averaging.DecentralizedAverager):
+            def get_current_state(self):  # a server joining the stage downloads this
+                with server.cv:
+                    meta = {"step": server.step, "stage": j, "package": server.fingerprint,
+                            "name": server.cfg.name}
+                    return meta, [state_bytes(server.stage.state_dict())]
+
+        cfg = self.cfg
+        averager = StageAverager(
+            tensors, self.dht, start=True, prefix=f"{cfg.prefix}_stage{j}", min_group_size=2,
+            min_matchmaking_time=cfg.matchmaking_s,
+            request_timeout=max(0.5, cfg.matchmaking_s / 2),
+            allreduce_timeout=cfg.averaging_timeout_s, next_chunk_timeout=10.0,
+            client_mode=False, declare_state_period=min(2.0, cfg.heartbeat_s * 2))
+        averager.state_sharing_priority = 0.0
+        return averager
+
+    def _load_state(self, j: int) -> str:
+        peers = [r for r in read_servers(self.dht, self.cfg.prefix)
+                 if r.stage == j and r.peer != self.peer and not r.moving]
+        if peers:
+            got = self._download(timeout=self.cfg.connect_timeout_s)
+            if got is not None:
+                return got
+        ckpt = self._checkpoint_path(j)
+        if ckpt is not None and ckpt.is_file():
+            from atomc.runtime.checkpoint import load_checkpoint
+
+            self._adopt(dict(load_checkpoint(ckpt)))
+            return f"checkpoint {ckpt}"
+        if peers:
+            raise PeerError(f"stage {j} has servers ({', '.join(p.name or p.peer for p in peers)})"
+                            f" but none shared its state within {self.cfg.connect_timeout_s:.0f} "
+                            f"s; check that they are alive, or give --checkpoint-dir")
+        if self.initial_state is None:
+            raise UsageError(f"no initial weights for stage {j}: the model file "
+                             f"{self.pkg.plan.model_path!r} is not found from here")
+        self.stage.load_original(self.initial_state)
+        return "the initial weights"
+
+    def _download(self, timeout: float) -> str | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                got = self.averager.load_state_from_peers(
+                    timeout=max(1.0, deadline - time.monotonic()))
+            except Exception as e:  # noqa: BLE001 - the sharer left mid-download: try another
+                self.log(f"state download failed ({type(e).__name__}: {e}); retrying")
+                got = None
+            if got is not None:
+                meta, tensors = got
+                if meta.get("package") != self.fingerprint:
+                    raise PeerError(f"stage {meta.get('stage')} servers serve package "
+                                    f"{meta.get('package')}, this one {self.fingerprint}; give "
+                                    f"every server the same generated package")
+                state = state_from_bytes(tensors[0])
+                state["step"] = int(meta["step"])
+                self._adopt(state)
+                return f"server {meta.get('name') or '?'} (step {meta['step']})"
+            time.sleep(0.3)
+        return None
+
+    def _adopt(self, state: dict[str, Any]) -> None:
+        with self.cv:
+            step = int(state.pop("step", 0))
+            self.stage.load_state_dict(state)
+            self.step = step
+            self.acc.zero_()
+            self.ids = {}
+            self.averager.state_sharing_priority = float(step)
+            self.cv.notify_all()
+
+    def _checkpoint_path(self, j: int) -> Path | None:
+        if self.cfg.checkpoint_dir is None:
+            return None
+        return Path(self.cfg.checkpoint_dir) / f"stage{j}.pt"
+
+    def _save_checkpoint(self) -> None:
+        path = self._checkpoint_path(self.spec.index)
+        if path is None:
+            return
+        from atomc.runtime.checkpoint import save_checkpoint
+
+        save_checkpoint(path, {**self.stage.state_dict(), "step": self.step})
+
+    # ---- calls ---------------------------------------------------------------------------------
+
+    async def handle(self, kind: str, request: Any) -> Any:
+        self.queue += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self.pool, self._compute, kind, request)
+        finally:
+            self.queue -= 1
+
+    def _compute(self, kind: str, request: Any) -> Any:
+        values, meta = decode(request, self.device)
+        step, j = int(meta["step"]), int(meta["stage"])
+        if meta.get("package") != self.fingerprint:
+            raise PeerError(f"this server serves package {self.fingerprint}, the trainer "
+                            f"{meta.get('package')}; give both the same generated package")
+        with self.cv:
+            if not self.cv.wait_for(lambda: self.step >= step or self.closing,
+                                    timeout=self.cfg.request_wait_s):
+                raise PeerError(f"stage {j} server {self.cfg.name} is at step {self.step}, the "
+                                f"call is for step {step}")
+            if self.moving or self.spec.index != j:
+                raise PeerError(f"server {self.cfg.name} serves stage {self.spec.index}, not {j}")
+            if self.step > step:
+                raise PeerError(f"stage {j} has taken step {step} already (at {self.step})")
+            if kind == "backward":
+                excluded = read_excluded(self.dht, self.cfg.prefix, step)
+                if (self.peer, j) in excluded:
+                    raise PeerError(f"server {self.cfg.name} is excluded from step {step}")
+                if meta["id"] in self.ids:
+                    raise PeerError(f"server {self.cfg.name} holds micro-batch {meta['id']} of "
+                                    f"step {step} already")
+            t0 = time.perf_counter()
+            out, loss = self._run(kind, values, meta)
+            if kind == "backward":
+                off = 0
+                for _, p in self.params:
+                    n = p.numel()
+                    if p.grad is not None:
+                        self.acc[off:off + n] += p.grad.detach().reshape(-1).to(self.acc.dtype)
+                    off += n
+                self.ids[meta["id"]] = int(meta["samples"])
+            took = time.perf_counter() - t0
+            if self.cfg.slowdown > 1:
+                time.sleep((self.cfg.slowdown - 1) * took)  # the device is busy that long
+                took *= self.cfg.slowdown
+            per = took / max(1, int(meta["samples"]))
+            self.sec_per_sample = per if self.sec_per_sample is None else (
+                0.9 * self.sec_per_sample + 0.1 * per)
+            self.served += 1
+        return encode(out, {"loss": loss, "server": self.cfg.name}, response=True,
+                      compress=bool(meta.get("compress")))
+
+    def _run(self, kind: str, values: dict[str, Any], meta: dict[str, Any]
+             ) -> tuple[dict[str, Any], float | None]:
+        batch = tuple(values.pop(f"{BATCH}{i}") for i in range(int(meta["batch_len"])))
+        grads = {n[len(GRAD):]: values.pop(n) for n in list(values) if n.startswith(GRAD)}
+        for n, v in values.items():
+            if isinstance(v, torch.Tensor) and n != RNG_VALUE and v.is_floating_point():
+                v.requires_grad_(kind == "backward")
+        stage = self.stage
+        stage.begin_step(self.step, int(meta["num_micro"]), int(meta["micro"]))
+        full = stage.order("gpipe", 1)
+        io = _OneMicro(values, grads)
+        if kind == "forward":
+            cut = next(i for i, a in enumerate(full) if a.kind == "S")
+            with torch.no_grad():
+                stage.run(full[:cut + 1], [batch], io)
+            return io.sent, None
+        saved = [b.detach().clone() for b in self.float_buffers]
+        losses = stage.run(full, [batch], io)
+        if not self.spec.holds_output or self.spec.index > 0:
+            # the forward call updated the statistics; the recomputation must not again
+            with torch.no_grad():
+                for b, s in zip(self.float_buffers, saved):
+                    b.copy_(s)
+        loss = float(losses[0]) if losses else None
+        return io.sent_grads, loss
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def _stage_samples(self, servers: list[ServerRecord], excluded: set[tuple[str, int]]) -> int:
+        return sum(r.samples for r in servers if r.stage == self.spec.index
+                   and r.step == self.step and (r.peer, r.stage) not in excluded)
+
+    def _try_commit(self, servers: list[ServerRecord]) -> None:
+        cfg = self.cfg
+        excluded = read_excluded(self.dht, cfg.prefix, self.step)
+        if (self.peer, self.spec.index) in excluded and self.ids:
+            with self.cv:  # a trainer gave up on us: our part of this step is sent elsewhere
+                self.log(f"excluded from step {self.step}: dropping {len(self.ids)} micro-batches")
+                self.acc.zero_()
+                self.ids = {}
+        others = [r for r in servers if r.stage == self.spec.index and r.peer != self.peer
+                  and not r.moving]
+        ahead = [r for r in others if r.step > self.step]
+        if ahead and not self.ids:
+            self._catch_up(ahead)
+            return
+        if self._stage_samples(servers, excluded) < cfg.target_batch_size:
+            return
+        with self.cv:
+            mine = {"peer": self.peer, "ids": sorted(self.ids), "samples": sum(self.ids.values()),
+                    "step": self.step}
+            acc = self.acc.clone()
+        buffers = [b.detach().reshape(-1).to(acc.dtype) for b in self.float_buffers]
+        if not others:
+            group = {self.peer: mine}
+            total, buf_mean = acc, (torch.cat(buffers) if buffers else None)
+        else:
+            group, total, buf_mean = self._average(acc, buffers, mine)
+            if group is None:
+                return
+        ok, why = self._valid(group, excluded)
+        if not ok:
+            self.log(f"step {self.step}: not taken ({why}); waiting")
+            return
+        self._apply(total, buf_mean, group)
+
+    def contribution(self, step: int) -> list[Any]:
+        """Our sums (then our floating-point buffers) for `step`, in streaming parts."""
+        offer = self.offers.get(step)
+        if offer is None:
+            raise PeerError(f"server {self.cfg.name} offers no sums for step {step}")
+        return list(split_for_streaming(serialize_torch_tensor(offer)))
+
+    def _average(self, acc: torch.Tensor, buffers: list[torch.Tensor], mine: dict[str, Any]
+                 ) -> tuple[dict[str, Any] | None, torch.Tensor, torch.Tensor | None]:
+        offer = torch.cat([acc, *buffers])
+        self.offers = {s: t for s, t in self.offers.items() if s >= self.step - 1}
+        self.offers[self.step] = offer
+        try:
+            # a groupmate that never comes (dead, its record not yet expired) costs only a few
+            # matchmaking periods: then the round is retried with the servers still announced
+            gathered = self.averager.step(gather=mine, weight=1.0,
+                                          timeout=3 * self.cfg.matchmaking_s + 2.0)
+        except Exception as e:  # noqa: BLE001 - a groupmate died mid-round: keep our sums
+            self.log(f"step {self.step}: no group ({type(e).__name__}: {e})")
+            return None, acc, None
+        if not gathered:
+            return None, acc, None
+        group = {str(v.get("peer")): v for v in gathered.values() if isinstance(v, dict)}
+        parts = {}
+        for peer in sorted(group):
+            if peer == self.peer:
+                parts[peer] = offer
+                continue
+            try:
+                parts[peer] = self._await(asyncio.wait_for(
+                    self._fetch(peer, self.step), self.cfg.averaging_timeout_s))
+            except Exception as e:  # noqa: BLE001 - a groupmate died after matchmaking
+                self.log(f"step {self.step}: sums of ...{peer[-6:]} unavailable "
+                         f"({type(e).__name__}: {e})")
+                return None, acc, None
+        total = torch.zeros_like(offer)
+        for peer in sorted(parts):  # one order on every member: the same bits everywhere
+            total += parts[peer].to(total.dtype)
+        n = acc.numel()
+        buf_mean = total[n:] / len(parts) if buffers else None
+        return group, total[:n], buf_mean
+
+    async def _fetch(self, peer: str, step: int) -> torch.Tensor:
+        stub = SwarmServicer.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.cfg.prefix)
+        stream = await stub.rpc_contribution(runtime_pb2.ExpertUID(uid=str(step)))
+        chunks = [part async for part in stream]
+        return deserialize_torch_tensor(combine_from_streaming(chunks))
+
+    def _valid(self, group: dict[str, Any], excluded: set[tuple[str, int]]) -> tuple[bool, str]:
+        seen: set[str] = set()
+        samples = 0
+        for peer, info in group.items():
+            if int(info.get("step", -1)) != self.step:
+                return False, f"{peer} is at step {info.get('step')}"
+            if (peer, self.spec.index) in excluded and info.get("ids"):
+                return False, f"{peer} is excluded from this step"
+            repeated = seen.intersection(info["ids"])
+            if repeated:
+                return False, f"micro-batches {sorted(repeated)[:3]} counted twice"
+            seen.update(info["ids"])
+            samples += int(info["samples"])
+        if samples != self.cfg.target_batch_size:
+            return False, (f"the group holds {samples} of the {self.cfg.target_batch_size} "
+                           f"samples")
+        return True, ""
+
+    def _apply(self, total: torch.Tensor, buf_mean: torch.Tensor | None,
+               group: dict[str, Any]) -> None:
+        with self.cv:
+            off = 0
+            for _, p in self.params:
+                n = p.numel()
+                g = total[off:off + n].view(p.shape).to(p.dtype)
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+                off += n
+            self.stage.step = self.step
+            self.stage.update(None)
+            if buf_mean is not None:
+                off = 0
+                with torch.no_grad():
+                    for b in self.float_buffers:
+                        n = b.numel()
+                        b.copy_(buf_mean[off:off + n].view_as(b))
+                        off += n
+            self.step += 1
+            self.acc.zero_()
+            self.ids = {}
+            self.averager.state_sharing_priority = float(self.step)
+            self._save_checkpoint()
+            self.cv.notify_all()
+        self._announce()
+        names = sorted(str(v.get("peer", "?"))[-6:] for v in group.values())
+        self.log(f"stage {self.spec.index} step {self.step}: took the step with {names}")
+        if self.cfg.metrics_path is not None:
+            digest = hashlib.sha256()
+            for _, p in self.params:
+                digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            self._metric({"event": "step", "stage": self.spec.index, "step": self.step,
+                          "group": len(group), "digest": digest.hexdigest()[:16]})
+
+    def _catch_up(self, ahead: list[ServerRecord]) -> None:
+        """The stage moved on without us (we held nothing for the step): take its state."""
+        got = self._download(timeout=self.cfg.averaging_timeout_s)
+        if got is not None:
+            self.log(f"caught up to step {self.step} from {got}")
+
+    # ---- load and rebalancing ------------------------------------------------------------------
+
+    def record(self) -> ServerRecord:
+        # until it has served, a server counts as fast as the others (it joined to help)
+        rate = 1.0 / self.sec_per_sample if self.sec_per_sample else self.prior_rate
+        return ServerRecord(self.peer, self.cfg.name, self.spec.index, self.step,
+                            sum(self.ids.values()), rate, self.queue, self.fingerprint,
+                            self.started, self.moving)
+
+    def info(self) -> dict[str, Any]:
+        return {**self.record().to_value(), "maddrs": self.maddrs}
+
+    def _announce(self) -> None:
+        now = get_dht_time()
+        self.dht.store(servers_key(self.cfg.prefix), subkey=self.peer,
+                       value=self.record().to_value(), expiration_time=now + self.cfg.expiration_s)
+
+    def _rebalance(self, servers: list[ServerRecord]) -> None:
+        if self.queue:
+            return  # not in the middle of a call
+        loads = [balance.ServerLoad(r.peer, r.stage, r.throughput, r.queue)
+                 for r in servers if not r.moving]
+        move = balance.choose_move(loads, self.cfg.num_stages)
+        if move is None or move.peer != self.peer:
+            return
+        self.log(f"rebalancing: stage {self.spec.index} -> {move.to_stage}")
+        self._metric({"event": "move", "from": self.spec.index, "to": move.to_stage})
+        self.moving = True
+        self._announce()
+        if self.ids:  # what we hold of this step goes to the stage's other servers again
+            exclude(self.dht, self.cfg.prefix, self.step, self.peer, self.spec.index)
+        with self.cv:
+            old = self.averager
+            self.stage.close()
+        old.shutdown()
+        self._enter(move.to_stage)
+
+    def serve(self, stop: threading.Event | None = None, max_seconds: float | None = None) -> None:
+        """Heartbeats, commits and rebalancing until `stop` is set (or `max_seconds`)."""
+        t0 = time.monotonic()
+        last_beat = 0.0
+        while not (stop is not None and stop.is_set()):
+            if max_seconds is not None and time.monotonic() - t0 > max_seconds:
+                break
+            now = time.monotonic()
+            if now - last_beat >= self.cfg.heartbeat_s:
+                self._announce()
+                last_beat = now
+            servers = read_servers(self.dht, self.cfg.prefix)
+            self._try_commit(servers)
+            period = self.cfg.rebalance_s
+            if period is not None and now - self.last_rebalance >= period:
+                self.last_rebalance = now
+                self._rebalance(servers)
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.closing = True
+        with self.cv:
+            self.cv.notify_all()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for obj in (self.averager, self.dht):
+            try:
+                if obj is not None:
+                    obj.shutdown()
+            except Exception as e:  # noqa: BLE001 - shutting down: close the rest anyway
+                self.log(f"shutdown of {type(obj).__name__} failed: {e}")
+        if self.stage is not None:
+            self.stage.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def exclude(dht: Any, prefix: str, step: int, peer: str, stage: int, ttl_s: float = 600.0) -> None:
+    """Record that `peer`'s gradients of `step` must not count (a trainer's call to it failed)."""
+    dht.store(excluded_key(prefix, step), subkey=excluded_subkey(peer, stage), value=True,
+              expiration_time=get_dht_time() + ttl_s)
+
+
+__all__ = ["ServeConfig", "SwarmServer", "SwarmServicer", "exclude", "stage_specs"]
