@@ -162,18 +162,23 @@ class SwapPackage:
                                       dict(self.plan.options), path)
         return model.state_dict()
 
-    def model_loss_fn(self) -> Callable:
-        """The model file's loss_fn(outputs, batch); ModelFileError when there is none."""
+    def model_module(self) -> ModuleType:
+        """The imported model file; ModelFileError when it is not found from here."""
         path = self.model_file()
         if path is None:
             raise ModelFileError(f"{self.path} was generated from model file "
-                                 f"{self.plan.model_path!r}, which is not found from here; pass "
-                                 f"loss_fn= (and state_dict= for the initial weights)")
+                                 f"{self.plan.model_path!r}, which is not found from here; run "
+                                 f"from the directory the plan was made in, or pass loss_fn= "
+                                 f"(and state_dict= for the initial weights)")
         from atomc.trace import load_model_file
-        fn = getattr(load_model_file(path), "loss_fn", None)
+        return load_model_file(path)
+
+    def model_loss_fn(self) -> Callable:
+        """The model file's loss_fn(outputs, batch); ModelFileError when there is none."""
+        fn = getattr(self.model_module(), "loss_fn", None)
         if not callable(fn):
-            raise ModelFileError(f"{path} defines no loss_fn(outputs, batch); add one or pass "
-                                 f"loss_fn=")
+            raise ModelFileError(f"{self.model_file()} defines no loss_fn(outputs, batch); add "
+                                 f"one or pass loss_fn=")
         return fn
 
     def fingerprint(self) -> str:

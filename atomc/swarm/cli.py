@@ -189,14 +189,11 @@ def _data(trainer: Any, args: argparse.Namespace) -> Any:
     """Batches for step s: this trainer's share of the global batch."""
     import torch
 
-    from atomc.trace.load import call_with_options, load_model_file
+    from atomc.trace.load import call_with_options
 
     pkg = trainer.pkg
+    module = pkg.model_module()
     path = pkg.model_file()
-    if path is None:
-        raise UsageError(f"{args.package} was generated from {pkg.plan.model_path}, which is not "
-                         f"found from here; run from the directory the plan was made in")
-    module = load_model_file(path)
     options = dict(pkg.plan.options)
     with torch.device("meta"):
         model = call_with_options(module.build_model, (pkg.plan.config,), options, path)

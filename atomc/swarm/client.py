@@ -24,21 +24,19 @@ exactly once (atomc.swarm.server).
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from hivemind.p2p import PeerID
 
-from atomc.distributed.peer import _import_hivemind, start_dht
 from atomc.errors import PeerError, UsageError
-from atomc.runtime.package import load_swap_package
-from atomc.swarm.records import ServerRecord, read_excluded, read_servers
-from atomc.swarm.server import BATCH, GRAD, SwarmServicer, exclude, stage_specs
+from atomc.swarm.node import SwarmNode
+from atomc.swarm.records import ServerRecord, read_excluded
+from atomc.swarm.server import BATCH, GRAD, SwarmServicer, exclude
 from atomc.swarm.wire import decode, encode, wire_bytes
 
 
@@ -152,42 +150,25 @@ class StepStats:
     resent: int = 0  # backward calls sent again because their server failed
     bytes_sent: int = 0
     bytes_received: int = 0
-    per_server: dict[str, int] = field(default_factory=dict)  # micro-batch calls per server
 
 
-class SwarmTrainer:
+class SwarmTrainer(SwarmNode):
     """One trainer (see the module docstring)."""
 
     def __init__(self, cfg: TrainConfig, log: Callable[[str], None] = print):
+        super().__init__(cfg.package, cfg.num_stages, cfg.initial_peers, cfg.host_maddrs,
+                         cfg.announce_maddrs, cfg.connect_timeout_s, "trainer")
         self.cfg = cfg
         self.log = log
-        self.hm = _import_hivemind()
-        self.pkg = load_swap_package(cfg.package)
-        self.fingerprint = self.pkg.fingerprint()
-        self.specs = stage_specs(self.pkg, cfg.num_stages)
         self.micro_batch_size = cfg.micro_batch_size or int(self.pkg.plan.batch_size or 1)
-        self.dht = start_dht(self.hm, cfg.initial_peers, cfg.host_maddrs, cfg.announce_maddrs,
-                             cfg.connect_timeout_s)
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
-                                        name="swarm-trainer")
-        self._thread.start()
-        self.p2p = asyncio.run_coroutine_threadsafe(self.dht.replicate_p2p(), self.loop).result()
         self.router = Router(cfg.num_stages, cfg.ban_s)
         self.step_count = 0
-        self.name = cfg.name or f"trainer-{self.dht.peer_id.to_base58()[-6:]}"
+        self.name = cfg.name or f"trainer-{self.peer[-6:]}"
 
     # ---- servers -------------------------------------------------------------------------------
 
     def _records(self) -> list[ServerRecord]:
-        records = read_servers(self.dht, self.cfg.prefix)
-        for r in records:
-            if r.package != self.fingerprint:
-                raise PeerError(
-                    f"server {r.name or r.peer} under prefix {self.cfg.prefix!r} serves package "
-                    f"{r.package}, this trainer {self.fingerprint} ({self.cfg.package}); give "
-                    f"trainers and servers the same generated package")
-        return records
+        return self.servers(self.cfg.prefix)
 
     def wait_for_servers(self, timeout_s: float | None = None) -> list[ServerRecord]:
         """Block until every stage has a server; PeerError naming the empty stages if not."""
@@ -309,7 +290,6 @@ class SwarmTrainer:
             self.router.report(j, peer, time.monotonic() - t0, samples)
             self._stats.bytes_sent += wire_bytes(request)
             self._stats.bytes_received += wire_bytes(response)
-            self._stats.per_server[peer] = self._stats.per_server.get(peer, 0) + 1
             if kind == "backward":
                 self._held[(j, g)] = _Held(peer, values, grads)
             return decode(response, torch.device("cpu"))
@@ -352,12 +332,7 @@ class SwarmTrainer:
             await asyncio.sleep(0.2)
 
     def close(self) -> None:
-        try:
-            asyncio.run_coroutine_threadsafe(self.p2p.shutdown(), self.loop).result(5)
-            self.dht.shutdown()
-        except Exception as e:  # noqa: BLE001 - shutting down
-            self.log(f"DHT shutdown failed: {e}")
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.close_node(self.log)
 
 
 __all__ = ["Router", "StepStats", "SwarmTrainer", "TrainConfig"]

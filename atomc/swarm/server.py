@@ -50,16 +50,14 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-from atomc.distributed.peer import _import_hivemind, start_dht, state_bytes, state_from_bytes
-from atomc.distributed.pipeline import stage_boundaries
-from atomc.distributed.runner import _dtype, _package_plan
-from atomc.distributed.stage import ResidentStage, StageSpec
+from atomc.distributed.peer import state_bytes, state_from_bytes
+from atomc.distributed.runner import _dtype
+from atomc.distributed.stage import ResidentStage
 from atomc.errors import PeerError, UsageError
-from atomc.place.cost import stage_ranges
 from atomc.runtime.optim import AdamWConfig
-from atomc.runtime.package import SwapPackage, load_swap_package
 from atomc.runtime.rng import RNG_VALUE
 from atomc.swarm import balance
+from atomc.swarm.node import SwarmNode, stage_specs
 from atomc.swarm.records import (
     ServerRecord,
     excluded_key,
@@ -114,24 +112,6 @@ class ServeConfig:
             raise UsageError(f"--slowdown {self.slowdown} must be 1 or more")
 
 
-def stage_specs(pkg: SwapPackage, num_stages: int) -> list[StageSpec]:
-    """The package's sub-models in `num_stages` consecutive stages of balanced compute."""
-    ranges = stage_ranges(_package_plan(pkg), num_stages)
-    sends = stage_boundaries(pkg.inputs, pkg.outputs, pkg.model_inputs, ranges)
-    specs = [StageSpec(j, num_stages, a, b, sends[j - 1] if j > 0 else (),
-                       sends[j] if j < num_stages - 1 else (), j == num_stages - 1,
-                       pkg.num_submodels) for j, (a, b) in enumerate(ranges)]
-    where = {i: j for j, s in enumerate(specs) for i in range(s.start, s.stop)}
-    for fqn, holders in pkg.tied.items():
-        stages = sorted({where[i] for i, _ in holders})
-        if len(stages) > 1:
-            raise UsageError(
-                f"{fqn} is tied across stages {stages} of {pkg.path}; SWARM averages gradients "
-                f"within a stage, so a weight shared by two stages would drift apart: untie it "
-                f"in the model (e.g. tie_word_embeddings=False) or train with fewer --stages")
-    return specs
-
-
 class SwarmServicer(ServicerBase):
     """The p2p handlers; the work is the server's."""
 
@@ -150,10 +130,6 @@ class SwarmServicer(ServicerBase):
                                context: P2PContext) -> AsyncIterator[runtime_pb2.Tensor]:
         for part in self.server.contribution(int(request.uid)):
             yield part
-
-    async def rpc_info(self, request: runtime_pb2.ExpertUID,
-                       context: P2PContext) -> runtime_pb2.ExpertInfo:
-        return runtime_pb2.ExpertInfo(serialized_info=json.dumps(self.server.info()).encode())
 
 
 class _OneMicro:
@@ -178,18 +154,16 @@ class _OneMicro:
                            for n, g in grads.items()}
 
 
-class SwarmServer:
+class SwarmServer(SwarmNode):
     """One server (see the module docstring)."""
 
     def __init__(self, cfg: ServeConfig, *, loss_fn: Callable | None = None,
                  initial_state: dict[str, torch.Tensor] | None = None,
                  log: Callable[[str], None] = print):
+        super().__init__(cfg.package, cfg.num_stages, cfg.initial_peers, cfg.host_maddrs,
+                         cfg.announce_maddrs, cfg.connect_timeout_s, "server")
         self.cfg = cfg
         self.log = log
-        self.hm = _import_hivemind()
-        self.pkg = load_swap_package(cfg.package)
-        self.fingerprint = self.pkg.fingerprint()
-        self.specs = stage_specs(self.pkg, cfg.num_stages)
         self.loss_fn = loss_fn or self.pkg.model_loss_fn()
         self.initial_state = (initial_state if initial_state is not None
                               else self.pkg.initial_state_dict(cfg.seed))
@@ -199,34 +173,22 @@ class SwarmServer:
         self.cv = threading.Condition()  # guards the stage, its step and its gradient sums
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-compute")
         self.queue = 0
-        self.served = 0
         self.sec_per_sample: float | None = None  # EMA of compute time per sample
         self.closing = False
         self.moving = False
         self.stage: Any = None
         self.averager: Any = None
-        self.dht = start_dht(self.hm, cfg.initial_peers, cfg.host_maddrs, cfg.announce_maddrs,
-                             cfg.connect_timeout_s)
-        self.peer = self.dht.peer_id.to_base58()
         self.maddrs = [str(a) for a in self.dht.get_visible_maddrs()]
         if cfg.maddr_path:
             from atomc.jsonio import write_atomic
 
             write_atomic(cfg.maddr_path, "\n".join(self.maddrs) + "\n")
-        self.loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(target=self.loop.run_forever, daemon=True,
-                                             name="swarm-p2p")
-        self._loop_thread.start()
-        self.p2p = self._await(self.dht.replicate_p2p())
-        self._await(SwarmServicer(self).add_p2p_handlers(self.p2p, namespace=cfg.prefix))
-        self._check_swarm()
+        self.run(SwarmServicer(self).add_p2p_handlers(self.p2p, namespace=cfg.prefix))
+        self.servers(cfg.prefix)  # servers of another package must not share this prefix
         self._enter(cfg.stage if cfg.stage is not None else self._stage_in_need())
         self.last_rebalance = time.monotonic()
 
     # ---- plumbing ------------------------------------------------------------------------------
-
-    def _await(self, coro: Any, timeout: float | None = None) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def _metric(self, line: dict[str, Any]) -> None:
         if self.cfg.metrics_path is None:
@@ -234,16 +196,6 @@ class SwarmServer:
         line = {"server": self.cfg.name, "peer": self.peer, "time": time.time(), **line}
         with open(self.cfg.metrics_path, "a") as f:
             f.write(json.dumps(line) + "\n")
-
-    def _check_swarm(self) -> None:
-        """Servers of another package (or another split) must not share this prefix."""
-        for rec in read_servers(self.dht, self.cfg.prefix):
-            if rec.package != self.fingerprint:
-                raise PeerError(
-                    f"server {rec.name or rec.peer} under prefix {self.cfg.prefix!r} serves "
-                    f"package {rec.package}, this one is {self.fingerprint} ({self.cfg.package}); "
-                    f"give every server and trainer the same generated package, or another "
-                    f"--prefix")
 
     # ---- stages --------------------------------------------------------------------------------
 
@@ -273,6 +225,7 @@ class SwarmServer:
         master = self.dtype or torch.float32
         self.acc = torch.zeros(sum(sizes), dtype=master)
         self.ids: dict[str, int] = {}
+        self.excluded: set[tuple[str, int]] = set()  # of this step, as last read from the DHT
         self.float_buffers = [b for b in stage.buffers().values() if b.is_floating_point()]
         self.step = 0
         self.stage = stage
@@ -405,8 +358,8 @@ class SwarmServer:
             if self.step > step:
                 raise PeerError(f"stage {j} has taken step {step} already (at {self.step})")
             if kind == "backward":
-                excluded = read_excluded(self.dht, self.cfg.prefix, step)
-                if (self.peer, j) in excluded:
+                # the serving loop reads the step's exclusions every tick: no DHT read per call
+                if (self.peer, j) in self.excluded:
                     raise PeerError(f"server {self.cfg.name} is excluded from step {step}")
                 if meta["id"] in self.ids:
                     raise PeerError(f"server {self.cfg.name} holds micro-batch {meta['id']} of "
@@ -428,7 +381,6 @@ class SwarmServer:
             per = took / max(1, int(meta["samples"]))
             self.sec_per_sample = per if self.sec_per_sample is None else (
                 0.9 * self.sec_per_sample + 0.1 * per)
-            self.served += 1
         return encode(out, {"loss": loss, "server": self.cfg.name}, response=True,
                       compress=bool(meta.get("compress")))
 
@@ -450,8 +402,9 @@ class SwarmServer:
             return io.sent, None
         saved = [b.detach().clone() for b in self.float_buffers]
         losses = stage.run(full, [batch], io)
-        if not self.spec.holds_output or self.spec.index > 0:
-            # the forward call updated the statistics; the recomputation must not again
+        if not self.spec.holds_output:
+            # a forward call updated the statistics; the recomputation must not again (the
+            # last stage gets no forward call: its backward call is the micro-batch's forward)
             with torch.no_grad():
                 for b, s in zip(self.float_buffers, saved):
                     b.copy_(s)
@@ -466,7 +419,7 @@ class SwarmServer:
 
     def _try_commit(self, servers: list[ServerRecord]) -> None:
         cfg = self.cfg
-        excluded = read_excluded(self.dht, cfg.prefix, self.step)
+        excluded = self.excluded = read_excluded(self.dht, cfg.prefix, self.step)
         if (self.peer, self.spec.index) in excluded and self.ids:
             with self.cv:  # a trainer gave up on us: our part of this step is sent elsewhere
                 self.log(f"excluded from step {self.step}: dropping {len(self.ids)} micro-batches")
@@ -527,7 +480,7 @@ class SwarmServer:
                 parts[peer] = offer
                 continue
             try:
-                parts[peer] = self._await(asyncio.wait_for(
+                parts[peer] = self.run(asyncio.wait_for(
                     self._fetch(peer, self.step), self.cfg.averaging_timeout_s))
             except Exception as e:  # noqa: BLE001 - a groupmate died after matchmaking
                 self.log(f"step {self.step}: sums of ...{peer[-6:]} unavailable "
@@ -616,9 +569,6 @@ class SwarmServer:
                             sum(self.ids.values()), rate, self.queue, self.fingerprint,
                             self.started, self.moving)
 
-    def info(self) -> dict[str, Any]:
-        return {**self.record().to_value(), "maddrs": self.maddrs}
-
     def _announce(self) -> None:
         now = get_dht_time()
         self.dht.store(servers_key(self.cfg.prefix), subkey=self.peer,
@@ -668,15 +618,14 @@ class SwarmServer:
         with self.cv:
             self.cv.notify_all()
         self.pool.shutdown(wait=False, cancel_futures=True)
-        for obj in (self.averager, self.dht):
-            try:
-                if obj is not None:
-                    obj.shutdown()
-            except Exception as e:  # noqa: BLE001 - shutting down: close the rest anyway
-                self.log(f"shutdown of {type(obj).__name__} failed: {e}")
+        try:
+            if self.averager is not None:
+                self.averager.shutdown()
+        except Exception as e:  # noqa: BLE001 - shutting down: close the rest anyway
+            self.log(f"averager shutdown failed: {e}")
         if self.stage is not None:
             self.stage.close()
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.close_node(self.log)
 
 
 def exclude(dht: Any, prefix: str, step: int, peer: str, stage: int, ttl_s: float = 600.0) -> None:

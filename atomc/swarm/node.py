@@ -1,0 +1,85 @@
+"""SWARM, what a server and a trainer both are: a DHT node of the swarm, the generated package
+they agree on (split into stages), and an event loop thread for hivemind's p2p calls (servers
+answer on it, trainers call from it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from atomc.distributed.peer import _import_hivemind, start_dht
+from atomc.distributed.pipeline import stage_boundaries
+from atomc.distributed.runner import _package_plan
+from atomc.distributed.stage import StageSpec
+from atomc.errors import PeerError, UsageError
+from atomc.place.cost import stage_ranges
+from atomc.runtime.package import SwapPackage, load_swap_package
+from atomc.swarm.records import ServerRecord, read_servers
+
+
+def stage_specs(pkg: SwapPackage, num_stages: int) -> list[StageSpec]:
+    """The package's sub-models in `num_stages` consecutive stages of balanced compute."""
+    ranges = stage_ranges(_package_plan(pkg), num_stages)
+    sends = stage_boundaries(pkg.inputs, pkg.outputs, pkg.model_inputs, ranges)
+    specs = [StageSpec(j, num_stages, a, b, sends[j - 1] if j > 0 else (),
+                       sends[j] if j < num_stages - 1 else (), j == num_stages - 1,
+                       pkg.num_submodels) for j, (a, b) in enumerate(ranges)]
+    where = {i: j for j, s in enumerate(specs) for i in range(s.start, s.stop)}
+    for fqn, holders in pkg.tied.items():
+        stages = sorted({where[i] for i, _ in holders})
+        if len(stages) > 1:
+            raise UsageError(
+                f"{fqn} is tied across stages {stages} of {pkg.path}; SWARM averages gradients "
+                f"within a stage, so a weight shared by two stages would drift apart: untie it "
+                f"in the model (e.g. tie_word_embeddings=False) or train with fewer --stages")
+    return specs
+
+
+class SwarmNode:
+    def __init__(self, package: str | Path, num_stages: int, initial_peers: Sequence[str],
+                 host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
+                 connect_timeout_s: float, role: str):
+        self.hm = _import_hivemind()
+        self.role = role
+        self.package_path = package
+        self.pkg = load_swap_package(package)
+        self.fingerprint = self.pkg.fingerprint()
+        self.specs = stage_specs(self.pkg, num_stages)
+        self.dht = start_dht(self.hm, initial_peers, host_maddrs, announce_maddrs,
+                             connect_timeout_s)
+        self.peer = self.dht.peer_id.to_base58()
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True, name=f"swarm-{role}").start()
+        self.p2p = self.run(self.dht.replicate_p2p())
+
+    def run(self, coro: Any, timeout: float | None = None) -> Any:
+        """Run a coroutine on the p2p loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def servers(self, prefix: str) -> list[ServerRecord]:
+        """The servers under `prefix`; PeerError if one serves another package."""
+        records = read_servers(self.dht, prefix)
+        for r in records:
+            if r.package != self.fingerprint:
+                raise PeerError(
+                    f"server {r.name or r.peer} under prefix {prefix!r} serves package "
+                    f"{r.package}, this {self.role} {self.fingerprint} ({self.package_path}); "
+                    f"give every server and trainer the same generated package, or another "
+                    f"--prefix")
+        return records
+
+    def close_node(self, log: Any) -> None:
+        for what, stop in (("p2p", lambda: self.run(self.p2p.shutdown(), 5)),
+                           ("DHT", self.dht.shutdown)):
+            try:
+                stop()
+            except Exception as e:  # noqa: BLE001 - shutting down: close the rest anyway
+                log(f"{what} shutdown failed: {e}")
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+__all__ = ["SwarmNode", "stage_specs"]
