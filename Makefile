@@ -36,6 +36,7 @@ bench: install
 	$(BIN)/python bench/partition_bench.py
 	$(BIN)/python bench/place_bench.py
 	$(BIN)/python bench/layout_bench.py
+	$(BIN)/python bench/fidelity_bench.py
 	$(BIN)/python bench/swarm_bench.py --part b
 
 clean:

@@ -20,6 +20,7 @@ COMMANDS = [
     "atomc.partition.cli",
     "atomc.codegen.cli",
     "atomc.runtime.cli",
+    "atomc.calibrate.cli",
     "atomc.place.cli",
     "atomc.distributed.cli",
     "atomc.swarm.cli",

@@ -53,3 +53,8 @@ class LayoutError(AtomcError):
 
 class PeerError(AtomcError):
     """Peers could not be reached or agreed with."""
+
+
+class CalibrationError(AtomcError):
+    """Measured steps that cannot calibrate a profile: a failed step, another device, another
+    plan or profile, or a trace that lacks what the plan's schedule does."""

@@ -109,9 +109,16 @@ class Document:
     """A top-level IR type written to its own JSON file."""
 
     KIND: ClassVar[str] = ""
+    # fields written only when not None, so that a document without them (and one written
+    # before they existed) reads and hashes as before
+    OPTIONAL: ClassVar[tuple[str, ...]] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.KIND, "schema_version": SCHEMA_VERSION, **to_data(self)}
+        data = to_data(self)
+        for name in self.OPTIONAL:
+            if data.get(name) is None:
+                data.pop(name, None)
+        return {"kind": self.KIND, "schema_version": SCHEMA_VERSION, **data}
 
     @classmethod
     def from_json(cls, data: Any, source: str = "<data>") -> Self:
@@ -249,8 +256,53 @@ class NodeCost:
 
 
 @dataclass(frozen=True)
+class SubmodelCalibration:
+    """What one sub-model of the measured plan took, and the factors its nodes were scaled by.
+
+    Times are medians over the measured steps; forward and backward are per micro-batch, the
+    backward with the recomputation the runtime did (none in the last sub-model).
+    """
+
+    index: int
+    start: int  # node range [start, stop) of the plan
+    stop: int
+    fwd_scale: float  # calibrated / profiled forward time of each of its nodes
+    bwd_scale: float  # calibrated / profiled backward time (recomputation at the new forward)
+    measured_fwd_ms: float
+    measured_bwd_ms: float
+    measured_load_ms: float  # one load of its weights (0: never loaded in the measured steps)
+    measured_checkpoint_ms: float  # its C micro-batches' checkpoints streamed in
+    measured_offload_ms: float  # its gradients to the host
+    measured_optimizer_ms: float  # its CPU update
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """How a profile was calibrated: from which plan's measured steps, on which device."""
+
+    plan_hash: str  # the plan whose generated package was trained
+    source_profile_hash: str  # the profile before calibration (the plan was made from it)
+    device: str  # where the steps ran, as profiles name devices
+    num_steps: int  # measured steps (medians are over them)
+    warmup_steps: int  # steps run first and not measured
+    accum: int
+    submodels: tuple[SubmodelCalibration, ...]
+    h2d_scale: float  # calibrated / profiled host-to-device bandwidth (1: nothing measured)
+    d2h_scale: float
+    # the runtime's CPU update rate, GB/s of fp32 masters (0: no update measured)
+    cpu_adam_gbps: float
+    measured_step_ms: float  # median step, start to start
+    predicted_step_ms: float  # the plan's prediction from the profile alone
+    calibrated_step_ms: float  # the plan's cuts simulated on the calibrated profile
+    # on a CPU device: the runtime thread's time of its own before each action (the Python
+    # between them, and what its copies take beyond bytes over bandwidth); 0 on a GPU
+    host_gap_ms: float = 0.0
+
+
+@dataclass(frozen=True)
 class Profile(Document):
     KIND: ClassVar[str] = "atomc.profile"
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("calibration",)
 
     graph: OpGraph
     costs: tuple[NodeCost, ...]  # same order as graph.nodes
@@ -266,6 +318,8 @@ class Profile(Document):
     # the dtype the times are for: the estimate's compute dtype, or the dtype measured in
     # ("" in older files: the graph's dtype)
     compute_dtype: str = ""
+    # set by `atomc calibrate`: node times scaled to measured steps (None: as profiled)
+    calibration: Calibration | None = None
 
     def totals(self) -> dict[str, float]:
         keys = ("param_bytes", "output_bytes", "saved_bytes", "fwd_ms", "bwd_ms", "load_ms",
@@ -298,7 +352,9 @@ class Submodel:
     param_bytes: int  # unique parameters (and buffers) resident while it computes
     peak_bytes: int  # resident + working memory for C micro-batches
     fwd_ms: float  # one micro-batch
-    bwd_ms: float  # one micro-batch, recomputation included when activations are recomputed
+    # one micro-batch, recomputation included when activations are recomputed (not in the last
+    # sub-model: it keeps its autograd graph from forward to backward)
+    bwd_ms: float
     load_ms: float
     offload_ms: float  # gradients back to the host
     slack_memory_bytes: int  # capacity - (this computing + next loading); >= 0 when feasible
@@ -318,6 +374,7 @@ class Submodel:
 @dataclass(frozen=True)
 class Plan(Document):
     KIND: ClassVar[str] = "atomc.plan"
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("host_gap_ms",)
 
     profile_hash: str
     graph_hash: str  # OpGraph.structure_hash(): codegen retraces and compares
@@ -351,3 +408,6 @@ class Plan(Document):
     # the compute dtype of torch.autocast ("" none); activations are sized for them
     transfer_dtype: str = ""
     autocast: str = ""
+    # on a CPU device, the runtime thread's own time before each action it runs, from a
+    # calibrated profile (None: not known, taken as 0)
+    host_gap_ms: float | None = None

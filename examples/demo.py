@@ -16,6 +16,7 @@ Everything is written under out/demo/. A few minutes on two CPU cores; uses CUDA
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 import time
@@ -169,9 +170,14 @@ def main() -> int:
     predicted = simulate_plan(plan).timeline
     write_timeline_svg(measured, OUT / "timeline_measured.svg")
     write_timeline_svg(predicted, OUT / "timeline_predicted.svg")
-    print(f"   step: measured {trace.span_ms():.1f} ms (wall {trace.wall_ms:.1f} ms), predicted "
-          f"{plan.predicted_step_ms:.1f} ms; compute busy {trace.busy_fraction():.0%} measured, "
-          f"{plan.predicted_utilisation:.0%} predicted")
+    recent = sorted(trainer.traces.values(), key=lambda t: t.step)
+    periods = sorted((b.host_start - a.host_start) * 1e3 for a, b in itertools.pairwise(recent))
+    step_ms = periods[len(periods) // 2] if periods else trace.wall_ms
+    print(f"   step: measured {step_ms:.1f} ms (median of the last {len(periods)}, start to "
+          f"start), predicted {plan.predicted_step_ms:.1f} ms; compute busy "
+          f"{trace.busy_fraction():.0%} measured, {plan.predicted_utilisation:.0%} predicted")
+    print(f"   (`atomc calibrate {pkg.relative_to(ROOT)} --profile "
+          f"{(OUT / 'profile.json').relative_to(ROOT)}` scales the profile to measured steps)")
     print(f"   wrote {(OUT / 'timeline_measured.svg').relative_to(ROOT)} "
           f"and timeline_predicted.svg")
 

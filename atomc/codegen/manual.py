@@ -71,7 +71,9 @@ def plan_from_cuts(source: Profile | TracedModel, cuts: list[int], accum: int = 
                       default=0)
         kept = saved * (accum if activations == "keep" else 1)
         fwd = sum(c.fwd_ms for c in cost[start:stop])
-        bwd = sum(c.bwd_ms for c in cost[start:stop]) + (fwd if activations == "recompute" else 0.0)
+        # the last sub-model keeps its autograd graph from forward to backward: no recomputation
+        recompute = activations == "recompute" and stop < num_nodes
+        bwd = sum(c.bwd_ms for c in cost[start:stop]) + (fwd if recompute else 0.0)
         rows.append({
             "index": index, "start": start, "stop": stop, "first_node": nodes[start].name,
             "last_node": nodes[stop - 1].name,

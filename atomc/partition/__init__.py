@@ -45,10 +45,10 @@ from atomc.partition.cost import (
 )
 from atomc.partition.precision import Precision, device_view, model_dtype, resolve_precision
 from atomc.partition.search import SearchResult, block_period, prepare_folding, search
-from atomc.simulate.events import simulate_swap
+from atomc.simulate.events import copies_on_host, simulate_swap
 from atomc.units import format_bytes
 
-__all__ = ["DEFAULT_MAX_ACCUM", "DEFAULT_RESERVE_BYTES", "build_plan", "partition"]
+__all__ = ["DEFAULT_MAX_ACCUM", "DEFAULT_RESERVE_BYTES", "build_plan", "partition", "recost"]
 
 DEFAULT_RESERVE_BYTES = 1 << 30  # CUDA context, allocator fragmentation, the loss
 DEFAULT_MAX_ACCUM = 64
@@ -140,6 +140,34 @@ def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAUL
                       cpu_adam_source=cpu_adam_source)
 
 
+def recost(profile: Profile, plan: Plan, cpu_adam_gbps: float | None = None,
+           cpu_adam_source: str | None = None) -> Plan:
+    """`plan`'s decisions (cuts, C, activations, the step-boundary handover, dtypes, budget)
+    costed and simulated on another profile of the same graph (a calibrated one): what the plan
+    takes there. The CPU update rate is the plan's unless given."""
+    if graph_hash(profile.graph) != plan.graph_hash:
+        raise UsageError(
+            f"the plan was made for graph {plan.graph_hash}, the profile is of graph "
+            f"{graph_hash(profile.graph)}; give a profile of the model the plan cuts")
+    n = len(profile.graph.nodes)
+    bounds = [s.start for s in plan.submodels] + [plan.submodels[-1].stop]
+    if bounds[0] != 0 or bounds[-1] != n or any(a >= b for a, b in itertools.pairwise(bounds)):
+        raise UsageError(f"the plan's node ranges do not cover the profile's {n} nodes in order; "
+                         f"give the profile the plan was made from")
+    precision = Precision(plan.transfer_dtype or model_dtype(profile.graph), plan.autocast)
+    view = device_view(profile, precision)
+    facts = node_facts(view)
+    tables = build_tables(facts, max(b - a for a, b in itertools.pairwise(bounds)))
+    rate = plan.cpu_adam_gbps if cpu_adam_gbps is None else cpu_adam_gbps
+    p = CostParams(plan.accum, plan.capacity_bytes - plan.reserve_bytes, profile.h2d_gbps,
+                   profile.d2h_gbps, rate, plan.activations)
+    return build_plan(profile, tables, p, bounds[1:-1], capacity_bytes=plan.capacity_bytes,
+                      reserve_bytes=plan.reserve_bytes, accum_fixed=plan.accum_fixed,
+                      tier=plan.search_tier, notes=[f"the cuts of plan {plan.content_hash()}"],
+                      early_prefetch=plan.early_prefetch, precision=precision, view=view,
+                      cpu_adam_source=cpu_adam_source or plan.cpu_adam_source or "given")
+
+
 def _utilisation(tables: RangeTables, p: CostParams, result: SearchResult) -> float:
     costs = plan_costs(tables, p, result.cuts)
     return simulate_swap(range_stage_times(costs), p.accum, early_prefetch=result.early_prefetch,
@@ -220,7 +248,13 @@ def build_plan(profile: Profile, tables: RangeTables, p: CostParams, cuts,
     graph = view.graph
     costs: list[RangeCost] = plan_costs(tables, p, list(cuts))
     early_prefetch = early_prefetch and len(costs) > 1
-    sim = simulate_swap(range_stage_times(costs), p.accum, early_prefetch=early_prefetch)
+    # on a CPU the runtime's thread copies too, and spends time of its own between actions
+    # (measured by a calibration): the plan predicts that (the search times copies hidden, as
+    # on a GPU; on the CPU they are a few percent of a step)
+    host = copies_on_host(profile.device)
+    gap_ms = profile.calibration.host_gap_ms if host and profile.calibration else 0.0
+    sim = simulate_swap(range_stage_times(costs), p.accum, early_prefetch=early_prefetch,
+                        host_copies=host, host_gap_ns=round(gap_ms * NS_PER_MS))
     slacks = plan_slacks(costs, p.usable_bytes, early_prefetch)
     k = len(costs)
     index = graph.node_index()
@@ -291,6 +325,7 @@ def build_plan(profile: Profile, tables: RangeTables, p: CostParams, cuts,
         atomc_version=__version__, notes=tuple(all_notes), cpu_adam_gbps=p.cpu_adam_gbps,
         search_tier=tier, early_prefetch=early_prefetch, cpu_adam_source=cpu_adam_source,
         transfer_dtype=precision.transfer_dtype, autocast=precision.autocast,
+        host_gap_ms=gap_ms or None,
     )
 
 
@@ -313,7 +348,11 @@ _FIELDS: dict[type, tuple[str, ...]] = {}
 
 def profile_hash(profile: Profile) -> str:
     """Profile.content_hash(), computed faster (tests compare the two)."""
-    data = {"kind": profile.KIND, "schema_version": SCHEMA_VERSION, **_fields(profile)}
+    fields = _fields(profile)
+    for name in profile.OPTIONAL:  # as Document.to_json writes them
+        if fields.get(name) is None:
+            fields.pop(name, None)
+    data = {"kind": profile.KIND, "schema_version": SCHEMA_VERSION, **fields}
     return canonical_hash(data, default=_fields)
 
 

@@ -50,7 +50,7 @@ class RangeFacts:
     start: int
     stop: int
     fwd_ns: int  # C micro-batches
-    bwd_ns: int  # C micro-batches, recomputation included
+    bwd_ns: int  # C micro-batches, recomputation included (but in the last range)
     load_ns: int
     checkpoint_ns: int
     offload_ns: int
@@ -128,7 +128,8 @@ class Checker:
         last = stop == len(self.nodes)
         checkpoint = 0 if last else c * (in_bytes + (saved if self.keep else 0))
         return RangeFacts(
-            start=start, stop=stop, fwd_ns=c * fwd, bwd_ns=c * (bwd if self.keep else bwd + fwd),
+            start=start, stop=stop, fwd_ns=c * fwd,
+            bwd_ns=c * (bwd if self.keep or last else bwd + fwd),  # the last one keeps its graph
             load_ns=_copy_ns(param_bytes, self.profile.h2d_gbps),
             checkpoint_ns=_copy_ns(checkpoint, self.profile.h2d_gbps),
             offload_ns=_copy_ns(grad_bytes, self.profile.d2h_gbps),

@@ -7,7 +7,8 @@ A sub-model is a node range [start, stop) of the profile's graph. For the swap s
   one range counts once, and counts again in every other range that uses it), gradient bytes
   (trainable parameters only) and fp32 master bytes (what the CPU AdamW reads and writes);
 - forward and backward time of one micro-batch; with activations="recompute" the backward
-  repeats the forward first;
+  repeats the forward first, except in the last sub-model, which runs forward and backward
+  per micro-batch and keeps the autograd graph in between (as the runtime does);
 - working memory for C micro-batches: every value crossing the range's start cut (inputs and
   pass-through values) and every value it produces for later ranges, for all C micro-batches,
   plus one micro-batch's transient peak (and, when recomputing, one micro-batch's saved
@@ -380,7 +381,9 @@ def derive_values(p: CostParams, *, fwd, bwd, saved, params, grads, master, inb,
     c = np.int64(p.accum)
     keep = p.activations == "keep"
     fwd_c = c * fwd
-    bwd_c = c * (bwd if keep else bwd + fwd)
+    # the last sub-model keeps each micro-batch's autograd graph from its forward to its
+    # backward (F and B alternate there): it recomputes nothing
+    bwd_c = c * (bwd if keep else np.where(is_last, bwd, bwd + fwd))
     boundary = c * (cut_start + outb)
     mem_fwd = params + boundary + extra_fwd + (c * saved if keep else 0)
     mem_bwd = params + grads + boundary + (c * saved if keep else saved) + extra_bwd
@@ -446,7 +449,7 @@ def _gather(tables: RangeTables, p: CostParams, starts: np.ndarray,
         inb=t.in_bytes[starts, w], outb=t.out_bytes[starts, w],
         extra_fwd=t.extra_fwd_bytes[starts, w], extra_bwd=t.extra_bwd_bytes[starts, w],
         cut_start=t.cut_bytes[starts], is_last=stops == t.num_nodes)
-    one_bwd = bwd if p.activations == "keep" else bwd + fwd
+    one_bwd = bwd if p.activations == "keep" else np.where(stops == t.num_nodes, bwd, bwd + fwd)
     cols = [starts, stops, fwd, one_bwd, d.fwd_ns, d.bwd_ns, d.load_fwd_ns, d.checkpoint_ns,
             d.offload_ns, d.optimizer_ns, d.param_bytes, d.grad_bytes, d.mem_fwd_bytes,
             d.mem_bwd_bytes, t.in_bytes[starts, w], t.out_bytes[starts, w]]

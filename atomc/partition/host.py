@@ -9,6 +9,8 @@ where it comes from, for the plan's notes.
   `$ATOMC_CACHE_DIR/host.json` (default `~/.cache/atomc`).
 - An estimated profile is for a target GPU that is not here, so "auto" takes the host figure
   of its hardware profile (`host_adam_gbps`, with its source in `sources`).
+- A calibrated profile (`atomc calibrate`) carries the rate of the runtime's own updates,
+  measured in training steps; "auto" takes it.
 - A number is taken as given.
 """
 
@@ -175,6 +177,11 @@ def resolve_cpu_adam(value: str | float, profile: Profile) -> tuple[float, str]:
                 'or a rate in GB/s of fp32 master weights (0 leaves the optimizer out of the '
                 'model)')
     if isinstance(value, str) and value.strip().lower() == "auto":
+        cal = profile.calibration
+        if cal is not None and cal.cpu_adam_gbps > 0:
+            return cal.cpu_adam_gbps, (f"calibrated: the runtime's own updates in "
+                                       f"{cal.num_steps} steps of plan {cal.plan_hash} on "
+                                       f"{cal.device}")
         if profile.mode != "estimated":
             return host_adam_gbps()
         hw = profile.hardware

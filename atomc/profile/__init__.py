@@ -4,7 +4,9 @@ Public: `profile_model(traced, device=..., target=..., ...)`.
 
 - measured (`device="cpu"` or `"cuda[:N]"`): each operator runs alone on the device with
   inputs of its recorded shapes, timed (warm-up, repeats, median; CUDA events on GPU) and
-  freed again; load time is a real host-to-device copy (pinned on CUDA).
+  freed again; load time is a real host-to-device copy (pinned on CUDA). The model file's
+  `loss_fn`, which the last sub-model runs every step but the graph does not hold, is timed
+  on outputs of the traced shapes and charged to the output node.
 - estimated (`target=NAME` of profiles/): FLOPs from torch.utils.flop_counter and bytes on
   meta tensors, time from a roofline of the hardware profile.
 
@@ -14,9 +16,11 @@ Operators with equal signatures (target, hyperparameters, shapes, dtypes) are me
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 
 import torch
+from torch import fx
 from tqdm import tqdm
 
 from atomc import __version__
@@ -26,9 +30,10 @@ from atomc.ir import NodeCost, Profile
 from atomc.profile.estimate import estimate_ms, load_ms
 from atomc.profile.hardware import hardware_names, load_hardware
 from atomc.profile.measure import measure, size_peaks
-from atomc.profile.ops import MetaStats, analyse
-from atomc.profile.timing import CopyTimer
+from atomc.profile.ops import MetaStats, analyse, materialise
+from atomc.profile.timing import CopyTimer, time_ms
 from atomc.trace import TracedModel
+from atomc.trace.graph import tensors_in
 
 __all__ = ["hardware_names", "load_hardware", "profile_model"]
 
@@ -39,6 +44,33 @@ def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _loss_ms(traced: TracedModel, dev: torch.device,
+             repeats: int) -> tuple[float, float] | str | None:
+    """Forward and backward ms of the model file's loss_fn on outputs and a batch of the traced
+    shapes (None without a loss_fn; a note when it cannot run on such made-up values)."""
+    fn = getattr(traced.module, "loss_fn", None)
+    if not callable(fn):
+        return None
+    out_node = next(n for n in reversed(traced.gm.graph.nodes) if n.op == "output")
+    try:
+        outputs = materialise(fx.node.map_arg(out_node.args[0], lambda n: traced.values[n.name]),
+                              dev, seed=3)
+        batch = materialise(traced.inputs, dev, seed=4,
+                            constants=frozenset(id(t) for t in tensors_in(traced.inputs)))
+        leaves = [t for t in tensors_in(outputs) if t.requires_grad]
+        with torch.enable_grad():
+            fwd_ms = time_ms(lambda: fn(outputs, batch), dev, repeats=repeats)
+            loss = fn(outputs, batch)
+            if not leaves or not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+                return fwd_ms, 0.0
+            bwd_ms = time_ms(lambda: torch.autograd.grad(loss, leaves, retain_graph=True,
+                                                         allow_unused=True), dev, repeats=repeats)
+    except Exception as e:  # noqa: BLE001 - a loss that needs real data is left out, with a note
+        why = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return f"loss_fn not timed ({type(e).__name__}: {why}); the plan leaves it out"
+    return fwd_ms, bwd_ms
 
 
 def profile_model(traced: TracedModel, *, device: str | None = None, target: str | None = None,
@@ -114,6 +146,19 @@ def profile_model(traced: TracedModel, *, device: str | None = None, target: str
             load_ms=node_load_ms, fwd_flops=s.fwd_flops, bwd_flops=s.bwd_flops, source=source,
         ))
 
+    loss_note = ""
+    if dev is not None:
+        loss = _loss_ms(traced, dev, repeats)
+        if isinstance(loss, str):
+            loss_note = loss
+        elif loss is not None:
+            # the last sub-model computes the loss in every step: its times ride on the output
+            # node, which is always there
+            out = max(i for i, n in enumerate(graph.nodes) if n.op == "output")
+            costs[out] = dataclasses.replace(costs[out], fwd_ms=loss[0], bwd_ms=loss[1])
+            loss_note = (f"loss_fn timed on the output node: forward {loss[0]:.3f} ms, "
+                         f"backward {loss[1]:.3f} ms")
+
     num_compute = sum(1 for n in graph.nodes if n.op in COMPUTE_OPS)
     if hw is not None:
         h2d, d2h = hw.h2d_gbps, hw.d2h_gbps
@@ -123,7 +168,7 @@ def profile_model(traced: TracedModel, *, device: str | None = None, target: str
         assert copy_timer is not None and dev is not None
         h2d, d2h = copy_timer.bandwidth_gbps(), copy_timer.d2h_gbps()
         where = describe_device(dev)
-        notes = (f"{repeats} timed repeats, median",)
+        notes = (f"{repeats} timed repeats, median", *((loss_note,) if loss_note else ()))
     return Profile(
         graph=graph, costs=tuple(costs), mode="estimated" if hw else "measured", device=where,
         hardware=hw, h2d_gbps=h2d, d2h_gbps=d2h, num_unique=len(unique_sigs),

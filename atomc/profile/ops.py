@@ -85,6 +85,13 @@ def _materialise(value: Any, device: torch.device, seed: int,
     return tree_map(make, value)
 
 
+def materialise(value: Any, device: torch.device, seed: int = 0,
+                constants: frozenset[int] = frozenset()) -> Any:
+    """`value` (tensors anywhere inside it) made real on `device`, shapes and strides kept;
+    floating tensors whose id is not in `constants` require gradients."""
+    return _materialise(value, device, seed, constants)
+
+
 _GENERATORS: dict[str, torch.Generator] = {}
 
 

@@ -8,7 +8,6 @@ with other inputs are trained through the Python API (atomc.runtime.SwapTrainer)
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from atomc.errors import UsageError
 
@@ -50,7 +49,7 @@ def run_train(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from atomc.runtime import SwapTrainer, warmup_cosine
-    from atomc.runtime.data import ByteBatches, stdlib_text
+    from atomc.runtime.data import text_batches
     from atomc.runtime.trace import to_timeline
 
     if args.steps < 1:
@@ -64,18 +63,7 @@ def run_train(args: argparse.Namespace) -> int:
         transfer_dtype=args.transfer_dtype, autocast=args.autocast, checkpoint=args.resume,
         trace=bool(args.trace or args.timeline))
     try:
-        names = trainer.package.model_inputs
-        spec = trainer.package.input_specs().get(names[0], {}) if len(names) == 1 else {}
-        shape = spec.get("shape")
-        if (len(names) != 1 or not shape or len(shape) != 2
-                or "int" not in str(spec.get("dtype", ""))):
-            raise UsageError(f"atomc train feeds byte-level text to a model with one integer input "
-                             f"of shape [batch, sequence]; {args.package} takes "
-                             f"{', '.join(names)} ({spec or 'unknown shapes'}): train it with "
-                             f"atomc.runtime.SwapTrainer")
-        text = stdlib_text() if args.data == "stdlib" else Path(args.data).read_bytes()
-        data = ByteBatches(text, seq_len=shape[1], batch_size=trainer.accum * shape[0],
-                           seed=args.seed)
+        data = text_batches(trainer, args.data, args.seed)
         print(trainer.describe())
         start = trainer.step_count
         if start >= args.steps:

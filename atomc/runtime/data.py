@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -67,3 +68,27 @@ class ByteBatches:
             raise UsageError("no held-out text: give holdout_fraction > 0")
         gen = torch.Generator().manual_seed(self.seed + 7)
         return self._windows(self.holdout_tokens, gen, n)
+
+
+def text_batches(trainer: Any, data: str = "stdlib", seed: int = 0) -> ByteBatches:
+    """Byte-level batches of C micro-batches for `trainer`'s package (one integer input of
+    shape [batch, sequence]): the standard library's sources ("stdlib") or a text file.
+    UsageError for a package with other inputs (train it through the Python API)."""
+    names = trainer.package.model_inputs
+    spec = trainer.package.input_specs().get(names[0], {}) if len(names) == 1 else {}
+    shape = spec.get("shape")
+    if (len(names) != 1 or not shape or len(shape) != 2
+            or "int" not in str(spec.get("dtype", ""))):
+        raise UsageError(f"byte-level text feeds a model with one integer input of shape "
+                         f"[batch, sequence]; {trainer.package.path} takes {', '.join(names)} "
+                         f"({spec or 'unknown shapes'}): train it with "
+                         f"atomc.runtime.SwapTrainer")
+    if data == "stdlib":
+        text = stdlib_text()
+    else:
+        try:
+            text = Path(data).read_bytes()
+        except OSError as e:
+            raise UsageError(f"cannot read the text file {data} ({e.strerror or e}); give a "
+                             f"readable file or 'stdlib'") from None
+    return ByteBatches(text, seq_len=shape[1], batch_size=trainer.accum * shape[0], seed=seed)

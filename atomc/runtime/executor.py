@@ -444,14 +444,18 @@ class SwapExecutor:
                 continue
             grads[n] = a.grad if n not in grads else grads[n] + a.grad
 
+    def wait_grad_slot(self, i: int) -> None:
+        """Make the compute stream wait until the previous copy of sub-model i's gradient slot
+        to the host is done (CUDA; nothing to wait for on the CPU)."""
+        s = self.slots.slot(i)
+        if self.cuda and self.slots.grad_free[s] is not None:
+            self.compute_stream.wait_event(self.slots.grad_free[s])
+
     def zero_grads(self, i: int) -> None:
         """Zero sub-model i's gradient slot before its backward (on the compute stream, once the
         previous copy of that slot to the host is done)."""
-        s = self.slots.slot(i)
-        if self.cuda and self.slots.grad_free[s] is not None:
-            # its last copy to the host is done
-            self.compute_stream.wait_event(self.slots.grad_free[s])
-        self.slots.grads[s][:self.layouts[i].numel].zero_()
+        self.wait_grad_slot(i)
+        self.slots.grads[self.slots.slot(i)][:self.layouts[i].numel].zero_()
 
     def _free_after_forward(self, envs: list[dict[str, Any]], i: int) -> None:
         """Drop or stash values whose last forward reader was sub-model i."""

@@ -140,13 +140,22 @@ class _Step:
             for pos, a in enumerate(self.actions):
                 if a.kind in "FB":
                     key = (a.index, a.kind)
-                    if key != span_key:
+                    # a compute span times compute only: what may load or wait first (the
+                    # weights into the slot, deferred loads, checkpoints) runs outside it
+                    if key != span_key or self.deferred:
                         spans.close()
+                        span_key = None
+                    self._prepare(pos, a)
+                    if span_key is None:
                         kind = "forward" if a.kind == "F" else "backward"
                         spans.enter_context(ex.tracer.span("compute", a.index, kind,
                                                            ex.compute_stream))
                         span_key = key
                     self._compute(pos, a)
+                    if a.kind == "F" and pos == self.last_f[a.index]:
+                        spans.close()  # its boundary values may be stashed: a copy, not compute
+                        span_key = None
+                        self._after_forward(pos, a.index)
                 else:
                     spans.close()
                     span_key = None
@@ -166,7 +175,10 @@ class _Step:
         losses = [self.losses[m] for m in sorted(self.losses)]
         return StepResult(self.loss_sum, losses, self.all_offloads)
 
-    def _compute(self, pos: int, a: Action) -> None:
+    def _prepare(self, pos: int, a: Action) -> None:
+        """Before a compute action: retry deferred loads, have its sub-model's weights in the
+        slot, and before its first backward, the previous step's updates done and its
+        checkpoints issued back."""
         ex, i = self.ex, a.index
         for j in sorted(self.deferred):
             if ex._load(j, wait=False):
@@ -177,16 +189,25 @@ class _Step:
             ex.use(i)
             self.deferred.discard(i)
             self.active = i
+        if a.kind == "B" and pos == self.first_b[i]:
+            self._first_backward(i)
+
+    def _compute(self, pos: int, a: Action) -> None:
+        ex, i = self.ex, a.index
         if a.kind == "F":
             self._forward(i, a.micro)
-            if pos == self.last_f[i] and self.first_b.get(i, len(self.actions)) > pos:
-                ex._free_after_forward(self.envs, i)
         else:
             if pos == self.first_b[i]:
-                self._first_backward(i)
+                ex.zero_grads(i)  # device work on the compute stream, after the slot's last copy
             self._backward(i, a.micro)
             if pos == self.last_b[i]:
                 ex._free_after_backward(self.envs, i)
+
+    def _after_forward(self, pos: int, i: int) -> None:
+        """After sub-model i's last forward (unless its backward came first: the last
+        sub-model's), drop or stash the values no later forward reads."""
+        if self.first_b.get(i, len(self.actions)) > pos:
+            self.ex._free_after_forward(self.envs, i)
 
     def _first_backward(self, i: int) -> None:
         ex = self.ex
@@ -194,7 +215,7 @@ class _Step:
             ex.opt.wait_step(self.step - 1)  # the previous step's updates read the host gradients
             self.waited = True
         self._unstash(i)
-        ex.zero_grads(i)
+        ex.wait_grad_slot(i)  # so that the compute span starts after that wait (CUDA)
 
     def _unstash(self, i: int) -> None:
         if i not in self.unstashed:

@@ -98,7 +98,7 @@ class SwapTrainer:
         """
         cfg = TrainerConfig.of(config, options)
         pkg = load_swap_package(generated_dir)
-        plan_data = _check_plan(pkg, plan)
+        plan_data = check_plan(pkg, plan)
         typed_plan = Plan.from_json(plan_data, str(pkg.path / "plan.json")) if plan_data else None
         if loss_fn is None:
             loss_fn = pkg.model_loss_fn()
@@ -398,7 +398,7 @@ def _original_order(pkg: SwapPackage) -> list[str]:
     return [group[k] for k in names if k in group]
 
 
-def _check_plan(pkg: SwapPackage, plan: Any) -> dict[str, Any] | None:
+def check_plan(pkg: SwapPackage, plan: Any) -> dict[str, Any] | None:
     """The plan the package was generated for, as JSON data: given (and checked), or its plan.json.
 
     A package generated for another plan is refused. The data (not a Plan object) is kept, so

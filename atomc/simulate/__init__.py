@@ -3,7 +3,8 @@
 `simulate_actions` times a list of actions (atomc.actions) on four lanes (compute, prefetch,
 offload, CPU optimizer); `simulate_swap` times ATOM's order, the list the swap runtime runs;
 `simulate_plan` does it from a Plan's recorded per-sub-model times; `render_timeline_svg`
-draws a Timeline (predicted or measured) like ATOM's Fig. 12.
+draws a Timeline (predicted or measured) like ATOM's Fig. 12, `render_timelines_svg` several
+one above the other on one time scale.
 """
 
 from __future__ import annotations
@@ -16,10 +17,16 @@ from atomc.simulate.events import (
     Simulation,
     StageTimes,
     Timeline,
+    copies_on_host,
     simulate_actions,
     simulate_swap,
 )
-from atomc.simulate.svg import render_timeline_svg, write_timeline_svg
+from atomc.simulate.svg import (
+    render_timeline_svg,
+    render_timelines_svg,
+    write_timeline_svg,
+    write_timelines_svg,
+)
 from atomc.simulate.swarm import (
     ChurnTrace,
     SwarmSimConfig,
@@ -32,9 +39,9 @@ from atomc.simulate.swarm import (
 
 __all__ = [
     "KINDS", "LANES", "ChurnTrace", "Event", "Simulation", "StageTimes", "SwarmSimConfig",
-    "SwarmSimResult", "Timeline", "WiringResult", "render_timeline_svg", "simulate_actions",
-    "simulate_plan", "simulate_swap", "simulate_swarm", "simulate_wiring", "stage_times",
-    "synthetic_churn_trace", "write_timeline_svg",
+    "SwarmSimResult", "Timeline", "WiringResult", "render_timeline_svg", "render_timelines_svg",
+    "simulate_actions", "simulate_plan", "simulate_swap", "simulate_swarm", "simulate_wiring",
+    "stage_times", "synthetic_churn_trace", "write_timeline_svg", "write_timelines_svg",
 ]
 
 
@@ -62,6 +69,9 @@ def stage_times(plan: Plan) -> list[StageTimes]:
 
 
 def simulate_plan(plan: Plan, num_steps: int = 1) -> Simulation:
+    """The plan's steps as its device runs them (on a CPU, copies on the computing thread)."""
     label = f"{plan.config or plan.model_path}: {len(plan.submodels)} sub-models, C={plan.accum}"
     return simulate_swap(stage_times(plan), plan.accum, num_steps=num_steps, label=label,
-                         early_prefetch=plan.early_prefetch)
+                         early_prefetch=plan.early_prefetch,
+                         host_copies=copies_on_host(plan.device),
+                         host_gap_ns=_ns(plan.host_gap_ms or 0.0))

@@ -24,6 +24,13 @@ latest update of its weights is done; and it streams in behind the gradients of 
 latest offload, leaving through the same buffer (chunk k of the load waits for chunk k of the
 offload), so it cannot end before that offload does.
 
+On a CPU device (`host_copies`; `copies_on_host` says which devices) there are no copy
+engines: the swap runtime's one thread computes and also loads, streams checkpoints and
+offloads, one job at a time in list order, a load after the update of its weights. Only the
+CPU optimizer runs beside it, on its own thread. The thread also spends time of its own
+between actions (the Python that drives them): `host_gap_ns` before each action, which
+`atomc calibrate` measures (none otherwise).
+
 A step lasts from the end of its first action, P_0's refresh in ATOM's order (every update has
 ended by then: the optimizer lane takes P_0 last), to the end of the next step's; steps are
 identical. Every duration is an integer number of nanoseconds, so a simulated step is exactly
@@ -120,20 +127,31 @@ class Simulation:
 
 
 
+def copies_on_host(device: str) -> bool:
+    """Whether a plan's device copies on the thread that computes: the CPU (a profile names it
+    "cpu (...)"), whose swap runtime has no streams."""
+    return device.startswith("cpu")
+
+
 def simulate_swap(stages: list[StageTimes], accum: int, num_steps: int = 1,
-                  label: str = "", early_prefetch: bool = False, record: bool = True) -> Simulation:
+                  label: str = "", early_prefetch: bool = False, record: bool = True,
+                  host_copies: bool = False, host_gap_ns: int = 0) -> Simulation:
     """Time `num_steps` steady-state steps of ATOM's order (atomc.actions.atom_order).
 
-    With record=False the timeline keeps no events (the partitioner only needs the times).
+    With record=False the timeline keeps no events (the partitioner only needs the times);
+    with host_copies, copies run on the computing thread (a CPU device, see above), which
+    also spends `host_gap_ns` of its own before each action it runs.
     """
     if not stages:
         raise ValueError("a schedule needs at least one sub-model")
     order = atom_runs(len(stages), accum, early_prefetch=early_prefetch)
-    return _simulate(_compile(order, stages, accum), stages, accum, num_steps, label, record)
+    return _simulate(_compile(order, stages, accum), stages, accum, num_steps, label, record,
+                     host_copies, host_gap_ns)
 
 
 def simulate_actions(actions: list[Action], stages: list[StageTimes], accum: int, *,
-                     num_steps: int = 1, label: str = "", record: bool = True) -> Simulation:
+                     num_steps: int = 1, label: str = "", record: bool = True,
+                     host_copies: bool = False, host_gap_ns: int = 0) -> Simulation:
     """Time `num_steps` repetitions of one step's `actions` (F, B, L, O, U) on the four lanes.
 
     A step lasts from the end of its first action (in ATOM's order, P_0's refresh) to the end
@@ -144,7 +162,7 @@ def simulate_actions(actions: list[Action], stages: list[StageTimes], accum: int
     """
     _check_order(actions, len(stages), accum)
     return _simulate(_compile(runs(actions), stages, accum), stages, accum, num_steps, label,
-                     record)
+                     record, host_copies, host_gap_ns)
 
 
 def _check_order(actions: list[Action], k: int, accum: int) -> None:
@@ -165,8 +183,8 @@ def _check_order(actions: list[Action], k: int, accum: int) -> None:
 
 
 def _compile(order: list[Run], stages: list[StageTimes], accum: int) -> tuple[list[tuple], int]:
-    """One step's runs as lane jobs (op, sub-model, duration, waits, lane, event kind), and
-    its compute time.
+    """One step's runs as lane jobs (op, sub-model, duration, waits, lane, event kind, number
+    of actions), and its compute time.
 
     A run of F (or B) is one job: the lane runs it back to back and only its first action
     waits for a load, so it times as its actions do and draws as one bar. Each micro-batch
@@ -192,21 +210,23 @@ def _compile(order: list[Run], stages: list[StageTimes], accum: int) -> tuple[li
             compute_ns += dur
             if st.checkpoint_ns and first_b.get(i) == pos:
                 jobs.insert(after_compute,
-                            ("K", i, st.checkpoint_ns, False, "prefetch", "checkpoint"))
+                            ("K", i, st.checkpoint_ns, False, "prefetch", "checkpoint", 0))
             waits = bool(st.checkpoint_ns) and last_b.get(i) == pos  # for its checkpoints
-            jobs.append((kind, i, dur, waits, "compute", "forward" if kind == "F" else "backward"))
+            jobs.append((kind, i, dur, waits, "compute", "forward" if kind == "F" else "backward",
+                         len(micros)))
             after_compute = len(jobs)
         elif kind == "L":
-            jobs.append(("L", i, st.load_ns, False, "prefetch", "load" if pos else "refresh"))
+            jobs.append(("L", i, st.load_ns, False, "prefetch", "load" if pos else "refresh", 1))
         elif kind == "O":
-            jobs.append(("O", i, st.offload_ns, False, "offload", "offload"))
+            jobs.append(("O", i, st.offload_ns, False, "offload", "offload", 1))
         else:
-            jobs.append(("U", i, st.optimizer_ns, False, "optimizer", "optimizer"))
+            jobs.append(("U", i, st.optimizer_ns, False, "optimizer", "optimizer", 1))
     return jobs, compute_ns
 
 
 def _simulate(program: tuple[list[tuple], int], stages: list[StageTimes], accum: int,
-              num_steps: int, label: str, record: bool) -> Simulation:
+              num_steps: int, label: str, record: bool, host_copies: bool = False,
+              host_gap_ns: int = 0) -> Simulation:
     """Run the jobs of `num_steps` steps and the first job of the next one (see
     simulate_actions): each job starts when its lane is free and what it waits for is done."""
     if num_steps < 1:
@@ -227,7 +247,11 @@ def _simulate(program: tuple[list[tuple], int], stages: list[StageTimes], accum:
         # opening job of the step after, which ends the last step
         todo = jobs[1:] if step == 0 else jobs[:1] if step == num_steps else jobs
         opening = step > 0
-        for op, i, dur, waits, lane, kind in todo:
+        for op, i, dur, waits, lane, kind, num_actions in todo:
+            if host_copies and op != "U":  # the thread's own time between actions comes first
+                comp += host_gap_ns * num_actions
+            if host_copies and op in "LOK":  # on the computing thread, after what it did so far
+                h2d = d2h = max(h2d, d2h, comp)
             if op == "F" or op == "B":
                 start = max(comp, load_end[i])
                 end = start + dur
@@ -246,6 +270,8 @@ def _simulate(program: tuple[list[tuple], int], stages: list[StageTimes], accum:
             else:  # "K", checkpoints
                 start = max(h2d, comp)
                 end = h2d = ckpt_end[i] = start + dur
+            if host_copies and op in "LOK":  # ... and nothing else meanwhile
+                comp = h2d = d2h = end
             if opening:  # it belongs to the step it ends
                 starts.append(end)
             if record:

@@ -49,10 +49,18 @@ def _fmt_ms(ms: float) -> str:
     return f"{ms / 1000:g} s" if ms >= 1000 else f"{ms:g} ms"
 
 
-def render_timeline_svg(timeline: Timeline, title: str | None = None) -> str:
+def _span_ms(timeline: Timeline) -> float:
     t0 = timeline.step_starts_ms[0]
     t1 = max([timeline.step_starts_ms[-1], *(e.end_ms for e in timeline.events)])
-    span = max(t1 - t0, 1e-9)
+    return max(t1 - t0, 1e-9)
+
+
+def render_timeline_svg(timeline: Timeline, title: str | None = None,
+                        span_ms: float | None = None) -> str:
+    """One timeline as an SVG document; `span_ms` fixes the time axis's length (default: the
+    timeline's own), so that timelines drawn one above the other share a scale."""
+    t0 = timeline.step_starts_ms[0]
+    span = span_ms if span_ms is not None else _span_ms(timeline)
     plot_px = WIDTH_PX - LEFT_PX - RIGHT_PX
     scale = plot_px / span
 
@@ -100,3 +108,27 @@ def render_timeline_svg(timeline: Timeline, title: str | None = None) -> str:
 
 def write_timeline_svg(timeline: Timeline, path: str | Path, title: str | None = None) -> Path:
     return write_atomic(path, render_timeline_svg(timeline, title))
+
+
+def render_timelines_svg(timelines: list[Timeline], titles: list[str | None] | None = None) -> str:
+    """Timelines one above the other on one time scale (a measured step beside its prediction):
+    one SVG document holding each timeline's drawing as a nested <svg>."""
+    if not timelines:
+        raise ValueError("no timelines to draw")
+    titles = titles or [None] * len(timelines)
+    span = max(_span_ms(t) for t in timelines)
+    panels, y = [], 0
+    for timeline, title in zip(timelines, titles):
+        body = render_timeline_svg(timeline, title, span_ms=span)
+        body = body.split("\n", 1)[1] if body.startswith("<?xml") else body
+        height = int(body.split('height="', 1)[1].split('"', 1)[0])
+        panels.append(body.replace("<svg ", f'<svg x="0" y="{y}" ', 1))
+        y += height
+    return (f'<?xml version="1.0" encoding="UTF-8"?>\n'
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH_PX}" height="{y}" '
+            f'viewBox="0 0 {WIDTH_PX} {y}">\n' + "".join(panels) + "</svg>\n")
+
+
+def write_timelines_svg(timelines: list[Timeline], path: str | Path,
+                        titles: list[str | None] | None = None) -> Path:
+    return write_atomic(path, render_timelines_svg(timelines, titles))

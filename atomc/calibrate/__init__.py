@@ -1,0 +1,181 @@
+"""Calibrate stage (runtime -> back to partition): Profile + Plan + measured steps -> Profile.
+
+The partitioner decides from predicted times: the sum of each operator timed alone. A
+measurement of the plan's generated package (`measure_package`: a few traced training steps
+with the swap runtime) says what the plan's sub-models really take; `calibrate` scales the
+profile to it:
+
+- every node of sub-model i has its forward time multiplied by f_i = measured / profiled
+  forward of the sub-model, and its backward time by b_i, chosen so that the sub-model's
+  backward with its recomputation (at the scaled forward) equals the measured backward; a
+  sub-model whose nodes were profiled at 0 ms gets the measured time spread over its
+  operators;
+- the host-to-device and device-to-host bandwidths become those the copies achieved;
+- the CPU update rate becomes the runtime's own (fp32 master bytes over update time), which
+  `atomc partition --cpu-adam-gbps auto` takes from a calibrated profile;
+- on a CPU device, whose runtime thread also copies and drives every action in Python, the
+  time that thread spends before each action besides what its events show (`host_gap_ms`)
+  is fitted so that the plan's simulated step is the measured one; plans made from the
+  calibrated profile carry it.
+
+The factors, the measured times and the predicted step before and after are recorded in the
+profile (`Profile.calibration`), so a plan made from it says where its numbers come from. The
+calibrated profile is an ordinary profile: partition it again for the re-plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from atomc.calibrate.measure import (
+    MeasuredSubmodel,
+    Measurement,
+    check_device,
+    check_losses,
+    device_matches,
+    measure_package,
+    summarise,
+)
+from atomc.errors import CalibrationError
+from atomc.ir import Calibration, Plan, Profile, SubmodelCalibration
+from atomc.simulate.events import copies_on_host, simulate_swap
+
+NS_PER_MS = 1_000_000
+
+__all__ = ["MeasuredSubmodel", "Measurement", "calibrate", "device_matches", "measure_package",
+           "summarise"]
+
+COMPUTE_OPS = ("call_module", "call_function", "call_method")
+MIN_SCALE = 1e-3  # a backward measured below its recomputation alone is noise: floor it
+
+
+def calibrate(profile: Profile, plan: Plan, measurement: Measurement) -> Profile:
+    """`profile` with each sub-model's node times scaled to `measurement` of `plan`'s package.
+
+    Refused (CalibrationError): a plan not made from this profile, a measurement of another
+    plan's package, of another device than the plan's, with another C or activation rule, or
+    with a failed step.
+    """
+    from atomc.partition import profile_hash, recost
+
+    seen = profile_hash(profile)
+    if seen != plan.profile_hash:
+        raise CalibrationError(
+            f"the plan was made from profile {plan.profile_hash}, but this profile is {seen}; "
+            f"give the profile the plan was partitioned from")
+    plan_hash = plan.content_hash()
+    if measurement.plan_hash != plan_hash:
+        raise CalibrationError(
+            f"the steps measured {measurement.package or 'a package'} generated from plan "
+            f"{measurement.plan_hash or '(none recorded)'}, not from this plan ({plan_hash}); "
+            f"measure the package generated from this plan (atomc codegen), or give its plan")
+    check_device(plan.device, measurement.device, "the measured steps")
+    k = len(plan.submodels)
+    if len(measurement.submodels) != k:
+        raise CalibrationError(f"the measurement has {len(measurement.submodels)} sub-models, "
+                               f"the plan {k}; measure this plan's package")
+    if measurement.accum != plan.accum or measurement.activations != plan.activations:
+        raise CalibrationError(
+            f"the steps ran with C={measurement.accum} and activations "
+            f"{measurement.activations}, the plan has C={plan.accum} and {plan.activations}; "
+            f"measure the package with the plan's settings (no --accum or --activations)")
+    if measurement.num_steps < 1:
+        raise CalibrationError("the measurement holds no steps; measure 1 or more")
+    check_losses(measurement.losses)
+
+    costs = list(profile.costs)
+    recompute = plan.activations == "recompute"
+    scales = []
+    for sm, m in zip(plan.submodels, measurement.submodels):
+        nodes = range(sm.start, sm.stop)
+        last = sm.index == k - 1
+        fwd = sum(costs[j].fwd_ms for j in nodes)
+        bwd = sum(costs[j].bwd_ms for j in nodes)
+        ops = {j for j in nodes if profile.graph.nodes[j].op in COMPUTE_OPS} or set(nodes)
+        f_scale, fwd_add = _fit(m.fwd_ms, fwd, len(ops))
+        new_fwd = f_scale * fwd + fwd_add * len(ops)
+        redo = new_fwd if recompute and not last else 0.0
+        b_scale, bwd_add = _fit(m.bwd_ms - redo, bwd, len(ops))
+        for j in nodes:
+            extra = j in ops
+            c = costs[j]
+            costs[j] = dataclasses.replace(
+                c, fwd_ms=c.fwd_ms * f_scale + (fwd_add if extra else 0.0),
+                bwd_ms=c.bwd_ms * b_scale + (bwd_add if extra else 0.0))
+        scales.append(SubmodelCalibration(
+            index=sm.index, start=sm.start, stop=sm.stop, fwd_scale=f_scale, bwd_scale=b_scale,
+            measured_fwd_ms=m.fwd_ms, measured_bwd_ms=m.bwd_ms, measured_load_ms=m.load_ms,
+            measured_checkpoint_ms=m.checkpoint_ms, measured_offload_ms=m.offload_ms,
+            measured_optimizer_ms=m.optimizer_ms))
+
+    h2d = measurement.h2d_gbps or profile.h2d_gbps
+    d2h = measurement.d2h_gbps or profile.d2h_gbps
+    scaled = dataclasses.replace(profile, costs=tuple(costs), h2d_gbps=h2d, d2h_gbps=d2h,
+                                 calibration=None)
+    rate = _update_rate(scaled, plan, measurement)
+    gap_ms = 0.0
+    if copies_on_host(plan.device):
+        gap_ms = _host_gap_ms(recost(scaled, plan, cpu_adam_gbps=rate or plan.cpu_adam_gbps),
+                              measurement.median_step_ms)
+    record = Calibration(
+        plan_hash=plan_hash, source_profile_hash=seen, device=measurement.device,
+        num_steps=measurement.num_steps, warmup_steps=measurement.warmup_steps, accum=plan.accum,
+        submodels=tuple(scales), h2d_scale=h2d / profile.h2d_gbps if profile.h2d_gbps else 1.0,
+        d2h_scale=d2h / profile.d2h_gbps if profile.d2h_gbps else 1.0, cpu_adam_gbps=rate,
+        measured_step_ms=measurement.median_step_ms, predicted_step_ms=plan.predicted_step_ms,
+        calibrated_step_ms=0.0, host_gap_ms=gap_ms)
+    after = recost(dataclasses.replace(scaled, calibration=record), plan,
+                   cpu_adam_gbps=rate or plan.cpu_adam_gbps)
+    record = dataclasses.replace(record, calibrated_step_ms=after.predicted_step_ms)
+    note = (f"calibrated to {measurement.num_steps} measured steps of plan {plan_hash} on "
+            f"{measurement.device}: step measured {measurement.median_step_ms:.2f} ms, predicted "
+            f"{plan.predicted_step_ms:.2f} ms before, {after.predicted_step_ms:.2f} ms after")
+    return dataclasses.replace(scaled, notes=(*profile.notes, note), calibration=record)
+
+
+def _host_gap_ms(plan: Plan, measured_step_ms: float) -> float:
+    """On a CPU device: the runtime thread's time before each action it runs that makes the
+    plan's simulated step the measured one (what the sub-models' events leave unexplained:
+    the Python between actions, and what copies take beyond their bytes over the bandwidth).
+    A few fixed-point rounds: the gaps can overlap waits for the optimizer thread."""
+    from atomc.actions import atom_order
+    from atomc.simulate import stage_times
+
+    stages = stage_times(plan)
+    num_actions = sum(1 for a in atom_order(len(stages), plan.accum,
+                                            early_prefetch=plan.early_prefetch) if a.kind != "U")
+    target_ns = measured_step_ms * NS_PER_MS
+    gap_ns = 0.0
+    for _ in range(6):
+        sim = simulate_swap(stages, plan.accum, early_prefetch=plan.early_prefetch,
+                            host_copies=True, host_gap_ns=round(gap_ns), record=False)
+        miss = target_ns - sim.step_ns
+        if abs(miss) < 1000:  # 1 us
+            break
+        gap_ns = max(gap_ns + miss / num_actions, 0.0)
+    return round(gap_ns) / NS_PER_MS
+
+
+def _fit(measured_ms: float, profiled_ms: float, num_ops: int) -> tuple[float, float]:
+    """(factor, ms added to each of `num_ops` operators) taking `profiled_ms` to `measured_ms`.
+
+    Operators profiled at 0 ms in total cannot be scaled: the measured time is spread over
+    them instead."""
+    measured_ms = max(measured_ms, 0.0)
+    if profiled_ms > 0:
+        return max(measured_ms / profiled_ms, MIN_SCALE), 0.0
+    return 1.0, measured_ms / num_ops if num_ops else 0.0
+
+
+def _update_rate(profile: Profile, plan: Plan, m: Measurement) -> float:
+    """GB/s of fp32 masters the runtime's CPU updates achieved (0: none measured): the cost
+    model's master bytes of each sub-model (its times at 1 GB/s are its bytes in ns) over the
+    measured update times."""
+    from atomc.partition import recost
+
+    per_gb = recost(profile, plan, cpu_adam_gbps=1.0)
+    master_bytes = sum(s.optimizer_ms * 1e6 for s in per_gb.submodels)
+    update_ms = sum(s.optimizer_ms for s in m.submodels)
+    if master_bytes <= 0 or update_ms <= 0:
+        return 0.0
+    return master_bytes / (update_ms * 1e6)
