@@ -224,16 +224,16 @@ def test_swarm_equals_single_process_through_a_kill(swarm_of) -> None:
     server is SIGKILLed in the middle of a step (its micro-batches go elsewhere, none twice)."""
     sw = swarm_of()
     for name, stage in (("s0a", 0), ("s0b", 0), ("s1a", 1), ("s1b", 1), ("s1c", 1)):
-        sw.serve(name, stage, "--slowdown", "2")
+        # records outlive a dead server long enough that the trainers still route to it
+        sw.serve(name, stage, "--slowdown", "2", "--expiration", "30")
     steps = 4
     proc = sw.train(steps)
     deadline = time.monotonic() + 120
     while not [x for x in _lines(sw.d / "trainer.jsonl") if x["step"] >= 1]:
         assert time.monotonic() < deadline and proc.poll() is None, sw.log("trainer")
         time.sleep(0.05)
-    # as step 2 begins: the router still lists s1b (its record outlives it by seconds), so some
-    # of step 2's calls go to a dead server, time out and are routed elsewhere (a later kill
-    # can miss every call: the step may have left stage 1 already)
+    # as step 2 begins: the router still lists s1b (its record outlives it), so some of the
+    # remaining calls go to a dead server, time out and are routed elsewhere
     sw.kill("s1b")
     sw.wait(proc, 150)
     _check_against_reference(sw.d, steps)
