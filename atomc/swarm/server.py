@@ -438,7 +438,10 @@ class SwarmServer(SwarmNode):
                     "step": self.step}
             acc = self.acc.clone()
         buffers = [b.detach().reshape(-1).to(acc.dtype) for b in self.float_buffers]
-        if not others:
+        if not others or mine["samples"] == cfg.target_batch_size:
+            # alone, or holding the whole batch: no one else's sums can count (a server that
+            # held none catches up by downloading the state), and a dead server whose record
+            # has not expired yet must not hold the step up
             group = {self.peer: mine}
             total, buf_mean = acc, (torch.cat(buffers) if buffers else None)
         else:
