@@ -300,9 +300,23 @@ class Calibration:
 
 
 @dataclass(frozen=True)
+class RuntimeCosts:
+    """The swap runtime's own costs on the profiled device, which no operator's time holds;
+    measured with the runtime's code (atomc.profile.runtime_costs)."""
+
+    # one sub-model's CPU AdamW update: a fixed part, and a part per parameter tensor (the
+    # kernels run tensor by tensor); its bytes go at the plan's CPU update rate
+    update_ms: float
+    update_tensor_ms: float
+    # on a CPU device, the runtime thread's own time before each action it runs (the Python
+    # that drives it); 0 where the device runs the actions on its own streams
+    action_ms: float = 0.0
+
+
+@dataclass(frozen=True)
 class Profile(Document):
     KIND: ClassVar[str] = "atomc.profile"
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("calibration",)
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("calibration", "runtime")
 
     graph: OpGraph
     costs: tuple[NodeCost, ...]  # same order as graph.nodes
@@ -320,6 +334,8 @@ class Profile(Document):
     compute_dtype: str = ""
     # set by `atomc calibrate`: node times scaled to measured steps (None: as profiled)
     calibration: Calibration | None = None
+    # measured profiles: the runtime's fixed costs on the device (None: not measured, taken as 0)
+    runtime: RuntimeCosts | None = None
 
     def totals(self) -> dict[str, float]:
         keys = ("param_bytes", "output_bytes", "saved_bytes", "fwd_ms", "bwd_ms", "load_ms",

@@ -112,6 +112,11 @@ def main() -> int:
         profile = profile_model(traced, device="cpu", repeats=args.repeats, progress=False)
     print(f"profile: {len(profile.costs)} nodes, {profile.num_unique} measured "
           f"(others used {quiet.share:.0%} of the CPUs meanwhile)")
+    rt = profile.runtime
+    if rt is not None:
+        print(f"  runtime costs: update {rt.update_ms * 1e3:.0f} us + "
+              f"{rt.update_tensor_ms * 1e3:.0f} us a tensor, {rt.action_ms * 1e3:.0f} us of "
+              f"the runtime's thread an action")
     # the profile alone is one sample of a noisy machine: profile again, and cost the same
     # plans on those profiles too, to show how far "profile alone" moves between profiles
     others_profiles = [profile_model(traced, device="cpu", repeats=args.repeats, progress=False)

@@ -3,15 +3,39 @@
     python bench/swarm_bench.py --part b                  # prints the report (record it in
                                                           # bench/RESULTS.md)
     python bench/swarm_bench.py --part b --seeds 10 --peers 400 --jobs 2
+    python bench/swarm_bench.py --part a --duration 90    # real processes (about 7 min)
+    python bench/swarm_bench.py --part c                  # needs root, `ip` and `tc`
 
 Parts (each its own flag value; run several with --part a --part b ...):
 
-(a) real servers, processes on loopback: not written yet;
+(a) real servers, processes on loopback: `atomc swarm serve` x 5 of different speeds
+    (--slowdown) under a churn script (SIGKILLs and a join), one `atomc swarm train`; three
+    runs: no rebalancing (newcomers on a stage drawn with seed 0), rebalancing (--rebalance-period
+    T --min-gain 0.1, newcomers --stage auto) and the best static assignment (computed);
 (b) simulated: the rebalancing policy (atomc.swarm.balance) in the swarm simulator
     (atomc.simulate.swarm) over 32-hour churn traces, as % of the optimal throughput,
     against SWARM's Table 5 (Ryabinin et al. 2023, App. I: no rebalancing 82.7%, T = 300 s
     95.8%, T = 60 s 97.6%). Target: T = 60 s >= 97%;
-(c) bytes and step time over an emulated 100 Mbit/s link: not written yet.
+(c) bytes on the wire per micro-batch and the step time over an emulated 100 Mbit/s link,
+    with and without --compress: one network namespace per process (trainer, one server per
+    stage) on a bridge, `tc htb` at each sender (atomc.distributed.netem, as
+    bench/layout_bench.py); without root, `ip`, `tc` or namespaces it says so and exits 0.
+
+Part (a)'s setting: tiny-untied GPT cut after its first block (two sub-models of about equal
+cost, 2 stages), global batch 64 in micro-batches of 2, one trainer; slowdowns 12 (fast) and
+36 (slow) so that the servers mostly sleep (the 2 cores run ~15 processes: hivemind's DHT,
+averager and p2pd per server). Churn (times as fractions of --duration): fast servers a
+(stage 0) and c (stage 1) are SIGKILLed at 1/4 and 3/4, a fast server e joins at 1/2. Rates:
+what each server announces (samples/s of its stage's forward and backward work, EMA), the
+median over the first two runs. Optimal at a moment: `best_assignment` of the servers alive
+then, as a flow model (the pipeline runs at its lowest stage's summed rate, no moving cost).
+Best static: one stage per server for its whole life, the best in hindsight over the churn
+script by that flow model (exhaustive search; `best_assignment` per moment is not static:
+after a kill the optimum wants someone to move). Reported per run: measured samples/s (whole
+steps of the trainer, from its first step's end to its last one's within the run; per phase,
+linear between step ends), as % of the best static run, as % of the optimum; and the
+assignment's flow throughput over time as % of the optimum (the number comparable to SWARM's
+Table 5 and part (b)).
 
 Part (b)'s setting and where each number comes from:
 - 4 stages and 32 hours: SWARM App. I (its rebalancing simulation); 400 peers at the start:
@@ -39,12 +63,17 @@ Part (b)'s setting and where each number comes from:
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import os
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +83,7 @@ sys.path.insert(0, str(ROOT))
 
 from atomc.simulate.swarm import HOUR_S, SwarmSimConfig, simulate_swarm, simulate_wiring
 from atomc.swarm.balance import assignment_bound, best_assignment, min_stage_throughput
+from bench._swarm_procs import Procs, lines
 
 # ---------------------------------------------------------------------------------------------
 # part (b): simulated
@@ -144,19 +174,417 @@ def simulated(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# part (a): real servers, processes on loopback
 
-PARTS: dict[str, Callable[[argparse.Namespace], None]] = {"b": simulated}
+# the churn script: name, slowdown, stage for the runs without rebalancing (None: a random
+# stage, drawn once with seed 0), join and leave (SIGKILL) as fractions of --duration
+CHURN = (
+    ("a", 12, 0, 0.0, 0.25), ("b", 36, 0, 0.0, None), ("c", 12, 1, 0.0, 0.75),
+    ("d", 36, 1, 0.0, None), ("e", 12, None, 0.5, None),
+)
+A_CONFIG, A_MICRO, A_CUTS = "tiny-untied", 2, (39,)
+
+
+@dataclass
+class Churn:
+    names: list[str]
+    slowdown: dict[str, float]
+    stage: dict[str, int]  # without rebalancing
+    join: dict[str, float]  # seconds after the trainer's first step
+    leave: dict[str, float]
+
+    def events(self) -> list[float]:
+        return sorted({*self.join.values(), *self.leave.values()} - {0.0})
+
+    def alive(self, t: float) -> list[str]:
+        return [n for n in self.names if self.join[n] <= t < self.leave[n]]
+
+
+def churn_script(duration: float, num_stages: int) -> Churn:
+    rng = np.random.default_rng(0)
+    c = Churn([], {}, {}, {}, {})
+    for name, slow, stage, join, leave in CHURN:
+        c.names.append(name)
+        c.slowdown[name] = float(slow)
+        c.stage[name] = int(rng.integers(num_stages)) if stage is None else stage % num_stages
+        c.join[name] = join * duration
+        c.leave[name] = math.inf if leave is None else leave * duration
+    return c
+
+
+def phases(churn: Churn, duration: float) -> list[tuple[float, float]]:
+    cuts = [0.0, *[t for t in churn.events() if t < duration], duration]
+    return list(itertools.pairwise(cuts))
+
+
+def flow(rates: dict[str, float], assign: dict[str, int], num_stages: int) -> float:
+    """The pipeline throughput of an assignment: its lowest stage's summed rates."""
+    names = sorted(assign)
+    return min_stage_throughput([rates[n] for n in names], [assign[n] for n in names],
+                                num_stages) if names else 0.0
+
+
+def optimum(rates: dict[str, float], names: list[str], num_stages: int) -> float:
+    x = [rates[n] for n in names]
+    return min_stage_throughput(x, best_assignment(x, num_stages), num_stages) if x else 0.0
+
+
+def best_static(churn: Churn, rates: dict[str, float], duration: float,
+                num_stages: int) -> dict[str, int]:
+    """One stage per server for its whole life, the best in hindsight: the most samples over
+    the churn script (exhaustive; the first server's stage fixed, stages being alike)."""
+    spans = phases(churn, duration)
+    best, found = -1.0, {}
+    for rest in itertools.product(range(num_stages), repeat=len(churn.names) - 1):
+        assign = dict(zip(churn.names, (0, *rest)))
+        got = sum((b - a) * flow(rates, {n: assign[n] for n in churn.alive(a)}, num_stages)
+                  for a, b in spans)
+        if got > best + 1e-9:
+            best, found = got, assign
+    return found
+
+
+def _package(config: str, micro: int, cuts: tuple[int, ...] | None, out: Path) -> Path:
+    from atomc.codegen import generate
+    from atomc.codegen.manual import plan_from_cuts
+    from atomc.trace import trace_model
+
+    traced = trace_model(ROOT / "examples" / "gpt.py", config, micro)
+    if cuts is None:  # one sub-model per block
+        cuts = tuple(i for i, n in enumerate(traced.graph.nodes) if n.op == "call_module"
+                     and (n.target.endswith(".ln_1") or n.target == "ln_f"))
+    generate(plan_from_cuts(traced, list(cuts)), out, traced=traced)
+    return out
+
+
+def _serve_args(pkg: Path, d: Path, name: str, stage: int | str, args: argparse.Namespace,
+                extra: list[str]) -> list[str]:
+    return ["swarm", "serve", str(pkg), "--stages", str(args.stages), "--stage", str(stage),
+            "--target-batch-size", str(args.batch), "--name", name,
+            "--maddr-file", str(d / f"{name}.addr"), "--metrics", str(d / "servers.jsonl"),
+            "--checkpoint-dir", str(d / "ckpt"), "--max-seconds", str(args.duration + 300),
+            *extra]
+
+
+def _cum_samples(trainer: list[dict], batch: int, t0: float) -> Callable[[float], float]:
+    """Samples trained by time t (seconds after t0), linear between step completions."""
+    ts = np.array([0.0] + [x["time"] - t0 for x in trainer[1:]])
+    ns = batch * np.arange(len(ts), dtype=float)
+    return lambda t: float(np.interp(t, ts, ns))  # after the last step: no more samples
+
+
+def churn_run(args: argparse.Namespace, pkg: Path, d: Path, churn: Churn, policy: str,
+              stages: dict[str, int] | None) -> dict:
+    """One run under the churn script; `stages`: each server's stage (None: rebalancing, the
+    initial servers on churn.stage and newcomers --stage auto)."""
+    d.mkdir(parents=True)
+    procs = Procs(d)
+    rebalance = ["--rebalance-period", str(args.period), "--min-gain", str(args.min_gain)
+                 ] if stages is None else []
+
+    def stage_of(name: str) -> int | str:
+        if stages is not None:
+            return stages[name]
+        return churn.stage[name] if churn.join[name] == 0 else "auto"
+
+    def serve(name: str, first: str | None) -> None:
+        extra = ["--slowdown", str(churn.slowdown[name]), *rebalance]
+        extra += ["--initial-peers", first] if first else []
+        procs.atomc(name, _serve_args(pkg, d, name, stage_of(name), args, extra))
+
+    try:
+        # the first server is one that never leaves: everyone joins through it
+        names = [n for n in churn.names if churn.join[n] == 0]
+        boot = next(n for n in names if churn.leave[n] == math.inf)
+        serve(boot, None)
+        first = procs.wait_file(boot, d / f"{boot}.addr")
+        for n in names:
+            if n != boot:
+                serve(n, first)
+        for n in names:
+            procs.wait_file(n, d / f"{n}.addr")
+        procs.atomc("trainer", [
+            "swarm", "train", str(pkg), "--stages", str(args.stages), "--steps", "1000000",
+            "--batch-size", str(args.batch), "--data", "random", "--initial-peers", first,
+            "--metrics", str(d / "trainer.jsonl"), "--request-timeout", "20"])
+        deadline = time.monotonic() + 180
+        while not lines(d / "trainer.jsonl"):
+            if procs.procs["trainer"].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the trainer did not take a step:\n{procs.log('trainer')}")
+            time.sleep(0.1)
+        t0 = lines(d / "trainer.jsonl")[0]["time"]
+        todo = sorted([(churn.join[n], "join", n) for n in churn.names if churn.join[n] > 0]
+                      + [(churn.leave[n], "leave", n) for n in churn.names
+                         if churn.leave[n] < args.duration])
+        for at, what, name in todo:
+            time.sleep(max(0.0, t0 + at - time.time()))
+            if what == "join":
+                serve(name, first)
+            else:
+                procs.kill(name)
+            print(f"  {policy}: {time.time() - t0:5.1f} s {what} {name}", flush=True)
+        time.sleep(max(0.0, t0 + args.duration - time.time()))
+        if procs.procs["trainer"].poll() is not None:
+            raise RuntimeError(f"the trainer stopped:\n{procs.log('trainer')}")
+    finally:
+        procs.close()
+    servers = lines(d / "servers.jsonl")
+    return {"t0": t0, "trainer": lines(d / "trainer.jsonl"), "servers": servers,
+            "records": _snapshots(servers)}
+
+
+def _snapshots(servers: list[dict]) -> list[dict]:
+    """The servers' load lines (one a second each, what they announce in the DHT) as one
+    snapshot a second: each server's latest line of the last 1.5 s."""
+    loads = sorted((x for x in servers if x.get("event") == "load"), key=lambda x: x["time"])
+    if not loads:
+        return []
+    out = []
+    for t in np.arange(loads[0]["time"], loads[-1]["time"], 1.0):
+        last = {x["server"]: x for x in loads if t - 1.5 < x["time"] <= t}
+        out.append({"time": float(t), "servers": [{"name": n, **x} for n, x in last.items()]})
+    return out
+
+
+def measured_rates(runs: list[dict], churn: Churn) -> dict[str, float]:
+    """Each server's throughput (samples/s) as it announced it: per run the second half of
+    its records (the first may still be a stand-in), the median over the runs' together. A
+    server that never reported gets the others' median rate x slowdown, over its slowdown."""
+    seen: dict[str, list[float]] = {}
+    for run in runs:
+        mine: dict[str, list[float]] = {}
+        for line in run["records"]:
+            for r in line["servers"]:
+                if not r["moving"]:
+                    mine.setdefault(r["name"], []).append(r["throughput"])
+        for n, xs in mine.items():
+            seen.setdefault(n, []).extend(xs[len(xs) // 2:])
+    rates = {n: float(np.median(xs)) for n, xs in seen.items()}
+    unit = float(np.median([rates[n] * churn.slowdown[n] for n in rates]))
+    return {n: rates.get(n, unit / churn.slowdown[n]) for n in churn.names}
+
+
+def analyse(run: dict, churn: Churn, rates: dict[str, float], args: argparse.Namespace) -> dict:
+    cum = _cum_samples(run["trainer"], args.batch, run["t0"])
+    spans = phases(churn, args.duration)
+    measured = [(cum(b) - cum(a)) / (b - a) for a, b in spans]
+    ideal = [optimum(rates, churn.alive(a), args.stages) for a, _ in spans]
+    actual = opt = 0.0
+    for line in run["records"]:
+        t = line["time"] - run["t0"]
+        if not 0 <= t <= args.duration:
+            continue
+        alive = set(churn.alive(t))
+        recs = [r for r in line["servers"] if r["name"] in alive]
+        actual += flow(rates, {r["name"]: r["stage"] for r in recs if not r["moving"]},
+                       args.stages)
+        opt += optimum(rates, [r["name"] for r in recs], args.stages)
+    moves = [x for x in run["servers"] if x.get("event") == "move"]
+    # overall: whole steps, from the first step's end to the last one's within the run
+    ends = [t for t in (x["time"] - run["t0"] for x in run["trainer"]) if t <= args.duration]
+    end = ends[-1] if ends[-1] > 0 else args.duration
+    return {"measured": measured, "overall": cum(end) / end, "ideal": ideal,
+            "flow_pct": 100 * actual / opt if opt else math.nan, "moves": len(moves),
+            "steps": len(ends) - 1}
+
+
+def real_processes(args: argparse.Namespace) -> None:
+    t_start = time.time()
+    churn = churn_script(args.duration, args.stages)
+    work = Path(tempfile.mkdtemp(prefix="atomc-swarm-bench-a-"))
+    print(f"part (a): real processes on loopback, {A_CONFIG} in {args.stages} stages, global "
+          f"batch {args.batch} (micro-batch {A_MICRO}), {args.duration:.0f} s per run; "
+          f"work in {work}")
+    print("churn: " + "; ".join(
+        f"{n} x{churn.slowdown[n]:g} " + (f"joins {churn.join[n]:.0f} s (without rebalancing: "
+                                          f"stage {churn.stage[n]})" if churn.join[n]
+                                          else f"stage {churn.stage[n]}")
+        + (f", killed {churn.leave[n]:.0f} s" if churn.leave[n] < math.inf else "")
+        for n in churn.names))
+    pkg = _package(A_CONFIG, A_MICRO, A_CUTS, work / "pkg")
+    runs = {"none": churn_run(args, pkg, work / "none", churn, "none", dict(churn.stage))}
+    runs[f"T = {args.period:g} s"] = churn_run(args, pkg, work / "rebalance", churn, "rebalance",
+                                              None)
+    rates = measured_rates(list(runs.values()), churn)
+    print("measured rates (samples/s): " + ", ".join(f"{n} {rates.get(n, 0):.2f}"
+                                                     for n in churn.names))
+    static = best_static(churn, rates, args.duration, args.stages)
+    print("best static assignment: " + ", ".join(f"{n} {s}" for n, s in static.items()))
+    runs["best static"] = churn_run(args, pkg, work / "static", churn, "static", static)
+    report_a(runs, churn, rates, args)
+    print(f"\npart (a) took {time.time() - t_start:.0f} s; logs in {work}")
+
+
+def report_a(runs: dict[str, dict], churn: Churn, rates: dict[str, float],
+             args: argparse.Namespace) -> None:
+    out = {name: analyse(run, churn, rates, args) for name, run in runs.items()}
+    ref = out["best static"]
+    spans = phases(churn, args.duration)
+    print("\n| run | steps | measured samples/s | measured, % of best static | measured, % of "
+          "optimum | assignment, % of optimal | moves | measured per phase, % of best static |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    ideal = sum((b - a) * x for (a, b), x in zip(spans, ref["ideal"])) / args.duration
+    for name, r in out.items():
+        per = " / ".join(f"{100 * m / s:.0f}" for m, s in zip(r["measured"], ref["measured"]))
+        print(f"| {name} | {r['steps']} | {r['overall']:.2f} | "
+              f"{100 * r['overall'] / ref['overall']:.1f} | "
+              f"{100 * r['overall'] / ideal:.1f} | {r['flow_pct']:.1f} | {r['moves']} | {per} |")
+    print("\nper phase, samples/s measured (flow optimum):")
+    for k, (a, b) in enumerate(spans):
+        cells = ", ".join(f"{name} {r['measured'][k]:.2f}" for name, r in out.items())
+        print(f"  {a:3.0f}-{b:3.0f} s, {len(churn.alive(a))} servers: {cells} "
+              f"(optimum {ref['ideal'][k]:.2f})")
+
+
+# ---------------------------------------------------------------------------------------------
+# part (c): bytes on the wire and the step time over an emulated 100 Mbit/s link
+
+C_CONFIG = "mini-untied"
+
+
+def _counters(emu, k: int) -> int:
+    """Bytes through namespace k's interface, both directions (its kernel counters)."""
+    stats = f"/sys/class/net/{emu.iface(k)}/statistics"
+    out = subprocess.run(emu.exec_prefix(k) + ["cat", f"{stats}/tx_bytes", f"{stats}/rx_bytes"],
+                         capture_output=True, text=True, check=True, timeout=30).stdout
+    return sum(int(x) for x in out.split())
+
+
+def link_run(args: argparse.Namespace, pkg: Path, d: Path, emu, compress: bool) -> dict:
+    """One trainer (namespace 0) and one server per stage (namespaces 1..S), --c-steps steps;
+    bytes by the trainer's interface counters over its whole life (its DHT join and polls
+    included), step times of the steps after the first."""
+    d.mkdir(parents=True)
+    procs = Procs(d)
+    micro = args.c_batch // args.c_micro
+    try:
+        first = None
+        for j in range(args.stages):
+            name = f"s{j}"
+            extra = ["--host-maddrs", f"/ip4/{emu.addr(j + 1)}/tcp/0"]
+            extra += ["--initial-peers", first] if first else []
+            procs.atomc(name, _serve_args(pkg, d, name, j, args, extra)
+                        + ["--target-batch-size", str(args.c_batch)], emu.exec_prefix(j + 1))
+            first = first or procs.wait_file(name, d / f"{name}.addr")
+        for j in range(args.stages):
+            procs.wait_file(f"s{j}", d / f"s{j}.addr")
+        steps = d / "trainer.jsonl"
+        before = _counters(emu, 0)
+        procs.start("trainer", emu.exec_prefix(0) + [
+            sys.executable, str(ROOT / "bench" / "_swarm_procs.py"), "train",
+            str(d / "messages.jsonl"), str(pkg), "--stages", str(args.stages),
+            "--steps", str(args.c_steps), "--batch-size", str(args.c_batch),
+            "--micro-batch-size", str(args.c_micro), "--data", "random",
+            "--host-maddrs", f"/ip4/{emu.addr(0)}/tcp/0", "--initial-peers", first,
+            "--metrics", str(steps), *(["--compress"] if compress else [])])
+        trainer = procs.procs["trainer"]
+        deadline = time.monotonic() + args.c_timeout
+        while trainer.poll() is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the trainer took over {args.c_timeout:.0f} s:\n"
+                                   f"{procs.log('trainer')}")
+            time.sleep(0.05)
+        after = _counters(emu, 0)
+        if trainer.returncode != 0:
+            raise RuntimeError(f"the trainer failed:\n{procs.log('trainer')}")
+    finally:
+        procs.close()
+    done = lines(steps)
+    msgs = lines(d / "messages.jsonl")
+    per: dict[tuple, list[int]] = {}
+    for m in msgs:
+        per.setdefault((m["stage"], m["kind"], m["msg"]), []).append(m["bytes"])
+    return {"step_s": [x["seconds"] for x in done[1:]],
+            "counted": (after - before) / (len(done) * micro),
+            "encoded": sum(m["bytes"] for m in msgs) / (len(done) * micro),
+            "messages": {k: (len(v) / (len(done) * micro), float(np.mean(v)))
+                         for k, v in sorted(per.items())}}
+
+
+def link_bytes(args: argparse.Namespace) -> None:
+    from types import SimpleNamespace
+
+    from atomc.distributed import netem
+
+    ok, why = netem.available()
+    if not ok:
+        print(f"part (c): network namespaces are not available here ({why}); nothing measured.")
+        return
+    t_start = time.time()
+    work = Path(tempfile.mkdtemp(prefix="atomc-swarm-bench-c-"))
+    pkg = _package(C_CONFIG, args.c_micro, None, work / "pkg")
+    n = args.stages + 1
+    runs = {}
+    for mbit in (args.c_mbit, 10_000.0):
+        gbps = tuple(tuple(0.0 if i == k else mbit / 1000 for k in range(n)) for i in range(n))
+        net = SimpleNamespace(devices=[SimpleNamespace(name="trainer")]
+                              + [SimpleNamespace(name=f"stage{j}") for j in range(args.stages)],
+                              bandwidth_gbps=gbps, delay_ms=tuple((0.0,) * n for _ in range(n)))
+        with netem.EmulatedNetwork(net, subnet=232) as emu:
+            if not runs:
+                print(f"part (c): {C_CONFIG}, {args.stages} stages (one server each, slowdown "
+                      f"1), one trainer; global batch {args.c_batch}, micro-batch {args.c_micro},"
+                      f" {args.c_steps} steps per run; work in {work}\n{emu.describe()}")
+            for compress in (False, True):
+                key = (mbit, compress)
+                runs[key] = link_run(args, pkg, work / f"{mbit:g}mbit-{int(compress)}", emu,
+                                     compress)
+                r = runs[key]
+                print(f"  {mbit:g} Mbit/s, {'8-bit' if compress else 'fp32'}: step "
+                      f"{np.mean(r['step_s']):.2f} s, {r['counted'] / 1e3:.1f} kB per "
+                      f"micro-batch counted", flush=True)
+    print("\nbytes per micro-batch, by message (encoded: protobuf ByteSize; calls per "
+          "micro-batch x mean bytes)")
+    print("| stage | call | message | fp32 bytes | 8-bit bytes | ratio |")
+    print("|---:|---|---|---:|---:|---:|")
+    plain, packed = runs[(args.c_mbit, False)], runs[(args.c_mbit, True)]
+    for key, (calls, size) in plain["messages"].items():
+        c_calls, c_size = packed["messages"].get(key, (0.0, math.nan))
+        print(f"| {key[0]} | {key[1]} | {key[2]} | {calls:.2f} x {size:,.0f} | "
+              f"{c_calls:.2f} x {c_size:,.0f} | {size / c_size:.2f} |")
+    print("\n| link | codec | encoded kB / micro-batch | counted kB / micro-batch "
+          "(trainer's interface, tx + rx, DHT included) | step s (mean +- sd, first step "
+          "left out) |")
+    print("|---|---|---:|---:|---:|")
+    for (mbit, compress), r in runs.items():
+        sd = np.std(r["step_s"], ddof=1) if len(r["step_s"]) > 1 else 0.0
+        print(f"| {mbit:g} Mbit/s | {'8-bit' if compress else 'fp32'} | "
+              f"{r['encoded'] / 1e3:.1f} | {r['counted'] / 1e3:.1f} | "
+              f"{np.mean(r['step_s']):.2f} +- {sd:.2f} |")
+    print(f"\npart (c) took {time.time() - t_start:.0f} s; logs in {work}")
+
+
+# ---------------------------------------------------------------------------------------------
+
+PARTS: dict[str, Callable[[argparse.Namespace], None]] = {"a": real_processes,
+                                                             "b": simulated,
+                                                             "c": link_bytes}
 
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--part", action="append", choices=sorted(PARTS),
                     help="which part to run (repeatable); default: every part there is")
+    a = ap.add_argument_group("part (a), real processes on loopback")
+    a.add_argument("--duration", type=float, default=90.0, help="seconds per run (default 90)")
+    a.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
+    a.add_argument("--batch", type=int, default=64, help="global batch, samples (default 64)")
+    a.add_argument("--period", type=float, default=3.0,
+                   help="rebalancing period T, seconds (default 3)")
+    a.add_argument("--min-gain", type=float, default=0.1,
+                   help="a move must raise the lower of its two stages by this fraction "
+                        "(default 0.1: the measured rates are noisy)")
     b = ap.add_argument_group("part (b), simulated")
     b.add_argument("--seeds", type=int, default=10, help="seeds per row (SWARM App. I: 10)")
     b.add_argument("--peers", type=int, default=400, help="peers at the start")
     b.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="simulations run in parallel")
+    c = ap.add_argument_group("part (c), bytes and step time over an emulated link")
+    c.add_argument("--c-mbit", type=float, default=100.0, help="link rate, Mbit/s (default 100)")
+    c.add_argument("--c-batch", type=int, default=64, help="global batch (default 64)")
+    c.add_argument("--c-micro", type=int, default=16, help="micro-batch (default 16)")
+    c.add_argument("--c-steps", type=int, default=6, help="steps per run (default 6)")
+    c.add_argument("--c-timeout", type=float, default=240.0, help="seconds per run")
     args = ap.parse_args()
     if args.seeds < 1 or args.peers < 1 or args.jobs < 1:
         ap.error("--seeds, --peers and --jobs must be positive")

@@ -9,6 +9,7 @@ group, binds to 127.0.0.1, has a bounded time and is killed with all it started.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -50,7 +51,8 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> dict:
     generate(plan, d / "pkg", traced=traced)
     tied = trace_model(GPT, "tiny", MICRO)
     generate(plan_from_cuts(tied, [9, 25, 39, 55]), d / "tied", traced=tied)
-    return {"dir": d, "pkg": d / "pkg", "tied": d / "tied"}
+    generate(plan_from_cuts(traced, [9, 25, 39]), d / "other", traced=traced)  # other cuts
+    return {"dir": d, "pkg": d / "pkg", "tied": d / "tied", "other": d / "other"}
 
 
 def _env() -> dict[str, str]:
@@ -63,8 +65,10 @@ def _env() -> dict[str, str]:
 class Swarm:
     """Processes started for one test; all killed (with their children) at the end."""
 
-    def __init__(self, d: Path, pkg: Path, stages: int = 2):
-        self.d, self.pkg, self.stages = d, pkg, stages
+    def __init__(self, d: Path, pkg: Path, stages: int = 2, batch: int = GLOBAL,
+                 dtype: str = "float64"):
+        self.d, self.pkg, self.stages, self.batch, self.dtype = d, pkg, stages, batch, dtype
+        d.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
         self.first: str | None = None
 
@@ -76,26 +80,36 @@ class Swarm:
         return proc
 
     def serve(self, name: str, stage: int | str, *extra: str) -> None:
-        addr = self.d / f"{name}.addr"
-        argv = ["swarm", "serve", str(self.pkg), "--stages", str(self.stages), "--stage",
-                str(stage), "--target-batch-size", str(GLOBAL), "--dtype", "float64",
+        self.serve_all([(name, stage)], *extra)
+
+    def serve_all(self, servers: list[tuple[str, int | str]], *extra: str) -> None:
+        """Start servers (the first alone if the swarm has none yet: the others join it),
+        and wait until each has written its address."""
+        if not self.first and len(servers) > 1:
+            self.serve_all(servers[:1], *extra)
+            servers = servers[1:]
+        procs = {}
+        for name, stage in servers:
+            addr = self.d / f"{name}.addr"
+            procs[name] = (addr, self._start(name, [
+                "swarm", "serve", str(self.pkg), "--stages", str(self.stages), "--stage",
+                str(stage), "--target-batch-size", str(self.batch), "--dtype", self.dtype,
                 "--name", name, "--maddr-file", str(addr), "--metrics",
                 str(self.d / "servers.jsonl"), "--checkpoint-dir", str(self.d / "ckpt"),
-                "--max-seconds", "240", *extra]
-        if self.first:
-            argv += ["--initial-peers", self.first]
-        proc = self._start(name, argv)
+                "--max-seconds", "240", *extra, *(["--initial-peers", self.first]
+                                                  if self.first else [])]))
         deadline = time.monotonic() + 60
-        while not addr.is_file():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"server {name} did not start:\n{self.log(name)}")
-            time.sleep(0.2)
-        self.first = self.first or addr.read_text().split()[0]
+        for name, (addr, proc) in procs.items():
+            while not addr.is_file():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"server {name} did not start:\n{self.log(name)}")
+                time.sleep(0.2)
+            self.first = self.first or addr.read_text().split()[0]
 
-    def train(self, steps: int, *extra: str, timeout_s: float = 200) -> subprocess.Popen:
+    def train(self, steps: int, *extra: str, data: str = "random") -> subprocess.Popen:
         return self._start("trainer", [
             "swarm", "train", str(self.pkg), "--stages", str(self.stages), "--steps", str(steps),
-            "--batch-size", str(GLOBAL), "--data", "random", "--initial-peers", self.first,
+            "--batch-size", str(self.batch), "--data", data, "--initial-peers", self.first,
             "--metrics", str(self.d / "trainer.jsonl"), "--request-timeout", "10", *extra])
 
     def wait(self, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -105,6 +119,13 @@ class Swarm:
             raise AssertionError(f"the trainer took longer than {timeout_s} s:\n"
                                  f"{self.log('trainer')}\n{self.logs()}") from None
         assert proc.returncode == 0, f"{self.log('trainer')}\n{self.logs()}"
+
+    def wait_for_step(self, proc: subprocess.Popen, step: int, timeout_s: float = 120) -> None:
+        """Until the trainer has finished step `step`."""
+        deadline = time.monotonic() + timeout_s
+        while not [x for x in _lines(self.d / "trainer.jsonl") if x["step"] >= step]:
+            assert time.monotonic() < deadline and proc.poll() is None, self.log("trainer")
+            time.sleep(0.05)
 
     def log(self, name: str) -> str:
         p = self.d / f"{name}.log"
@@ -128,8 +149,9 @@ class Swarm:
 def swarm_of(work: dict, tmp_path: Path):
     made: list[Swarm] = []
 
-    def make(pkg: Path | None = None, stages: int = 2) -> Swarm:
-        s = Swarm(tmp_path, pkg or work["pkg"], stages)
+    def make(pkg: Path | None = None, stages: int = 2, batch: int = GLOBAL, sub: str = "",
+             dtype: str = "float64") -> Swarm:
+        s = Swarm(tmp_path / sub, pkg or work["pkg"], stages, batch, dtype)
         made.append(s)
         return s
 
@@ -138,44 +160,65 @@ def swarm_of(work: dict, tmp_path: Path):
         s.close()
 
 
-def reference(steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+def reference(steps: int, batch: int = GLOBAL, micro: int = MICRO, delayed: bool = False
+              ) -> tuple[dict[str, torch.Tensor], list[float], dict[str, torch.Tensor]]:
     """Single-process float64 training on the trainer's batches, micro-batch by micro-batch
-    under the runtime's RNG rule (dropout), with the servers' AdamW."""
+    under the runtime's RNG rule (dropout), with the servers' AdamW: the weights, the losses,
+    and the weights a next step would compute with. `delayed`: DPU, each step's gradients are
+    taken at the weights before the previous step's update."""
     torch.manual_seed(0)
     model = gpt.build_model(CONFIG).to(torch.float64)
+    worker = copy.deepcopy(model)  # the weights the calls compute with
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     losses = []
     for s in range(steps):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed((0 * 1_000_003 + s) * 1_009 + 0)
-            (x,) = gpt.example_inputs(model, GLOBAL)
-        opt.zero_grad()
+            (x,) = gpt.example_inputs(model, batch)
+        if not delayed:
+            worker.load_state_dict(model.state_dict())
+        worker.zero_grad()
         total = 0.0
-        for m in range(GLOBAL // MICRO):
-            xb = x[m * MICRO:(m + 1) * MICRO]
+        n = batch // micro
+        for m in range(n):
+            xb = x[m * micro:(m + 1) * micro]
             with micro_batch_rng(0, s, m):
-                loss = gpt.loss_fn(model(xb), (xb,))
-            (loss / (GLOBAL // MICRO)).backward()
+                loss = gpt.loss_fn(worker(xb), (xb,))
+            (loss / n).backward()
             total += loss.item()
+        for p, q in zip(model.parameters(), worker.parameters()):
+            p.grad = q.grad
+        if delayed:
+            worker.load_state_dict(model.state_dict())  # before this step's update
         opt.step()
-        losses.append(total / (GLOBAL // MICRO))
-    return {k: v.detach() for k, v in model.named_parameters()}, losses
+        losses.append(total / n)
+    in_use = {k: v.detach() for k, v in worker.named_parameters()}
+    return {k: v.detach() for k, v in model.named_parameters()}, losses, in_use
 
 
 def _lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
 
 
-def _check_against_reference(d: Path, steps: int, loss_tol: float = 1e-9) -> None:
-    ref, ref_losses = reference(steps)
-    got = {}
+def _check_against_reference(d: Path, steps: int, loss_tol: float = 1e-9, batch: int = GLOBAL,
+                             micro: int = MICRO, delayed: bool = False) -> None:
+    ref, ref_losses, ref_in_use = reference(steps, batch, micro, delayed)
+    got, in_use = {}, {}
     for j in range(2):
-        state = load_checkpoint(d / "ckpt" / f"stage{j}.pt")
-        assert state["step"] == steps
-        got.update(state["params"])
+        path = d / "ckpt" / f"stage{j}.pt"
+        deadline = time.monotonic() + 30  # with DPU the last checkpoint follows its update
+        while not (path.is_file() and load_checkpoint(path)["step"] == steps):
+            assert time.monotonic() < deadline, f"no checkpoint of step {steps} at {path}"
+            time.sleep(0.2)
+        state = load_checkpoint(path)
+        in_use.update(state["params"])
+        got.update(state["master"]["params"] if delayed else state["params"])
     assert set(got) == set(ref)
     worst = max((got[k] - ref[k]).abs().max().item() for k in ref)
     assert worst <= 1e-9, worst
+    if delayed:  # the weights in use lag one update behind
+        assert max((in_use[k] - ref_in_use[k]).abs().max().item() for k in ref) <= 1e-9
+        assert max((in_use[k] - ref[k]).abs().max().item() for k in ref) > 1e-6
     losses = [x["loss"] for x in _lines(d / "trainer.jsonl")]
     assert len(losses) == steps
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= loss_tol
@@ -200,12 +243,30 @@ def test_router_weighted_round_robin_and_bans() -> None:
     picks = [r.choose(0, 1, now=0.0) for _ in range(30)]
     assert abs(picks.count("a") - 2 * picks.count("b")) <= 2  # twice as fast, twice the work
     assert r.ban(0, "a", now=10.0) == 1.0 and r.ban(0, "a", now=10.0) == 2.0  # backoff doubles
+    capped = Router(1, ban_s=1.0, ban_max_s=60.0)
+    capped.refresh(recs)
+    assert [capped.ban(0, "a", now=0.0) for _ in range(100)][-1] == 60.0  # up to a limit
     assert {r.choose(0, 1, now=10.5) for _ in range(5)} == {"b"}
     assert r.choose(0, 1, now=10.5, avoid={"b"}) == "a"  # all banned: try anyway
     r.refresh([ServerRecord("a", "a", 0, 0, 0, 1.0, 0, "x", 5.0), recs[1]])  # new incarnation
     assert r.stages[0]["a"].banned_until == 0.0
     r.refresh([recs[1]])
     assert r.servers(0) == ["b"]
+
+
+def test_stage_costs_count_the_forward_call_the_last_stage_does_not_get(work: dict,
+                                                                         monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from atomc.swarm import node
+
+    pkg = load_swap_package(work["pkg"])
+    specs = stage_specs(pkg, 2)  # sub-models 0 | 1..4
+    assert node.stage_costs(pkg, specs) == [1.0, 1.0]  # a plan without times: all alike
+    sub = SimpleNamespace(fwd_ms=1.0, bwd_ms=2.0)
+    monkeypatch.setattr(node, "_package_plan", lambda _: SimpleNamespace(submodels=[sub] * 5))
+    # stage 0: forward call + backward call (recomputes): 2 x 1 + 2; stage 1: 4 x (1 + 2)
+    assert node.stage_costs(pkg, specs) == pytest.approx([4 / 8, 12 / 8])
 
 
 def test_weights_tied_across_stages_are_refused(work: dict) -> None:
@@ -223,15 +284,12 @@ def test_swarm_equals_single_process_through_a_kill(swarm_of) -> None:
     """2 stages x 3 and 2 servers, float64: the weights of single-process training, although a
     server is SIGKILLed in the middle of a step (its micro-batches go elsewhere, none twice)."""
     sw = swarm_of()
-    for name, stage in (("s0a", 0), ("s0b", 0), ("s0c", 0), ("s1a", 1), ("s1b", 1)):
-        # records outlive a dead server long enough that the trainers still route to it
-        sw.serve(name, stage, "--slowdown", "2", "--expiration", "30")
+    # records outlive a dead server long enough that the trainers still route to it
+    sw.serve_all([("s0a", 0), ("s0b", 0), ("s0c", 0), ("s1a", 1), ("s1b", 1)],
+                 "--slowdown", "2", "--expiration", "30")
     steps = 4
     proc = sw.train(steps)
-    deadline = time.monotonic() + 120
-    while not [x for x in _lines(sw.d / "trainer.jsonl") if x["step"] >= 1]:
-        assert time.monotonic() < deadline and proc.poll() is None, sw.log("trainer")
-        time.sleep(0.05)
+    sw.wait_for_step(proc, 1)
     # as step 2 begins: the router still lists s1b (its record outlives it), so some of the
     # remaining calls go to a dead server (one of two at its stage), fail and are routed
     # elsewhere
@@ -244,3 +302,98 @@ def test_swarm_equals_single_process_through_a_kill(swarm_of) -> None:
               if x["event"] == "step"}
     assert groups[(0, 1)] == 3 and groups[(1, 1)] == 2  # every live server of a stage averaged
     assert groups[(1, steps)] == 1  # s1a alone, though s1b's record outlives it
+
+
+@pytest.mark.slow
+def test_delayed_updates_with_activations_over_the_p2p_message_limit(swarm_of) -> None:
+    """DPU, 2 stages x (2, 1) servers, float64: the weights of single-process training whose
+    gradients are taken one update behind (a stage-0 server that missed a step downloads both
+    weights). A micro-batch of 1100 samples makes the stage-0 output 4.5 MB, over the p2p
+    daemon's 4 MiB message limit: calls stream in parts."""
+    big = 1100
+    sw = swarm_of(batch=big)
+    sw.serve_all([("s0a", 0), ("s0b", 0), ("s1", 1)], "--delayed-updates")
+    proc = sw.train(3, "--micro-batch-size", str(big))
+    sw.wait(proc, 150)
+    _check_against_reference(sw.d, 3, batch=big, micro=big, delayed=True)
+
+
+@pytest.mark.slow
+def test_a_stage_left_without_servers_is_refilled_from_its_checkpoint(swarm_of) -> None:
+    """Stage 1's only server is SIGKILLed in the middle of training: a stage-0 server moves
+    there by rebalancing (--min-gain keeps it from moving before: only an empty stage is worth
+    it), resumes from the stage's checkpoint, and training ends at the single-process weights."""
+    sw = swarm_of()
+    # s1a first: no stage is empty when the others start
+    sw.serve_all([("s1a", 1), ("s0a", 0), ("s0b", 0)], "--rebalance-period", "1",
+                 "--min-gain", "100")
+    steps = 4
+    proc = sw.train(steps)
+    sw.wait_for_step(proc, 1)
+    sw.kill("s1a")
+    sw.wait(proc, 150)
+    _check_against_reference(sw.d, steps)
+    events = _lines(sw.d / "servers.jsonl")
+    moves = [x for x in events if x["event"] == "move"]
+    assert [(x["from"], x["to"]) for x in moves] == [(0, 1)], moves
+    refill = [x for x in events if x["event"] == "enter" and x["server"] == moves[0]["server"]]
+    assert refill[-1]["stage"] == 1 and refill[-1]["source"].startswith("checkpoint"), refill
+    assert 1 <= refill[-1]["step"] < steps
+
+
+@pytest.mark.slow
+def test_8bit_links_train_as_well_as_exact_ones(swarm_of) -> None:
+    """100 steps on the demo data (counting sequences), float32, 2 stages x 1 server: with
+    8-bit blockwise activations and gradients on the links the final loss is within 2% of
+    the uncompressed run's, for a fraction of the bytes. The two swarms run side by side."""
+    runs = {}
+    for how in ("exact", "8bit"):
+        sw = swarm_of(sub=how, dtype="float32")
+        sw.serve_all([(f"{how}0", 0), (f"{how}1", 1)])
+        extra = ("--compress",) if how == "8bit" else ()
+        runs[how] = (sw, sw.train(100, "--micro-batch-size", str(GLOBAL), *extra,
+                                  data="counting"))
+    for sw, proc in runs.values():
+        sw.wait(proc, 240)
+    lines = {how: _lines(sw.d / "trainer.jsonl") for how, (sw, _) in runs.items()}
+    exact, packed = lines["exact"][-1]["loss"], lines["8bit"][-1]["loss"]
+    assert exact < 0.8 * lines["exact"][0]["loss"]  # it learned: the comparison means something
+    assert abs(packed - exact) <= 0.02 * exact, (packed, exact)
+    sent = {how: sum(x["bytes_sent"] + x["bytes_received"] for x in v) for how, v in lines.items()}
+    assert sent["8bit"] < 0.5 * sent["exact"], sent
+
+
+@pytest.mark.slow
+def test_bad_addresses_are_one_line_each(work: dict, tmp_path: Path) -> None:
+    """A --host-maddrs this machine does not have (p2pd cannot start: its own words shown) and
+    an initial peer nobody answers at: exit 2, one line, no traceback."""
+    base = ["swarm", "serve", str(work["pkg"]), "--stages", "2", "--stage", "0",
+            "--target-batch-size", "8", "--connect-timeout", "5"]
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWFwCtKzUCEm5kX1ZvtNNYXT8sqTMG7d4srqqR5HrDECrb"
+    for extra, said in ((["--host-maddrs", "/ip4/10.255.255.254/tcp/0"], "could not listen"),
+                        (["--initial-peers", dead], "could not join the peers through")):
+        proc = subprocess.run([sys.executable, "-m", "atomc.cli", *base, *extra], env=_env(),
+                              cwd=tmp_path, capture_output=True, text=True, timeout=90,
+                              start_new_session=True)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert said in lines[0] and extra[1] in lines[0] and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_an_empty_stage_and_another_package_are_one_line_each(work: dict, swarm_of) -> None:
+    """A trainer that finds no server for stage 1 names the stage and the DHT prefix; a
+    trainer with another package than the servers' is refused. Exit 2, one line each."""
+    sw = swarm_of()
+    sw.serve("s0", 0)
+    empty = "no server for stage 1 under DHT prefix 'atomc-swarm'"
+    for pkg, extra, said in ((work["pkg"], ["--servers-timeout", "3"], empty),
+                             (work["other"], [], "serves package")):
+        proc = subprocess.run(
+            [sys.executable, "-m", "atomc.cli", "swarm", "train", str(pkg), "--stages", "2",
+             "--steps", "1", "--batch-size", str(GLOBAL), "--initial-peers", sw.first, *extra],
+            env=_env(), cwd=sw.d, capture_output=True, text=True, timeout=90,
+            start_new_session=True)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert said in lines[0] and "Traceback" not in proc.stderr, lines[0]

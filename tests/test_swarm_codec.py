@@ -244,3 +244,32 @@ def test_error_bound_property(numel, seed, exponent, dtype, specials, zero_run):
 def test_error_bound_property_half_types(numel, seed, dtype, exponent):
     x = (_gaussian((numel,), torch.float64, seed) * 10.0**exponent).to(dtype)
     _assert_within_bound(x, unpack(pack(x, compress=True)))
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_messages_over_the_p2p_limit_travel_in_parts(compress):
+    """A 24 MB activation (over the daemon's 4 MiB message limit) crosses in parts, each well
+    under it, and arrives bit for bit (or as the codec left it); small, empty and integer
+    tensors travel in the same stream."""
+    from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE
+
+    from atomc.swarm.wire import decode, encode, join, split
+
+    values = {"h": _gaussian((48, 256, 256), torch.float64), "small": torch.arange(5),
+              "empty": torch.zeros(0, 3), "n": 7}
+    msg = encode(values, {"step": 3}, compress=compress)
+    parts = list(split(msg))
+    assert len(parts) > 1
+    assert all(p.ByteSize() < DEFAULT_MAX_MSG_SIZE // 2 for p in parts)
+    assert [bool(p.metadata) for p in parts] == [True] + [False] * (len(parts) - 1)
+    got, meta = decode(join(parts), torch.device("cpu"))
+    assert meta == {"step": 3} and got["n"] == 7
+    assert torch.equal(got["small"], values["small"]) and got["empty"].shape == (0, 3)
+    if compress:
+        _assert_within_bound(values["h"], got["h"])
+    else:
+        assert torch.equal(got["h"], values["h"])
+    with pytest.raises(PeerError, match="cut short"):
+        decode(join(parts[:-1]), torch.device("cpu"))
+    with pytest.raises(PeerError, match="empty"):
+        join([])

@@ -68,6 +68,17 @@ def test_move_goes_from_least_to_most_loaded_stage():
     assert choose_move(apply(servers, move), 3) is None
 
 
+def test_stage_costs_weigh_what_a_server_brings_to_another_stage():
+    """Stage 0 costs twice stage 1 per sample: a server of stage 1 serves it at half its rate,
+    which a gain threshold sees (equal costs would see the move raise the bottleneck by 1)."""
+    servers = swarm([1], [1, 1, 1])
+    assert choose_move(servers, 2, min_gain=0.6).peer.startswith("s1.")
+    assert choose_move(servers, 2, min_gain=0.6, cost=[2.0, 1.0]) is None  # 1 -> 1.5 only
+    assert choose_move(servers, 2, min_gain=0.4, cost=[2.0, 1.0]) is not None
+    with pytest.raises(ValueError, match="one positive cost per stage"):
+        choose_move(servers, 2, cost=[1.0])
+
+
 def test_no_move_when_balanced_or_when_it_would_flap():
     assert choose_move(swarm([1, 1], [1, 1], [2]), 3) is None
     # stage 0 is ahead by 1.5, but its only servers are 2 fast: moving one would make

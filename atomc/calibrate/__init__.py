@@ -38,7 +38,7 @@ from atomc.calibrate.measure import (
 )
 from atomc.errors import CalibrationError
 from atomc.ir import Calibration, Plan, Profile, SubmodelCalibration
-from atomc.simulate.events import copies_on_host, simulate_swap
+from atomc.simulate.events import copies_on_host, fit_host_gap_ms
 
 NS_PER_MS = 1_000_000
 
@@ -134,26 +134,11 @@ def calibrate(profile: Profile, plan: Plan, measurement: Measurement) -> Profile
 
 
 def _host_gap_ms(plan: Plan, measured_step_ms: float) -> float:
-    """On a CPU device: the runtime thread's time before each action it runs that makes the
-    plan's simulated step the measured one (what the sub-models' events leave unexplained:
-    the Python between actions, and what copies take beyond their bytes over the bandwidth).
-    A few fixed-point rounds: the gaps can overlap waits for the optimizer thread."""
-    from atomc.actions import atom_order
+    """On a CPU device: the runtime thread's time before each action that makes the plan's
+    simulated step the measured one (atomc.simulate.events.fit_host_gap_ms)."""
     from atomc.simulate import stage_times
 
-    stages = stage_times(plan)
-    num_actions = sum(1 for a in atom_order(len(stages), plan.accum,
-                                            early_prefetch=plan.early_prefetch) if a.kind != "U")
-    target_ns = measured_step_ms * NS_PER_MS
-    gap_ns = 0.0
-    for _ in range(6):
-        sim = simulate_swap(stages, plan.accum, early_prefetch=plan.early_prefetch,
-                            host_copies=True, host_gap_ns=round(gap_ns), record=False)
-        miss = target_ns - sim.step_ns
-        if abs(miss) < 1000:  # 1 us
-            break
-        gap_ns = max(gap_ns + miss / num_actions, 0.0)
-    return round(gap_ns) / NS_PER_MS
+    return fit_host_gap_ms(stage_times(plan), plan.accum, plan.early_prefetch, measured_step_ms)
 
 
 def _fit(measured_ms: float, profiled_ms: float, num_ops: int) -> tuple[float, float]:
@@ -170,12 +155,20 @@ def _fit(measured_ms: float, profiled_ms: float, num_ops: int) -> tuple[float, f
 def _update_rate(profile: Profile, plan: Plan, m: Measurement) -> float:
     """GB/s of fp32 masters the runtime's CPU updates achieved (0: none measured): the cost
     model's master bytes of each sub-model (its times at 1 GB/s are its bytes in ns) over the
-    measured update times."""
+    measured update times, less the fixed and per-tensor costs the profile measured (the
+    cost model charges those besides the bytes). A remainder below a tenth of the measured
+    time is taken as that tenth: the bytes always cost something."""
     from atomc.partition import recost
 
-    per_gb = recost(profile, plan, cpu_adam_gbps=1.0)
+    bare = dataclasses.replace(profile, runtime=None)
+    per_gb = recost(bare, plan, cpu_adam_gbps=1.0)
+    fixed_ms = 0.0
+    if profile.runtime is not None:
+        with_fixed = recost(profile, plan, cpu_adam_gbps=1.0)
+        fixed_ms = sum(a.optimizer_ms - b.optimizer_ms
+                       for a, b in zip(with_fixed.submodels, per_gb.submodels))
     master_bytes = sum(s.optimizer_ms * 1e6 for s in per_gb.submodels)
     update_ms = sum(s.optimizer_ms for s in m.submodels)
     if master_bytes <= 0 or update_ms <= 0:
         return 0.0
-    return master_bytes / (update_ms * 1e6)
+    return master_bytes / (max(update_ms - fixed_ms, 0.1 * update_ms) * 1e6)

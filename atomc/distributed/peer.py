@@ -156,9 +156,16 @@ def start_dht(hm: Any, initial_peers: Sequence[str], host_maddrs: Sequence[str],
                         f"peers {where}); check that they are alive and reachable")
     if "error" in box:
         e = box["error"]
-        raise PeerError(f"could not join the peers through {where}: {type(e).__name__}: "
-                        f"{str(e).strip()[:300]}; give the address of a live peer (it prints "
-                        f"it at start) and check that its port is reachable") from None
+        said = " ".join(str(e).split())[:300]  # p2pd's last line of output, for a daemon error
+        if "failed to listen" in said:
+            raise PeerError(f"the p2p daemon could not listen on {', '.join(host_maddrs)}: "
+                            f"{said}; give --host-maddrs an address of this machine (e.g. "
+                            f"/ip4/0.0.0.0/tcp/PORT) and a free port") from None
+        if "bootstrap" in said or initial_peers:
+            raise PeerError(f"could not join the peers through {where}: {type(e).__name__}: "
+                            f"{said}; give the address of a live peer (it prints it at start) "
+                            f"and check that its port is reachable") from None
+        raise PeerError(f"the p2p daemon failed to start: {type(e).__name__}: {said}") from None
     return box["dht"]
 
 

@@ -87,7 +87,7 @@ def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAUL
 
     def params_for(c: int, usable_bytes: int = usable) -> CostParams:
         return CostParams(c, usable_bytes, profile.h2d_gbps, profile.d2h_gbps, cpu_adam_gbps,
-                          activations)
+                          activations, *update_costs_ns(profile))
 
     first_c = accum or 1
     _check_operators_fit(view, facts, tables, params_for(first_c), reserve_bytes)
@@ -160,12 +160,30 @@ def recost(profile: Profile, plan: Plan, cpu_adam_gbps: float | None = None,
     tables = build_tables(facts, max(b - a for a, b in itertools.pairwise(bounds)))
     rate = plan.cpu_adam_gbps if cpu_adam_gbps is None else cpu_adam_gbps
     p = CostParams(plan.accum, plan.capacity_bytes - plan.reserve_bytes, profile.h2d_gbps,
-                   profile.d2h_gbps, rate, plan.activations)
+                   profile.d2h_gbps, rate, plan.activations, *update_costs_ns(profile))
     return build_plan(profile, tables, p, bounds[1:-1], capacity_bytes=plan.capacity_bytes,
                       reserve_bytes=plan.reserve_bytes, accum_fixed=plan.accum_fixed,
                       tier=plan.search_tier, notes=[f"the cuts of plan {plan.content_hash()}"],
                       early_prefetch=plan.early_prefetch, precision=precision, view=view,
                       cpu_adam_source=cpu_adam_source or plan.cpu_adam_source or "given")
+
+
+def update_costs_ns(profile: Profile) -> tuple[int, int]:
+    """The runtime's fixed and per-tensor cost of one sub-model's update (0 unmeasured)."""
+    rt = profile.runtime
+    if rt is None:
+        return 0, 0
+    return round(rt.update_ms * NS_PER_MS), round(rt.update_tensor_ms * NS_PER_MS)
+
+
+def host_gap_ms(profile: Profile) -> float:
+    """On a CPU device, the runtime thread's own time before each action: calibrated when
+    the profile is, else measured with the profile (0: neither)."""
+    if not copies_on_host(profile.device):
+        return 0.0
+    if profile.calibration is not None:
+        return profile.calibration.host_gap_ms
+    return profile.runtime.action_ms if profile.runtime is not None else 0.0
 
 
 def _utilisation(tables: RangeTables, p: CostParams, result: SearchResult) -> float:
@@ -249,10 +267,10 @@ def build_plan(profile: Profile, tables: RangeTables, p: CostParams, cuts,
     costs: list[RangeCost] = plan_costs(tables, p, list(cuts))
     early_prefetch = early_prefetch and len(costs) > 1
     # on a CPU the runtime's thread copies too, and spends time of its own between actions
-    # (measured by a calibration): the plan predicts that (the search times copies hidden, as
-    # on a GPU; on the CPU they are a few percent of a step)
+    # (measured with the profile, or by a calibration): the plan predicts that (the search
+    # times copies hidden, as on a GPU; on the CPU they are a few percent of a step)
     host = copies_on_host(profile.device)
-    gap_ms = profile.calibration.host_gap_ms if host and profile.calibration else 0.0
+    gap_ms = host_gap_ms(profile)
     sim = simulate_swap(range_stage_times(costs), p.accum, early_prefetch=early_prefetch,
                         host_copies=host, host_gap_ns=round(gap_ms * NS_PER_MS))
     slacks = plan_slacks(costs, p.usable_bytes, early_prefetch)

@@ -90,6 +90,15 @@ class Checker:
         self.params = g.params
         self.buffers = g.buffers
 
+    def _update_ns(self, master_bytes: int, num_masters: int) -> int:
+        """Bytes at the update rate, plus the runtime's fixed and per-tensor update costs."""
+        ns = _copy_ns(master_bytes, self.cpu)
+        rt = self.profile.runtime
+        if rt is None or not num_masters or self.cpu <= 0 or math.isinf(self.cpu):
+            return ns
+        return (ns + round(rt.update_ms * NS_PER_MS)
+                + num_masters * round(rt.update_tensor_ms * NS_PER_MS))
+
     def crossing(self, q: int) -> list[str]:
         """Values produced before node q and read at q or later."""
         return [n.name for n in self.nodes[:q] if any(r >= q for r in self.readers[n.name])]
@@ -105,6 +114,7 @@ class Checker:
         param_bytes = sum((self.params.get(f) or self.buffers[f]).num_bytes for f in fqns)
         grad_bytes = sum(self.params[f].num_bytes for f in fqns if f in self.params)
         master_bytes = sum(4 * math.prod(self.params[f].shape) for f in fqns if f in self.params)
+        num_masters = sum(1 for f in fqns if f in self.params)
         fwd = sum(round(k.fwd_ms * NS_PER_MS) for k in costs)
         bwd = sum(round(k.bwd_ms * NS_PER_MS) for k in costs)
         saved = sum(k.saved_bytes for k in costs)
@@ -133,7 +143,7 @@ class Checker:
             load_ns=_copy_ns(param_bytes, self.profile.h2d_gbps),
             checkpoint_ns=_copy_ns(checkpoint, self.profile.h2d_gbps),
             offload_ns=_copy_ns(grad_bytes, self.profile.d2h_gbps),
-            adam_ns=_copy_ns(master_bytes, self.cpu),
+            adam_ns=self._update_ns(master_bytes, num_masters),
             param_bytes=param_bytes, grad_bytes=grad_bytes, mem_fwd_bytes=mem_fwd,
             mem_bwd_bytes=mem_bwd, crossing_out=tuple(cross_out),
         )

@@ -69,6 +69,11 @@ class StateTensor:
     master_bytes: int  # fp32 master copy the CPU optimizer updates; 0 for buffers
     uses: tuple[int, ...]
 
+    @property
+    def num_masters(self) -> int:
+        """Tensors the CPU optimizer updates for it: 1 for a parameter, 0 for a buffer."""
+        return 1 if self.master_bytes else 0
+
 
 @dataclass(frozen=True)
 class NodeFacts:
@@ -209,6 +214,7 @@ class RangeTables:
     param_bytes: np.ndarray  # unique params and buffers
     grad_bytes: np.ndarray
     master_bytes: np.ndarray
+    num_masters: np.ndarray  # parameter tensors the CPU optimizer updates
     in_bytes: np.ndarray  # values produced before a and read inside the range
     out_bytes: np.ndarray  # values produced inside and read at a+w or later
     extra_fwd_bytes: np.ndarray  # largest single-node transient
@@ -226,7 +232,7 @@ class RangeTables:
         """Every per-range array, for comparing two start positions (block folding)."""
         cut_start = np.broadcast_to(self.cut_bytes[:-1, None], self.valid.shape)
         return [self.valid, self.fwd_ns, self.bwd_ns, self.saved_bytes, self.param_bytes,
-                self.grad_bytes, self.master_bytes, self.in_bytes, self.out_bytes,
+                self.grad_bytes, self.master_bytes, self.num_masters, self.in_bytes, self.out_bytes,
                 self.extra_fwd_bytes, self.extra_bwd_bytes, self.start_ok, self.end_ok, cut_start]
 
 
@@ -267,7 +273,7 @@ def build_tables(facts: NodeFacts, max_width: int) -> RangeTables:
     # its first use after a: the first use overall (prefix sums), or a later use whose
     # previous use lies before a (a few correction rectangles, e.g. a tied LM head).
     state_sums = []
-    for attr in ("param_bytes", "grad_bytes", "master_bytes"):
+    for attr in ("param_bytes", "grad_bytes", "master_bytes", "num_masters"):
         first = np.zeros(n, dtype=np.int64)
         for s in facts.state:
             first[s.uses[0]] += getattr(s, attr)
@@ -282,7 +288,7 @@ def build_tables(facts: NodeFacts, max_width: int) -> RangeTables:
                 if len(rows):
                     table[lo:use + 1] += weight * (widths > (use - rows)[:, None])
         state_sums.append(table)
-    param_bytes, grad_bytes, master_bytes = state_sums
+    param_bytes, grad_bytes, master_bytes, num_masters = state_sums
 
     extra_fwd = np.zeros((n, w_max + 1), dtype=np.int64)
     extra_bwd = np.zeros((n, w_max + 1), dtype=np.int64)
@@ -327,7 +333,7 @@ def build_tables(facts: NodeFacts, max_width: int) -> RangeTables:
         facts=facts, max_width=w_max, valid=valid,
         fwd_ns=span(facts.fwd_ns), bwd_ns=span(facts.bwd_ns), saved_bytes=span(facts.saved_bytes),
         param_bytes=param_bytes, grad_bytes=grad_bytes, master_bytes=master_bytes,
-        in_bytes=in_bytes, out_bytes=out_bytes, extra_fwd_bytes=extra_fwd,
+        num_masters=num_masters, in_bytes=in_bytes, out_bytes=out_bytes, extra_fwd_bytes=extra_fwd,
         extra_bwd_bytes=extra_bwd,
         start_ok=np.ascontiguousarray(start_ok), end_ok=end_ok & valid, cut_bytes=cut_bytes,
         allowed=allowed,
@@ -344,6 +350,10 @@ class CostParams:
     d2h_gbps: float
     cpu_adam_gbps: float = DEFAULT_CPU_ADAM_GBPS  # 0 or inf: the optimizer is not modelled
     activations: str = "recompute"
+    # a sub-model's update beyond its bytes: fixed, and per parameter tensor (the profile's
+    # RuntimeCosts; 0 when not measured)
+    update_ns: int = 0
+    update_tensor_ns: int = 0
 
     def __post_init__(self) -> None:
         if self.accum < 1:
@@ -375,7 +385,18 @@ class Derived:
     ok: np.ndarray | None = field(default=None)  # unary feasibility (tables only)
 
 
-def derive_values(p: CostParams, *, fwd, bwd, saved, params, grads, master, inb, outb,
+def optimizer_ns(p: CostParams, master_bytes, num_masters):
+    """CPU update time of ranges with these fp32 master bytes and parameter tensors: bytes at
+    the update rate, plus the update's fixed and per-tensor costs (a range that owns no
+    parameter has no update; with the optimizer not modelled, nothing)."""
+    by_bytes = transfer_ns(master_bytes, p.cpu_adam_gbps)
+    if p.cpu_adam_gbps <= 0 or math.isinf(p.cpu_adam_gbps):
+        return by_bytes
+    masters = np.asarray(num_masters, dtype=np.int64)
+    return by_bytes + np.where(masters > 0, p.update_ns + p.update_tensor_ns * masters, 0)
+
+
+def derive_values(p: CostParams, *, fwd, bwd, saved, params, grads, master, masters, inb, outb,
                   extra_fwd, extra_bwd, cut_start, is_last) -> Derived:
     """The C-dependent formulas, shared by the whole-table and the single-range paths."""
     c = np.int64(p.accum)
@@ -390,7 +411,7 @@ def derive_values(p: CostParams, *, fwd, bwd, saved, params, grads, master, inb,
     checkpoint = np.where(is_last, 0, c * (inb + saved) if keep else c * inb)
     load_fwd = transfer_ns(params, p.h2d_gbps)
     offload = transfer_ns(grads, p.d2h_gbps)
-    optimizer = transfer_ns(master, p.cpu_adam_gbps)
+    optimizer = optimizer_ns(p, master, masters)
     return Derived(
         fwd_ns=fwd_c, bwd_ns=bwd_c, load_fwd_ns=load_fwd,
         checkpoint_ns=transfer_ns(checkpoint, p.h2d_gbps),
@@ -404,7 +425,8 @@ def derive(tables: RangeTables, p: CostParams) -> Derived:
     t = tables
     cut_start = t.cut_bytes[:-1, None]
     d = derive_values(p, fwd=t.fwd_ns, bwd=t.bwd_ns, saved=t.saved_bytes, params=t.param_bytes,
-                      grads=t.grad_bytes, master=t.master_bytes, inb=t.in_bytes, outb=t.out_bytes,
+                      grads=t.grad_bytes, master=t.master_bytes, masters=t.num_masters,
+                      inb=t.in_bytes, outb=t.out_bytes,
                       extra_fwd=t.extra_fwd_bytes, extra_bwd=t.extra_bwd_bytes, cut_start=cut_start,
                       is_last=(np.arange(t.num_nodes)[:, None] + np.arange(t.max_width + 1)[None, :]
                                == t.num_nodes))
@@ -446,6 +468,7 @@ def _gather(tables: RangeTables, p: CostParams, starts: np.ndarray,
     d = derive_values(
         p, fwd=fwd, bwd=bwd, saved=t.saved_bytes[starts, w], params=t.param_bytes[starts, w],
         grads=t.grad_bytes[starts, w], master=t.master_bytes[starts, w],
+        masters=t.num_masters[starts, w],
         inb=t.in_bytes[starts, w], outb=t.out_bytes[starts, w],
         extra_fwd=t.extra_fwd_bytes[starts, w], extra_bwd=t.extra_bwd_bytes[starts, w],
         cut_start=t.cut_bytes[starts], is_last=stops == t.num_nodes)

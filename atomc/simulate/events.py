@@ -28,8 +28,8 @@ On a CPU device (`host_copies`; `copies_on_host` says which devices) there are n
 engines: the swap runtime's one thread computes and also loads, streams checkpoints and
 offloads, one job at a time in list order, a load after the update of its weights. Only the
 CPU optimizer runs beside it, on its own thread. The thread also spends time of its own
-between actions (the Python that drives them): `host_gap_ns` before each action, which
-`atomc calibrate` measures (none otherwise).
+between actions (the Python that drives them): `host_gap_ns` before each action, which a
+measured profile holds (atomc.profile.probe) and `atomc calibrate` fits (none otherwise).
 
 A step lasts from the end of its first action, P_0's refresh in ATOM's order (every update has
 ended by then: the optimizer lane takes P_0 last), to the end of the next step's; steps are
@@ -284,3 +284,25 @@ def _simulate(program: tuple[list[tuple], int], stages: list[StageTimes], accum:
         step_starts_ms=tuple(s / NS_PER_MS for s in starts),
     )
     return Simulation(timeline=timeline, step_ns=starts[-1] - starts[-2], compute_ns=compute_ns)
+
+
+def fit_host_gap_ms(stages: list[StageTimes], accum: int, early_prefetch: bool,
+                    measured_step_ms: float) -> float:
+    """On a CPU device: the runtime thread's time before each action it runs that makes the
+    simulated step of `stages` the measured one (what the events leave unexplained: the
+    Python between actions, and what copies take beyond their bytes over the bandwidth).
+    A few fixed-point rounds: the gaps can overlap waits for the optimizer thread."""
+    from atomc.actions import atom_order
+
+    num_actions = sum(1 for a in atom_order(len(stages), accum, early_prefetch=early_prefetch)
+                      if a.kind != "U")
+    target_ns = measured_step_ms * NS_PER_MS
+    gap_ns = 0.0
+    for _ in range(6):
+        sim = simulate_swap(stages, accum, early_prefetch=early_prefetch, host_copies=True,
+                            host_gap_ns=round(gap_ns), record=False)
+        miss = target_ns - sim.step_ns
+        if abs(miss) < 1000:  # 1 us
+            break
+        gap_ns = max(gap_ns + miss / num_actions, 0.0)
+    return round(gap_ns) / NS_PER_MS

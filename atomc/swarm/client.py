@@ -16,9 +16,10 @@ forward (SWARM's design): so the backward goes to any server of the stage, and a
 whose forward server is gone re-runs its forward there as part of the backward. The trainer
 keeps each stage's inputs and output gradients until every stage has taken the step. If a
 server that holds some of its gradients fails (a call errs, or its record expires), the
-trainer excludes that server from the step in the DHT and sends those micro-batches' backward
-again to other servers: the stage's step waits until its servers hold every micro-batch
-exactly once (atomc.swarm.server).
+trainer excludes that server's attempt at the step in the DHT and sends those micro-batches'
+backward again: the stage's step waits until its servers hold every micro-batch exactly once
+(atomc.swarm.server). A server that refuses a call says why, and whether it holds the call's
+micro-batch: one that does not is not excluded for it.
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ from typing import Any
 
 import torch
 from hivemind.p2p import PeerID
+from hivemind.utils.asyncio import iter_as_aiter
 
 from atomc.errors import PeerError, UsageError
 from atomc.swarm.node import SwarmNode
 from atomc.swarm.records import ServerRecord, read_excluded
 from atomc.swarm.server import BATCH, GRAD, SwarmServicer, exclude
-from atomc.swarm.wire import decode, encode, wire_bytes
+from atomc.swarm.wire import check_refusal, decode, encode, join, split, wire_bytes
 
 
 @dataclass
@@ -57,6 +59,8 @@ class TrainConfig:
     servers_timeout_s: float = 60.0  # a stage without servers for this long is an error
     step_timeout_s: float = 600.0
     ban_s: float = 1.0  # first ban; doubles with each further failure
+    ban_max_s: float = 60.0  # up to this (a server back from a fault is tried again)
+    missing_s: float = 2.0  # a server whose record is gone this long failed
     name: str = ""
 
 
@@ -67,14 +71,16 @@ class _Server:
     banned_until: float = 0.0
     failures: int = 0
     started: float = 0.0  # the incarnation banned
+    attempt: int = 0  # its attempt at the step, as last announced (atomc.swarm.records)
 
 
 class Router:
     """SWARM Algorithm 1 (see the module docstring); `now` is monotonic seconds."""
 
-    def __init__(self, num_stages: int, ban_s: float = 1.0, alpha: float = 0.1):
+    def __init__(self, num_stages: int, ban_s: float = 1.0, alpha: float = 0.1,
+                 ban_max_s: float = 60.0):
         self.stages: list[dict[str, _Server]] = [{} for _ in range(num_stages)]
-        self.ban_s = ban_s
+        self.ban_s, self.ban_max_s = ban_s, ban_max_s
         self.alpha = alpha
 
     def refresh(self, records: list[ServerRecord]) -> None:
@@ -93,6 +99,7 @@ class Router:
             if s.failures and r.started > s.started:
                 s.banned_until, s.failures = 0.0, 0
             s.started = max(s.started, r.started) if not s.failures else s.started
+            s.attempt = r.attempt
         for queue, live in zip(self.stages, seen):
             for peer in set(queue) - live:
                 del queue[peer]
@@ -115,6 +122,14 @@ class Router:
         s.priority += ema * samples
         return peer
 
+    def banned_for(self, stage: int, peer: str, now: float) -> float:
+        s = self.stages[stage].get(peer)
+        return max(0.0, s.banned_until - now) if s is not None else 0.0
+
+    def attempt(self, stage: int, peer: str) -> int:
+        s = self.stages[stage].get(peer)
+        return s.attempt if s is not None else 0
+
     def report(self, stage: int, peer: str, seconds: float, samples: int) -> None:
         s = self.stages[stage].get(peer)
         if s is None:
@@ -127,7 +142,7 @@ class Router:
         if s is None:
             return 0.0
         s.failures += 1
-        span = self.ban_s * 2 ** (s.failures - 1)
+        span = min(self.ban_max_s, self.ban_s * 2 ** min(s.failures - 1, 60))
         s.banned_until = now + span
         return span
 
@@ -137,6 +152,7 @@ class _Held:
     """What a micro-batch's backward at one stage needs to run again elsewhere."""
 
     peer: str
+    attempt: int  # the server's attempt its gradients went to
     inputs: dict[str, Any]
     grads: dict[str, torch.Tensor] | None
 
@@ -161,7 +177,7 @@ class SwarmTrainer(SwarmNode):
         self.cfg = cfg
         self.log = log
         self.micro_batch_size = cfg.micro_batch_size or int(self.pkg.plan.batch_size or 1)
-        self.router = Router(cfg.num_stages, cfg.ban_s)
+        self.router = Router(cfg.num_stages, cfg.ban_s, ban_max_s=cfg.ban_max_s)
         self.step_count = 0
         self.name = cfg.name or f"trainer-{self.peer[-6:]}"
 
@@ -271,38 +287,53 @@ class SwarmTrainer(SwarmNode):
                 self.router.refresh(records)
                 avoid.clear()  # every server failed once: they may have come back
                 continue
+            wait = self.router.banned_for(j, peer, now)
+            if wait > 0:  # every server of the stage is banned: not faster than a second
+                await asyncio.sleep(min(wait, 1.0))
             stub = SwarmServicer.get_stub(self.p2p, PeerID.from_base58(peer),
                                           namespace=cfg.prefix)
             method = stub.rpc_forward if kind == "forward" else stub.rpc_backward
+            # a backward names the server's attempt its gradients go to (atomc.swarm.records)
+            attempt = self.router.attempt(j, peer)
+            request.uid = str(attempt)
             t0 = time.monotonic()
             self._stats.calls += 1
             try:
-                response = await method(request, timeout=cfg.request_timeout_s)
+                response = await asyncio.wait_for(
+                    self._exchange(method, request), cfg.request_timeout_s)
             except Exception as e:  # noqa: BLE001 - any failure of a remote call: route elsewhere
                 self._stats.retries += 1
                 span = self.router.ban(j, peer, time.monotonic())
                 self.log(f"stage {j} server ...{peer[-6:]}: {kind} of micro-batch {g} failed "
                          f"({type(e).__name__}: {str(e).strip()[:160]}); banned for {span:.1f} s")
-                if kind == "backward":  # it may hold some of our gradients: they must not count
-                    await self._exclude(k, j, peer)
+                if kind == "backward" and getattr(e, "held", True):
+                    # it may hold this gradient (a call lost on the way, or timed out): nothing
+                    # of that attempt may count; a server that refused says whether it holds it
+                    await self._exclude(k, j, peer, attempt)
                 avoid.add(peer)
                 continue
             self.router.report(j, peer, time.monotonic() - t0, samples)
             self._stats.bytes_sent += wire_bytes(request)
             self._stats.bytes_received += wire_bytes(response)
             if kind == "backward":
-                self._held[(j, g)] = _Held(peer, values, grads)
+                self._held[(j, g)] = _Held(peer, attempt, values, grads)
             return decode(response, torch.device("cpu"))
 
-    async def _exclude(self, k: int, j: int, peer: str) -> None:
+    @staticmethod
+    async def _exchange(method: Any, request: Any) -> Any:
+        stream = await method(iter_as_aiter(split(request)))
+        return check_refusal(join([part async for part in stream]))
+
+    async def _exclude(self, k: int, j: int, peer: str, attempt: int) -> None:
         await asyncio.get_running_loop().run_in_executor(
-            None, exclude, self.dht, self.cfg.prefix, k, peer, j)
+            None, exclude, self.dht, self.cfg.prefix, k, peer, j, attempt)
 
     async def _wait_for_commit(self, k: int, micro: list[tuple], total: int) -> None:
         """Until every stage has taken step k; backward calls held by servers that failed
-        (excluded by any trainer, or gone from the DHT) are sent again to other servers."""
+        (excluded by any trainer, or gone from the DHT for `missing_s`) are sent again."""
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + self.cfg.step_timeout_s
+        missing_since: dict[str, float] = {}
         while True:
             records = await loop.run_in_executor(None, self._records)
             done = {r.stage for r in records if r.step > k and not r.moving}
@@ -310,21 +341,28 @@ class SwarmTrainer(SwarmNode):
                 return
             excluded = await loop.run_in_executor(None, read_excluded, self.dht,
                                                   self.cfg.prefix, k)
+            now = time.monotonic()
             live = {r.peer for r in records}
+            for h in self._held.values():  # one DHT read can miss a live record: not yet gone
+                if h.peer in live:
+                    missing_since.pop(h.peer, None)
+                else:
+                    missing_since.setdefault(h.peer, now)
+            gone = {p for p, t in missing_since.items() if now - t >= self.cfg.missing_s}
             self.router.refresh(records)
-            lost = [(j, g) for (j, g), h in self._held.items()
-                    if j not in done and ((h.peer, j) in excluded or h.peer not in live)]
+            lost = [(j, g) for (j, g), h in self._held.items() if j not in done and (
+                (h.peer, j, h.attempt) in excluded or h.peer in gone)]
             for j, g in lost:
                 h = self._held.pop((j, g))
-                if (h.peer, j) not in excluded:
-                    await self._exclude(k, j, h.peer)
-                    excluded.add((h.peer, j))
+                if (h.peer, j, h.attempt) not in excluded:
+                    await self._exclude(k, j, h.peer, h.attempt)
+                    excluded.add((h.peer, j, h.attempt))
                 self.log(f"stage {j}: server ...{h.peer[-6:]} failed holding micro-batch {g} "
                          f"of step {k}; sending it again")
                 self._stats.resent += 1
                 m = g - self.cfg.first_micro
                 await self._call(j, "backward", k, g, micro[m], total, h.inputs, h.grads,
-                                 avoid={h.peer} | {p for p, s in excluded if s == j})
+                                 avoid={h.peer})
             if time.monotonic() > deadline:
                 raise PeerError(f"step {k} was not taken by stages "
                                 f"{sorted(set(range(self.cfg.num_stages)) - done)} within "

@@ -21,6 +21,22 @@ from atomc.runtime.package import SwapPackage, load_swap_package
 from atomc.swarm.records import ServerRecord, read_servers
 
 
+def stage_costs(pkg: SwapPackage, specs: Sequence[StageSpec]) -> list[float]:
+    """Each stage's time per sample on one server, from the plan's profile, relative (mean 1):
+    a forward call and a backward call that recomputes the forward, or on the last stage the
+    backward call alone (its forward is in it). All 1 when the plan has no times."""
+    subs = _package_plan(pkg).submodels
+    costs = []
+    for s in specs:
+        fwd = sum(subs[i].fwd_ms for i in range(s.start, s.stop))
+        bwd = sum(subs[i].bwd_ms for i in range(s.start, s.stop))
+        costs.append(fwd + bwd if s.holds_output else 2 * fwd + bwd)
+    if min(costs) <= 0:
+        return [1.0] * len(specs)
+    mean = sum(costs) / len(costs)
+    return [c / mean for c in costs]
+
+
 def stage_specs(pkg: SwapPackage, num_stages: int) -> list[StageSpec]:
     """The package's sub-models in `num_stages` consecutive stages of balanced compute."""
     ranges = stage_ranges(_package_plan(pkg), num_stages)
@@ -49,6 +65,7 @@ class SwarmNode:
         self.pkg = load_swap_package(package)
         self.fingerprint = self.pkg.fingerprint()
         self.specs = stage_specs(self.pkg, num_stages)
+        self.costs = stage_costs(self.pkg, self.specs)
         self.dht = start_dht(self.hm, initial_peers, host_maddrs, announce_maddrs,
                              connect_timeout_s)
         self.peer = self.dht.peer_id.to_base58()
@@ -82,4 +99,4 @@ class SwarmNode:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-__all__ = ["SwarmNode", "stage_specs"]
+__all__ = ["SwarmNode", "stage_costs", "stage_specs"]

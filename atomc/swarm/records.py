@@ -4,8 +4,10 @@
   `expiration_s` (a SIGKILLed server drops out when it stops refreshing): stage, the step its
   stage is at, the samples it holds for that step, throughput, queue, the package it serves.
 - `{prefix}.excluded.{step}`: servers a trainer stopped trusting during a step (a call that
-  failed or timed out). Their gradients for that step never count: the trainers send those
-  micro-batches again elsewhere, and the server itself, if it is alive after all, drops them.
+  failed or timed out, or a record gone), each with the attempt it was on: the gradients it
+  held under that attempt never count. The trainers send those micro-batches again, and the
+  server itself, if it is alive after all, drops them and starts its next attempt at the step
+  (so a stage's last server, wrongly given up on, is not shut out of the step for good).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ class ServerRecord:
     package: str  # the package's fingerprint
     started: float  # when this incarnation started serving its stage (DHT time)
     moving: bool = False  # changing stage: not taking requests
+    measured: bool = True  # `throughput` measured on this stage (not a stand-in): movable
+    attempt: int = 0  # its gradients of `step` since it last dropped them (records' docstring)
 
     def to_value(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,16 +74,17 @@ def read_servers(dht: Any, prefix: str) -> list[ServerRecord]:
     return sorted(out, key=lambda r: (r.stage, r.peer))
 
 
-def excluded_subkey(peer: str, stage: int) -> str:
-    return f"{peer}@{stage}"
+def excluded_subkey(peer: str, stage: int, attempt: int) -> str:
+    return f"{peer}@{stage}#{attempt}"
 
 
-def read_excluded(dht: Any, prefix: str, step: int) -> set[tuple[str, int]]:
-    """(peer, stage) pairs excluded from `step`: a server that moves on to another stage is
-    trusted there."""
+def read_excluded(dht: Any, prefix: str, step: int) -> set[tuple[str, int, int]]:
+    """(peer, stage, attempt) excluded from `step`: a server that moves on to another stage is
+    trusted there, and on its next attempt at the step."""
     out = set()
     for sub in read_dict(dht, excluded_key(prefix, step)):
-        peer, _, stage = sub.rpartition("@")
-        if peer and stage.isdigit():
-            out.add((peer, int(stage)))
+        peer, _, rest = sub.rpartition("@")
+        stage, _, attempt = rest.partition("#")
+        if peer and stage.isdigit() and attempt.isdigit():
+            out.add((peer, int(stage), int(attempt)))
     return out

@@ -20,12 +20,15 @@ p2p (streamed in parts) and adds them in peer order. The sum is ordered, so ever
 the same bits: hivemind's all-reduce hands each member the average as a delta to its own
 tensor, which rounds differently on each, and servers of one stage would drift apart. Every
 member sees the same gathered ids, so all decide alike: apply the step when the ids cover the
-global batch with no repeats and no member is excluded (`records`), otherwise keep their sums
-and try again (a dead server's micro-batches come back from the trainers). A server that missed
-the round downloads the stage's state from one that took it (the averager's state sharing,
-priority = step), as does a server that joins or moves to the stage. BatchNorm statistics are
-updated by the forward call only (the backward's recomputation restores them) and averaged at
-the commit.
+global batch with no repeats and no member's attempt is excluded (`records`), otherwise keep
+their sums and try again (a dead server's micro-batches come back from the trainers). A call
+that is refused (wrong step, stage or attempt) is answered with the reason, so the trainer logs
+the server's words. A server that missed the round downloads the stage's state from one that
+took it (the averager's state sharing, priority = step), as does a server that joins or moves
+to the stage. BatchNorm statistics are updated by the forward call only (the backward's
+recomputation restores them) and averaged at the commit. With delayed parameter updates, a
+copy of the stage takes each update on another thread while the calls of the next step
+compute with the weights before it.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ from atomc.swarm.records import (
     read_servers,
     servers_key,
 )
-from atomc.swarm.wire import decode, encode
+from atomc.swarm.wire import decode, encode, join, refusal, split
 
 BATCH = "atomc.batch."  # batch tensors travel as atomc.batch.0, atomc.batch.1, ...
 GRAD = "atomc.grad."  # output gradients of a backward call
@@ -90,11 +93,13 @@ class ServeConfig:
     heartbeat_s: float = 0.5
     expiration_s: float = 4.0  # a server that stops refreshing its record drops out after this
     rebalance_s: float | None = None  # SWARM's T: None, no rebalancing
+    min_gain: float = 0.0  # a move must raise the lower stage throughput by this fraction
     matchmaking_s: float = 1.0
     averaging_timeout_s: float = 20.0
     connect_timeout_s: float = 20.0
     request_wait_s: float = 30.0  # a call for a step this server has not reached waits this long
     slowdown: float = 1.0  # emulate a slower device: every call takes this many times longer
+    delayed_updates: bool = False  # DPU: the optimizer step overlaps the next step's calls
     checkpoint_dir: str | Path | None = None  # the stage's state after every step (shared dir)
     name: str = ""
     maddr_path: str | Path | None = None
@@ -110,6 +115,12 @@ class ServeConfig:
             raise UsageError(f"--target-batch-size {self.target_batch_size} must be at least 1")
         if self.slowdown < 1:
             raise UsageError(f"--slowdown {self.slowdown} must be 1 or more")
+        if self.min_gain < 0:
+            raise UsageError(f"--min-gain {self.min_gain} must be 0 or more")
+        if self.delayed_updates and self.swap:
+            raise UsageError("--delayed-updates keeps a second copy of the stage's weights and "
+                             "optimizer for the update in flight, and --swap serves a stage that "
+                             "does not fit in memory once; choose one of the two")
 
 
 class SwarmServicer(ServicerBase):
@@ -118,13 +129,16 @@ class SwarmServicer(ServicerBase):
     def __init__(self, server: SwarmServer):
         self.server = server
 
-    async def rpc_forward(self, request: runtime_pb2.ExpertRequest,
-                          context: P2PContext) -> runtime_pb2.ExpertResponse:
-        return await self.server.handle("forward", request)
+    # forward and backward stream both ways: a stage's activations outgrow one p2p message
+    async def rpc_forward(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                          context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        for part in split(await self.server.answer("forward", requests)):
+            yield part
 
-    async def rpc_backward(self, request: runtime_pb2.ExpertRequest,
-                           context: P2PContext) -> runtime_pb2.ExpertResponse:
-        return await self.server.handle("backward", request)
+    async def rpc_backward(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                           context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        for part in split(await self.server.answer("backward", requests)):
+            yield part
 
     async def rpc_contribution(self, request: runtime_pb2.ExpertUID,
                                context: P2PContext) -> AsyncIterator[runtime_pb2.Tensor]:
@@ -173,10 +187,19 @@ class SwarmServer(SwarmNode):
         self.cv = threading.Condition()  # guards the stage, its step and its gradient sums
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-compute")
         self.queue = 0
-        self.sec_per_sample: float | None = None  # EMA of compute time per sample
+        self.sec_per_sample: dict[str, float] = {}  # call kind -> EMA of its time per sample
+        self.carried_rate: float | None = None  # measured on the stage it served before
+        self.moving_to: int | None = None  # the stage it is moving to (announced as its stage)
         self.closing = False
         self.moving = False
+        self.announce_soon = False
+        # of the gradients it holds; an exclusion voids one (records). Never reused, not even
+        # across steps or stages, so that no old exclusion can match a new attempt
+        self.attempt = 0
         self.stage: Any = None
+        self.master: Any = None  # the stage whose optimizer steps (the stage itself, or DPU's copy)
+        self.pending: Any = None  # DPU: the update in flight
+        self.updater = ThreadPoolExecutor(1, thread_name_prefix="swarm-update")
         self.averager: Any = None
         self.maddrs = [str(a) for a in self.dht.get_visible_maddrs()]
         if cfg.maddr_path:
@@ -202,7 +225,7 @@ class SwarmServer(SwarmNode):
     def _stage_in_need(self) -> int:
         servers = [balance.ServerLoad(r.peer, r.stage, r.throughput, r.queue)
                    for r in read_servers(self.dht, self.cfg.prefix)
-                   if r.peer != self.peer and not r.moving]
+                   if r.peer != self.peer]  # one moving counts where it goes
         return balance.choose_join_stage(servers, self.cfg.num_stages)
 
     def _build_stage(self, j: int) -> Any:
@@ -219,26 +242,40 @@ class SwarmServer(SwarmNode):
         """Serve stage j: build it, join its averaging group, take its latest state from a
         server of the stage (or the checkpoint directory; the initial weights at step 0)."""
         t0 = time.monotonic()
+        if self.stage is not None:  # moving: what it measured on its last stage stands in,
+            # at the new stage's cost
+            old = self._measured_rate() or self.carried_rate
+            self.carried_rate = old and old * self.costs[self.spec.index] / self.costs[j]
         stage = self._build_stage(j)
         self.params = stage.named_parameters()
         sizes = [p.numel() for _, p in self.params]
         master = self.dtype or torch.float32
         self.acc = torch.zeros(sum(sizes), dtype=master)
         self.ids: dict[str, int] = {}
-        self.excluded: set[tuple[str, int]] = set()  # of this step, as last read from the DHT
+        self.excluded: set[tuple[str, int, int]] = set()  # this step's, last read from the DHT
         self.float_buffers = [b for b in stage.buffers().values() if b.is_floating_point()]
         self.step = 0
         self.stage = stage
+        # DPU: calls compute with the weights before the last step's update while a copy of
+        # the stage (its optimizer with it) takes that update in the background
+        self.master = self._build_stage(j) if self.cfg.delayed_updates else stage
+        self.pending = None
         self.spec = self.specs[j]
         self.started = float(get_dht_time())
-        rates = [r.throughput for r in read_servers(self.dht, self.cfg.prefix)
-                 if r.peer != self.peer and r.throughput > 0]
+        rates = [r.throughput * self.costs[r.stage] / self.costs[j]
+                 for r in read_servers(self.dht, self.cfg.prefix)
+                 if r.peer != self.peer and r.throughput > 0 and r.stage < len(self.costs)]
         self.prior_rate = sum(rates) / len(rates) if rates else 1.0
+        self.sec_per_sample = {}  # measured anew on this stage: stages need not cost the same
         self.offers: dict[int, torch.Tensor] = {}  # step -> our sums (and buffers) offered
         # the averager forms groups and gathers their ids; the sums travel by rpc_contribution
         self.averager = self._make_averager(j, [torch.zeros(1)])
+        # no one may download from it before it holds the stage's state (it would hand out
+        # the initial weights as the stage's, at step 0)
+        self.averager.allow_state_sharing = False
         source = self._load_state(j)
-        self.moving = False
+        self.averager.allow_state_sharing = True
+        self.moving, self.moving_to = False, None
         self._announce()
         self.log(f"serving stage {j} (sub-models {self.spec.start}..{self.spec.stop - 1}) at "
                  f"step {self.step}, state from {source}, in {time.monotonic() - t0:.1f} s")
@@ -252,7 +289,7 @@ class SwarmServer(SwarmNode):
                 with server.cv:
                     meta = {"step": server.step, "stage": j, "package": server.fingerprint,
                             "name": server.cfg.name}
-                    return meta, [state_bytes(server.stage.state_dict())]
+                    return meta, [state_bytes(server._state())]
 
         cfg = self.cfg
         averager = StageAverager(
@@ -265,8 +302,8 @@ class SwarmServer(SwarmNode):
         return averager
 
     def _load_state(self, j: int) -> str:
-        peers = [r for r in read_servers(self.dht, self.cfg.prefix)
-                 if r.stage == j and r.peer != self.peer and not r.moving]
+        records = read_servers(self.dht, self.cfg.prefix)
+        peers = [r for r in records if r.stage == j and r.peer != self.peer and not r.moving]
         if peers:
             got = self._download(timeout=self.cfg.connect_timeout_s)
             if got is not None:
@@ -281,10 +318,20 @@ class SwarmServer(SwarmNode):
             raise PeerError(f"stage {j} has servers ({', '.join(p.name or p.peer for p in peers)})"
                             f" but none shared its state within {self.cfg.connect_timeout_s:.0f} "
                             f"s; check that they are alive, or give --checkpoint-dir")
+        trained = max((r.step for r in records if r.peer != self.peer), default=0)
+        if trained > 0:
+            # the swarm has trained, and nothing holds this stage's state: starting it afresh
+            # would pair new weights with the other stages' trained ones
+            raise PeerError(f"stage {j}'s state is lost: no server holds it and no checkpoint "
+                            f"of it is in --checkpoint-dir "
+                            f"{self.cfg.checkpoint_dir or '(not given)'}, while the other stages "
+                            f"are at step {trained}; give the servers a shared --checkpoint-dir")
         if self.initial_state is None:
             raise UsageError(f"no initial weights for stage {j}: the model file "
                              f"{self.pkg.plan.model_path!r} is not found from here")
         self.stage.load_original(self.initial_state)
+        if self.master is not self.stage:
+            self.master.load_original(self.initial_state)
         return "the initial weights"
 
     def _download(self, timeout: float) -> str | None:
@@ -309,10 +356,33 @@ class SwarmServer(SwarmNode):
             time.sleep(0.3)
         return None
 
+    def _state(self) -> dict[str, Any]:
+        """The stage's state: its weights, optimizer and buffers (with DPU, the weights in use
+        and, under "master", the copy that has taken every update); call under `cv`."""
+        self._finish_update()
+        state = self.stage.state_dict()
+        if self.master is not self.stage:
+            state["master"] = self.master.state_dict()
+        return state
+
+    def _finish_update(self) -> None:
+        if self.pending is not None:
+            self.pending.result()  # re-raises what failed in the update
+            self.pending = None
+
     def _adopt(self, state: dict[str, Any]) -> None:
         with self.cv:
+            self._finish_update()
             step = int(state.pop("step", 0))
+            master = state.pop("master", None)
+            if (master is not None) != (self.master is not self.stage) and step > 0:
+                how = "with" if master is not None else "without"
+                raise PeerError(f"stage {self.spec.index}'s state at step {step} was trained "
+                                f"{how} --delayed-updates, this server is not; give every "
+                                f"server of the swarm the same --delayed-updates")
             self.stage.load_state_dict(state)
+            if self.master is not self.stage:
+                self.master.load_state_dict(master if master is not None else state)
             self.step = step
             self.acc.zero_()
             self.ids = {}
@@ -330,9 +400,28 @@ class SwarmServer(SwarmNode):
             return
         from atomc.runtime.checkpoint import save_checkpoint
 
-        save_checkpoint(path, {**self.stage.state_dict(), "step": self.step})
+        save_checkpoint(path, {**self._state(), "step": self.step})
 
     # ---- calls ---------------------------------------------------------------------------------
+
+    async def answer(self, kind: str, requests: Any) -> Any:
+        """The response to a call; a refusal travels in it, in the server's words."""
+        request = None
+        try:
+            request = join([r async for r in requests])
+            return await self.handle(kind, request)
+        except Exception as e:  # noqa: BLE001 - any failure: the trainer routes elsewhere
+            return refusal(e, held=kind == "backward" and self._holds(request))
+
+    def _holds(self, request: Any) -> bool:
+        """Whether the micro-batch of `request` is among our gradients: a trainer told so
+        voids our attempt rather than also count it elsewhere."""
+        try:
+            micro = json.loads(request.metadata.decode())["meta"]["id"]
+        except Exception:  # noqa: BLE001 - unreadable: then nothing of it was run
+            return False
+        with self.cv:
+            return micro in self.ids
 
     async def handle(self, kind: str, request: Any) -> Any:
         self.queue += 1
@@ -359,8 +448,12 @@ class SwarmServer(SwarmNode):
                 raise PeerError(f"stage {j} has taken step {step} already (at {self.step})")
             if kind == "backward":
                 # the serving loop reads the step's exclusions every tick: no DHT read per call
-                if (self.peer, j) in self.excluded:
-                    raise PeerError(f"server {self.cfg.name} is excluded from step {step}")
+                attempt = int(request.uid or -1)
+                if attempt != self.attempt or (self.peer, j, attempt) in self.excluded:
+                    # the trainer must name the attempt its gradients go to: had it failed, the
+                    # trainer excludes that attempt, and nothing of it may count
+                    raise PeerError(f"server {self.cfg.name} is on attempt {self.attempt} of "
+                                    f"step {step}, the call names attempt {attempt}")
                 if meta["id"] in self.ids:
                     raise PeerError(f"server {self.cfg.name} holds micro-batch {meta['id']} of "
                                     f"step {step} already")
@@ -374,13 +467,14 @@ class SwarmServer(SwarmNode):
                         self.acc[off:off + n] += p.grad.detach().reshape(-1).to(self.acc.dtype)
                     off += n
                 self.ids[meta["id"]] = int(meta["samples"])
+                self.announce_soon = True  # the stage may hold its batch now: say so
             took = time.perf_counter() - t0
             if self.cfg.slowdown > 1:
                 time.sleep((self.cfg.slowdown - 1) * took)  # the device is busy that long
                 took *= self.cfg.slowdown
             per = took / max(1, int(meta["samples"]))
-            self.sec_per_sample = per if self.sec_per_sample is None else (
-                0.9 * self.sec_per_sample + 0.1 * per)
+            old = self.sec_per_sample.get(kind)
+            self.sec_per_sample[kind] = per if old is None else 0.9 * old + 0.1 * per
         return encode(out, {"loss": loss, "server": self.cfg.name}, response=True,
                       compress=bool(meta.get("compress")))
 
@@ -413,18 +507,22 @@ class SwarmServer(SwarmNode):
 
     # ---- the step ------------------------------------------------------------------------------
 
-    def _stage_samples(self, servers: list[ServerRecord], excluded: set[tuple[str, int]]) -> int:
+    def _stage_samples(self, servers: list[ServerRecord],
+                       excluded: set[tuple[str, int, int]]) -> int:
         return sum(r.samples for r in servers if r.stage == self.spec.index
-                   and r.step == self.step and (r.peer, r.stage) not in excluded)
+                   and r.step == self.step and (r.peer, r.stage, r.attempt) not in excluded)
 
     def _try_commit(self, servers: list[ServerRecord]) -> None:
         cfg = self.cfg
         excluded = self.excluded = read_excluded(self.dht, cfg.prefix, self.step)
-        if (self.peer, self.spec.index) in excluded and self.ids:
+        if (self.peer, self.spec.index, self.attempt) in excluded:
             with self.cv:  # a trainer gave up on us: our part of this step is sent elsewhere
-                self.log(f"excluded from step {self.step}: dropping {len(self.ids)} micro-batches")
+                self.log(f"excluded from attempt {self.attempt} of step {self.step}: dropping "
+                         f"{len(self.ids)} micro-batches")
                 self.acc.zero_()
                 self.ids = {}
+                self.attempt += 1
+            self._announce()
         others = [r for r in servers if r.stage == self.spec.index and r.peer != self.peer
                   and not r.moving]
         ahead = [r for r in others if r.step > self.step]
@@ -435,7 +533,7 @@ class SwarmServer(SwarmNode):
             return
         with self.cv:
             mine = {"peer": self.peer, "ids": sorted(self.ids), "samples": sum(self.ids.values()),
-                    "step": self.step}
+                    "step": self.step, "attempt": self.attempt}
             acc = self.acc.clone()
         buffers = [b.detach().reshape(-1).to(acc.dtype) for b in self.float_buffers]
         if not others or mine["samples"] == cfg.target_batch_size:
@@ -502,13 +600,15 @@ class SwarmServer(SwarmNode):
         chunks = [part async for part in stream]
         return deserialize_torch_tensor(combine_from_streaming(chunks))
 
-    def _valid(self, group: dict[str, Any], excluded: set[tuple[str, int]]) -> tuple[bool, str]:
+    def _valid(self, group: dict[str, Any], excluded: set[tuple[str, int, int]]
+               ) -> tuple[bool, str]:
         seen: set[str] = set()
         samples = 0
         for peer, info in group.items():
             if int(info.get("step", -1)) != self.step:
                 return False, f"{peer} is at step {info.get('step')}"
-            if (peer, self.spec.index) in excluded and info.get("ids"):
+            if (peer, self.spec.index, int(info.get("attempt", -1))) in excluded \
+                    and info.get("ids"):
                 return False, f"{peer} is excluded from this step"
             repeated = seen.intersection(info["ids"])
             if repeated:
@@ -522,9 +622,16 @@ class SwarmServer(SwarmNode):
 
     def _apply(self, total: torch.Tensor, buf_mean: torch.Tensor | None,
                group: dict[str, Any]) -> None:
+        delayed = self.master is not self.stage
         with self.cv:
+            if delayed:
+                # the update of the last step ran during this one; its result serves the next
+                self._finish_update()
+                with torch.no_grad():
+                    for (_, p), (_, q) in zip(self.params, self.master.named_parameters()):
+                        p.copy_(q)
             off = 0
-            for _, p in self.params:
+            for _, p in self.master.named_parameters():
                 n = p.numel()
                 g = total[off:off + n].view(p.shape).to(p.dtype)
                 if p.grad is None:
@@ -532,8 +639,6 @@ class SwarmServer(SwarmNode):
                 else:
                     p.grad.copy_(g)
                 off += n
-            self.stage.step = self.step
-            self.stage.update(None)
             if buf_mean is not None:
                 off = 0
                 with torch.no_grad():
@@ -541,11 +646,18 @@ class SwarmServer(SwarmNode):
                         n = b.numel()
                         b.copy_(buf_mean[off:off + n].view_as(b))
                         off += n
+            self.master.step = self.step
             self.step += 1
+            if delayed:
+                ckpt = self._checkpoint_path(self.spec.index)
+                in_use = self.stage.state_dict() if ckpt is not None else None
+                self.pending = self.updater.submit(self._update, self.step, in_use)
+            else:
+                self.master.update(None)
+                self._save_checkpoint()
             self.acc.zero_()
             self.ids = {}
             self.averager.state_sharing_priority = float(self.step)
-            self._save_checkpoint()
             self.cv.notify_all()
         self._announce()
         names = sorted(str(v.get("peer", "?"))[-6:] for v in group.values())
@@ -557,6 +669,16 @@ class SwarmServer(SwarmNode):
             self._metric({"event": "step", "stage": self.spec.index, "step": self.step,
                           "group": len(group), "digest": digest.hexdigest()[:16]})
 
+    def _update(self, step: int, in_use: dict[str, Any] | None) -> None:
+        """DPU, on the update thread: the optimizer step, then the checkpoint of `step` (the
+        weights in use as they were at the commit, and the updated copy)."""
+        self.master.update(None)
+        if in_use is not None:
+            from atomc.runtime.checkpoint import save_checkpoint
+
+            save_checkpoint(self._checkpoint_path(self.spec.index),
+                            {**in_use, "master": self.master.state_dict(), "step": step})
+
     def _catch_up(self, ahead: list[ServerRecord]) -> None:
         """The stage moved on without us (we held nothing for the step): take its state."""
         got = self._download(timeout=self.cfg.averaging_timeout_s)
@@ -565,12 +687,29 @@ class SwarmServer(SwarmNode):
 
     # ---- load and rebalancing ------------------------------------------------------------------
 
+    def _measured_rate(self) -> float | None:
+        """Samples/s of the stage's whole work (a micro-batch costs a forward and a backward
+        call at every stage but the last, whose backward call is its forward too); None until
+        it has served both on this stage."""
+        kinds = ("backward",) if self.spec.holds_output else ("forward", "backward")
+        known = [self.sec_per_sample[k] for k in kinds if k in self.sec_per_sample]
+        return 1.0 / sum(known) if len(known) == len(kinds) else None
+
     def record(self) -> ServerRecord:
-        # until it has served, a server counts as fast as the others (it joined to help)
-        rate = 1.0 / self.sec_per_sample if self.sec_per_sample else self.prior_rate
-        return ServerRecord(self.peer, self.cfg.name, self.spec.index, self.step,
-                            sum(self.ids.values()), rate, self.queue, self.fingerprint,
-                            self.started, self.moving)
+        # until it has served on this stage, a server counts at the rate it had on its last
+        # one (stages are taken to cost the same), or, new, as fast as the others (it joined
+        # to help); meanwhile it is not moved again (balance.ServerLoad.loading)
+        rate = self._measured_rate()
+        measured = rate is not None
+        if rate is None:
+            rate = self.carried_rate or self.prior_rate
+        # moving: announced at the stage it goes to (so that no second server is sent to the
+        # same gap), holding nothing there yet
+        stage = self.moving_to if self.moving_to is not None else self.spec.index
+        return ServerRecord(self.peer, self.cfg.name, stage, self.step,
+                            0 if self.moving else sum(self.ids.values()), rate, self.queue,
+                            self.fingerprint, self.started, self.moving, measured,
+                            self.attempt)
 
     def _announce(self) -> None:
         now = get_dht_time()
@@ -580,19 +719,23 @@ class SwarmServer(SwarmNode):
     def _rebalance(self, servers: list[ServerRecord]) -> None:
         if self.queue:
             return  # not in the middle of a call
-        loads = [balance.ServerLoad(r.peer, r.stage, r.throughput, r.queue)
-                 for r in servers if not r.moving]
-        move = balance.choose_move(loads, self.cfg.num_stages)
+        # a server moving (or not yet measured on its stage) counts where it is announced and
+        # is not moved again
+        loads = [balance.ServerLoad(r.peer, r.stage, r.throughput, r.queue,
+                                    r.moving or not r.measured) for r in servers]
+        move = balance.choose_move(loads, self.cfg.num_stages, self.cfg.min_gain, self.costs)
         if move is None or move.peer != self.peer:
             return
         self.log(f"rebalancing: stage {self.spec.index} -> {move.to_stage}")
         self._metric({"event": "move", "from": self.spec.index, "to": move.to_stage})
-        self.moving = True
+        self.moving, self.moving_to = True, move.to_stage
         self._announce()
         if self.ids:  # what we hold of this step goes to the stage's other servers again
-            exclude(self.dht, self.cfg.prefix, self.step, self.peer, self.spec.index)
+            exclude(self.dht, self.cfg.prefix, self.step, self.peer, self.spec.index,
+                    self.attempt)
         with self.cv:
             old = self.averager
+            self._finish_update()
             self.stage.close()
         old.shutdown()
         self._enter(move.to_stage)
@@ -600,21 +743,45 @@ class SwarmServer(SwarmNode):
     def serve(self, stop: threading.Event | None = None, max_seconds: float | None = None) -> None:
         """Heartbeats, commits and rebalancing until `stop` is set (or `max_seconds`)."""
         t0 = time.monotonic()
-        last_beat = 0.0
+        last_load = 0.0
+        self.last_beat = 0.0
+        threading.Thread(target=self._beat_while_busy, daemon=True, name="swarm-beat").start()
         while not (stop is not None and stop.is_set()):
             if max_seconds is not None and time.monotonic() - t0 > max_seconds:
                 break
             now = time.monotonic()
-            if now - last_beat >= self.cfg.heartbeat_s:
+            if now - self.last_beat >= self.cfg.heartbeat_s or self.announce_soon:
+                self.announce_soon = False
+                self.last_beat = now
                 self._announce()
-                last_beat = now
-            servers = read_servers(self.dht, self.cfg.prefix)
+            if self.cfg.metrics_path is not None and now - last_load >= 1.0:
+                rec = self.record()  # what it announces, once a second (bench/swarm_bench.py)
+                self._metric({"event": "load", "stage": rec.stage, "step": rec.step,
+                              "throughput": rec.throughput, "queue": rec.queue,
+                              "moving": rec.moving})
+                last_load = now
+            # our own record as it is now, not as last announced
+            servers = [r for r in read_servers(self.dht, self.cfg.prefix) if r.peer != self.peer]
+            servers.append(self.record())
             self._try_commit(servers)
             period = self.cfg.rebalance_s
             if period is not None and now - self.last_rebalance >= period:
                 self.last_rebalance = now
                 self._rebalance(servers)
             time.sleep(0.1)
+
+    def _beat_while_busy(self) -> None:
+        """Heartbeats while the serving loop is held up (averaging, a state download, a move:
+        each can outlast the record's expiration, and trainers drop the gradients of a server
+        whose record expired)."""
+        while not self.closing:
+            time.sleep(self.cfg.heartbeat_s / 2)
+            if time.monotonic() - self.last_beat >= self.cfg.heartbeat_s:
+                self.last_beat = time.monotonic()
+                try:
+                    self._announce()
+                except Exception as e:  # noqa: BLE001 - the next beat tries again
+                    self.log(f"heartbeat failed ({type(e).__name__}: {e})")
 
     def close(self) -> None:
         self.closing = True
@@ -626,14 +793,17 @@ class SwarmServer(SwarmNode):
                 self.averager.shutdown()
         except Exception as e:  # noqa: BLE001 - shutting down: close the rest anyway
             self.log(f"averager shutdown failed: {e}")
+        self.updater.shutdown(wait=True)  # an update in flight finishes (and checkpoints)
         if self.stage is not None:
             self.stage.close()
         self.close_node(self.log)
 
 
-def exclude(dht: Any, prefix: str, step: int, peer: str, stage: int, ttl_s: float = 600.0) -> None:
-    """Record that `peer`'s gradients of `step` must not count (a trainer's call to it failed)."""
-    dht.store(excluded_key(prefix, step), subkey=excluded_subkey(peer, stage), value=True,
+def exclude(dht: Any, prefix: str, step: int, peer: str, stage: int, attempt: int,
+            ttl_s: float = 600.0) -> None:
+    """Record that `peer`'s gradients of `step` under `attempt` must not count (a trainer's
+    call to it failed, or its record is gone)."""
+    dht.store(excluded_key(prefix, step), subkey=excluded_subkey(peer, stage, attempt), value=True,
               expiration_time=get_dht_time() + ttl_s)
 
 

@@ -6,19 +6,27 @@ order, each packed by `atomc.swarm.codec` (8-bit blockwise on the links when ask
 tensors, the RNG state among them, always exact). Entries are the layout runner's
 (atomc.distributed.pipeline.describe), so a value that crosses a pipeline boundary there
 crosses a SWARM link too.
+
+A message travels as a stream of parts (`split`, `join`): the p2p daemon refuses a single
+message over 4 MiB, and a stage's activations easily exceed that. The header rides in the
+first part; each tensor's bytes are cut by hivemind's `split_for_streaming`.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from hivemind.proto import runtime_pb2
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from atomc.distributed.pipeline import Entry, _decode, describe
 from atomc.errors import PeerError
 from atomc.swarm.codec import pack, unpack
+
+PART_BYTES = 1 << 20  # tensor bytes per part: well under the daemon's 4 MiB message limit
 
 
 def encode(values: dict[str, Any], meta: dict[str, Any], *, compress: bool = False,
@@ -41,6 +49,10 @@ def decode(msg: Any, device: torch.device) -> tuple[dict[str, Any], dict[str, An
     except (ValueError, KeyError, TypeError) as e:
         raise PeerError(f"a SWARM message has a malformed header ({e}); every server and trainer "
                         f"must run the same atomc version") from None
+    expected = sum(e.kind == "tensor" for e in entries)
+    if len(msg.tensors) != expected:
+        raise PeerError(f"a SWARM message holds {len(msg.tensors)} tensors, its header names "
+                        f"{expected}: it arrived cut short")
     tensors = iter(msg.tensors)
     values: dict[str, Any] = {}
     for e in entries:
@@ -58,3 +70,67 @@ def decode(msg: Any, device: torch.device) -> tuple[dict[str, Any], dict[str, An
 def wire_bytes(msg: Any) -> int:
     """Bytes the message takes on the wire (protobuf encoding)."""
     return int(msg.ByteSize())
+
+
+def split(msg: Any, part_bytes: int = PART_BYTES) -> Iterator[Any]:
+    """`msg` as parts of at most about `part_bytes` tensor bytes each (`join` undoes it)."""
+    cls = type(msg)
+    first = {"metadata": msg.metadata}
+    if isinstance(msg, runtime_pb2.ExpertRequest):
+        first["uid"] = msg.uid  # a request's attempt (atomc.swarm.records)
+    pieces: list[Any] = []
+    size = 0
+    for tensor in msg.tensors:
+        for piece in split_for_streaming(tensor, part_bytes):
+            if pieces and size + len(piece.buffer) > part_bytes:
+                yield cls(tensors=pieces, **first)
+                pieces, size, first = [], 0, {}
+            pieces.append(piece)
+            size += len(piece.buffer)
+    yield cls(tensors=pieces, **first)
+
+
+def join(parts: Iterable[Any]) -> Any:
+    """The message `split` cut into `parts`."""
+    parts = list(parts)
+    if not parts:
+        raise PeerError("a SWARM message arrived empty (the sender closed its stream early)")
+    pieces = [t for m in parts for t in m.tensors]
+    tensors = []
+    i = 0
+    while i < len(pieces):
+        n = max(1, pieces[i].chunks)  # the first piece of a tensor says how many follow
+        if i + n > len(pieces):
+            raise PeerError(f"a SWARM message arrived cut short: a tensor in {n} parts, "
+                            f"{len(pieces) - i} received")
+        tensors.append(combine_from_streaming(pieces[i:i + n]))
+        i += n
+    msg = type(parts[0])(tensors=tensors, metadata=parts[0].metadata)
+    if isinstance(msg, runtime_pb2.ExpertRequest):
+        msg.uid = parts[0].uid
+    return msg
+
+
+class Refused(PeerError):
+    """A server refused a call (or failed it) and said so; `held`: it holds the call's
+    micro-batch among its gradients all the same (from an earlier call)."""
+
+    def __init__(self, said: str, held: bool):
+        super().__init__(said)
+        self.held = held
+
+
+def refusal(error: BaseException, held: bool) -> Any:
+    """A response that carries a server's refusal or failure in its words (an exception in a
+    streaming handler reaches the caller only as a closed stream)."""
+    said = " ".join(f"{type(error).__name__}: {error}".split())[:500]
+    return runtime_pb2.ExpertResponse(
+        metadata=json.dumps({"error": said, "held": held}).encode())
+
+
+def check_refusal(msg: Any) -> Any:
+    """`msg`, unless it is a refusal (`refusal`): then Refused."""
+    if not msg.tensors and msg.metadata.startswith(b'{"error"'):
+        said = json.loads(msg.metadata.decode())
+        raise Refused(str(said["error"]), bool(said.get("held")))
+    return msg

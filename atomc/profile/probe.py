@@ -1,0 +1,112 @@
+"""The swap runtime on a package of tiny sub-models: its own time per action on a CPU.
+
+Input: a device. Output: the runtime thread's time before each action it runs beyond what
+the action's own work takes, in ms (the `host_gap` the simulator charges on a CPU device).
+
+The package is built in memory: `NUM_SUBMODELS` sub-models, each a Linear on a few numbers,
+chained, with a sum as the loss, so that their compute, loads and copies take microseconds.
+The swap executor (atomc.runtime.executor) runs ATOM's order on it with tracing on, exactly
+as it runs a generated package; the time the step does not spend inside an event is the
+runtime's own: the interpreter's Python, the RNG rule, the spans, the activation stash. The
+simulator fits it as calibration does (atomc.simulate.events.fit_host_gap_ms): the gap before each
+action that makes the simulated step the measured one.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import torch
+from torch import nn
+
+NUM_SUBMODELS = 6
+WIDTH = 8
+STEPS = 30
+WARMUP = 5
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def _package():
+    from atomc.runtime.package import PackagePlan, SwapPackage
+
+    k = NUM_SUBMODELS
+    names = ["x", *(f"h{i}" for i in range(1, k + 1))]
+
+    def build(device=None):
+        return [_Tiny().to(device) if device is not None else _Tiny() for _ in range(k)]
+
+    spec = {"shape": [1, WIDTH], "dtype": "float32"}
+    return SwapPackage(
+        path=Path("<runtime probe>"), module=None, classes=[_Tiny] * k,  # type: ignore[arg-type]
+        model_inputs=("x",), inputs=[(names[i],) for i in range(k)],
+        outputs=[(names[i + 1],) for i in range(k)],
+        boundaries=[{"inputs": {names[i]: spec}, "outputs": {names[i + 1]: spec}}
+                    for i in range(k)],
+        plan=PackagePlan(accum=1), param_names=[{"lin.weight": f"s{i}.weight",
+                                                 "lin.bias": f"s{i}.bias"} for i in range(k)],
+        tied={}, build_submodels=build, load_original_state_dict=None,  # type: ignore[arg-type]
+        export_state_dict=None)  # type: ignore[arg-type]
+
+
+def _executor(device: torch.device):
+    from atomc.runtime.executor import SwapExecutor, rebind_parameters
+    from atomc.runtime.optim import AdamWConfig, CpuOptimizer
+    from atomc.runtime.store import HostStore, plan_layouts
+    from atomc.runtime.trace import Tracer
+
+    pkg = _package()
+    modules = pkg.build_submodels()
+    config = AdamWConfig()
+    layouts = plan_layouts(pkg, modules, config.decays, transfer_dtype=torch.float32)
+    store = HostStore(layouts, torch.float32, torch.float32, pin=device.type == "cuda")
+    for i, (mod, layout) in enumerate(zip(modules, layouts)):
+        params = dict(mod.named_parameters())
+        with torch.no_grad():
+            for e in layout.entries:
+                store.master_param(i, e).copy_(params[e.local])
+        rebind_parameters(mod, {e.local: store.master_param(i, e) for e in layout.entries},
+                          requires_grad=False)
+        store.refresh_images(i)
+    tracer = Tracer(device, enabled=True, keep_last=STEPS + WARMUP + 1)
+    opt = CpuOptimizer(store, config, None, tracer)
+    ex = SwapExecutor(pkg, store, opt, [{} for _ in modules], device=device, accum=1,
+                      activations="recompute", offload_activations=True, autocast_dtype=None,
+                      loss_fn=lambda out, batch: out.sum(), seed=0, tracer=tracer)
+    return ex, opt
+
+
+def action_ms(device: torch.device) -> float:
+    """The runtime thread's own time before each action, in ms (see the module docstring)."""
+    from atomc.calibrate.measure import summarise
+    from atomc.simulate.events import StageTimes, fit_host_gap_ms
+
+    ex, opt = _executor(device)
+    try:
+        x = torch.randn(1, WIDTH, device=device)
+        traces = []
+        for step in range(WARMUP + STEPS + 1):
+            _, trace = ex.run_step([(x,)], step)
+            if step >= WARMUP and trace is not None:
+                traces.append(trace)
+        opt.wait_all()
+    finally:
+        opt.close()
+    m = summarise(traces, num_submodels=NUM_SUBMODELS, accum=1, activations="recompute",
+                  device=str(device), plan_hash="")
+
+    def ns(ms: float) -> int:
+        return round(ms * 1e6)
+
+    stages = [StageTimes(fwd_ns=ns(s.fwd_ms), bwd_ns=ns(s.bwd_ms), load_ns=ns(s.load_ms),
+                         checkpoint_ns=ns(s.checkpoint_ms), offload_ns=ns(s.offload_ms),
+                         optimizer_ns=ns(s.optimizer_ms)) for s in m.submodels]
+    return fit_host_gap_ms(stages, 1, False, statistics.median(m.step_ms))
