@@ -193,6 +193,7 @@ class SwarmServer(SwarmNode):
         self.closing = False
         self.moving = False
         self.announce_soon = False
+        self.wake = threading.Event()  # a backward call finished: the serving loop looks now
         # of the gradients it holds; an exclusion voids one (records). Never reused, not even
         # across steps or stages, so that no old exclusion can match a new attempt
         self.attempt = 0
@@ -468,6 +469,7 @@ class SwarmServer(SwarmNode):
                     off += n
                 self.ids[meta["id"]] = int(meta["samples"])
                 self.announce_soon = True  # the stage may hold its batch now: say so
+                self.wake.set()
             took = time.perf_counter() - t0
             if self.cfg.slowdown > 1:
                 time.sleep((self.cfg.slowdown - 1) * took)  # the device is busy that long
@@ -768,7 +770,8 @@ class SwarmServer(SwarmNode):
             if period is not None and now - self.last_rebalance >= period:
                 self.last_rebalance = now
                 self._rebalance(servers)
-            time.sleep(0.1)
+            self.wake.wait(0.1)  # a tick, or sooner when a backward call finishes
+            self.wake.clear()
 
     def _beat_while_busy(self) -> None:
         """Heartbeats while the serving loop is held up (averaging, a state download, a move:
