@@ -21,14 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from processes import kill_tree
-
-
-def env() -> dict[str, str]:
-    out = dict(os.environ)
-    out.update(OMP_NUM_THREADS="1", HIVEMIND_LOGLEVEL="ERROR",
-               PYTHONPATH=str(ROOT) + os.pathsep + out.get("PYTHONPATH", ""))
-    return out
+from processes import child_env, kill_tree
 
 
 class Procs:
@@ -43,7 +36,7 @@ class Procs:
               ) -> subprocess.Popen:
         log = open(self.d / f"{name}.log", "w")  # closed in close()
         self.logs.append(log)
-        proc = subprocess.Popen([*(prefix or []), *argv], env=env(), cwd=ROOT, stdout=log,
+        proc = subprocess.Popen([*(prefix or []), *argv], env=child_env(), cwd=ROOT, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[name] = proc
         return proc
@@ -106,8 +99,9 @@ def train_logged(out: str, argv: list[str]) -> int:
     f = open(out, "a", buffering=1)
     last: dict = {}
 
-    def logged(msg) -> int:
-        n = count(msg)
+    def logged(messages) -> int:
+        (msg,) = messages  # the client counts one message at a time
+        n = count(messages)
         header = json.loads(msg.metadata.decode())
         names = [e[0] for e in header["entries"]]
         if type(msg).__name__ == "ExpertRequest":

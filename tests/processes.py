@@ -11,6 +11,17 @@ import signal
 import subprocess
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child_env() -> dict[str, str]:
+    """The environment of an `atomc` child process: this checkout importable, one torch thread
+    each (several share the cores), hivemind's errors only."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", HIVEMIND_LOGLEVEL="ERROR",
+               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    return env
+
 
 def _parents() -> dict[int, int]:
     parent: dict[int, int] = {}

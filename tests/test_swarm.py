@@ -33,7 +33,7 @@ from atomc.swarm.server import stage_specs
 from atomc.trace import trace_model
 from atomc.trace.load import load_model_file
 
-from processes import kill_tree
+from processes import child_env, kill_tree
 
 hivemind = pytest.importorskip("hivemind")
 
@@ -55,13 +55,6 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"dir": d, "pkg": d / "pkg", "tied": d / "tied", "other": d / "other"}
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", HIVEMIND_LOGLEVEL="ERROR",
-               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
-    return env
-
-
 class Swarm:
     """Processes started for one test; all killed (with their children) at the end."""
 
@@ -74,8 +67,9 @@ class Swarm:
 
     def _start(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.d / f"{name}.log", "w")
-        proc = subprocess.Popen([sys.executable, "-m", "atomc.cli", *argv], env=_env(), cwd=ROOT,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", "atomc.cli", *argv], env=child_env(),
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         self.procs[name] = proc
         return proc
 
@@ -372,7 +366,7 @@ def test_bad_addresses_are_one_line_each(work: dict, tmp_path: Path) -> None:
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWFwCtKzUCEm5kX1ZvtNNYXT8sqTMG7d4srqqR5HrDECrb"
     for extra, said in ((["--host-maddrs", "/ip4/10.255.255.254/tcp/0"], "could not listen"),
                         (["--initial-peers", dead], "could not join the peers through")):
-        proc = subprocess.run([sys.executable, "-m", "atomc.cli", *base, *extra], env=_env(),
+        proc = subprocess.run([sys.executable, "-m", "atomc.cli", *base, *extra], env=child_env(),
                               cwd=tmp_path, capture_output=True, text=True, timeout=90,
                               start_new_session=True)
         lines = proc.stderr.strip().splitlines()
@@ -392,7 +386,7 @@ def test_an_empty_stage_and_another_package_are_one_line_each(work: dict, swarm_
         proc = subprocess.run(
             [sys.executable, "-m", "atomc.cli", "swarm", "train", str(pkg), "--stages", "2",
              "--steps", "1", "--batch-size", str(GLOBAL), "--initial-peers", sw.first, *extra],
-            env=_env(), cwd=sw.d, capture_output=True, text=True, timeout=90,
+            env=child_env(), cwd=sw.d, capture_output=True, text=True, timeout=90,
             start_new_session=True)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr

@@ -36,10 +36,11 @@ from hivemind.p2p import PeerID
 from hivemind.utils.asyncio import iter_as_aiter
 
 from atomc.errors import PeerError, UsageError
+from atomc.swarm.codec import wire_bytes
 from atomc.swarm.node import SwarmNode
 from atomc.swarm.records import ServerRecord, read_excluded
 from atomc.swarm.server import BATCH, GRAD, SwarmServicer, exclude
-from atomc.swarm.wire import check_refusal, decode, encode, join, split, wire_bytes
+from atomc.swarm.wire import check_refusal, decode, encode, join, split
 
 
 @dataclass
@@ -313,8 +314,8 @@ class SwarmTrainer(SwarmNode):
                 avoid.add(peer)
                 continue
             self.router.report(j, peer, time.monotonic() - t0, samples)
-            self._stats.bytes_sent += wire_bytes(request)
-            self._stats.bytes_received += wire_bytes(response)
+            self._stats.bytes_sent += wire_bytes([request])
+            self._stats.bytes_received += wire_bytes([response])
             if kind == "backward":
                 self._held[(j, g)] = _Held(peer, attempt, values, grads)
             return decode(response, torch.device("cpu"))

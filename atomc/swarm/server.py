@@ -395,13 +395,13 @@ class SwarmServer(SwarmNode):
             return None
         return Path(self.cfg.checkpoint_dir) / f"stage{j}.pt"
 
-    def _save_checkpoint(self) -> None:
+    def _save_checkpoint(self, state: dict[str, Any]) -> None:
         path = self._checkpoint_path(self.spec.index)
         if path is None:
             return
         from atomc.runtime.checkpoint import save_checkpoint
 
-        save_checkpoint(path, {**self._state(), "step": self.step})
+        save_checkpoint(path, state)
 
     # ---- calls ---------------------------------------------------------------------------------
 
@@ -656,7 +656,8 @@ class SwarmServer(SwarmNode):
                 self.pending = self.updater.submit(self._update, self.step, in_use)
             else:
                 self.master.update(None)
-                self._save_checkpoint()
+                if self.cfg.checkpoint_dir is not None:
+                    self._save_checkpoint({**self._state(), "step": self.step})
             self.acc.zero_()
             self.ids = {}
             self.averager.state_sharing_priority = float(self.step)
@@ -676,10 +677,7 @@ class SwarmServer(SwarmNode):
         weights in use as they were at the commit, and the updated copy)."""
         self.master.update(None)
         if in_use is not None:
-            from atomc.runtime.checkpoint import save_checkpoint
-
-            save_checkpoint(self._checkpoint_path(self.spec.index),
-                            {**in_use, "master": self.master.state_dict(), "step": step})
+            self._save_checkpoint({**in_use, "master": self.master.state_dict(), "step": step})
 
     def _catch_up(self, ahead: list[ServerRecord]) -> None:
         """The stage moved on without us (we held nothing for the step): take its state."""

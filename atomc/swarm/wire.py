@@ -67,11 +67,6 @@ def decode(msg: Any, device: torch.device) -> tuple[dict[str, Any], dict[str, An
     return values, header["meta"]
 
 
-def wire_bytes(msg: Any) -> int:
-    """Bytes the message takes on the wire (protobuf encoding)."""
-    return int(msg.ByteSize())
-
-
 def split(msg: Any, part_bytes: int = PART_BYTES) -> Iterator[Any]:
     """`msg` as parts of at most about `part_bytes` tensor bytes each (`join` undoes it)."""
     cls = type(msg)
