@@ -94,6 +94,7 @@ class ServeConfig:
     expiration_s: float = 4.0  # a server that stops refreshing its record drops out after this
     rebalance_s: float | None = None  # SWARM's T: None, no rebalancing
     min_gain: float = 0.0  # a move must raise the lower stage throughput by this fraction
+    missing_s: float = 2.0  # a server whose record is missing from the DHT this long is gone
     matchmaking_s: float = 1.0
     averaging_timeout_s: float = 20.0
     connect_timeout_s: float = 20.0
@@ -194,6 +195,7 @@ class SwarmServer(SwarmNode):
         self.moving = False
         self.announce_soon = False
         self.wake = threading.Event()  # a backward call finished: the serving loop looks now
+        self.seen: dict[str, tuple[ServerRecord, float]] = {}  # peer -> record, when last read
         # of the gradients it holds; an exclusion voids one (records). Never reused, not even
         # across steps or stages, so that no old exclusion can match a new attempt
         self.attempt = 0
@@ -760,9 +762,7 @@ class SwarmServer(SwarmNode):
                               "throughput": rec.throughput, "queue": rec.queue,
                               "moving": rec.moving})
                 last_load = now
-            # our own record as it is now, not as last announced
-            servers = [r for r in read_servers(self.dht, self.cfg.prefix) if r.peer != self.peer]
-            servers.append(self.record())
+            servers = self._view()
             self._try_commit(servers)
             period = self.cfg.rebalance_s
             if period is not None and now - self.last_rebalance >= period:
@@ -770,6 +770,17 @@ class SwarmServer(SwarmNode):
                 self._rebalance(servers)
             self.wake.wait(0.1)  # a tick, or sooner when a backward call finishes
             self.wake.clear()
+
+    def _view(self) -> list[ServerRecord]:
+        """The servers as this one sees them: a record that one DHT read missed still counts
+        for `missing_s` (else a stage looks empty for a moment and a server moves there for
+        nothing), and our own record as it is now, not as last announced."""
+        now = time.monotonic()
+        for r in read_servers(self.dht, self.cfg.prefix):
+            self.seen[r.peer] = (r, now)
+        self.seen = {p: (r, t) for p, (r, t) in self.seen.items()
+                     if p != self.peer and now - t < self.cfg.missing_s}
+        return [r for r, _ in self.seen.values()] + [self.record()]
 
     def _beat_while_busy(self) -> None:
         """Heartbeats while the serving loop is held up (averaging, a state download, a move:
