@@ -22,7 +22,7 @@ demo: install
 	$(BIN)/python examples/demo.py
 
 test: install lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
 # ruff, pinned in pyproject.toml's dev extra, with the rules chosen there
 lint: install

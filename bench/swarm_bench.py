@@ -3,7 +3,7 @@
     python bench/swarm_bench.py --part b                  # prints the report (record it in
                                                           # bench/RESULTS.md)
     python bench/swarm_bench.py --part b --seeds 10 --peers 400 --jobs 2
-    python bench/swarm_bench.py --part a --duration 90    # real processes (about 7 min)
+    python bench/swarm_bench.py --part a --duration 240   # real processes (about 15 min)
     python bench/swarm_bench.py --part c                  # needs root, `ip` and `tc`
 
 Parts (each its own flag value; run several with --part a --part b ...):
@@ -21,14 +21,18 @@ Parts (each its own flag value; run several with --part a --part b ...):
     stage) on a bridge, `tc htb` at each sender (atomc.distributed.netem, as
     bench/layout_bench.py); without root, `ip`, `tc` or namespaces it says so and exits 0.
 
-Part (a)'s setting: tiny-untied GPT cut after its first block (two sub-models of about equal
-cost, 2 stages), global batch 64 in micro-batches of 2, one trainer; slowdowns 12 (fast) and
-36 (slow) so that the servers mostly sleep (the 2 cores run ~15 processes: hivemind's DHT,
-averager and p2pd per server). Churn (times as fractions of --duration): fast servers a
-(stage 0) and c (stage 1) are SIGKILLed at 1/4 and 3/4, a fast server e joins at 1/2. Rates:
-what each server announces (samples/s of its stage's forward and backward work, EMA), the
-median over the first two runs. Optimal at a moment: `best_assignment` of the servers alive
-then, as a flow model (the pipeline runs at its lowest stage's summed rate, no moving cost).
+Part (a)'s setting: tiny-untied GPT cut after its first block (two sub-models, 2 stages; the
+plan carries this machine's profile, so servers know stage 0 costs more per sample: it serves
+a forward call and a backward call that recomputes it, the last stage only the backward),
+global batch 64 in micro-batches of 2, one trainer; slowdowns 12 (fast) and 36 (slow) so that
+the servers mostly sleep (the 2 cores run ~15 processes: hivemind's DHT, averager and p2pd per
+server). Churn (times as fractions of --duration): fast servers a (stage 0) and c (stage 1)
+are SIGKILLed at 1/4 and 3/4, a fast server e joins at 1/2. Rates: what each server announces
+(samples/s of its stage's forward and backward work over its last --rate-window seconds of
+calls), per server and stage, the median over the first two runs; a stage a server never
+served gets its rate on the other times the stages' measured cost ratio. Optimal at a
+moment: the best assignment of the servers alive then (exhaustive), as a flow model (the
+pipeline runs at its lowest stage's summed rate, no moving cost).
 Best static: one stage per server for its whole life, the best in hindsight over the churn
 script by that flow model (exhaustive search; `best_assignment` per moment is not static:
 after a kill the optimum wants someone to move). Reported per run: measured samples/s (whole
@@ -217,19 +221,26 @@ def phases(churn: Churn, duration: float) -> list[tuple[float, float]]:
     return list(itertools.pairwise(cuts))
 
 
-def flow(rates: dict[str, float], assign: dict[str, int], num_stages: int) -> float:
+Rates = dict[str, list[float]]  # server -> its samples/s on each stage
+
+
+def flow(rates: Rates, assign: dict[str, int], num_stages: int) -> float:
     """The pipeline throughput of an assignment: its lowest stage's summed rates."""
-    names = sorted(assign)
-    return min_stage_throughput([rates[n] for n in names], [assign[n] for n in names],
-                                num_stages) if names else 0.0
+    sums = [0.0] * num_stages
+    for n, s in assign.items():
+        sums[s] += rates[n][s]
+    return min(sums)
 
 
-def optimum(rates: dict[str, float], names: list[str], num_stages: int) -> float:
-    x = [rates[n] for n in names]
-    return min_stage_throughput(x, best_assignment(x, num_stages), num_stages) if x else 0.0
+def optimum(rates: Rates, names: list[str], num_stages: int) -> float:
+    """The best assignment's flow (exhaustive: a few servers; a server's rate depends on its
+    stage, the stages' costs differ, so `best_assignment`'s one rate per server does not do)."""
+    names = sorted(names)
+    return max((flow(rates, dict(zip(names, a)), num_stages)
+                for a in itertools.product(range(num_stages), repeat=len(names))), default=0.0)
 
 
-def best_static(churn: Churn, rates: dict[str, float], duration: float,
+def best_static(churn: Churn, rates: Rates, duration: float,
                 num_stages: int) -> dict[str, int]:
     """One stage per server for its whole life, the best in hindsight: the most samples over
     the churn script (exhaustive; the first server's stage fixed, stages being alike)."""
@@ -244,16 +255,21 @@ def best_static(churn: Churn, rates: dict[str, float], duration: float,
     return found
 
 
-def _package(config: str, micro: int, cuts: tuple[int, ...] | None, out: Path) -> Path:
+def _package(config: str, micro: int, cuts: tuple[int, ...] | None, out: Path,
+             profiled: bool = False) -> Path:
+    """A generated package of examples/gpt.py; `profiled`: its plan carries this machine's
+    measured times (servers weigh stages by them when they move)."""
     from atomc.codegen import generate
     from atomc.codegen.manual import plan_from_cuts
+    from atomc.profile import profile_model
     from atomc.trace import trace_model
 
     traced = trace_model(ROOT / "examples" / "gpt.py", config, micro)
     if cuts is None:  # one sub-model per block
         cuts = tuple(i for i, n in enumerate(traced.graph.nodes) if n.op == "call_module"
                      and (n.target.endswith(".ln_1") or n.target == "ln_f"))
-    generate(plan_from_cuts(traced, list(cuts)), out, traced=traced)
+    source = profile_model(traced, device="cpu", progress=False) if profiled else traced
+    generate(plan_from_cuts(source, list(cuts)), out, traced=traced)
     return out
 
 
@@ -335,36 +351,48 @@ def churn_run(args: argparse.Namespace, pkg: Path, d: Path, churn: Churn, policy
 
 def _snapshots(servers: list[dict]) -> list[dict]:
     """The servers' load lines (one a second each, what they announce in the DHT) as one
-    snapshot a second: each server's latest line of the last 1.5 s."""
+    snapshot a second: each server's latest line of the last 4 s (the DHT keeps a record that
+    long; a server's serving loop, which writes these lines, pauses while its stage averages)."""
     loads = sorted((x for x in servers if x.get("event") == "load"), key=lambda x: x["time"])
     if not loads:
         return []
     out = []
     for t in np.arange(loads[0]["time"], loads[-1]["time"], 1.0):
-        last = {x["server"]: x for x in loads if t - 1.5 < x["time"] <= t}
+        last = {x["server"]: x for x in loads if t - 4.0 < x["time"] <= t}
         out.append({"time": float(t), "servers": [{"name": n, **x} for n, x in last.items()]})
     return out
 
 
-def measured_rates(runs: list[dict], churn: Churn) -> dict[str, float]:
-    """Each server's throughput (samples/s) as it announced it: per run the second half of
-    its records (the first may still be a stand-in), the median over the runs' together. A
-    server that never reported gets the others' median rate x slowdown, over its slowdown."""
-    seen: dict[str, list[float]] = {}
+def measured_rates(runs: list[dict], churn: Churn, num_stages: int) -> Rates:
+    """Each server's throughput (samples/s) on each stage, as it announced it: the median of
+    its measured records there (not stand-ins, not while moving), over the runs together.
+    Stages differ in cost, so a rate holds for its stage only. Where a server never served a
+    stage: its rate on the stages it served, times the stages' cost ratio (the medians of rate
+    x slowdown over the servers that served each), or with no rate at all the stage's median
+    rate x slowdown over its slowdown."""
+    seen: dict[tuple[str, int], list[float]] = {}
     for run in runs:
-        mine: dict[str, list[float]] = {}
         for line in run["records"]:
             for r in line["servers"]:
-                if not r["moving"]:
-                    mine.setdefault(r["name"], []).append(r["throughput"])
-        for n, xs in mine.items():
-            seen.setdefault(n, []).extend(xs[len(xs) // 2:])
-    rates = {n: float(np.median(xs)) for n, xs in seen.items()}
-    unit = float(np.median([rates[n] * churn.slowdown[n] for n in rates]))
-    return {n: rates.get(n, unit / churn.slowdown[n]) for n in churn.names}
+                if not r["moving"] and r.get("measured", True):
+                    seen.setdefault((r["name"], r["stage"]), []).append(r["throughput"])
+    known = {k: float(np.median(xs)) for k, xs in seen.items()}
+    unit = []  # per stage: rate x slowdown, median over the servers that served it
+    for s in range(num_stages):
+        xs = [v * churn.slowdown[n] for (n, t), v in known.items() if t == s]
+        unit.append(float(np.median(xs)) if xs else math.nan)
+    if any(math.isnan(u) for u in unit):
+        raise RuntimeError(f"no server measured a rate on every stage ({unit}); run longer")
+    rates: Rates = {}
+    for n in churn.names:
+        mine = {t: v for (m, t), v in known.items() if m == n}
+        rates[n] = [mine[s] if s in mine else
+                    float(np.mean([v * unit[s] / unit[t] for t, v in mine.items()]))
+                    if mine else unit[s] / churn.slowdown[n] for s in range(num_stages)]
+    return rates
 
 
-def analyse(run: dict, churn: Churn, rates: dict[str, float], args: argparse.Namespace) -> dict:
+def analyse(run: dict, churn: Churn, rates: Rates, args: argparse.Namespace) -> dict:
     cum = _cum_samples(run["trainer"], args.batch, run["t0"])
     spans = phases(churn, args.duration)
     measured = [(cum(b) - cum(a)) / (b - a) for a, b in spans]
@@ -401,13 +429,20 @@ def real_processes(args: argparse.Namespace) -> None:
                                           else f"stage {churn.stage[n]}")
         + (f", killed {churn.leave[n]:.0f} s" if churn.leave[n] < math.inf else "")
         for n in churn.names))
-    pkg = _package(A_CONFIG, A_MICRO, A_CUTS, work / "pkg")
+    pkg = _package(A_CONFIG, A_MICRO, A_CUTS, work / "pkg", profiled=True)
+    from atomc.runtime.package import load_swap_package
+    from atomc.swarm.node import stage_costs, stage_specs
+
+    loaded = load_swap_package(pkg)
+    costs = stage_costs(loaded, stage_specs(loaded, args.stages))
+    print("stage costs per sample from the profiled plan (relative): "
+          + " / ".join(f"{c:.2f}" for c in costs))
     runs = {"none": churn_run(args, pkg, work / "none", churn, "none", dict(churn.stage))}
     runs[f"T = {args.period:g} s"] = churn_run(args, pkg, work / "rebalance", churn, "rebalance",
                                               None)
-    rates = measured_rates(list(runs.values()), churn)
-    print("measured rates (samples/s): " + ", ".join(f"{n} {rates.get(n, 0):.2f}"
-                                                     for n in churn.names))
+    rates = measured_rates(list(runs.values()), churn, args.stages)
+    print("measured rates (samples/s, per stage): " + ", ".join(
+        f"{n} " + "/".join(f"{v:.2f}" for v in rates[n]) for n in churn.names))
     static = best_static(churn, rates, args.duration, args.stages)
     print("best static assignment: " + ", ".join(f"{n} {s}" for n, s in static.items()))
     runs["best static"] = churn_run(args, pkg, work / "static", churn, "static", static)
@@ -415,7 +450,7 @@ def real_processes(args: argparse.Namespace) -> None:
     print(f"\npart (a) took {time.time() - t_start:.0f} s; logs in {work}")
 
 
-def report_a(runs: dict[str, dict], churn: Churn, rates: dict[str, float],
+def report_a(runs: dict[str, dict], churn: Churn, rates: Rates,
              args: argparse.Namespace) -> None:
     out = {name: analyse(run, churn, rates, args) for name, run in runs.items()}
     ref = out["best static"]
@@ -566,7 +601,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--part", action="append", choices=sorted(PARTS),
                     help="which part to run (repeatable); default: every part there is")
     a = ap.add_argument_group("part (a), real processes on loopback")
-    a.add_argument("--duration", type=float, default=90.0, help="seconds per run (default 90)")
+    a.add_argument("--duration", type=float, default=240.0,
+                   help="seconds per run (default 240: phases of 60 s between churn events, "
+                        "against a reaction of about 5 s to each)")
     a.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
     a.add_argument("--batch", type=int, default=64, help="global batch, samples (default 64)")
     a.add_argument("--period", type=float, default=3.0,

@@ -29,7 +29,7 @@ from atomc.runtime.package import load_swap_package
 from atomc.runtime.rng import micro_batch_rng
 from atomc.swarm.client import Router
 from atomc.swarm.records import ServerRecord
-from atomc.swarm.server import stage_specs
+from atomc.swarm.server import CallTime, stage_specs
 from atomc.trace import trace_model
 from atomc.trace.load import load_model_file
 
@@ -246,6 +246,50 @@ def test_router_weighted_round_robin_and_bans() -> None:
     assert r.stages[0]["a"].banned_until == 0.0
     r.refresh([recs[1]])
     assert r.servers(0) == ["b"]
+
+
+def test_call_time_averages_a_window_of_calls_and_skips_the_first() -> None:
+    t = CallTime(window_s=10.0)
+    t.add(5.0, 2)  # warm-up: not counted
+    assert t.per_sample() is None
+    for _ in range(200):  # 20 s of calls at 0.05 s per sample
+        t.add(0.1, 2)
+    assert t.per_sample() == pytest.approx(0.05)
+    t.add(1.0, 2)  # one call slowed 10x by contention moves the estimate by about 1/10 ...
+    assert 0.052 < t.per_sample() < 0.06
+    for _ in range(300):  # ... and a lasting change takes over within a few windows
+        t.add(0.2, 2)
+    assert t.per_sample() == pytest.approx(0.1, rel=0.01)
+
+
+def test_roster_keeps_a_record_a_read_missed_until_it_expires(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from atomc.swarm import records
+
+    now = [100.0]
+    monkeypatch.setattr("hivemind.utils.get_dht_time", lambda: now[0])
+    answers: list[dict] = []
+
+    def get(key: str, latest: bool) -> SimpleNamespace:
+        return SimpleNamespace(value=answers.pop(0))
+
+    def item(peer: str, stage: int, expires: float) -> SimpleNamespace:
+        rec = ServerRecord(peer, peer, stage, 0, 0, 1.0, 0, "x", 0.0)
+        return SimpleNamespace(value=rec.to_value(), expiration_time=expires)
+
+    roster = records.Roster(SimpleNamespace(get=get), "p")
+    answers.append({"a": item("a", 0, 104.0), "b": item("b", 1, 102.0)})
+    assert [r.peer for r in roster.read()] == ["a", "b"]
+    now[0] = 101.0
+    answers.append({"a": item("a", 1, 105.0)})  # b missed by this read: still live until 102
+    assert [(r.peer, r.stage) for r in roster.read()] == [("a", 1), ("b", 1)]
+    now[0] = 102.5
+    answers.append({})  # b expired (a SIGKILLed server stops refreshing); a only missed
+    assert [r.peer for r in roster.read()] == ["a"]
+    now[0] = 105.0
+    answers.append({})
+    assert roster.read() == []
 
 
 def test_stage_costs_count_the_forward_call_the_last_stage_does_not_get(work: dict,

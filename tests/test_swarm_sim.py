@@ -28,6 +28,7 @@ from atomc.swarm.balance import (
     choose_join_stage,
     choose_move,
     min_stage_throughput,
+    plan_moves,
     stage_loads,
     stage_throughputs,
 )
@@ -126,6 +127,36 @@ def test_min_gain_holds_back_small_moves():
     assert choose_move(servers, 2) is not None
     assert choose_move(servers, 2, min_gain=0.1) is None
     assert choose_move(servers, 2, min_gain=0.09) is not None
+
+
+def test_small_swarms_take_the_best_assignment_where_single_moves_stall():
+    servers = swarm([1, 1], [2, 2])  # (2, 4): moving a 2 gives (4, 2), no better
+    assert choose_move(servers, 2) is None
+    plan = plan_moves(servers, 2)  # a 1 and a 2 trade places: (3, 3)
+    assert [(m.peer, m.from_stage, m.to_stage) for m in plan] == [("s0.1", 0, 1),
+                                                                  ("s1.0", 1, 0)]
+    for m in plan:
+        servers = apply(servers, m)
+    assert stage_throughputs(servers, 2) == [3, 3]
+    # the fewest moves among the best: one server fills an empty stage
+    assert [(m.peer, m.to_stage) for m in plan_moves(swarm([4, 3, 3], []), 2)] == [("s0.0", 1)]
+    assert plan_moves(swarm([5], [5]), 2) == []  # balanced: nothing
+    assert plan_moves(swarm([1] * 5, [1] * 3), 2, min_gain=0.4) == []  # 3 -> 4: held back
+    assert len(plan_moves(swarm([1] * 5, [1] * 3), 2, min_gain=0.3)) == 1
+    assert plan_moves(swarm([1] * 12, [1] * 10), 2) is None  # 2^22 assignments: Algorithm 2
+
+
+def test_plans_put_fast_servers_on_cheap_stages_and_leave_loading_ones():
+    # stage 0 costs twice stage 1: a server of 10/s on stage 0 serves 20/s on stage 1
+    servers = [ServerLoad("fast", 0, 10.0, 0), ServerLoad("slow", 1, 10.0, 0)]
+    plan = plan_moves(servers, 2, cost=[2.0, 1.0])
+    # slow serves 5/s on stage 0, fast 20/s on stage 1: the swap lowers the pipeline; stay
+    assert plan == []
+    servers = [ServerLoad("a", 1, 20.0, 0), ServerLoad("b", 1, 20.0, 0),
+               ServerLoad("c", 0, 4.0, 0, loading=True)]
+    plan = plan_moves(servers, 2, cost=[2.0, 1.0])
+    # c stays (loading); one of a, b goes to stage 0 at 10/s: (4 + 10, 20)
+    assert [(m.peer, m.from_stage, m.to_stage) for m in plan] == [("a", 1, 0)]
 
 
 def test_join_goes_to_the_stage_that_needs_it_most():

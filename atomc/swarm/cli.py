@@ -43,6 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--min-gain", type=float, default=0.0, metavar="FRACTION",
                    help="move only if the lower of the two stages' throughputs rises by more "
                         "than this fraction (default 0: any gain)")
+    s.add_argument("--rate-window", type=float, default=10.0, metavar="SECONDS",
+                   help="the throughput a server announces (and rebalancing compares) covers "
+                        "about its last SECONDS of calls (default 10)")
     s.add_argument("--delayed-updates", action="store_true",
                    help="delayed parameter updates: each step's calls use the weights before "
                         "the last step's update, which runs meanwhile (one more copy of the "
@@ -135,7 +138,8 @@ def run_serve(args: argparse.Namespace) -> int:
         expiration_s=args.expiration, rebalance_s=args.rebalance_period,
         matchmaking_s=args.matchmaking_time, averaging_timeout_s=args.averaging_timeout,
         connect_timeout_s=args.connect_timeout, slowdown=args.slowdown,
-        min_gain=args.min_gain, delayed_updates=args.delayed_updates,
+        min_gain=args.min_gain, rate_window_s=args.rate_window,
+        delayed_updates=args.delayed_updates,
         checkpoint_dir=args.checkpoint_dir, name=name, maddr_path=args.maddr_file,
         metrics_path=args.metrics)
     stop = threading.Event()

@@ -61,7 +61,6 @@ class TrainConfig:
     step_timeout_s: float = 600.0
     ban_s: float = 1.0  # first ban; doubles with each further failure
     ban_max_s: float = 60.0  # up to this (a server back from a fault is tried again)
-    missing_s: float = 2.0  # a server whose record is gone this long failed
     name: str = ""
 
 
@@ -331,10 +330,9 @@ class SwarmTrainer(SwarmNode):
 
     async def _wait_for_commit(self, k: int, micro: list[tuple], total: int) -> None:
         """Until every stage has taken step k; backward calls held by servers that failed
-        (excluded by any trainer, or gone from the DHT for `missing_s`) are sent again."""
+        (excluded by any trainer, or whose record expired) are sent again."""
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + self.cfg.step_timeout_s
-        missing_since: dict[str, float] = {}
         while True:
             records = await loop.run_in_executor(None, self._records)
             done = {r.stage for r in records if r.step > k and not r.moving}
@@ -342,14 +340,8 @@ class SwarmTrainer(SwarmNode):
                 return
             excluded = await loop.run_in_executor(None, read_excluded, self.dht,
                                                   self.cfg.prefix, k)
-            now = time.monotonic()
-            live = {r.peer for r in records}
-            for h in self._held.values():  # one DHT read can miss a live record: not yet gone
-                if h.peer in live:
-                    missing_since.pop(h.peer, None)
-                else:
-                    missing_since.setdefault(h.peer, now)
-            gone = {p for p, t in missing_since.items() if now - t >= self.cfg.missing_s}
+            live = {r.peer for r in records}  # a record counts until it expires (Roster)
+            gone = {h.peer for h in self._held.values()} - live
             self.router.refresh(records)
             lost = [(j, g) for (j, g), h in self._held.items() if j not in done and (
                 (h.peer, j, h.attempt) in excluded or h.peer in gone)]

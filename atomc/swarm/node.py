@@ -18,7 +18,7 @@ from atomc.distributed.stage import StageSpec
 from atomc.errors import PeerError, UsageError
 from atomc.place.cost import stage_ranges
 from atomc.runtime.package import SwapPackage, load_swap_package
-from atomc.swarm.records import ServerRecord, read_servers
+from atomc.swarm.records import Roster, ServerRecord
 
 
 def stage_costs(pkg: SwapPackage, specs: Sequence[StageSpec]) -> list[float]:
@@ -72,6 +72,11 @@ class SwarmNode:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True, name=f"swarm-{role}").start()
         self.p2p = self.run(self.dht.replicate_p2p())
+        self.rosters: dict[str, Roster] = {}
+
+    def roster(self, prefix: str) -> Roster:
+        """The servers under `prefix` as this node's successive DHT reads see them."""
+        return self.rosters.setdefault(prefix, Roster(self.dht, prefix))
 
     def run(self, coro: Any, timeout: float | None = None) -> Any:
         """Run a coroutine on the p2p loop and wait for its result."""
@@ -79,7 +84,7 @@ class SwarmNode:
 
     def servers(self, prefix: str) -> list[ServerRecord]:
         """The servers under `prefix`; PeerError if one serves another package."""
-        records = read_servers(self.dht, prefix)
+        records = self.roster(prefix).read()
         for r in records:
             if r.package != self.fingerprint:
                 raise PeerError(

@@ -52,8 +52,9 @@ def excluded_key(prefix: str, step: int) -> str:
     return f"{prefix}.excluded.{step}"
 
 
-def read_dict(dht: Any, key: str) -> dict[str, Any]:
-    """Subkey -> value of a dictionary key (the latest, unexpired entries)."""
+def _read_expiring(dht: Any, key: str) -> dict[str, tuple[Any, float]]:
+    """Subkey -> (value, DHT expiration time) of a dictionary key (the latest, unexpired
+    entries)."""
     found = dht.get(key, latest=True)
     if found is None or not isinstance(found.value, dict):
         return {}
@@ -61,17 +62,40 @@ def read_dict(dht: Any, key: str) -> dict[str, Any]:
     for sub, item in found.value.items():
         value = getattr(item, "value", None)
         if value is not None:
-            out[str(sub)] = value
+            out[str(sub)] = (value, float(item.expiration_time))
     return out
 
 
+def read_dict(dht: Any, key: str) -> dict[str, Any]:
+    """Subkey -> value of a dictionary key (the latest, unexpired entries)."""
+    return {sub: value for sub, (value, _) in _read_expiring(dht, key).items()}
+
+
 def read_servers(dht: Any, prefix: str) -> list[ServerRecord]:
-    out = []
-    for peer, value in read_dict(dht, servers_key(prefix)).items():
-        rec = ServerRecord.from_value(peer, value)
-        if rec is not None:
-            out.append(rec)
-    return sorted(out, key=lambda r: (r.stage, r.peer))
+    return Roster(dht, prefix).read()
+
+
+class Roster:
+    """The servers as successive DHT reads see them. A record counts until its own expiration
+    time, even when a later read misses it: a read asks a few DHT nodes, and right after a
+    peer dies one of them may answer without a record that is still live. Waiting for the
+    record's expiration, rather than a fixed grace after the first miss, is both safe and as
+    fast as the DHT allows: a SIGKILLed server drops out when its last refresh expires."""
+
+    def __init__(self, dht: Any, prefix: str):
+        self.dht, self.prefix = dht, prefix
+        self.seen: dict[str, tuple[ServerRecord, float]] = {}  # peer -> record, expiration
+
+    def read(self) -> list[ServerRecord]:
+        from hivemind.utils import get_dht_time
+
+        for peer, (value, expires) in _read_expiring(self.dht, servers_key(self.prefix)).items():
+            rec = ServerRecord.from_value(peer, value)
+            if rec is not None:
+                self.seen[peer] = (rec, expires)
+        now = get_dht_time()
+        self.seen = {p: (r, e) for p, (r, e) in self.seen.items() if e > now}
+        return sorted((r for r, _ in self.seen.values()), key=lambda r: (r.stage, r.peer))
 
 
 def excluded_subkey(peer: str, stage: int, attempt: int) -> str:

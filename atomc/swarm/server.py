@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -71,6 +72,7 @@ from atomc.swarm.records import (
 )
 from atomc.swarm.wire import decode, encode, join, refusal, split
 
+GUESS_S = 30.0  # rebalancing waits this long at most for a new server's first measured rate
 BATCH = "atomc.batch."  # batch tensors travel as atomc.batch.0, atomc.batch.1, ...
 GRAD = "atomc.grad."  # output gradients of a backward call
 
@@ -94,7 +96,7 @@ class ServeConfig:
     expiration_s: float = 4.0  # a server that stops refreshing its record drops out after this
     rebalance_s: float | None = None  # SWARM's T: None, no rebalancing
     min_gain: float = 0.0  # a move must raise the lower stage throughput by this fraction
-    missing_s: float = 2.0  # a server whose record is missing from the DHT this long is gone
+    rate_window_s: float = 10.0  # throughput: over about the last this many seconds of calls
     matchmaking_s: float = 1.0
     averaging_timeout_s: float = 20.0
     connect_timeout_s: float = 20.0
@@ -118,10 +120,36 @@ class ServeConfig:
             raise UsageError(f"--slowdown {self.slowdown} must be 1 or more")
         if self.min_gain < 0:
             raise UsageError(f"--min-gain {self.min_gain} must be 0 or more")
+        if not self.rate_window_s > 0:
+            raise UsageError(f"--rate-window {self.rate_window_s} must be more than 0 seconds")
         if self.delayed_updates and self.swap:
             raise UsageError("--delayed-updates keeps a second copy of the stage's weights and "
                              "optimizer for the update in flight, and --swap serves a stage that "
                              "does not fit in memory once; choose one of the two")
+
+
+class CallTime:
+    """Time per sample of one kind of call, over about the last `window_s` seconds spent in
+    such calls: time and samples each decay by exp(-t / window_s) as t seconds of calls pass.
+    A per-call average with a fixed weight swings with every call that CPU contention slows
+    down, and moves made on those swings were undone a period later. The first call on a stage
+    does not count: it pays for warm-up (allocation, caches), not for the device's speed."""
+
+    def __init__(self, window_s: float):
+        self.window_s = window_s
+        self.calls = 0
+        self.seconds = self.samples = 0.0
+
+    def add(self, took: float, samples: int) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            return
+        keep = math.exp(-took / self.window_s)
+        self.seconds = keep * self.seconds + took
+        self.samples = keep * self.samples + max(1, samples)
+
+    def per_sample(self) -> float | None:
+        return self.seconds / self.samples if self.samples else None
 
 
 class SwarmServicer(ServicerBase):
@@ -188,17 +216,17 @@ class SwarmServer(SwarmNode):
         self.cv = threading.Condition()  # guards the stage, its step and its gradient sums
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-compute")
         self.queue = 0
-        self.sec_per_sample: dict[str, float] = {}  # call kind -> EMA of its time per sample
+        self.call_time: dict[str, CallTime] = {}  # call kind -> its time per sample
         self.carried_rate: float | None = None  # measured on the stage it served before
         self.moving_to: int | None = None  # the stage it is moving to (announced as its stage)
         self.closing = False
         self.moving = False
         self.announce_soon = False
         self.wake = threading.Event()  # a backward call finished: the serving loop looks now
-        self.seen: dict[str, tuple[ServerRecord, float]] = {}  # peer -> record, when last read
         # of the gradients it holds; an exclusion voids one (records). Never reused, not even
         # across steps or stages, so that no old exclusion can match a new attempt
         self.attempt = 0
+        self.measured_since: float | None = None  # when this server first saw a measured rate
         self.stage: Any = None
         self.master: Any = None  # the stage whose optimizer steps (the stage itself, or DPU's copy)
         self.pending: Any = None  # DPU: the update in flight
@@ -269,7 +297,8 @@ class SwarmServer(SwarmNode):
                  for r in read_servers(self.dht, self.cfg.prefix)
                  if r.peer != self.peer and r.throughput > 0 and r.stage < len(self.costs)]
         self.prior_rate = sum(rates) / len(rates) if rates else 1.0
-        self.sec_per_sample = {}  # measured anew on this stage: stages need not cost the same
+        # measured anew on this stage: stages need not cost the same
+        self.call_time = {k: CallTime(self.cfg.rate_window_s) for k in ("forward", "backward")}
         self.offers: dict[int, torch.Tensor] = {}  # step -> our sums (and buffers) offered
         # the averager forms groups and gathers their ids; the sums travel by rpc_contribution
         self.averager = self._make_averager(j, [torch.zeros(1)])
@@ -476,9 +505,7 @@ class SwarmServer(SwarmNode):
             if self.cfg.slowdown > 1:
                 time.sleep((self.cfg.slowdown - 1) * took)  # the device is busy that long
                 took *= self.cfg.slowdown
-            per = took / max(1, int(meta["samples"]))
-            old = self.sec_per_sample.get(kind)
-            self.sec_per_sample[kind] = per if old is None else 0.9 * old + 0.1 * per
+            self.call_time[kind].add(took, int(meta["samples"]))
         return encode(out, {"loss": loss, "server": self.cfg.name}, response=True,
                       compress=bool(meta.get("compress")))
 
@@ -694,8 +721,8 @@ class SwarmServer(SwarmNode):
         call at every stage but the last, whose backward call is its forward too); None until
         it has served both on this stage."""
         kinds = ("backward",) if self.spec.holds_output else ("forward", "backward")
-        known = [self.sec_per_sample[k] for k in kinds if k in self.sec_per_sample]
-        return 1.0 / sum(known) if len(known) == len(kinds) else None
+        known = [self.call_time[k].per_sample() for k in kinds]
+        return None if None in known else 1.0 / sum(known)
 
     def record(self) -> ServerRecord:
         # until it has served on this stage, a server counts at the rate it had on its last
@@ -719,14 +746,27 @@ class SwarmServer(SwarmNode):
                        value=self.record().to_value(), expiration_time=now + self.cfg.expiration_s)
 
     def _rebalance(self, servers: list[ServerRecord]) -> None:
-        if self.queue:
-            return  # not in the middle of a call
-        # a server moving (or not yet measured on its stage) counts where it is announced and
-        # is not moved again
-        loads = [balance.ServerLoad(r.peer, r.stage, r.throughput, r.queue,
-                                    r.moving or not r.measured) for r in servers]
-        move = balance.choose_move(loads, self.cfg.num_stages, self.cfg.min_gain, self.costs)
-        if move is None or move.peer != self.peer:
+        now = get_dht_time()
+        if self.measured_since is None and any(r.measured for r in servers):
+            self.measured_since = now  # training has begun
+        if self.measured_since is None or any(
+                r.moving or (not r.measured
+                             and now - max(r.started, self.measured_since) < GUESS_S)
+                for r in servers):
+            # a server that moved or joined, or waited for the first trainer, has a guessed
+            # throughput until it has served (at the very start, 1 sample/s): decisions on
+            # guesses moved servers for nothing. One that gets no calls for GUESS_S (failing,
+            # say) is not waited for
+            return
+        # one not yet measured on its stage counts where it is announced and is not moved
+        loads = [balance.ServerLoad(r.peer, r.stage, r.throughput, r.queue, not r.measured)
+                 for r in servers]
+        plan = balance.plan_moves(loads, self.cfg.num_stages, self.cfg.min_gain, self.costs)
+        if plan is None:  # too many servers to search: SWARM's one move per period
+            one = balance.choose_move(loads, self.cfg.num_stages, self.cfg.min_gain, self.costs)
+            plan = [one] if one is not None else []
+        move = next((m for m in plan if m.peer == self.peer), None)
+        if move is None:
             return
         self.log(f"rebalancing: stage {self.spec.index} -> {move.to_stage}")
         self._metric({"event": "move", "from": self.spec.index, "to": move.to_stage})
@@ -760,27 +800,25 @@ class SwarmServer(SwarmNode):
                 rec = self.record()  # what it announces, once a second (bench/swarm_bench.py)
                 self._metric({"event": "load", "stage": rec.stage, "step": rec.step,
                               "throughput": rec.throughput, "queue": rec.queue,
-                              "moving": rec.moving})
+                              "moving": rec.moving, "measured": rec.measured})
                 last_load = now
             servers = self._view()
             self._try_commit(servers)
             period = self.cfg.rebalance_s
-            if period is not None and now - self.last_rebalance >= period:
+            # not in the middle of a call: the period waits for a free moment rather than
+            # passing (a busy server would skip period after period)
+            if period is not None and now - self.last_rebalance >= period and not self.queue:
                 self.last_rebalance = now
                 self._rebalance(servers)
             self.wake.wait(0.1)  # a tick, or sooner when a backward call finishes
             self.wake.clear()
 
     def _view(self) -> list[ServerRecord]:
-        """The servers as this one sees them: a record that one DHT read missed still counts
-        for `missing_s` (else a stage looks empty for a moment and a server moves there for
-        nothing), and our own record as it is now, not as last announced."""
-        now = time.monotonic()
-        for r in read_servers(self.dht, self.cfg.prefix):
-            self.seen[r.peer] = (r, now)
-        self.seen = {p: (r, t) for p, (r, t) in self.seen.items()
-                     if p != self.peer and now - t < self.cfg.missing_s}
-        return [r for r, _ in self.seen.values()] + [self.record()]
+        """The servers as this one sees them (a record one DHT read missed counts until it
+        expires: else a stage looks empty for a moment and a server moves there for nothing),
+        and our own record as it is now, not as last announced."""
+        others = self.roster(self.cfg.prefix).read()
+        return [r for r in others if r.peer != self.peer] + [self.record()]
 
     def _beat_while_busy(self) -> None:
         """Heartbeats while the serving loop is held up (averaging, a state download, a move:
