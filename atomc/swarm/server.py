@@ -63,6 +63,7 @@ from atomc.runtime.rng import RNG_VALUE
 from atomc.swarm import balance
 from atomc.swarm.node import SwarmNode, stage_specs
 from atomc.swarm.records import (
+    Roster,
     ServerRecord,
     excluded_key,
     excluded_subkey,
@@ -73,6 +74,7 @@ from atomc.swarm.records import (
 from atomc.swarm.wire import decode, encode, join, refusal, split
 
 GUESS_S = 30.0  # rebalancing waits this long at most for a new server's first measured rate
+READ_AHEAD_S = 0.25  # servers read the DHT this long before each decision moment
 BATCH = "atomc.batch."  # batch tensors travel as atomc.batch.0, atomc.batch.1, ...
 GRAD = "atomc.grad."  # output gradients of a backward call
 
@@ -227,6 +229,7 @@ class SwarmServer(SwarmNode):
         # across steps or stages, so that no old exclusion can match a new attempt
         self.attempt = 0
         self.measured_since: float | None = None  # when this server first saw a measured rate
+        self.move_to: int | None = None  # the stage rebalancing decided we move to
         self.stage: Any = None
         self.master: Any = None  # the stage whose optimizer steps (the stage itself, or DPU's copy)
         self.pending: Any = None  # DPU: the update in flight
@@ -240,7 +243,6 @@ class SwarmServer(SwarmNode):
         self.run(SwarmServicer(self).add_p2p_handlers(self.p2p, namespace=cfg.prefix))
         self.servers(cfg.prefix)  # servers of another package must not share this prefix
         self._enter(cfg.stage if cfg.stage is not None else self._stage_in_need())
-        self.last_rebalance = time.monotonic()
 
     # ---- plumbing ------------------------------------------------------------------------------
 
@@ -745,32 +747,61 @@ class SwarmServer(SwarmNode):
         self.dht.store(servers_key(self.cfg.prefix), subkey=self.peer,
                        value=self.record().to_value(), expiration_time=now + self.cfg.expiration_s)
 
-    def _rebalance(self, servers: list[ServerRecord]) -> None:
+    def _decide(self) -> None:
+        """Rebalancing decisions (its own thread): every server decides at the same moments,
+        the multiples of T in DHT time, each from the servers as it read them just before.
+        A plan of several moves then starts at once on all its servers: deciding one by one,
+        the first to move held the others back (its rate was a guess until it served), and a
+        server busy averaging at its turn lagged behind. The move itself runs in the serving
+        loop, when it is free (`_move`)."""
+        period = self.cfg.rebalance_s
+        roster = Roster(self.dht, self.cfg.prefix)  # this thread's own reads
+        while not self.closing:
+            t = get_dht_time()
+            boundary = (t // period + 1) * period
+            time.sleep(max(0.0, boundary - READ_AHEAD_S - t))
+            try:
+                view = [r for r in roster.read() if r.peer != self.peer] + [self.record()]
+            except Exception as e:  # noqa: BLE001 - the next period reads again
+                self.log(f"rebalancing: reading the servers failed ({type(e).__name__}: {e})")
+                continue
+            time.sleep(max(0.0, boundary - get_dht_time()))
+            if self.moving or self.move_to is not None or self.closing:
+                continue
+            move = self._choose_move(view)
+            if move is not None:
+                self.log(f"rebalancing: {move}")
+                self.move_to = move.to_stage
+                self.wake.set()
+
+    def _choose_move(self, servers: list[ServerRecord]) -> balance.Move | None:
+        """Our move in the plan for `servers` (balance.plan_moves, or for a large swarm
+        SWARM's Algorithm 2), or None."""
         now = get_dht_time()
         if self.measured_since is None and any(r.measured for r in servers):
             self.measured_since = now  # training has begun
-        if self.measured_since is None or any(
+        empty = len({r.stage for r in servers}) < self.cfg.num_stages
+        if not empty and (self.measured_since is None or any(
                 r.moving or (not r.measured
                              and now - max(r.started, self.measured_since) < GUESS_S)
-                for r in servers):
+                for r in servers)):
             # a server that moved or joined, or waited for the first trainer, has a guessed
             # throughput until it has served (at the very start, 1 sample/s): decisions on
             # guesses moved servers for nothing. One that gets no calls for GUESS_S (failing,
-            # say) is not waited for
-            return
+            # say) is not waited for, and an empty stage waits for nothing
+            return None
         # one not yet measured on its stage counts where it is announced and is not moved
-        loads = [balance.ServerLoad(r.peer, r.stage, r.throughput, r.queue, not r.measured)
-                 for r in servers]
+        loads = [balance.ServerLoad(r.peer, r.stage, r.throughput, r.queue,
+                                    r.moving or not r.measured) for r in servers]
         plan = balance.plan_moves(loads, self.cfg.num_stages, self.cfg.min_gain, self.costs)
         if plan is None:  # too many servers to search: SWARM's one move per period
             one = balance.choose_move(loads, self.cfg.num_stages, self.cfg.min_gain, self.costs)
             plan = [one] if one is not None else []
-        move = next((m for m in plan if m.peer == self.peer), None)
-        if move is None:
-            return
-        self.log(f"rebalancing: stage {self.spec.index} -> {move.to_stage}")
-        self._metric({"event": "move", "from": self.spec.index, "to": move.to_stage})
-        self.moving, self.moving_to = True, move.to_stage
+        return next((m for m in plan if m.peer == self.peer), None)
+
+    def _move(self, to: int) -> None:
+        self._metric({"event": "move", "from": self.spec.index, "to": to})
+        self.moving, self.moving_to = True, to
         self._announce()
         if self.ids:  # what we hold of this step goes to the stage's other servers again
             exclude(self.dht, self.cfg.prefix, self.step, self.peer, self.spec.index,
@@ -780,7 +811,8 @@ class SwarmServer(SwarmNode):
             self._finish_update()
             self.stage.close()
         old.shutdown()
-        self._enter(move.to_stage)
+        self.move_to = None
+        self._enter(to)
 
     def serve(self, stop: threading.Event | None = None, max_seconds: float | None = None) -> None:
         """Heartbeats, commits and rebalancing until `stop` is set (or `max_seconds`)."""
@@ -788,6 +820,8 @@ class SwarmServer(SwarmNode):
         last_load = 0.0
         self.last_beat = 0.0
         threading.Thread(target=self._beat_while_busy, daemon=True, name="swarm-beat").start()
+        if self.cfg.rebalance_s is not None:
+            threading.Thread(target=self._decide, daemon=True, name="swarm-rebalance").start()
         while not (stop is not None and stop.is_set()):
             if max_seconds is not None and time.monotonic() - t0 > max_seconds:
                 break
@@ -802,14 +836,9 @@ class SwarmServer(SwarmNode):
                               "throughput": rec.throughput, "queue": rec.queue,
                               "moving": rec.moving, "measured": rec.measured})
                 last_load = now
-            servers = self._view()
-            self._try_commit(servers)
-            period = self.cfg.rebalance_s
-            # not in the middle of a call: the period waits for a free moment rather than
-            # passing (a busy server would skip period after period)
-            if period is not None and now - self.last_rebalance >= period and not self.queue:
-                self.last_rebalance = now
-                self._rebalance(servers)
+            self._try_commit(self._view())
+            if self.move_to is not None:
+                self._move(self.move_to)
             self.wake.wait(0.1)  # a tick, or sooner when a backward call finishes
             self.wake.clear()
 
