@@ -143,6 +143,9 @@ def test_small_swarms_take_the_best_assignment_where_single_moves_stall():
     assert plan_moves(swarm([5], [5]), 2) == []  # balanced: nothing
     assert plan_moves(swarm([1] * 5, [1] * 3), 2, min_gain=0.4) == []  # 3 -> 4: held back
     assert len(plan_moves(swarm([1] * 5, [1] * 3), 2, min_gain=0.3)) == 1
+    # each move is charged min_gain: the trade (2 moves, 2 -> 3) is worth 50%, not 2 x 30%
+    assert len(plan_moves(swarm([1, 1], [2, 2]), 2, min_gain=0.2)) == 2
+    assert plan_moves(swarm([1, 1], [2, 2]), 2, min_gain=0.3) == []
     assert plan_moves(swarm([1] * 12, [1] * 10), 2) is None  # 2^22 assignments: Algorithm 2
 
 

@@ -170,13 +170,15 @@ def plan_moves(servers: Sequence[ServerLoad], num_stages: int, min_gain: float =
     assignment takes three (the 16 to stage 0, both 5s to stage 1). Stage costs make it
     worse: the fastest server belongs on the cheapest stage. So where the movable servers'
     assignments number at most `max_assignments` (num_stages ** movable), every one is tried
-    (a server's throughput on another stage scales by the two stages' costs); the winner
-    has the highest pipeline throughput, then the fewest moves, then the lowest stage list.
-    Servers still loading stay where they are. The moves are returned only if the pipeline
-    throughput rises by more than `min_gain` of what it is ([] if not): every peer evaluates
-    the same snapshot, and each moves if the plan names it. Moves run at once (each
-    downloads its new stage's state), and the next decision waits until each moved server
-    has served (its throughput is a guess until then).
+    (a server's throughput on another stage scales by the two stages' costs). Each move is
+    charged `min_gain` of the current pipeline throughput X (it downloads a stage's state
+    and voids the gradients it held; on a real swarm, plans of three and four moves made on
+    noisy rates were undone a period later): the winner has the highest X' - k min_gain X
+    for k moves, then the fewest moves, then the lowest stage list, and its moves are
+    returned only if that beats X ([] if not; for one move, `choose_move`'s test). Servers
+    still loading stay where they are. Every peer evaluates the same snapshot and moves if
+    the plan names it; the moves run at once, and the next decision waits until each moved
+    server has served (its throughput is a guess until then).
     """
     if min_gain < 0:
         raise ValueError(f"min_gain {min_gain}: the gain asked of a move cannot be negative")
@@ -192,16 +194,17 @@ def plan_moves(servers: Sequence[ServerLoad], num_stages: int, min_gain: float =
     rates = np.array([[s.throughput * rel[s.stage] / rel[t] for t in range(num_stages)]
                       for s in movable]).reshape(len(movable), num_stages)
     current = tuple(s.stage for s in movable)
+    x = min(now)
     best: tuple | None = None
     for assign in itertools.product(range(num_stages), repeat=len(movable)):
         sums = np.array(base)
         np.add.at(sums, list(assign), rates[np.arange(len(movable)), list(assign)])
+        k = sum(a != c for a, c in zip(assign, current))
         # rounding must not pick a plan of more moves over an equal one
-        key = (-round(float(sums.min()), 9), sum(a != c for a, c in zip(assign, current)),
-               assign)
+        key = (-round(float(sums.min()) - k * min_gain * x, 9), k, assign)
         if best is None or key < best:
             best = key
-    if best is None or -best[0] <= min(now) * (1 + min_gain) + 1e-9:
+    if best is None or -best[0] <= x + 1e-9:
         return []
     return [Move(s.peer, s.stage, t, now[s.stage], now[t])
             for s, t in zip(movable, best[2]) if t != s.stage]
