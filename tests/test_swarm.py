@@ -268,7 +268,7 @@ def test_roster_keeps_a_record_a_read_missed_until_it_expires(monkeypatch) -> No
     from atomc.swarm import records
 
     now = [100.0]
-    monkeypatch.setattr("hivemind.utils.get_dht_time", lambda: now[0])
+    monkeypatch.setattr(records, "get_dht_time", lambda: now[0])
     answers: list[dict] = []
 
     def get(key: str, latest: bool) -> SimpleNamespace:
@@ -317,6 +317,17 @@ def test_weights_tied_across_stages_are_refused(work: dict) -> None:
 # processes
 
 
+def _train_killing_after_step_1(sw: Swarm, victim: str, steps: int = 4) -> int:
+    """Train `steps` steps, SIGKILL `victim` once step 1 is taken, and check the final
+    weights against single-process training; returns `steps`."""
+    proc = sw.train(steps)
+    sw.wait_for_step(proc, 1)
+    sw.kill(victim)
+    sw.wait(proc, 150)
+    _check_against_reference(sw.d, steps)
+    return steps
+
+
 @pytest.mark.slow
 def test_swarm_equals_single_process_through_a_kill(swarm_of) -> None:
     """2 stages x 3 and 2 servers, float64: the weights of single-process training, although a
@@ -325,15 +336,10 @@ def test_swarm_equals_single_process_through_a_kill(swarm_of) -> None:
     # records outlive a dead server long enough that the trainers still route to it
     sw.serve_all([("s0a", 0), ("s0b", 0), ("s0c", 0), ("s1a", 1), ("s1b", 1)],
                  "--slowdown", "2", "--expiration", "30")
-    steps = 4
-    proc = sw.train(steps)
-    sw.wait_for_step(proc, 1)
     # as step 2 begins: the router still lists s1b (its record outlives it), so some of the
     # remaining calls go to a dead server (one of two at its stage), fail and are routed
     # elsewhere
-    sw.kill("s1b")
-    sw.wait(proc, 150)
-    _check_against_reference(sw.d, steps)
+    steps = _train_killing_after_step_1(sw, "s1b")
     log = sw.log("trainer")
     assert "failed" in log, log  # the kill hit calls of a step that still completed
     groups = {(x["stage"], x["step"]): x["group"] for x in _lines(sw.d / "servers.jsonl")
@@ -365,12 +371,7 @@ def test_a_stage_left_without_servers_is_refilled_from_its_checkpoint(swarm_of) 
     # s1a first: no stage is empty when the others start
     sw.serve_all([("s1a", 1), ("s0a", 0), ("s0b", 0)], "--rebalance-period", "1",
                  "--min-gain", "100")
-    steps = 4
-    proc = sw.train(steps)
-    sw.wait_for_step(proc, 1)
-    sw.kill("s1a")
-    sw.wait(proc, 150)
-    _check_against_reference(sw.d, steps)
+    steps = _train_killing_after_step_1(sw, "s1a")
     events = _lines(sw.d / "servers.jsonl")
     moves = [x for x in events if x["event"] == "move"]
     assert [(x["from"], x["to"]) for x in moves] == [(0, 1)], moves

@@ -119,6 +119,14 @@ def _most_loaded(throughput: list[float]) -> int:
     return min(range(len(throughput)), key=lambda s: (throughput[s], s))
 
 
+def _check_policy(num_stages: int, min_gain: float, cost: Sequence[float] | None) -> None:
+    if min_gain < 0:
+        raise ValueError(f"min_gain {min_gain}: the gain asked of a move cannot be negative")
+    if cost is not None and (len(cost) != num_stages or min(cost) <= 0):
+        raise ValueError(f"stage costs {list(cost)}: give one positive cost per stage "
+                         f"({num_stages})")
+
+
 def choose_move(servers: Sequence[ServerLoad], num_stages: int, min_gain: float = 0.0,
                 cost: Sequence[float] | None = None) -> Move | None:
     """Algorithm 2: a server of the least loaded stage moves to the most loaded one, or None.
@@ -132,11 +140,7 @@ def choose_move(servers: Sequence[ServerLoad], num_stages: int, min_gain: float 
     that noisy throughput estimates do not move servers for nothing. `cost`: each stage's
     relative time per micro-batch (module docstring; None: all alike).
     """
-    if min_gain < 0:
-        raise ValueError(f"min_gain {min_gain}: the gain asked of a move cannot be negative")
-    if cost is not None and (len(cost) != num_stages or min(cost) <= 0):
-        raise ValueError(f"stage costs {list(cost)}: give one positive cost per stage "
-                         f"({num_stages})")
+    _check_policy(num_stages, min_gain, cost)
     throughput = stage_throughputs(servers, num_stages)
     dst = _most_loaded(throughput)
     src = min(range(num_stages), key=lambda s: (-throughput[s], s))
@@ -165,10 +169,10 @@ def plan_moves(servers: Sequence[ServerLoad], num_stages: int, min_gain: float =
     """The best assignment of a small swarm as moves from the current one, or None when the
     swarm is too large to search (then `choose_move`).
 
-    Single moves stall on few, unequal servers: with servers of 12, 5 and 5 samples/s
-    on stage 0 (17) and 16 on stage 1, no one move raises the lower stage, while the best
-    assignment takes three (the 16 to stage 0, both 5s to stage 1). Stage costs make it
-    worse: the fastest server belongs on the cheapest stage. So where the movable servers'
+    Single moves stall on few, unequal servers: with servers of 1 and 1 samples/s on stage 0
+    and 2 and 2 on stage 1, moving a 2 gives (4, 2), no better, while a trade of a 1 and a 2
+    reaches (3, 3). Stage costs make it worse: the fastest server belongs on the cheapest
+    stage. So where the movable servers'
     assignments number at most `max_assignments` (num_stages ** movable), every one is tried
     (a server's throughput on another stage scales by the two stages' costs). Each move is
     charged `min_gain` of the current pipeline throughput X (it downloads a stage's state
@@ -180,11 +184,7 @@ def plan_moves(servers: Sequence[ServerLoad], num_stages: int, min_gain: float =
     the plan names it; the moves run at once, and the next decision waits until each moved
     server has served (its throughput is a guess until then).
     """
-    if min_gain < 0:
-        raise ValueError(f"min_gain {min_gain}: the gain asked of a move cannot be negative")
-    if cost is not None and (len(cost) != num_stages or min(cost) <= 0):
-        raise ValueError(f"stage costs {list(cost)}: give one positive cost per stage "
-                         f"({num_stages})")
+    _check_policy(num_stages, min_gain, cost)
     movable = sorted((s for s in servers if not s.loading), key=lambda s: s.peer)
     if num_stages ** len(movable) > max_assignments:
         return None

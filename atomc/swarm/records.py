@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from hivemind.utils import get_dht_time
+
 
 @dataclass(frozen=True)
 class ServerRecord:
@@ -87,8 +89,6 @@ class Roster:
         self.seen: dict[str, tuple[ServerRecord, float]] = {}  # peer -> record, expiration
 
     def read(self) -> list[ServerRecord]:
-        from hivemind.utils import get_dht_time
-
         for peer, (value, expires) in _read_expiring(self.dht, servers_key(self.prefix)).items():
             rec = ServerRecord.from_value(peer, value)
             if rec is not None:

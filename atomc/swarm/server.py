@@ -139,12 +139,12 @@ class CallTime:
 
     def __init__(self, window_s: float):
         self.window_s = window_s
-        self.calls = 0
+        self.warm = False
         self.seconds = self.samples = 0.0
 
     def add(self, took: float, samples: int) -> None:
-        self.calls += 1
-        if self.calls == 1:
+        if not self.warm:
+            self.warm = True
             return
         keep = math.exp(-took / self.window_s)
         self.seconds = keep * self.seconds + took
@@ -755,13 +755,13 @@ class SwarmServer(SwarmNode):
         server busy averaging at its turn lagged behind. The move itself runs in the serving
         loop, when it is free (`_move`)."""
         period = self.cfg.rebalance_s
-        roster = Roster(self.dht, self.cfg.prefix)  # this thread's own reads
+        roster = Roster(self.dht, self.cfg.prefix)  # this thread's own reads (and state)
         while not self.closing:
             t = get_dht_time()
             boundary = (t // period + 1) * period
             time.sleep(max(0.0, boundary - READ_AHEAD_S - t))
             try:
-                view = [r for r in roster.read() if r.peer != self.peer] + [self.record()]
+                view = self._view(roster)
             except Exception as e:  # noqa: BLE001 - the next period reads again
                 self.log(f"rebalancing: reading the servers failed ({type(e).__name__}: {e})")
                 continue
@@ -842,11 +842,12 @@ class SwarmServer(SwarmNode):
             self.wake.wait(0.1)  # a tick, or sooner when a backward call finishes
             self.wake.clear()
 
-    def _view(self) -> list[ServerRecord]:
+    def _view(self, roster: Roster | None = None) -> list[ServerRecord]:
         """The servers as this one sees them (a record one DHT read missed counts until it
         expires: else a stage looks empty for a moment and a server moves there for nothing),
-        and our own record as it is now, not as last announced."""
-        others = self.roster(self.cfg.prefix).read()
+        and our own record as it is now, not as last announced. `roster`: whose reads (the
+        node's by default; another thread keeps its own)."""
+        others = (roster or self.roster(self.cfg.prefix)).read()
         return [r for r in others if r.peer != self.peer] + [self.record()]
 
     def _beat_while_busy(self) -> None:
