@@ -180,6 +180,10 @@ class OpNode:
     param_fqns: tuple[str, ...]  # canonical FQNs of parameters the node reads
     buffer_fqns: tuple[str, ...]
     signature: str  # equal signatures cost the same: measured once
+    # the dtype a constant dtype argument of the node names (`.to(torch.float32)`, softmax's
+    # dtype=, new_ones' dtype=), which fixes its output's dtype on any device; "" when the
+    # node has none or takes the dtype from a value (`x.to(y.dtype)` in an fx trace)
+    cast_to: str = ""
 
 
 @dataclass(frozen=True)

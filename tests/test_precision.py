@@ -320,3 +320,61 @@ def test_runtime_holds_a_run_to_the_planned_dtypes():
     # a hand-made plan or an older package records no dtypes: nothing to hold the run to
     assert TrainerConfig(transfer_dtype="bf16").dtypes_for(torch.float32, PackagePlan()) == \
         (torch.bfloat16, torch.bfloat16)
+
+
+CASTS_AND_NORMS = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8 * 8 * 8, 32)
+        self.weight = nn.Parameter(torch.ones(32))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x))).flatten(1)
+        h = self.fc(h)
+        dtype = h.dtype
+        v = h.to(torch.float32)  # as Hugging Face's RMS norms do: a no-op in the trace
+        v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.head(self.weight * v.to(dtype))
+
+
+def build_model(config=None):
+    return Net()
+
+
+def example_inputs(model, batch_size):
+    return (torch.randn(batch_size, 3, 8, 8),)
+'''
+
+
+def test_constant_casts_hold_and_batch_norm_keeps_its_input_dtype(tmp_path):
+    """`.to(torch.float32)` of a value traced in float32 still casts when autocast makes it
+    half (the graph holds the dtype as a constant), and batch norm's output keeps its half
+    input's dtype beside float32 weights (on no autocast list; tests/gpu checks both)."""
+    path = tmp_path / "casts.py"
+    path.write_text(CASTS_AND_NORMS)
+    traced = trace_model(path, None, 2, device="cpu")
+    graph = traced.graph
+    names = [n.name for n in graph.nodes]
+    casts = [n for n in graph.nodes if n.cast_to]
+    assert casts and all(n.cast_to == "float32" for n in casts)
+    wide = set(graph.full_precision)
+    assert wide  # the batch norm's weights stay float32
+    params = {f: ("float32" if f in wide else "bfloat16") for f in graph.params}
+    predicted = device_dtypes(graph, params, "bfloat16")
+    after_fc = names.index(next(n.name for n in graph.nodes if "fc" in n.module_fqn
+                                and n.op != "get_attr"))
+    for n in casts:  # the first cast follows a half linear, and casts it to float32
+        assert predicted[names.index(n.name)] == ("float32",)
+        assert names.index(n.name) > after_fc
+    bn = next(i for i, n in enumerate(graph.nodes) if n.module_fqn == "bn" and n.op != "get_attr"
+              and n.outputs)
+    assert predicted[bn][0] == "bfloat16"
+    assert all(d == "float32" for d in predicted[bn][1:])  # statistics, where returned

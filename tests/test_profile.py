@@ -146,3 +146,33 @@ def test_aten_inplace_operators_are_known_by_their_schema():
     div = graph.call_function(torch.ops.aten.div.Tensor, (x, x))
     out = graph.call_function(torch.ops.aten.add.out, (x, x), {"out": x})
     assert is_inplace(div_) and is_inplace(out) and not is_inplace(div)
+
+
+def test_loss_working_memory_rides_on_the_output_node_and_nothing_leaks():
+    """The last sub-model runs loss_fn every step: its working memory (what autograd saves,
+    then those and the logits' gradient) is charged to the output node, and measuring it
+    leaves no tensor behind (a saved output packed as itself would hold its own graph)."""
+    import gc
+
+    import torch
+
+    traced = trace_model(EXAMPLES / "gpt.py", "mini", 4)
+
+    def live_bytes() -> int:
+        gc.collect()
+        return sum(t.untyped_storage().nbytes() for t in gc.get_objects()
+                   if isinstance(t, torch.Tensor))
+
+    p = profile_model(traced, device="cpu", repeats=1, progress=False)
+    out = p.costs[-1]
+    logits = sum(o.num_bytes for o in p.graph.nodes[-2].outputs)  # (4, 64, 256) float32
+    # cross entropy saves its log-softmax of the shifted logits (63 of 64 positions)
+    assert 0.9 * logits < out.peak_fwd_bytes < 1.1 * logits
+    assert out.peak_bwd_bytes >= 1.9 * logits  # and the logits' gradient
+    assert any("working memory" in n for n in p.notes)
+    from atomc.profile import _loss_costs
+
+    before = live_bytes()
+    assert _loss_costs(traced, torch.device("cpu"), 1)[2:] == (out.peak_fwd_bytes,
+                                                               out.peak_bwd_bytes)
+    assert live_bytes() == before

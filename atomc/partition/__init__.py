@@ -11,6 +11,8 @@ programme with block folding), accum.py (choice of C), check.py (an independent 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 
 import numpy as np
@@ -53,6 +55,7 @@ __all__ = ["DEFAULT_MAX_ACCUM", "DEFAULT_RESERVE_BYTES", "build_plan", "partitio
 DEFAULT_RESERVE_BYTES = 1 << 30  # CUDA context, allocator fragmentation, the loss
 DEFAULT_MAX_ACCUM = 64
 _MIB = 1 << 20
+_CAP_FRACTIONS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
 
 
 def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAULT_RESERVE_BYTES,
@@ -78,6 +81,67 @@ def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAUL
     precision = resolve_precision(profile, transfer_dtype, autocast)
     view = device_view(profile, precision)
     facts = node_facts(view)
+
+    def params_for(c: int, usable_bytes: int = usable, cap: int = 0) -> CostParams:
+        return CostParams(c, usable_bytes, profile.h2d_gbps, profile.d2h_gbps, cpu_adam_gbps,
+                          activations, *update_costs_ns(profile), slot_cap_bytes=cap)
+
+    first_c = accum or 1
+    _check_operators_fit(view, facts, build_tables(facts, 1), params_for(first_c), reserve_bytes)
+
+    def attempt(cap: int) -> tuple[Outcome, RangeTables, list[str]]:
+        return _search_plan(view, facts, usable, accum, max_accum, fold_blocks,
+                            functools.partial(params_for, cap=cap), precision, capacity_bytes,
+                            reserve_bytes)
+
+    o, tables, notes = attempt(0)
+    largest = _largest_params(tables, params_for(o.accum), o.result)
+    if _slot_overshoot(tables, params_for(o.accum), o.result) > 0:
+        # The search checks neighbours in pairs; the runtime's slots are sized for the largest
+        # sub-model and held all step, so a plan of uneven sub-models can need more. Search
+        # again with the largest sub-model capped (slots then fit by construction) and keep
+        # the best of the caps tried.
+        tried = []
+        for cap in _caps(tables, largest):
+            try:
+                tried.append(attempt(cap))
+            except InfeasiblePlanError:
+                continue
+        if not tried:
+            raise InfeasiblePlanError(
+                f"no partition fits {format_bytes(capacity_bytes)} (reserve "
+                f"{format_bytes(reserve_bytes)}) once the runtime's two weight and two gradient "
+                f"slots, each sized for the largest sub-model, are counted: give a larger "
+                f"--gpu-mem")
+        o, tables, notes = max(tried, key=lambda t: (t[0].feasible, t[0].utilisation))
+        notes.append(f"largest sub-model capped at "
+                     f"{format_bytes(_largest_params(tables, params_for(o.accum), o.result))} "
+                     f"so that the runtime's slots fit beside every sub-model's working memory")
+    result: SearchResult = o.result  # type: ignore[assignment]
+    p = params_for(o.accum)
+    return build_plan(profile, tables, p, result.cuts,
+                      capacity_bytes=capacity_bytes, reserve_bytes=reserve_bytes,
+                      accum_fixed=accum is not None, tier=result.tier, notes=notes,
+                      early_prefetch=result.early_prefetch, precision=precision, view=view,
+                      cpu_adam_source=cpu_adam_source)
+
+
+def _largest_params(tables: RangeTables, p: CostParams, result: SearchResult) -> int:
+    return max(c.param_bytes for c in plan_costs(tables, p, list(result.cuts)))
+
+
+def _slot_overshoot(tables: RangeTables, p: CostParams, result: SearchResult) -> int:
+    """Bytes by which the plan's worst memory need exceeds the budget (<= 0: it fits)."""
+    costs = plan_costs(tables, p, list(result.cuts))
+    return -min(s.slack for s in plan_slacks(costs, p.usable_bytes, result.early_prefetch)
+                if s.constraint == MEMORY)
+
+
+def _search_plan(view: Profile, facts: NodeFacts, usable: int, accum: int | None,
+                 max_accum: int, fold_blocks: bool, params_for, precision: Precision,
+                 capacity_bytes: int, reserve_bytes: int
+                 ) -> tuple[Outcome, RangeTables, list[str]]:
+    """The search at `usable` bytes: the outcome at the C chosen, its tables, notes."""
     tables = build_tables(facts, max_width_for(facts, usable))
     folding = None
     if fold_blocks:
@@ -85,15 +149,8 @@ def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAUL
         folding = prepare_folding(tables, block_period(
             tables, g.blocks, tuple(n.block for n in g.nodes), tuple(n.signature for n in g.nodes)))
 
-    def params_for(c: int, usable_bytes: int = usable) -> CostParams:
-        return CostParams(c, usable_bytes, profile.h2d_gbps, profile.d2h_gbps, cpu_adam_gbps,
-                          activations, *update_costs_ns(profile))
-
-    first_c = accum or 1
-    _check_operators_fit(view, facts, tables, params_for(first_c), reserve_bytes)
-
     def run(c: int) -> Outcome:
-        p = params_for(c)
+        p = params_for(c, usable)
         d = derive(tables, p)
         best = search(tables, p, 0, folding, d)
         if best is not None:
@@ -111,7 +168,7 @@ def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAUL
         # at the C kept, loads-only stalls (tier 1, exact) may simulate faster than tier 2's plan,
         # which only an estimate guides: keep whichever the simulator prefers
         o = choice.outcome
-        p = params_for(o.accum)
+        p = params_for(o.accum, usable)
         tier1 = search(tables, p, 1, folding)
         if tier1 is not None:
             util = _utilisation(tables, p, tier1)
@@ -133,11 +190,7 @@ def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAUL
         notes.append(f"repeated blocks folded {result.folded_positions} of "
                      f"{facts.num_nodes - 1} cut positions")
     notes.extend(precision.notes)
-    return build_plan(profile, tables, params_for(o.accum), result.cuts,
-                      capacity_bytes=capacity_bytes, reserve_bytes=reserve_bytes,
-                      accum_fixed=accum is not None, tier=result.tier, notes=notes,
-                      early_prefetch=result.early_prefetch, precision=precision, view=view,
-                      cpu_adam_source=cpu_adam_source)
+    return o, tables, notes
 
 
 def recost(profile: Profile, plan: Plan, cpu_adam_gbps: float | None = None,
@@ -192,6 +245,8 @@ def _utilisation(tables: RangeTables, p: CostParams, result: SearchResult) -> fl
                          record=False).utilisation
 
 
+
+
 def _check_operators_fit(profile: Profile, facts: NodeFacts, tables: RangeTables, p: CostParams,
                          reserve_bytes: int) -> None:
     """DESIGN 4.4: every operator must fit alone; else name the largest and a budget that works."""
@@ -232,11 +287,30 @@ def min_capacity_bytes(facts: NodeFacts, p: CostParams, reserve_bytes: int) -> i
     while hi - lo > _MIB:
         mid = (lo + hi) // 2
         q = CostParams(p.accum, mid, p.h2d_gbps, p.d2h_gbps, p.cpu_adam_gbps, p.activations)
-        if search(tables, q, 2) is not None:
+        if _fits_memory(tables, q):
             hi = mid
         else:
             lo = mid
     return -(-(hi + reserve_bytes) // _MIB) * _MIB
+
+
+def _fits_memory(tables: RangeTables, q: CostParams) -> bool:
+    """Does some plan meet memory at q, the runtime's slots counted?"""
+    r = search(tables, q, 2)
+    if r is None:
+        return False
+    if _slot_overshoot(tables, q, r) <= 0:
+        return True
+    return any(search(tables, dataclasses.replace(q, slot_cap_bytes=cap), 2) is not None
+               for cap in _caps(tables, _largest_params(tables, q, r)))
+
+
+def _caps(tables: RangeTables, largest: int) -> list[int]:
+    """Caps on the largest sub-model's parameters to try, largest first: fractions of the
+    uncapped plan's, down to the largest single operator's (no smaller cap leaves a plan)."""
+    floor = int(tables.param_bytes[:, 1].max()) if tables.max_width >= 1 else 0
+    caps = {max(floor, int(largest * f)) for f in _CAP_FRACTIONS}
+    return sorted((c for c in caps if 0 < c < largest), reverse=True)
 
 
 def _cut_tensor(profile: Profile, j: int) -> CutTensor:

@@ -8,10 +8,12 @@ against the installed header):
 
 - LOWER ops (matmuls, convolutions, attention) compute in the autocast dtype;
 - FP32 ops (norms, softmax, exp/log, losses, reductions that accumulate) compute in float32;
+- batch norm (on no list) keeps its input's dtype, whatever its weights' dtype;
 - every other op computes in the widest floating dtype of its inputs (torch's type
   promotion), which is also what autocast's PROMOTE list does;
-- explicit casts (`.float()`, `.half()`, `.to(dtype)` that changed the traced dtype) keep
-  their target dtype.
+- a constant dtype argument (`.float()`, `.to(torch.float32)`, `softmax(..., dtype=)`) fixes
+  the output's dtype; a cast to a dtype read from a value (`x.to(y.dtype)` in an fx trace)
+  keeps its traced dtype where it changed it.
 
 Autocast only touches float32, float16 and bfloat16 tensors; float64 stays float64. CPU
 autocast has other lists (layer_norm runs in the lower dtype there), so a plan's bytes are a
@@ -71,7 +73,20 @@ _MODULES = {
     "CrossEntropyLoss": "log_softmax", "NLLLoss": "nll_loss", "MSELoss": "mse_loss",
     "L1Loss": "l1_loss", "SmoothL1Loss": "smooth_l1_loss", "HuberLoss": "huber_loss",
     "KLDivLoss": "kl_div", "BCEWithLogitsLoss": "binary_cross_entropy_with_logits",
+    **{f"{kind}{d}": name for kind, name in (("BatchNorm", "batch_norm"),
+                                               ("LazyBatchNorm", "batch_norm"),
+                                               ("InstanceNorm", "instance_norm"),
+                                               ("LazyInstanceNorm", "instance_norm"))
+       for d in ("1d", "2d", "3d")},
+    "SyncBatchNorm": "batch_norm",
 }
+# Batch norm is on no autocast list, and its kernels take a half input with float32 weights:
+# the normalised output keeps the input's dtype; the statistics it returns stay float32.
+FOLLOW_INPUT = frozenset({
+    "batch_norm", "instance_norm", "native_batch_norm", "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional",
+    "_batch_norm_with_update", "_batch_norm_no_update", "cudnn_batch_norm", "miopen_batch_norm",
+})
 _CASTS = {"float": "float32", "double": "float64", "half": "float16", "bfloat16": "bfloat16"}
 _ELIGIBLE = ("float32", "float16", "bfloat16")
 
@@ -128,6 +143,12 @@ def device_dtypes(graph: OpGraph, param_dtypes: dict[str, str],
             inputs += [(param_dtypes.get(f, ""), False) for f in node.param_fqns]
             inputs += [(graph.buffers[f].dtype, False) for f in node.buffer_fqns
                        if f in graph.buffers]
+        if op_name(node) in FOLLOW_INPUT and node.inputs and out[node.inputs[0]][0] in FLOAT_BYTES:
+            first = out[node.inputs[0]][0]
+            stats = "float64" if first == "float64" else "float32"
+            out[node.name] = tuple((first if j == 0 else stats) if d in FLOAT_BYTES else d
+                                   for j, d in enumerate(was))
+            continue
         before = promote_values([(d, z) for src in node.inputs
                                  for d, z in zip(traced[src], scalar[src])])
         out[node.name] = tuple(_result(node, d, inputs, before, autocast) if d in FLOAT_BYTES else d
@@ -148,8 +169,10 @@ def _result(node: OpNode, was: str, inputs: list[tuple[str, bool]], before: str,
     name = op_name(node)
     if node.op == "call_method" and name in _CASTS:
         return _CASTS[name]
+    if node.cast_to == was:
+        return was  # a constant dtype in the graph (`.to(torch.float32)`): it holds on the device
     if before and was != before and name in ("to", "type", "_to_copy", "to_copy"):
-        return was  # an explicit cast in the model: it casts on the device too
+        return was  # a cast to a dtype taken from a value, which changed the traced dtype
     if name == "type_as" and len(inputs) >= 2:
         return promote([inputs[-1][0]]) or was
     now = promote_values(inputs)

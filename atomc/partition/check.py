@@ -9,6 +9,9 @@ the constraints of DESIGN 4 as the search states them (see search.py's docstring
                         mem_bwd(P_i) + grads(P_{i+1})            <= M
                alone    mem_fwd(P_i) <= M,  mem_bwd(P_i) <= M
                early handover: params(P_0) + grads(P_0) + params(P_1) <= M
+               slots    4 * max_j params(P_j) + mem(P_i) - params(P_i) (- grads(P_i) in
+                        the backward) <= M: the runtime holds two weight and two gradient
+                        slots sized for the largest sub-model (2 * 1 with one sub-model)
     overlap    forward  C*t_fwd(P_i) >= t_load(P_{i+1})   (P_0 with the early handover:
                         its update tail hides P_1's update wait and load)
                backward C*t_bwd(P_i) >= t_ckpt(P_i) + t_load(P_{i-1})   (P_0: >= t_ckpt(P_0);
@@ -161,9 +164,14 @@ class Checker:
             if num_bytes > m:
                 out.append(Violation(i, "memory", f"{what}: {num_bytes} bytes > {m}"))
 
+        # the runtime's weight and gradient slots: two of each, sized for the largest
+        slots = min(2, len(facts)) * 2 * max(r.param_bytes for r in facts)
         for i, r in enumerate(facts):
             need(i, "forward alone", r.mem_fwd_bytes)
             need(i, "backward alone", r.mem_bwd_bytes)
+            need(i, "forward in the slots", slots + r.mem_fwd_bytes - r.param_bytes)
+            need(i, "backward in the slots",
+                 slots + r.mem_bwd_bytes - r.param_bytes - r.grad_bytes)
         if facts[0].bwd_ns < facts[0].checkpoint_ns:
             out.append(Violation(0, "backward overlap",
                                  f"C*t_bwd {facts[0].bwd_ns} ns < its checkpoints "

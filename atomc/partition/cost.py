@@ -354,6 +354,10 @@ class CostParams:
     # RuntimeCosts; 0 when not measured)
     update_ns: int = 0
     update_tensor_ns: int = 0
+    # the runtime's slots are sized for the largest sub-model (slot_bytes): with a cap, every
+    # range's parameters stay within it and its working memory fits beside 2 x 2 slots of it
+    # (0: no cap; the search then checks neighbours in pairs only)
+    slot_cap_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.accum < 1:
@@ -432,6 +436,11 @@ def derive(tables: RangeTables, p: CostParams) -> Derived:
                                == t.num_nodes))
     ok = (t.valid & t.start_ok & t.end_ok & (d.mem_fwd_bytes <= p.usable_bytes)
           & (d.mem_bwd_bytes <= p.usable_bytes))
+    if p.slot_cap_bytes > 0:
+        slots = 4 * p.slot_cap_bytes
+        ok = (ok & (d.param_bytes <= p.slot_cap_bytes)
+              & (d.mem_fwd_bytes - d.param_bytes + slots <= p.usable_bytes)
+              & (d.mem_bwd_bytes - d.param_bytes - d.grad_bytes + slots <= p.usable_bytes))
     return Derived(**{**d.__dict__, "ok": ok})
 
 
@@ -572,6 +581,13 @@ def backward_load_ns(left: RangeCost, right: RangeCost, costs: list[RangeCost]) 
 
 # constraint names, and the search tier from which each is relaxed (memory never is)
 MEMORY = "memory"
+
+
+def slot_bytes(costs: list[RangeCost]) -> int:
+    """Device bytes of the runtime's weight and gradient slots (atomc.runtime.slots): two of
+    each (one with one sub-model), each sized for the largest sub-model, and held all step. A
+    plan of uneven sub-models needs more than the pairs of neighbours the search checks."""
+    return min(2, len(costs)) * 2 * max((c.param_bytes for c in costs), default=0)
 FORWARD_OVERLAP = "forward overlap"
 BACKWARD_OVERLAP = "backward overlap"
 GRADIENT_OFFLOAD = "gradient offload"
@@ -603,10 +619,15 @@ def plan_slacks(costs: list[RangeCost], usable_bytes: int,
 
     out: list[Slack] = []
     k = len(costs)
+    slots = slot_bytes(costs)
     for i, c in enumerate(costs):
         nxt = costs[i + 1] if i + 1 < k else None
         prv = costs[i - 1] if i > 0 else None
-        need = [(c.mem_fwd_bytes, "its forward alone"), (c.mem_bwd_bytes, "its backward alone")]
+        need = [(c.mem_fwd_bytes, "its forward alone"), (c.mem_bwd_bytes, "its backward alone"),
+                (slots + c.mem_fwd_bytes - c.param_bytes,
+                 f"its forward in the runtime's slots ({format_bytes(slots)})"),
+                (slots + c.mem_bwd_bytes - c.param_bytes - c.grad_bytes,
+                 f"its backward in the runtime's slots ({format_bytes(slots)})")]
         if nxt:
             need.append((c.mem_fwd_bytes + nxt.param_bytes,
                          f"its forward + loading sub-model {i + 1}'s parameters"))

@@ -6,7 +6,8 @@ Public: `profile_model(traced, device=..., target=..., ...)`.
   inputs of its recorded shapes, timed (warm-up, repeats, median; CUDA events on GPU) and
   freed again; load time is a real host-to-device copy (pinned on CUDA). The model file's
   `loss_fn`, which the last sub-model runs every step but the graph does not hold, is timed
-  on outputs of the traced shapes and charged to the output node.
+  and its working memory measured on outputs of the traced shapes, both charged to the
+  output node.
   In a process's first profile every operator first runs once untimed (a cold process timed
   them up to 30% slow). The runtime's own costs (update per tensor,
   Python per action) are measured with its code (atomc.profile.runtime_costs).
@@ -39,6 +40,7 @@ from atomc.profile.runtime_costs import measure_runtime_costs
 from atomc.profile.timing import CopyTimer, time_ms
 from atomc.trace import TracedModel
 from atomc.trace.graph import tensors_in
+from atomc.units import format_bytes
 
 __all__ = ["hardware_names", "load_hardware", "profile_model"]
 
@@ -51,14 +53,17 @@ def describe_device(device: torch.device) -> str:
     return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def _loss_ms(traced: TracedModel, dev: torch.device,
-             repeats: int) -> tuple[float, float] | str | None:
-    """Forward and backward ms of the model file's loss_fn on outputs and a batch of the traced
-    shapes (None without a loss_fn; a note when it cannot run on such made-up values)."""
+def _loss_costs(traced: TracedModel, dev: torch.device,
+                repeats: int) -> tuple[float, float, int, int] | str | None:
+    """Forward and backward ms and working bytes of the model file's loss_fn on outputs and a
+    batch of the traced shapes (None without a loss_fn; a note when it cannot run on such
+    made-up values). Bytes: the allocator's peaks on CUDA; elsewhere what autograd saves and
+    the loss, then the saved tensors and the outputs' gradients."""
     fn = getattr(traced.module, "loss_fn", None)
     if not callable(fn):
         return None
     out_node = next(n for n in reversed(traced.gm.graph.nodes) if n.op == "output")
+    cuda = dev.type == "cuda"
     try:
         outputs = materialise(fx.node.map_arg(out_node.args[0], lambda n: traced.values[n.name]),
                               dev, seed=3)
@@ -67,15 +72,44 @@ def _loss_ms(traced: TracedModel, dev: torch.device,
         leaves = [t for t in tensors_in(outputs) if t.requires_grad]
         with torch.enable_grad():
             fwd_ms = time_ms(lambda: fn(outputs, batch), dev, repeats=repeats)
-            loss = fn(outputs, batch)
-            if not leaves or not isinstance(loss, torch.Tensor) or not loss.requires_grad:
-                return fwd_ms, 0.0
+            if cuda:
+                torch.cuda.synchronize(dev)
+                base = torch.cuda.memory_allocated(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+            saved: dict[int, int] = {}
+
+            def keep(t: torch.Tensor) -> torch.Tensor:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                # detached: a saved output packed as itself would hold its own grad_fn, a
+                # cycle through autograd that no collector sees (the tensors would leak)
+                return t.detach()
+
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+                loss = fn(outputs, batch)
+            if not isinstance(loss, torch.Tensor):
+                return fwd_ms, 0.0, 0, 0
+            if cuda:
+                torch.cuda.synchronize(dev)
+                peak_fwd = torch.cuda.max_memory_allocated(dev) - base
+            else:  # the outputs themselves are the sub-model's, not the loss's
+                mine = {t.untyped_storage().data_ptr() for t in tensors_in(outputs)}
+                held = sum(n for ptr, n in saved.items() if ptr not in mine)
+                peak_fwd = held + loss.untyped_storage().nbytes()
+            if not leaves or not loss.requires_grad:
+                return fwd_ms, 0.0, int(peak_fwd), 0
             bwd_ms = time_ms(lambda: torch.autograd.grad(loss, leaves, retain_graph=True,
                                                          allow_unused=True), dev, repeats=repeats)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(dev)
+                torch.autograd.grad(loss, leaves, retain_graph=True, allow_unused=True)
+                torch.cuda.synchronize(dev)
+                peak_bwd = torch.cuda.max_memory_allocated(dev) - base
+            else:
+                peak_bwd = held + sum(t.untyped_storage().nbytes() for t in leaves)
     except Exception as e:  # noqa: BLE001 - a loss that needs real data is left out, with a note
         why = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return f"loss_fn not timed ({type(e).__name__}: {why}); the plan leaves it out"
-    return fwd_ms, bwd_ms
+    return fwd_ms, bwd_ms, int(peak_fwd), int(peak_bwd)
 
 
 _WARM: set[str] = set()
@@ -172,16 +206,18 @@ def profile_model(traced: TracedModel, *, device: str | None = None, target: str
 
     loss_note = ""
     if dev is not None:
-        loss = _loss_ms(traced, dev, repeats)
+        loss = _loss_costs(traced, dev, repeats)
         if isinstance(loss, str):
             loss_note = loss
         elif loss is not None:
-            # the last sub-model computes the loss in every step: its times ride on the output
-            # node, which is always there
+            # the last sub-model computes the loss in every step: its times and working memory
+            # ride on the output node, which is always there
             out = max(i for i, n in enumerate(graph.nodes) if n.op == "output")
-            costs[out] = dataclasses.replace(costs[out], fwd_ms=loss[0], bwd_ms=loss[1])
-            loss_note = (f"loss_fn timed on the output node: forward {loss[0]:.3f} ms, "
-                         f"backward {loss[1]:.3f} ms")
+            costs[out] = dataclasses.replace(costs[out], fwd_ms=loss[0], bwd_ms=loss[1],
+                                             peak_fwd_bytes=loss[2], peak_bwd_bytes=loss[3])
+            loss_note = (f"loss_fn measured on the output node: forward {loss[0]:.3f} ms, "
+                         f"backward {loss[1]:.3f} ms, working memory "
+                         f"{format_bytes(max(loss[2], loss[3]))}")
 
     num_compute = sum(1 for n in graph.nodes if n.op in COMPUTE_OPS)
     if hw is not None:

@@ -474,9 +474,13 @@ def _check_device_memory(dev: torch.device, store: HostStore, plan: Plan | None,
     free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
     k = len(store.layouts)
     slot_bytes = max(store.param_bytes(i) for i in range(k))
-    if plan is not None:  # each sub-model computing with the next one loading
+    # each sub-model computing with the next one loading; in the slots (an upper bound: its
+    # gradients are in its peak and in the slots)
+    if plan is not None:
         subs = plan.submodels
-        need = [sm.peak_bytes + (subs[i + 1].param_bytes if i + 1 < k else 0)
+        slots = min(2, k) * 2 * max(sm.param_bytes for sm in subs)
+        need = [max(sm.peak_bytes + (subs[i + 1].param_bytes if i + 1 < k else 0),
+                    slots + sm.peak_bytes - sm.param_bytes)
                 for i, sm in enumerate(subs)]
     else:  # weights and gradients of the two slots, at least
         need = [2 * (store.param_bytes(i) + slot_bytes) for i in range(k)]

@@ -146,6 +146,7 @@ def build_opgraph(gm: fx.GraphModule, model: nn.Module, values: dict[str, Any], 
             module_type=module_type, block=block, inputs=inputs, outputs=outputs,
             param_fqns=tuple(param_fqns), buffer_fqns=tuple(buffer_fqns),
             signature=_signature(node, module_type, extra, values, params, param_fqns),
+            cast_to=_constant_dtype(node, outputs),
         ))
     dtypes = {s.dtype for s in params.values()}
     return OpGraph(
@@ -154,6 +155,16 @@ def build_opgraph(gm: fx.GraphModule, model: nn.Module, values: dict[str, Any], 
         params=params, buffers=buffers, aliases=aliases, blocks=tuple(blocks),
         full_precision=tuple(f for f in params if is_norm_weight(model, f)),
     )
+
+
+def _constant_dtype(node: fx.Node, outputs: tuple[TensorSpec, ...]) -> str:
+    """The dtype a constant argument of `node` names, where its one output has that dtype in
+    the trace (so the argument is what sets it, not, say, a view's reinterpretation)."""
+    if node.op not in ("call_function", "call_method") or len(outputs) != 1:
+        return ""
+    named = {dtype_name(a) for a in (*node.args, *node.kwargs.values())
+             if isinstance(a, torch.dtype)}
+    return outputs[0].dtype if named == {outputs[0].dtype} else ""
 
 
 def _unique(names) -> list[str]:

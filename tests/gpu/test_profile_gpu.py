@@ -22,4 +22,7 @@ def test_cuda_profile_measures_allocator_peaks_and_pinned_loads():
     assert fc.fwd_ms > 0 and fc.bwd_ms > 0 and fc.load_ms > 0
     assert fc.peak_fwd_bytes >= fc.output_bytes  # from torch.cuda.max_memory_allocated
     assert 1 < p.h2d_gbps < 200  # a real PCIe/NVLink-C2C pinned copy
-    assert torch.cuda.memory_allocated() < 64 * 2**20  # every operator was freed again
+    # every operator was freed again (cuBLAS keeps a workspace per stream in the allocator:
+    # 32 MiB each on Hopper, several streams after a profile; released here, as it is not ours)
+    torch._C._cuda_clearCublasWorkspaces()
+    assert torch.cuda.memory_allocated() < 16 * 2**20
