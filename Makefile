@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.atomc-installed
 # The CPU build of torch these machines carry; pinned first so nothing resolves another torch.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install demo test lint golden bench clean
+.PHONY: install demo test families lint golden bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ demo: install
 
 test: install lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
+
+# the survey of 28 more Hugging Face families through the whole chain (about 10 minutes)
+families: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m families tests/test_families.py
 
 # ruff, pinned in pyproject.toml's dev extra, with the rules chosen there
 lint: install

@@ -30,7 +30,7 @@ Without CUDA the script says so and exits 0.
 
     python bench/swap_bench.py [--configs gpt3-small,gpt3-medium,gpt3-large] [--gpu-mem 8GiB]
                                [--seq-len 2048] [--micro-batch 1] [--steps 6] [--skip-fsdp]
-                               [--calibrate-steps 6]
+                               [--calibrate-steps 6] [--activations recompute|keep]
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ def make_plan(profile, args):
 
     rate, source = resolve_cpu_adam("auto", profile)
     return partition(profile, args.gpu_mem, reserve_bytes=args.reserve, cpu_adam_gbps=rate,
-                     cpu_adam_source=source)
+                     cpu_adam_source=source, activations=args.activations)
 
 
 def bench_config(config: str, args, workdir: Path) -> dict:
@@ -268,7 +268,7 @@ def bench_config(config: str, args, workdir: Path) -> dict:
 
     options = {"seq_len": args.seq_len}
     t0 = time.perf_counter()
-    traced = trace_model(GPT_PATH, config, args.micro_batch, options)
+    traced = trace_model(GPT_PATH, config, args.micro_batch, options, runs_on="cuda")
     profile = profile_model(traced, device="cuda", repeats=5, progress=False)
     first = make_plan(profile, args)
     vocab = gpt.CONFIGS[config].vocab_size
@@ -391,6 +391,8 @@ def main() -> int:
     ap.add_argument("--transfer-dtype", default=None, choices=[None, "bfloat16", "float16"],
                     help="half-precision device copies (then compute differs from the profile's)")
     ap.add_argument("--skip-fsdp", action="store_true")
+    ap.add_argument("--activations", default="recompute", choices=["recompute", "keep"],
+                    help="the plan's activation rule (keep: no recomputation, more memory)")
     ap.add_argument("--calibrate-steps", type=int, default=6,
                     help="traced steps to calibrate the profile on (0: no calibration)")
     ap.add_argument("--out", default=str(ROOT / "out" / "bench" / "swap_bench.json"))

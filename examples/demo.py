@@ -93,7 +93,7 @@ def main() -> int:
 
     print(f"== 1. trace and profile {MODEL.relative_to(ROOT)} (config {config}, micro-batch "
           f"{args.micro_batch}) on {args.device}")
-    traced = trace_model(MODEL, config, args.micro_batch)
+    traced = trace_model(MODEL, config, args.micro_batch, runs_on="cuda" if cuda else "cpu")
     profile = profile_model(traced, device=args.device, repeats=3)
     profile.save(OUT / "profile.json")
     param_bytes = sum(s.num_bytes for s in traced.graph.params.values())

@@ -91,6 +91,10 @@ PRESETS: dict[str, tuple[str, dict, int]] = {
         "num_attention_heads": 4, "vocab_size": 128, "max_position_embeddings": 64,
         "rotary_pct": 0.5,
     }, 16),
+    "tiny-falcon": ("falcon", {
+        "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 128,
+        "new_decoder_architecture": True, "num_kv_heads": 2,  # its MLP adds a residual in place
+    }, 16),
     "tiny-phi": ("phi", {
         "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "vocab_size": 128, "max_position_embeddings": 64,

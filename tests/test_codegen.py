@@ -287,6 +287,26 @@ def test_runtime_style_detached_boundaries(tmp_path):
         torch.testing.assert_close(sum(h.grad for h in held), p.grad, rtol=1e-10, atol=1e-10)
 
 
+def test_inputs_written_in_place_are_copied(tmp_path):
+    """A sub-model whose first operator adds a residual in place into one of its inputs (Hugging
+    Face's ResNet, Falcon) writes a copy: the swap runtime's inputs are leaves that take
+    gradients, which autograd refuses to write, and a recomputation needs them as they were."""
+    t = traced(MODELS / "moe.py")
+    _, package = build_package(t, cuts_at(t, "add_"), tmp_path / "pkg")
+    second = (tmp_path / "pkg" / "submodel_1.py").read_text()
+    assert ".clone()  # written in place below" in second
+    assert_equivalent(t, package, torch.float64, 1e-10)
+    first, last = (s.double() for s in package.build_submodels())
+    package.load_original_state_dict([first, last], copy.deepcopy(t.model).double().state_dict())
+    middle = tuple(v.detach().requires_grad_(v.is_floating_point())
+                   for v in first(*t.inputs))
+    kept = [v.detach().clone() for v in middle]
+    t.module.loss_fn(last(*middle), t.inputs).backward()
+    for leaf, before in zip(middle, kept):
+        assert torch.equal(leaf.detach(), before)
+        assert leaf.grad is not None
+
+
 # ---------------------------------------------------------------------------------------------
 # the package contract
 

@@ -10,11 +10,13 @@ alone (codegen traces the model again, as `atomc codegen` does), and then:
 - a plan made for bfloat16 weights (half-precision device copies, autocast) trains by default
   in bfloat16, refuses float32, and starts within 1% of the float32 plan's loss.
 
-The families: seven Hugging Face causal LMs (examples/hf.py's tiny presets), a Hugging Face
-BERT returning its own ModelOutput, a ResNet-style CNN with BatchNorm (traced by symbolic
-tracing, and by torch.export behind a shape check), an encoder of torch.nn's composite layers
-(TransformerEncoder, MultiheadAttention), and a nanoGPT-style model.py imported from the model
-file beside it (training and last-position inference).
+The families: eight Hugging Face causal LMs (examples/hf.py's tiny presets), Hugging Face BERT
+and DeBERTa-v2 encoders returning their own ModelOutput, a ResNet-style CNN with BatchNorm
+(traced by symbolic tracing, and by torch.export behind a shape check), an encoder of
+torch.nn's composite layers (TransformerEncoder, MultiheadAttention), a nanoGPT-style model.py
+imported from the model file beside it (training and last-position inference), and a mixture-
+of-experts model written as Hugging Face's MoE families are (device-type branches, router
+statistics without gradients, `finfo(dtype).min` masks, residuals added in place).
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ from atomc.codegen import generate, load_package
 from atomc.errors import InfeasiblePlanError, UsageError
 from atomc.partition import partition
 from atomc.profile import profile_model
+from atomc.profile.ops import grad_flow
 from atomc.runtime import SwapTrainer, micro_batch_rng
 from atomc.runtime.trace import replay_residency
 from atomc.trace import trace_model
+from atomc.trace.graph import tensors_in
 
 REPO = Path(__file__).resolve().parent.parent
 HF = REPO / "examples" / "hf.py"
@@ -53,12 +57,15 @@ CASES = {
     "opt": (HF, "tiny-opt"),
     "gpt-neox": (HF, "tiny-gpt-neox"),
     "phi": (HF, "tiny-phi"),
+    "falcon": (HF, "tiny-falcon"),
+    "deberta": (MODELS / "hf_deberta.py", None),
     "bert": (MODELS / "hf_bert.py", None),
     "resnet-bn": (MODELS / "resnet.py", None),
     "resnet-bn-export": (MODELS / "resnet_export.py", None),
     "torch-transformer": (MODELS / "torch_transformer.py", None),
     "nanogpt": (MODELS / "nanogpt" / "train_model.py", "dropout"),
     "nanogpt-last": (MODELS / "nanogpt" / "train_model.py", "last"),
+    "moe": (MODELS / "moe.py", None),
 }
 
 
@@ -310,6 +317,33 @@ def test_batch_norm_in_export_graphs_follows_the_mode(root):
     state = package.export_state_dict(subs)
     assert int(state["bn.num_batches_tracked"]) == int(model.bn.num_batches_tracked) == 2
     torch.testing.assert_close(state["bn.running_mean"], model.bn.running_mean)
+
+
+def test_meta_trace_takes_the_branch_of_the_device_it_runs_on(root):
+    """Model code that branches on the device type (a router's histc counts in float32 on a
+    CPU, int32 elsewhere) is traced on the meta device as if on the device it will run on:
+    the CPU's branch for a CPU profile; the meta device alone takes the other one. The router
+    statistics carry no gradient, and the profile times no backward for them."""
+    path = MODELS / "moe.py"
+
+    def histc_input_dtype(t):
+        histc = next(n for n in t.gm.graph.nodes if n.target is torch.ops.aten.histc.default)
+        return histc.args[0].args[1]
+
+    assert histc_input_dtype(trace_model(path, None, MICRO, device="meta")) == torch.float32
+    assert histc_input_dtype(trace_model(path, None, MICRO, device="meta",
+                                         runs_on=None)) == torch.int32
+    t = trace_model(path, None, MICRO, device="meta")
+    assert all(p.device.type == "meta" for p in t.model.parameters())
+    assert all(v.device.type == "meta" for v in tensors_in(list(t.values.values())))
+    flows = grad_flow(t.gm, t.values)
+    assert flows["linear"] and not flows["histc"] and not flows["cumsum"]
+    profile = profile_model(t, device="cpu", repeats=1, progress=False)
+    cost = {n.name: c for n, c in zip(profile.graph.nodes, profile.costs)}
+    assert cost["cumsum"].bwd_ms == 0 and cost["histc"].bwd_ms == 0
+    out, _, _ = chain("moe", root)
+    source = "".join(p.read_text() for p in sorted(out.glob("submodel_*.py")))
+    assert "torch.finfo(" in source and "3.4028" not in source
 
 
 def test_constants_ship_with_the_package(root):

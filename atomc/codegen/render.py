@@ -42,7 +42,7 @@ from atomc.codegen.split import Piece
 from atomc.dtypes import dtype_name
 from atomc.errors import CodegenError
 from atomc.ir import OpGraph, Plan
-from atomc.profile.ops import is_inplace
+from atomc.profile.ops import is_inplace, written_in_place
 from atomc.trace import TracedModel, dtype_args, model_dtype
 from atomc.trace.normalise import MODES
 
@@ -714,12 +714,13 @@ class PieceRenderer:
         if node.op == "call_module":
             return f"self.{node.target}({self.call_args(node.args, node.kwargs)})"
         if node.op == "call_method":
-            obj = self.operand(node.args[0])
-            return f"{obj}.{node.target}({self.call_args(node.args[1:], node.kwargs)})"
+            args, kwargs = self._dtype_limits(tuple(node.args), dict(node.kwargs))
+            obj = self.operand(args[0])
+            return f"{obj}.{node.target}({self.call_args(args[1:], kwargs)})"
         if node.op != "call_function":
             raise AssertionError(node.op)
         fn = node.target
-        args, kwargs = self._generic_dtypes(node)
+        args, kwargs = self._dtype_limits(*self._generic_dtypes(node))
         if fn is operator.getitem and not kwargs:
             return f"{self.operand(args[0])}[{self.index(args[1])}]"
         if fn is builtins.getattr and len(args) == 2 and isinstance(args[1], str) \
@@ -735,6 +736,34 @@ class PieceRenderer:
         args, kwargs = _follow_training_mode(fn, args, kwargs)
         callee = self.resolver.function(fn, self.imports, self.why)
         return f"{callee}({self.call_args(args, kwargs)})"
+
+    def _dtype_limits(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Scalars that are the traced dtype's extremes, as that dtype's extremes at run time.
+
+        Attention masks fill with `torch.finfo(scores.dtype).min`; the trace recorded float32's
+        (-3.4e38), which overflows bfloat16 when the sub-model runs under autocast. A scalar
+        equal to the largest or most negative value of the first tensor argument's traced dtype
+        (or of a dtype argument that follows the model's) becomes `torch.finfo(x.dtype).min`.
+        """
+        first = next((a for a in args if isinstance(a, fx.Node)
+                      and isinstance(self.values.get(a.name), torch.Tensor)), None)
+        if first is not None:
+            dtype, source = self.values[first.name].dtype, f"{self.operand(first)}.dtype"
+        elif isinstance(kwargs.get("dtype"), _Expr):
+            dtype, source = model_dtype(self.traced.model), str(kwargs["dtype"])
+        else:
+            return args, kwargs
+        if not dtype.is_floating_point:
+            return args, kwargs
+        info = torch.finfo(dtype)
+        names = {info.min: "min", info.max: "max"}
+
+        def limit(a: Any) -> Any:
+            if type(a) is float and a in names:
+                return _Expr(f"torch.finfo({source}).{names[a]}")
+            return a
+
+        return tuple(limit(a) for a in args), {k: limit(v) for k, v in kwargs.items()}
 
     def _generic_dtypes(self, node: fx.Node) -> tuple[tuple, dict]:
         """The node's arguments, with the dtypes that follow the model's dtype as `dtype`."""
@@ -777,6 +806,12 @@ class PieceRenderer:
         body: list[str] = []
         for name in self.piece.inputs:
             body.append(f"# {name}: {describe_value(self.values.get(name))}")
+        for node in graph.nodes:
+            if node.op == "placeholder" and written_in_place(node):
+                # the caller's tensor may be a leaf that takes gradients (the swap runtime's
+                # inputs are), or be needed again (recomputation): write a copy
+                name = self.namer(node.name)
+                body.append(f"{name} = {name}.clone()  # written in place below")
         block = None
         code: list[str] = []
         open_modes: tuple = ()  # the `with` blocks the current statement is inside

@@ -31,13 +31,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_profile(args: argparse.Namespace) -> int:
     from atomc.profile import profile_model
     from atomc.profile.report import summarise
-    from atomc.trace import trace_model
+    from atomc.trace import runs_on_for, trace_model
 
     if args.repeats < 1:
         raise UsageError(f"--repeats {args.repeats} must be 1 or more")
     options = {"seq_len": args.seq_len} if args.seq_len is not None else {}
+    # the model's code sees the device its generated code will run on: a target is a GPU
+    runs_on = runs_on_for(args.device if args.target is None else args.target)
     traced = trace_model(args.model, args.config, args.batch_size, options, frontend=args.frontend,
-                         train=not args.eval)
+                         train=not args.eval, runs_on=runs_on)
     profile = profile_model(traced, device=args.device, target=args.target,
                             compute_dtype=args.compute_dtype, repeats=args.repeats)
     out = Path(args.output) if args.output else Path(args.model).with_suffix(".profile.json")

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from atomc.trace.graph import tensors_in
+from atomc.trace.normalise import MODES
 
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.iand,
                       operator.ior, operator.ixor, operator.ilshift, operator.irshift}
@@ -48,6 +49,53 @@ def is_inplace(node: fx.Node) -> bool:
                        for a in node.target._schema.arguments)
         name = getattr(node.target, "__name__", "")
         return name.endswith("_") and not name.startswith("_")
+    return False
+
+
+# methods and functions whose result shares its first argument's storage (fx graphs; ATen
+# operators say so in their schema)
+_VIEWS = {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t", "unsqueeze",
+          "squeeze", "expand", "expand_as", "narrow", "select", "flatten", "unflatten", "unfold",
+          "diagonal", "as_strided", "chunk", "split", "unbind", "movedim", "swapaxes",
+          "contiguous", "__getitem__", "getitem", "real", "imag"}
+
+
+def _writes(node: fx.Node, value: fx.Node) -> bool:
+    """Whether in-place `node` writes `value` (its first argument, or a written ATen one)."""
+    if isinstance(node.target, torch._ops.OpOverload):
+        args = dict(zip((a.name for a in node.target._schema.arguments), node.args))
+        args.update(node.kwargs)
+        return any(a.alias_info is not None and a.alias_info.is_write and args.get(a.name) is value
+                   for a in node.target._schema.arguments)
+    return bool(node.args) and node.args[0] is value
+
+
+def _is_view_of(node: fx.Node, value: fx.Node) -> bool:
+    if not node.args or node.args[0] is not value:
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):
+        returns = node.target._schema.returns
+        return bool(returns) and returns[0].alias_info is not None \
+            and not returns[0].alias_info.is_write
+    name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return node.op in ("call_method", "call_function") and name in _VIEWS
+
+
+def written_in_place(node: fx.Node) -> bool:
+    """Whether an operator of the graph writes `node`'s value in place, directly or through a
+    view of it (`x.add_(y)`, `x[:, 0] = 0`, `x.view(-1).mul_(2)`)."""
+    seen, todo = set(), [node]
+    while todo:
+        value = todo.pop()
+        seen.add(value)
+        for user in value.users:
+            if is_inplace(user) and _writes(user, value):
+                return True
+            if user.op == "call_function" and user.target is operator.setitem \
+                    and user.args[0] is value:
+                return True
+            if user not in seen and _is_view_of(user, value):
+                todo.append(user)
     return False
 
 
@@ -119,17 +167,53 @@ def materialise_module(module: nn.Module, device: torch.device) -> nn.Module:
     return mod
 
 
+_DETACH = {torch.ops.aten.detach.default, torch.detach, torch.Tensor.detach, "detach"}
+
+
+def grad_flow(gm: fx.GraphModule, values: dict[str, Any]) -> dict[str, bool]:
+    """Node name -> whether its floating outputs carry gradients in training.
+
+    Model inputs and trainable parameters do; buffers and constants do not (BatchNorm's
+    running statistics), nor what a no_grad region or `detach` computes, nor a value computed
+    only from values that do not (a router's `topk` indices made float and counted with
+    `histc`: autograd refuses such an operator in its timed backward). Computed once per graph.
+    """
+    cached = gm.meta.get("atomc_grad_flow")
+    if cached is not None and cached[0] is values:
+        return cached[1]
+    flows: dict[str, bool] = {}
+    for node in gm.graph.nodes:
+        value = values.get(node.name)
+        floating = any(t.is_floating_point() for t in tensors_in(value))
+        if node.op == "placeholder":
+            flows[node.name] = floating
+        elif node.op == "get_attr":
+            flows[node.name] = isinstance(value, nn.Parameter) and value.requires_grad
+        elif node.op == "output":
+            continue
+        else:
+            grad_modes = [m[1] for m in node.meta.get(MODES, ()) if m[0] == "grad"]
+            target = node.target if node.op != "call_method" else str(node.target)
+            off = (grad_modes and not grad_modes[-1]) or target in _DETACH
+            flows[node.name] = floating and not off and (
+                node.op == "call_module"  # its own parameters
+                or any(flows.get(n.name, False) for n in node.all_input_nodes))
+    gm.meta["atomc_grad_flow"] = (values, flows)
+    return flows
+
+
 def build_call(gm: fx.GraphModule, node: fx.Node, values: dict[str, Any], device: torch.device,
                seed: int = 0) -> OpCall:
     """Prepare `node` to run alone on `device` with inputs shaped as in `values`."""
     def arg_value(n: fx.Node) -> Any:
         return values[n.name]
 
-    # buffers read directly (export graphs: BatchNorm's running statistics) take no gradient
-    buffers = frozenset(id(values[n.name]) for n in node.all_input_nodes
-                        if n.op == "get_attr" and not isinstance(values[n.name], nn.Parameter))
-    args = _materialise(fx.node.map_arg(node.args, arg_value), device, seed, buffers)
-    kwargs = _materialise(fx.node.map_arg(node.kwargs, arg_value), device, seed + 1, buffers)
+    # inputs that carry no gradient in training take none here (see grad_flow)
+    flows = grad_flow(gm, values)
+    still = frozenset(id(t) for n in node.all_input_nodes if not flows.get(n.name, False)
+                      for t in tensors_in(values[n.name]))
+    args = _materialise(fx.node.map_arg(node.args, arg_value), device, seed, still)
+    kwargs = _materialise(fx.node.map_arg(node.kwargs, arg_value), device, seed + 1, still)
     params: list[torch.Tensor] = []
     if node.op == "call_module":
         module = materialise_module(gm.get_submodule(str(node.target)), device)

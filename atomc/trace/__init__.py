@@ -19,6 +19,7 @@ from torch import fx, nn
 
 from atomc.errors import ModelFileError, TraceError
 from atomc.ir import OpGraph
+from atomc.trace.fake import faked_on
 from atomc.trace.frontends import trace
 from atomc.trace.graph import ValueRecorder, build_opgraph, normalise_get_attrs, tensors_in
 from atomc.trace.load import call_with_options, load_model_file
@@ -37,6 +38,7 @@ __all__ = [
     "dtype_args",
     "load_model_file",
     "model_dtype",
+    "runs_on_for",
     "trace_model",
 ]
 
@@ -54,6 +56,7 @@ class TracedModel:
     device: torch.device
     leaf_types: tuple[type, ...] = ()
     train: bool = True
+    runs_on: str | None = "cpu"  # the device type a meta-device model's code saw (atomc.trace.fake)
     # node name -> argument paths whose dtype follows the model's (see `dtype_args`)
     _dtype_args: dict[str, tuple[tuple, ...]] | None = field(default=None, repr=False)
 
@@ -83,25 +86,42 @@ def build_and_inputs(path: str | Path, config: str | None, batch_size: int, opti
 def trace_model(path: str | Path, config: str | None = None, batch_size: int = 1,
                 options: dict[str, int] | None = None, *, device: str | torch.device = "meta",
                 frontend: str = "auto", leaf_modules: tuple[type, ...] = (),
-                train: bool = True) -> TracedModel:
-    """Trace the model of a model file; `train` traces in training mode (dropout on)."""
+                train: bool = True, runs_on: str | None = "cpu") -> TracedModel:
+    """Trace the model of a model file; `train` traces in training mode (dropout on).
+
+    `runs_on` ("cpu" or "cuda") is the device type the model's code sees when it is traced on
+    the meta device: the one its generated code will run on (see `runs_on_for`).
+    """
     p = Path(path)
     options = dict(options or {})
     module, model, inputs = build_and_inputs(p, config, batch_size, options, device)
     model.train(train)
     leaf_types = tuple(leaf_modules) + tuple(getattr(module, "LEAF_MODULES", ()))
-    gm, used = _trace_graph(model, inputs, leaf_types, p, frontend)
-    recorder = ValueRecorder(gm)
-    try:
-        with torch.no_grad(), _buffers_kept(model, gm):
-            recorder.run(*inputs)
-    except Exception as e:
-        raise TraceError(f"the traced graph of {p} did not run on {device} tensors "
-                         f"({type(e).__name__}: {e}); mark the failing module as a leaf") from e
-    graph = build_opgraph(gm, model, recorder.values, model_path=str(p), config=config,
+    with faked_on(model, inputs, runs_on) as faked:
+        gm, used = _trace_graph(model, faked.inputs, leaf_types, p, frontend)
+        recorder = ValueRecorder(gm)
+        try:
+            with torch.no_grad(), faked.running(), _buffers_kept(model, gm):
+                recorder.run(*faked.inputs)
+        except Exception as e:
+            raise TraceError(f"the traced graph of {p} did not run on {device} tensors "
+                             f"({type(e).__name__}: {e}); mark the failing module as a "
+                             f"leaf") from e
+    faked.unfake(gm)
+    values = faked.to_meta(recorder.values)
+    graph = build_opgraph(gm, model, values, model_path=str(p), config=config,
                           batch_size=batch_size, options=options, frontend=used)
-    return TracedModel(graph, gm, model, inputs, recorder.values, module, torch.device(device),
-                       leaf_types, train)
+    where = torch.device(device)
+    return TracedModel(graph, gm, model, inputs, values, module, where, leaf_types, train,
+                       runs_on if where.type == "meta" else where.type)
+
+
+def runs_on_for(device: str | None) -> str:
+    """The device type a profile's or a plan's device name (cpu, cuda:0 (NVIDIA ...), a
+    hardware profile's name: a GPU) stands for; None: where this machine would measure."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cpu" if device.replace(":", " ").split()[0] == "cpu" else "cuda"
 
 
 @contextlib.contextmanager
@@ -165,7 +185,9 @@ def dtype_args(traced: TracedModel) -> dict[str, tuple[tuple, ...]]:
             model.to(dtype).train(traced.train)
             inputs = tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
                            else x for x in inputs)
-            gm, _ = _trace_graph(model, inputs, traced.leaf_types, path, "export")
+            with faked_on(model, inputs, traced.runs_on) as faked:
+                gm, _ = _trace_graph(model, faked.inputs, traced.leaf_types, path, "export")
+            faked.unfake(gm)
             return gm
         finally:
             torch.set_rng_state(rng)

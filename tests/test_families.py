@@ -1,0 +1,54 @@
+"""The wider survey of Hugging Face families: test_models.py's four checks (chained sub-models
+equal the model in float64 and float32, SwapTrainer equals AdamW, a bfloat16 plan trains
+within 1%) on 28 more tiny random families (tests/models/hf_families.py). About 10 minutes on
+two cores, so not in `make test`: run it with `make families` (pytest -m families).
+
+Left out, each for a reason of transformers' own (the eager model fails the same way):
+Mixtral and XGLM in float64 (no float64 CPU kernel for grouped matrix products; XGLM's mask
+overflows float32), and the bfloat16 check of the tiny BatchNorm CNNs ResNet and MobileNetV2,
+whose eager bfloat16 autocast loss is itself 0.3% and 50% from float32's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import test_models as base  # after the skip: it needs transformers too
+
+from atomc.trace import load_model_file
+
+MODEL = Path(__file__).resolve().parent / "models" / "hf_families.py"
+NAMES = load_model_file(MODEL).NAMES
+base.CASES.update({f"hf-{n}": (MODEL, n) for n in NAMES})
+NOT_IN_FLOAT64 = {"hf-mixtral", "hf-xglm"}
+NOT_IN_BFLOAT16 = {"hf-resnet", "hf-mobilenet_v2"}
+CASES = sorted(f"hf-{n}" for n in NAMES)
+
+pytestmark = pytest.mark.families
+root = base.root
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)],
+                         ids=["float64", "float32"])
+@pytest.mark.parametrize("name", CASES)
+def test_chained_submodels_equal_the_model(root, name, dtype, tol):
+    if dtype == torch.float64 and name in NOT_IN_FLOAT64:
+        pytest.skip("transformers' own model does not run in float64 on a CPU")
+    base.test_chained_submodels_equal_the_model(root, name, dtype, tol)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_swap_trainer_equals_adamw(root, name):
+    base.test_swap_trainer_equals_adamw(root, name)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bfloat16_plan_trains_within_one_percent(root, name):
+    if name in NOT_IN_BFLOAT16:
+        pytest.skip("eager bfloat16 autocast of this tiny BatchNorm CNN is itself off by more")
+    base.test_bfloat16_plan_trains_within_one_percent(root, name)
