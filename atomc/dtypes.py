@@ -7,6 +7,8 @@
   pipeline's wire headers write.
 - `dtype_from_name(name, what, error)`: the inverse of dtype_name for every torch dtype (a
   name read back from a file or a wire header, not typed by a user).
+- `cast_floating(module, dtype)`: a module's floating-point tensors in `dtype`, complex ones
+  kept (`module.to(dtype)` would drop their imaginary part).
 """
 
 from __future__ import annotations
@@ -49,3 +51,13 @@ def dtype_from_name(name: str, what: str = "dtype",
     if not isinstance(dtype, torch.dtype):
         raise error(f"{what} {name!r} is not a torch dtype")
     return dtype
+
+
+def cast_floating(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`module` with its floating-point parameters and buffers in `dtype`, in place.
+
+    Not `module.to(dtype)`: that casts complex tensors too, and to a real dtype it drops their
+    imaginary part (a rotary embedding's complex frequencies, registered as a buffer, become
+    their cosines).
+    """
+    return module._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)

@@ -14,9 +14,11 @@ The families: eight Hugging Face causal LMs (examples/hf.py's tiny presets), Hug
 and DeBERTa-v2 encoders returning their own ModelOutput, a ResNet-style CNN with BatchNorm
 (traced by symbolic tracing, and by torch.export behind a shape check), an encoder of
 torch.nn's composite layers (TransformerEncoder, MultiheadAttention), a nanoGPT-style model.py
-imported from the model file beside it (training and last-position inference), and a mixture-
-of-experts model written as Hugging Face's MoE families are (device-type branches, router
-statistics without gradients, `finfo(dtype).min` masks, residuals added in place).
+imported from the model file beside it (training and last-position inference), a model.py in
+the style of Meta's llama (complex rotary frequencies), a Hugging Face T5 (two inputs, one
+embedding tied three ways), and a mixture-of-experts model written as Hugging Face's MoE
+families are (device-type branches, router statistics without gradients, `finfo(dtype).min`
+masks, residuals added in place).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch.utils._pytree import tree_flatten
 
 from atomc.cli import main as atomc_main
 from atomc.codegen import generate, load_package
+from atomc.dtypes import cast_floating
 from atomc.errors import InfeasiblePlanError, UsageError
 from atomc.partition import partition
 from atomc.profile import profile_model
@@ -66,6 +69,8 @@ CASES = {
     "nanogpt": (MODELS / "nanogpt" / "train_model.py", "dropout"),
     "nanogpt-last": (MODELS / "nanogpt" / "train_model.py", "last"),
     "moe": (MODELS / "moe.py", None),
+    "meta-llama": (MODELS / "meta_llama.py", None),
+    "t5": (MODELS / "hf_t5.py", None),
 }
 
 
@@ -148,7 +153,9 @@ def test_chained_submodels_equal_the_model(root, name, dtype, tol):
     assert len(plan.submodels) >= 3
     package = load_package(out)
     model = original(reference, dtype)
-    subs = [s.to(dtype).train() for s in package.build_submodels()]
+    # as the runtime casts them: complex constants (rotary frequencies) stay complex, where
+    # Module.to(dtype) would drop their imaginary part
+    subs = [cast_floating(s, dtype).train() for s in package.build_submodels()]
     assert package.load_original_state_dict(subs, model.state_dict()) == []
     package.tie_parameters(subs)
     inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in reference.inputs)
@@ -344,6 +351,26 @@ def test_meta_trace_takes_the_branch_of_the_device_it_runs_on(root):
     out, _, _ = chain("moe", root)
     source = "".join(p.read_text() for p in sorted(out.glob("submodel_*.py")))
     assert "torch.finfo(" in source and "3.4028" not in source
+
+
+def test_weight_tied_three_ways_sums_its_gradients_exactly(root):
+    """T5's one embedding is read by three sub-models; tied_grads="exact" adds the three
+    holders' gradients per micro-batch in the order the plain model's backward does: one step
+    gives plain AdamW's weights in float64 (to rounding: the export graph's kernels are not
+    the eager model's)."""
+    out, _, reference = chain("t5", root)
+    model = original(reference, torch.float64)
+    trainer = SwapTrainer.from_package(out, device="cpu", state_dict=model.state_dict(),
+                                       tied_grads="exact", optimizer=ADAM, dtype="float64")
+    assert [len(h) for h in trainer.executor.ties.ties.values()] == [3]
+    batch = tuple(x.to(torch.float64) if x.is_floating_point() else x
+                  for x in batch_of(reference, C, 0))
+    trainer.step(batch)
+    plain_steps(model, reference.module.loss_fn, [batch])
+    state = trainer.export_state_dict()
+    for k, v in state.items():  # export's kernels round a little differently from eager ones
+        torch.testing.assert_close(v, model.state_dict()[k], rtol=1e-12, atol=1e-14, msg=k)
+    trainer.close()
 
 
 def test_constants_ship_with_the_package(root):

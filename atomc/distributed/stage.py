@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from atomc.actions import Action, pipeline_order
+from atomc.dtypes import cast_floating
 from atomc.errors import RuntimeMismatchError
 from atomc.runtime.interpret import directions
 from atomc.runtime.optim import AdamWConfig
@@ -123,7 +124,7 @@ class ResidentStage:
             with torch.device(device):  # only this stage's classes: the others live elsewhere
                 mod = pkg.classes[i]()
             if dtype is not None:
-                mod = mod.to(dtype)
+                mod = cast_floating(mod, dtype)
             self.modules[i] = mod.train()
         self._tie_within()
         self._params = param_fqns(pkg, self.modules)

@@ -137,7 +137,7 @@ class SwapExecutor:
         self._has_buffers = [any(True for _ in m.buffers()) for m in self.modules]
         self.ties = TiedGrads(self.modules, self.layouts, exact=tied_grads == "exact")
         if tied_grads == "exact":  # summed on the device: the store leaves them out of its sums
-            store.exact_keys = set(self.ties.pairs)
+            store.exact_keys = set(self.ties.ties)
         self._loss_host = torch.zeros((), dtype=torch.float64, pin_memory=self.cuda)
         self._loss_ready: Any = None
 

@@ -1,12 +1,15 @@
 """Runtime, tied weights: their gradients summed micro-batch by micro-batch (tied_grads="exact").
 
-A weight tied across two sub-models has a parameter in each (the owner, the lower index, holds
+A weight tied across sub-models has a parameter in each (the owner, the lowest index, holds
 its master). By default ("fast") each holder sums its gradient over the micro-batches, and the
 host store adds the holders' sums: one rounding away from the unpartitioned model, which adds
-across holders first, then over micro-batches. "exact" keeps the later holder's gradient of
-each micro-batch on the device (C copies of the tied weight) and adds it to the owner's in the
-owner's backward of the same micro-batch, which reproduces the plain model's sums bit for bit.
-The host store then leaves those weights' replicas out of its own sum (`store.exact_keys`).
+across holders first, then over micro-batches. "exact" keeps the later holders' gradient of
+each micro-batch on the device (C copies of the tied weight), summed in the order the
+backward reaches them (the last holder first, as autograd adds the uses of one weight in the
+plain model: T5's output layer, then its decoder's and its encoder's embeddings), and adds it
+to the owner's in the owner's backward of the same micro-batch, which reproduces the plain
+model's sums bit for bit. The host store then leaves those weights' replicas out of its own
+sum (`store.exact_keys`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from functools import partial
 import torch
 from torch import nn
 
-from atomc.errors import UsageError
 from atomc.runtime.store import SubLayout
 
 
@@ -29,32 +31,29 @@ class TiedGrads:
         self.mb = 0  # micro-batch whose backward is running (read by the hooks)
         self._held: dict[str, dict[int, torch.Tensor]] = {}  # key -> micro-batch -> gradient
         self._fired: set[str] = set()  # ties whose owner hook ran in this backward
-        # key -> (owner, owner's local name, holder, holder's local name); none when "fast"
-        self.pairs = self._hook(layouts) if exact else {}
+        # key -> its holders (sub-model, local name), owner first; none when "fast"
+        self.ties = self._hook(layouts) if exact else {}
 
-    def _hook(self, layouts: list[SubLayout]) -> dict[str, tuple[int, str, int, str]]:
-        """Pair each weight held by two sub-models and hook both holders' parameters."""
-        pairs: dict[str, tuple[int, str, int, str]] = {}
+    def _hook(self, layouts: list[SubLayout]) -> dict[str, tuple[tuple[int, str], ...]]:
+        """Find each weight held by several sub-models and hook every holder's parameter."""
         by_key: dict[str, list[tuple[int, str]]] = {}
         for L in layouts:
             for e in L.entries:
                 by_key.setdefault(e.key, []).append((L.index, e.local))
+        ties: dict[str, tuple[tuple[int, str], ...]] = {}
         for key, holders in by_key.items():
-            subs = {i for i, _ in holders}
-            if len(holders) < 2 or len(subs) < 2:
+            if len({i for i, _ in holders}) < 2:  # one sub-model: one parameter (codegen ties)
                 continue
-            if len(holders) > 2:
-                raise UsageError(f"tied_grads='exact' handles weights held by two sub-models; "
-                                 f"{key} is held by {len(holders)} ({holders}); "
-                                 f"use tied_grads='fast'")
-            (o, o_local), (h, h_local) = sorted(holders)
-            pairs[key] = (o, o_local, h, h_local)
-            self.modules[h].get_parameter(h_local).register_hook(partial(self._capture, key))
+            (o, o_local), *later = ties[key] = tuple(sorted(holders))
+            for h, h_local in later:
+                self.modules[h].get_parameter(h_local).register_hook(partial(self._capture, key))
             self.modules[o].get_parameter(o_local).register_hook(partial(self._add, key))
-        return pairs
+        return ties
 
     def _capture(self, key: str, grad: torch.Tensor) -> None:
-        self._held.setdefault(key, {})[self.mb] = grad.detach().clone()
+        held = self._held.setdefault(key, {})
+        before = held.get(self.mb)
+        held[self.mb] = grad.detach().clone() if before is None else before + grad.detach()
 
     def _add(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         self._fired.add(key)
@@ -64,7 +63,7 @@ class TiedGrads:
     def finish(self, i: int) -> None:
         """After sub-model i's backward of micro-batch `mb`: where i owns a tie, add a holder
         gradient that no hook took (the owner's parameter got no gradient of its own)."""
-        for key, (o, o_local, _, _) in self.pairs.items():
+        for key, ((o, o_local), *_) in self.ties.items():
             if o != i:
                 continue
             other = self._held.get(key, {}).pop(self.mb, None)

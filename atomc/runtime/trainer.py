@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from atomc.dtypes import cast_floating
 from atomc.errors import RuntimeMismatchError
 from atomc.ir import Plan
 from atomc.jsonio import canonical_hash, read_json
@@ -108,7 +109,7 @@ class SwapTrainer:
         run = cfg.resolve(pkg, typed_plan, resume=resume, initial=state_dict)
         dev = run.device
 
-        host_modules = [m.to(run.master_dtype) for m in pkg.build_submodels()]
+        host_modules = [cast_floating(m, run.master_dtype) for m in pkg.build_submodels()]
         if state_dict is not None:
             try:
                 pkg.load_original_state_dict(host_modules, state_dict)

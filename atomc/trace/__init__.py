@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from atomc.dtypes import cast_floating
 from atomc.errors import ModelFileError, TraceError
 from atomc.ir import OpGraph
 from atomc.trace.fake import faked_on
@@ -182,7 +183,7 @@ def dtype_args(traced: TracedModel) -> dict[str, tuple[tuple, ...]]:
             # on the traced device: export drops no-op copies (`.contiguous()`) by device
             _, model, inputs = build_and_inputs(path, g.config, g.batch_size, dict(g.options),
                                                 traced.device)
-            model.to(dtype).train(traced.train)
+            cast_floating(model, dtype).train(traced.train)
             inputs = tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
                            else x for x in inputs)
             with faked_on(model, inputs, traced.runs_on) as faked:
@@ -245,9 +246,11 @@ def buffer_values(traced: TracedModel, fqns: list[str]) -> dict[str, torch.Tenso
 def constant_values(traced: TracedModel, names: list[str]) -> dict[str, torch.Tensor]:
     """Values of tensors torch.export lifted out of forward (`x[:, [-1]]`'s index), by name.
 
-    A trace on the meta device creates them on meta, without values. The model is exported
-    again on the CPU with uninitialised weights: export reads only their shapes, so their
-    pages are reserved but never written.
+    A trace on the meta device creates them on meta, without values. The model is built again
+    on the CPU with its parameters on meta (tensors its constructor computes, such as Meta
+    llama's complex rotary frequencies kept as a plain attribute, get their values) and
+    exported with uninitialised weights: export reads only their shapes, so their pages are
+    reserved but never written.
     """
     values = {n: _fetch_attr(traced.gm, n) for n in names}
     if all(v.device.type != "meta" for v in values.values()):
@@ -256,7 +259,9 @@ def constant_values(traced: TracedModel, names: list[str]) -> dict[str, torch.Te
     path = Path(getattr(traced.module, "__file__", None) or g.model_path)
     rng = torch.get_rng_state()
     try:
-        _, model, inputs = build_and_inputs(path, g.config, g.batch_size, dict(g.options), "meta")
+        with _parameters_on_meta():
+            _, model, inputs = build_and_inputs(path, g.config, g.batch_size, dict(g.options),
+                                                "cpu")
         model.to_empty(device="cpu").train(traced.train)
         inputs = tuple(torch.zeros_like(x, device="cpu") if isinstance(x, torch.Tensor) else x
                        for x in inputs)

@@ -200,6 +200,18 @@ def _repair_aliased_reads(gm: fx.GraphModule, values: dict[str, Any], mine: list
                           theirs: list[fx.Node]) -> None:
     """Where the traces disagree on what a node reads, undo reads through no-op casts."""
     position = {b: i for i, b in enumerate(theirs)}
+    # what each no-op cast read when traced (the repairs below change that): `x.float()` twice
+    # on a float32 x records the second cast as reading the first, and a later read of x as
+    # reading the second
+    source = {n: n.args[0] for n in mine if _is_noop_cast(n, values)}
+
+    def aliases(x: fx.Node, truth: fx.Node) -> bool:
+        while x in source and isinstance(source[x], fx.Node):
+            x = source[x]
+            if x is truth:
+                return True
+        return False
+
     changed = False
     for a, b in zip(mine, theirs):
         reads_a, reads_b = a.all_input_nodes, b.all_input_nodes
@@ -210,7 +222,7 @@ def _repair_aliased_reads(gm: fx.GraphModule, values: dict[str, Any], mine: list
             truth = mine[position[y]]
             if x is truth:
                 continue
-            if not (_is_noop_cast(x, values) and x.args and x.args[0] is truth):
+            if not aliases(x, truth):
                 raise ValueError(f"node {a.name} reads {x.name} in one dtype and {truth.name} in "
                                  f"another")
             swaps[x] = truth
