@@ -93,6 +93,9 @@ def assert_equivalent(t, package, dtype: torch.dtype, tol: float, seed: int = 0)
                 grads.setdefault(fqn, {})[id(p)] = p.grad
     for fqn, p in model.named_parameters():
         assert fqn in grads, f"{fqn} is in no sub-model"
+        if not p.requires_grad:  # frozen in the model, frozen in its sub-models
+            assert all(g is None for g in grads[fqn].values()), fqn
+            continue
         total = sum(g for g in grads[fqn].values() if g is not None)
         torch.testing.assert_close(total, p.grad, rtol=tol, atol=tol, msg=f"gradient of {fqn}")
 

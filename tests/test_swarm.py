@@ -332,16 +332,21 @@ def _train_killing_after_step_1(sw: Swarm, victim: str, steps: int = 4) -> int:
 def test_swarm_equals_single_process_through_a_kill(swarm_of) -> None:
     """2 stages x 3 and 2 servers, float64: the weights of single-process training, although a
     server is SIGKILLed in the middle of a step (its micro-batches go elsewhere, none twice)."""
-    sw = swarm_of()
-    # records outlive a dead server long enough that the trainers still route to it
-    sw.serve_all([("s0a", 0), ("s0b", 0), ("s0c", 0), ("s1a", 1), ("s1b", 1)],
-                 "--slowdown", "2", "--expiration", "30")
     # as step 2 begins: the router still lists s1b (its record outlives it), so some of the
     # remaining calls go to a dead server (one of two at its stage), fail and are routed
-    # elsewhere (four steps after the kill: the router's weighted round robin may give the
-    # dead server none of a step's few calls when its earlier ones were slow)
-    steps = _train_killing_after_step_1(sw, "s1b", steps=6)
-    log = sw.log("trainer")
+    # elsewhere. Whether one does depends on the run (which DHT node kept the record, how the
+    # router spread a step's few calls; 2 runs in 6 of the full suite on a loaded 2-core box
+    # sent none): the scenario runs again, up to three times, until the kill hits a call.
+    for attempt in range(3):
+        sw = swarm_of(sub=f"try{attempt}")
+        # records outlive a dead server long enough that the trainers still route to it
+        sw.serve_all([("s0a", 0), ("s0b", 0), ("s0c", 0), ("s1a", 1), ("s1b", 1)],
+                     "--slowdown", "2", "--expiration", "30")
+        steps = _train_killing_after_step_1(sw, "s1b")
+        log = sw.log("trainer")
+        if "failed" in log:
+            break
+        sw.close()
     assert "failed" in log, log  # the kill hit calls of a step that still completed
     groups = {(x["stage"], x["step"]): x["group"] for x in _lines(sw.d / "servers.jsonl")
               if x["event"] == "step"}

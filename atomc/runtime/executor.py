@@ -65,14 +65,15 @@ def rebind_parameters(module: nn.Module, tensors: dict[str, torch.Tensor], requi
                       grads: dict[str, torch.Tensor] | None = None) -> None:
     """Make each parameter of `module` a Parameter over the given tensor (a view of a flat buffer).
 
-    A Parameter registered under several names in the module stays one Parameter.
+    A Parameter registered under several names in the module stays one Parameter; one the
+    module has frozen (requires_grad=False) stays frozen.
     """
     new_of: dict[int, nn.Parameter] = {}
     for name, p in list(module.named_parameters(remove_duplicate=False)):
         if id(p) not in new_of:
             if name not in tensors:
                 raise KeyError(name)
-            new = nn.Parameter(tensors[name], requires_grad=requires_grad)
+            new = nn.Parameter(tensors[name], requires_grad=requires_grad and p.requires_grad)
             if grads is not None:
                 new.grad = grads[name]
             new_of[id(p)] = new

@@ -185,7 +185,7 @@ class CpuOptimizer:
         for i, L in enumerate(store.layouts):
             decayed, plain = [], []
             for e in L.entries:
-                if not e.owned:
+                if not e.owned or not e.trainable:  # torch's AdamW skips a frozen weight too
                     continue
                 # a view per original parameter, over the flat master and gradient: the kernels
                 # then split the work as they do on the original tensors (same bits), and

@@ -59,6 +59,7 @@ class ParamEntry:
     owned: bool  # this entry is the master (else a replica of the owner's)
     span: int = 0  # image elements it takes: numel, or more for a wide entry
     wide: bool = False  # kept in WIDE_DTYPE (float32) in a half-precision image
+    trainable: bool = True  # False: frozen in the model (requires_grad=False), never updated
 
     def image_view(self, flat: torch.Tensor) -> torch.Tensor:
         """This entry's tensor inside a flat image (or gradient) buffer of the transfer dtype."""
@@ -110,8 +111,11 @@ def plan_layouts(package: SwapPackage, modules: list[nn.Module],
     tie_key = {(i, local): key for key, holders in package.tied.items() for i, local in holders}
     shapes: list[dict[str, tuple[int, ...]]] = []
     param_names: list[dict[str, str]] = []  # PARAM_NAMES without the buffers it also maps
+    frozen: set[str] = set()  # keys of weights the model does not train (requires_grad=False)
     for i, mod in enumerate(modules):
         named = {n: tuple(p.shape) for n, p in mod.named_parameters()}
+        frozen.update(tie_key.get((i, n), package.param_names[i].get(n, n))
+                      for n, p in mod.named_parameters() if not p.requires_grad)
         buffers = {n for n, _ in mod.named_buffers()}
         listed = package.param_names[i]
         lacking = sorted(set(named) - set(listed))
@@ -161,7 +165,7 @@ def plan_layouts(package: SwapPackage, modules: list[nn.Module],
             owner_offsets[key] = master_offset
             start, span, wide = place(key, n)
             entries.append(ParamEntry(local, key, shape, n, start, i, master_offset, decay, True,
-                                      span, wide))
+                                      span, wide, key not in frozen))
             master_offset += n
         owned = master_offset
         decay_numel = sum(math.prod(s) for _, _, s, _ in owned_decay)
@@ -182,7 +186,7 @@ def plan_layouts(package: SwapPackage, modules: list[nn.Module],
                     f"regenerate it")
             start, span, wide = place(key, n)
             entries.append(ParamEntry(local, key, shape, n, start, o, o_off, decay, False,
-                                      span, wide))
+                                      span, wide, key not in frozen))
         layouts.append(SubLayout(i, tuple(entries), offset, owned, decay_numel))
     return layouts
 

@@ -7,7 +7,9 @@
 - attention masks with `torch.finfo(scores.dtype).min`, which must follow the dtype the
   scores have at run time (bfloat16 under autocast overflows on float32's);
 - each block adds its residual in place (`h += x`, as Hugging Face's ResNet and Falcon do),
-  so a sub-model may receive a tensor it writes.
+  so a sub-model may receive a tensor it writes;
+- a frozen position embedding (`requires_grad_(False)`, as Whisper's encoder has), which
+  training must leave as it is.
 """
 
 import torch
@@ -61,11 +63,12 @@ class Model(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
+        self.positions = nn.Embedding(SEQ, DIM).requires_grad_(False)
         self.blocks = nn.ModuleList(Block() for _ in range(2))
         self.head = nn.Linear(DIM, VOCAB)
 
     def forward(self, ids):
-        x = self.embed(ids)
+        x = self.embed(ids) + self.positions.weight[: ids.shape[1]]
         for block in self.blocks:
             x = block(x)
         return self.head(x)
