@@ -1,4 +1,5 @@
-"""Parsing a user's device name into a torch.device that exists on this machine."""
+"""Parsing a user's device name into a torch.device that exists on this machine, and telling
+what the device names that profiles and plans record stand for."""
 
 from __future__ import annotations
 
@@ -27,3 +28,9 @@ def parse_device(text: str | torch.device | None,
     if device.type != "cpu":
         raise error(f"device {text!r} is not supported; expected cpu, cuda or cuda:N")
     return device
+
+
+def names_cpu(device: str) -> bool:
+    """Whether a profile's or a plan's device name ("cpu (x86_64, 2 threads)", "cuda:0 (NVIDIA
+    H100 ...)", a hardware profile's name: a GPU) is the CPU."""
+    return device.startswith("cpu")

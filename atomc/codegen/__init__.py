@@ -54,8 +54,8 @@ def retrace(plan: Plan, plan_path: str | Path | None = None):
     # The plan does not say which frontend or mode the profile traced with, nor (for a profile
     # an older atomc made) which device type the model's code saw: try them in turn.
     runs_on = runs_on_for(plan.device)
-    other = "cuda" if runs_on == "cpu" else "cpu"
-    attempts = [(f, t, d) for d in (runs_on, other, None) for t in (True, False)
+    device_types = (runs_on, "cuda" if runs_on == "cpu" else "cpu", None)
+    attempts = [(f, t, d) for d in device_types for t in (True, False)
                 for f in ("auto", "export", "fx")]
     seen: list[str] = []
     tried: set[tuple[str, bool, str | None]] = set()
@@ -74,8 +74,7 @@ def retrace(plan: Plan, plan_path: str | Path | None = None):
         first = first or traced
         used = traced.graph.frontend
         # symbolic_trace never reads a device: its graph is the same for every device type
-        tried.update((used, train, d) for d in ((runs_on, other, None) if used == "fx"
-                                                else (device_type,)))
+        tried.update((used, train, d) for d in (device_types if used == "fx" else (device_type,)))
         got = traced.graph.structure_hash()
         if got == plan.graph_hash:
             return traced

@@ -110,12 +110,11 @@ def plan_layouts(package: SwapPackage, modules: list[nn.Module],
     wide_keys = set(package.full_precision) if half else set()
     tie_key = {(i, local): key for key, holders in package.tied.items() for i, local in holders}
     shapes: list[dict[str, tuple[int, ...]]] = []
+    trains: list[dict[str, bool]] = []  # requires_grad: False for a weight the model freezes
     param_names: list[dict[str, str]] = []  # PARAM_NAMES without the buffers it also maps
-    frozen: set[str] = set()  # keys of weights the model does not train (requires_grad=False)
     for i, mod in enumerate(modules):
         named = {n: tuple(p.shape) for n, p in mod.named_parameters()}
-        frozen.update(tie_key.get((i, n), package.param_names[i].get(n, n))
-                      for n, p in mod.named_parameters() if not p.requires_grad)
+        trains.append({n: p.requires_grad for n, p in mod.named_parameters()})
         buffers = {n for n, _ in mod.named_buffers()}
         listed = package.param_names[i]
         lacking = sorted(set(named) - set(listed))
@@ -165,7 +164,7 @@ def plan_layouts(package: SwapPackage, modules: list[nn.Module],
             owner_offsets[key] = master_offset
             start, span, wide = place(key, n)
             entries.append(ParamEntry(local, key, shape, n, start, i, master_offset, decay, True,
-                                      span, wide, key not in frozen))
+                                      span, wide, trains[i][local]))
             master_offset += n
         owned = master_offset
         decay_numel = sum(math.prod(s) for _, _, s, _ in owned_decay)
@@ -186,7 +185,7 @@ def plan_layouts(package: SwapPackage, modules: list[nn.Module],
                     f"regenerate it")
             start, span, wide = place(key, n)
             entries.append(ParamEntry(local, key, shape, n, start, o, o_off, decay, False,
-                                      span, wide, key not in frozen))
+                                      span, wide, trains[i][local]))
         layouts.append(SubLayout(i, tuple(entries), offset, owned, decay_numel))
     return layouts
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from atomc.actions import Action, Run, atom_runs, runs
+from atomc.device import names_cpu
 from atomc.ir import Document
 
 LANES = ("compute", "prefetch", "offload", "optimizer")
@@ -130,7 +131,7 @@ class Simulation:
 def copies_on_host(device: str) -> bool:
     """Whether a plan's device copies on the thread that computes: the CPU (a profile names it
     "cpu (...)"), whose swap runtime has no streams."""
-    return device.startswith("cpu")
+    return names_cpu(device)
 
 
 def simulate_swap(stages: list[StageTimes], accum: int, num_steps: int = 1,

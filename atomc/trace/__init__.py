@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from atomc.device import names_cpu
 from atomc.dtypes import cast_floating
 from atomc.errors import ModelFileError, TraceError
 from atomc.ir import OpGraph
@@ -122,7 +123,7 @@ def runs_on_for(device: str | None) -> str:
     hardware profile's name: a GPU) stands for; None: where this machine would measure."""
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
-    return "cpu" if device.replace(":", " ").split()[0] == "cpu" else "cuda"
+    return "cpu" if names_cpu(device) else "cuda"
 
 
 @contextlib.contextmanager
