@@ -1,12 +1,13 @@
 """The wider survey of Hugging Face families: test_models.py's four checks (chained sub-models
 equal the model in float64 and float32, SwapTrainer equals AdamW, a bfloat16 plan trains
-within 1%) on 28 more tiny random families (tests/models/hf_families.py). About 10 minutes on
+within 1%) on 58 more tiny random families (tests/models/hf_families.py). About 30 minutes on
 two cores, so not in `make test`: run it with `make families` (pytest -m families).
 
-Left out, each for a reason of transformers' own (the eager model fails the same way):
-Mixtral and XGLM in float64 (no float64 CPU kernel for grouped matrix products; XGLM's mask
-overflows float32), and the bfloat16 check of the tiny BatchNorm CNNs ResNet and MobileNetV2,
-whose eager bfloat16 autocast loss is itself 0.3% and 50% from float32's.
+Left out, each for a reason of transformers' own (the eager model fails the same way): Mixtral,
+OLMoE, Qwen2-MoE, XGLM and CANINE in float64 (no float64 CPU kernel for grouped matrix products;
+XGLM's mask overflows float32; CANINE's eager logits are NaN), and the bfloat16 check of the
+tiny BatchNorm CNNs ResNet and MobileNetV2, whose eager bfloat16 autocast loss is itself 0.3%
+and 50% from float32's.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from atomc.trace import load_model_file
 MODEL = Path(__file__).resolve().parent / "models" / "hf_families.py"
 NAMES = load_model_file(MODEL).NAMES
 base.CASES.update({f"hf-{n}": (MODEL, n) for n in NAMES})
-NOT_IN_FLOAT64 = {"hf-mixtral", "hf-xglm"}
+NOT_IN_FLOAT64 = {"hf-canine", "hf-mixtral", "hf-olmoe", "hf-qwen2-moe", "hf-xglm"}
 NOT_IN_BFLOAT16 = {"hf-resnet", "hf-mobilenet_v2"}
 CASES = sorted(f"hf-{n}" for n in NAMES)
 
@@ -44,7 +45,10 @@ def test_chained_submodels_equal_the_model(root, name, dtype, tol):
 
 @pytest.mark.parametrize("name", CASES)
 def test_swap_trainer_equals_adamw(root, name):
-    base.test_swap_trainer_equals_adamw(root, name)
+    # float32 over three steps: with two threads BEiT's losses are 1.7e-6 apart (one thread:
+    # within 1e-6), as sub-model boundaries change which kernels reduce in what order; the
+    # float64 chain above holds the same model to 1e-10
+    base.test_swap_trainer_equals_adamw(root, name, rel=5e-6)
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -156,7 +156,7 @@ def test_chained_submodels_equal_the_model(root, name, dtype, tol):
     # as the runtime casts them: complex constants (rotary frequencies) stay complex, where
     # Module.to(dtype) would drop their imaginary part
     subs = [cast_floating(s, dtype).train() for s in package.build_submodels()]
-    assert package.load_original_state_dict(subs, model.state_dict()) == []
+    unread = package.load_original_state_dict(subs, model.state_dict())
     package.tie_parameters(subs)
     inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in reference.inputs)
     loss_fn = reference.module.loss_fn
@@ -169,6 +169,10 @@ def test_chained_submodels_equal_the_model(root, name, dtype, tol):
             values = sub(*values)
         got = subs[-1](*values)
         loss_fn(got, inputs).backward()
+    # the only weights no sub-model holds are parameters the model's own step does not read
+    # (a classifier's unused pooler, a mask token for masks it is not given)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    assert all(n in params and params[n].grad is None for n in unread), unread
     exp_leaves, exp_spec = tree_flatten(expected)
     got_leaves, got_spec = tree_flatten(got)
     assert type(got) is type(expected) and got_spec == exp_spec
@@ -218,7 +222,7 @@ def plain_steps(model, loss_fn, batches):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_swap_trainer_equals_adamw(root, name):
+def test_swap_trainer_equals_adamw(root, name, rel=1e-6):
     out, _, reference = chain(name, root)
     model = original(reference)
     trainer = SwapTrainer.from_package(out, device="cpu", state_dict=model.state_dict(),
@@ -227,12 +231,13 @@ def test_swap_trainer_equals_adamw(root, name):
     batches = [batch_of(reference, C, seed) for seed in range(3)]
     swapped = [trainer.step(b) for b in batches]
     plain = plain_steps(model, reference.module.loss_fn, batches)
-    assert swapped == pytest.approx(plain, rel=1e-6, abs=1e-7)
+    assert swapped == pytest.approx(plain, rel=rel, abs=1e-7)
     state = trainer.export_state_dict()
     expected = model.state_dict()
-    assert set(state) <= set(expected)
+    assert set(state) == set(expected)  # weights the graph never reads too: a strict load works
     for k, v in state.items():  # weights and persistent buffers (BatchNorm statistics)
         torch.testing.assert_close(v, expected[k], rtol=1e-5, atol=1e-6, msg=k)
+    original(reference).load_state_dict(state)
     trainer.close()
 
 

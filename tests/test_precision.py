@@ -378,3 +378,50 @@ def test_constant_casts_hold_and_batch_norm_keeps_its_input_dtype(tmp_path):
               and n.outputs)
     assert predicted[bn][0] == "bfloat16"
     assert all(d == "float32" for d in predicted[bn][1:])  # statistics, where returned
+
+
+STATISTICS_OF_WEIGHTS = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class StandardizedConv(nn.Conv2d):
+    """BiT's convolution: its weight standardized per output channel by a batch norm."""
+
+    def forward(self, x):
+        w = F.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None,
+                         training=True, momentum=0.0, eps=1e-8).reshape_as(self.weight)
+        return F.conv2d(x, w, self.bias, padding=1)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = StandardizedConv(3, 8, 3, padding=1)
+        self.plain = nn.Conv2d(8, 8, 3, padding=1)
+        self.classes = nn.Parameter(torch.randn(10, 8))  # a cosine classifier's
+
+    def forward(self, x):
+        h = self.plain(torch.relu(self.conv(x))).mean((2, 3))
+        return F.normalize(h, dim=-1) @ F.normalize(self.classes.t().contiguous(), dim=0)
+
+
+def build_model(config=None):
+    return Net()
+
+
+def example_inputs(model, batch_size):
+    return (torch.randn(batch_size, 3, 8, 8),)
+'''
+
+
+def test_weights_the_graph_takes_statistics_of_stay_float32(tmp_path):
+    """Weight standardization and a normalized weight: autocast takes those statistics in
+    float32 (the weight stays float32), so a half-precision plan keeps such weights float32
+    too; a plain convolution's weight goes half."""
+    path = tmp_path / "stats.py"
+    path.write_text(STATISTICS_OF_WEIGHTS)
+    wide = set(trace_model(path, None, 2, device="cpu").graph.full_precision)
+    assert {"conv.weight", "classes"} <= wide
+    assert not wide & {"conv.bias", "plain.weight", "plain.bias"}

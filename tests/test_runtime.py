@@ -227,6 +227,37 @@ def test_buffers_updated_once_and_recomputed_as_in_the_forward(tmp_path):
         trainer.close()
 
 
+def test_weights_the_graph_never_reads_survive_checkpoints_and_export(tmp_path):
+    """An unused layer, parameter and buffer of the original model, and a layer whose result
+    is unused: not trained, but carried through a checkpoint and back into
+    export_state_dict(), which loads with strict=True."""
+    path = FIXTURES / "unread_weights_model.py"
+    traced = trace_model(path, None, 4, device="cpu")
+    pkg = generate(plan_from_cuts(traced, [2, 4], 2), tmp_path / "spares", traced=traced)
+    mf = load_model_file(path)
+    torch.manual_seed(0)
+    ref = mf.build_model()
+    g = torch.Generator().manual_seed(4)
+    batches = [torch.randn(8, 6, generator=g) for _ in range(4)]
+    trainer = SwapTrainer.from_package(pkg, device="cpu", seed=2, state_dict=ref.state_dict(),
+                                       optimizer={"lr": 1e-2})
+    swap_run(trainer, batches[:2])
+    trainer.save_checkpoint(tmp_path / "ckpt.pt")
+    trainer.close()
+    resumed = SwapTrainer.from_package(pkg, device="cpu", checkpoint=tmp_path / "ckpt.pt",
+                                       optimizer={"lr": 1e-2})
+    assert swap_run(resumed, batches[2:]) == plain_run(ref, mf.loss_fn, batches, 2, seed=2)[2:]
+    exported = resumed.export_state_dict()
+    assert_same(exported, ref.state_dict())  # the spares as they were, the rest as trained
+    assert torch.equal(exported["spare_stats"], torch.arange(4.0))
+    mf.build_model().load_state_dict(exported)  # strict
+    # the unused head's weights: held, not trained (a gradient of zeros would decay them)
+    assert not any(p.requires_grad for sub in resumed.host_modules
+                   for n, p in sub.named_parameters() if "side" in n)
+    assert torch.equal(exported["side.weight"], ref.side.weight)
+    resumed.close()
+
+
 def test_lr_schedule_weight_decay_groups_and_bf16_autocast(gpt_traced, pkg_root):
     pkg = gpt_package(gpt_traced, pkg_root, ("add_1", "h_1_ln_1"), 2)
     ref = gpt_model()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import signal
 import subprocess
@@ -290,6 +291,38 @@ def test_roster_keeps_a_record_a_read_missed_until_it_expires(monkeypatch) -> No
     now[0] = 105.0
     answers.append({})
     assert roster.read() == []
+
+
+def test_roster_drops_a_record_reported_gone_until_its_server_announces_again() -> None:
+    from types import SimpleNamespace
+
+    from atomc.swarm import records
+
+    stored: dict[str, SimpleNamespace] = {}
+
+    def announce(peer: str, at: float) -> None:
+        rec = ServerRecord(peer, peer, 0, 0, 0, 1.0, 0, "x", 0.0, announced=at)
+        stored[peer] = SimpleNamespace(value=rec.to_value(), expiration_time=math.inf)
+
+    def store(key: str, subkey: str, value, expiration_time: float) -> None:
+        stored[subkey] = SimpleNamespace(value=value, expiration_time=expiration_time)
+
+    dht = SimpleNamespace(get=lambda key, latest: SimpleNamespace(value=dict(stored)),
+                          store=store)
+    roster = records.Roster(dht, "p")
+    announce("a", 10.0)
+    announce("b", 10.0)
+    assert [r.peer for r in roster.read()] == ["a", "b"]
+    # a trainer could not reach a: its record is dropped before it expires ...
+    records.report_gone(dht, "p", roster.record("a"), ttl_s=60.0)
+    assert [r.peer for r in roster.read()] == ["b"]
+    announce("a", 9.0)  # ... an older announcement a slow DHT node returns stays dropped ...
+    assert [r.peer for r in roster.read()] == ["b"]
+    announce("a", 10.5)  # ... and a server alive after all shows with its next heartbeat
+    assert [r.peer for r in roster.read()] == ["a", "b"]
+    stored["c"] = SimpleNamespace(value="not a record", expiration_time=math.inf)
+    stored["d!gone"] = SimpleNamespace(value="not a time", expiration_time=math.inf)
+    assert [r.peer for r in roster.read()] == ["a", "b"]  # malformed entries are ignored
 
 
 def test_stage_costs_count_the_forward_call_the_last_stage_does_not_get(work: dict,

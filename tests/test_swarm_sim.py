@@ -29,6 +29,7 @@ from atomc.swarm.balance import (
     choose_move,
     min_stage_throughput,
     plan_moves,
+    rate_on,
     stage_loads,
     stage_throughputs,
 )
@@ -160,6 +161,17 @@ def test_plans_put_fast_servers_on_cheap_stages_and_leave_loading_ones():
     plan = plan_moves(servers, 2, cost=[2.0, 1.0])
     # c stays (loading); one of a, b goes to stage 0 at 10/s: (4 + 10, 20)
     assert [(m.peer, m.from_stage, m.to_stage) for m in plan] == [("a", 1, 0)]
+    # a rate measured on the other stage before outweighs the costs' estimate: the swap that
+    # the costs put at (5, 20) was measured at (11, 12)
+    servers = [ServerLoad("fast", 0, 10.0, 0, served=(0.0, 12.0)),
+               ServerLoad("slow", 1, 10.0, 0, served=(11.0, 0.0))]
+    plan = plan_moves(servers, 2, cost=[2.0, 1.0])
+    assert sorted((m.peer, m.to_stage) for m in plan) == [("fast", 1), ("slow", 0)]
+    assert rate_on(servers[0], 1, [2.0, 1.0]) == 12.0
+    assert rate_on(servers[0], 0, [2.0, 1.0]) == 10.0
+    assert rate_on(ServerLoad("new", 0, 10.0, 0), 1, [2.0, 1.0]) == 20.0
+    with pytest.raises(ValueError, match="rates where it served"):
+        ServerLoad("x", 0, 1.0, 0.0, served=(-1.0,))
 
 
 def test_join_goes_to_the_stage_that_needs_it_most():

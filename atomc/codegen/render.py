@@ -26,7 +26,7 @@ import site
 import sys
 import sysconfig
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, reduce
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -562,6 +562,43 @@ def _environment() -> jinja2.Environment:
                               keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
 
 
+_UNREACHED = "  # reaches no output: no gradient, as in the model"
+
+
+def params_without_gradient(traced: TracedModel) -> frozenset[str]:
+    """FQNs of the parameters from which no path of the graph reaches its output (code whose
+    result nothing uses: CANINE's character-level head in a sequence classifier). The model's
+    own backward leaves their .grad None, so torch's optimizers skip them, weight decay
+    included; the sub-models hold them with requires_grad=False, which the runtime's optimizer
+    skips alike (a gradient of zeros would decay them)."""
+    gm = traced.gm
+    cached = gm.meta.get("atomc_unreached")
+    if cached is not None:
+        return cached
+    canon: dict[int, str] = {}
+    for fqn, p in traced.model.named_parameters(remove_duplicate=False):
+        canon.setdefault(id(p), fqn)
+    live: set[fx.Node] = set()
+    todo = [n for n in gm.graph.nodes if n.op == "output"]
+    while todo:
+        n = todo.pop()
+        if n not in live:
+            live.add(n)
+            todo.extend(n.all_input_nodes)
+    modules = dict(gm.named_modules())
+    reached: set[str] = set()
+    for n in live:
+        if n.op == "get_attr":
+            obj = reduce(getattr, str(n.target).split("."), gm)
+            reached.add(canon.get(id(obj), ""))
+        elif n.op == "call_module":
+            reached.update(canon.get(id(p), "") for _, p in
+                           modules[str(n.target)].named_parameters(remove_duplicate=False))
+    found = frozenset(f for f in canon.values() if f not in reached)
+    gm.meta["atomc_unreached"] = found
+    return found
+
+
 class PieceRenderer:
     def __init__(self, piece: Piece, traced: TracedModel, plan: Plan, resolver: Resolver,
                  helper_names: set[str], dtype_args: dict[str, tuple[tuple, ...]]):
@@ -582,6 +619,7 @@ class PieceRenderer:
         self.uses_device = False
         self.uses_dtype = False
         self.dtype_args = dtype_args  # node name -> argument paths that follow the model's dtype
+        self.unreached = params_without_gradient(traced)
         self.constants: dict[str, torch.Tensor] = {}  # FQN -> traced value of each constant held
         self.why = f"sub-model {piece.index}"
         self.attr_expr: dict[str, str] = {}  # get_attr target -> `self.…`
@@ -615,6 +653,8 @@ class PieceRenderer:
                            module_params)
                 if not p.requires_grad:
                     frozen.append(f"self.{local}.{name}.requires_grad_(False)")
+                elif self.canon_params[id(p)] in self.unreached:
+                    frozen.append(f"self.{local}.{name}.requires_grad_(False){_UNREACHED}")
             for name, b in module.named_buffers(remove_duplicate=False):
                 if name in non_persistent or id(b) not in self.canon_buffers:
                     continue
@@ -644,7 +684,9 @@ class PieceRenderer:
             if attr.is_buffer:
                 attr_lines.append(f"self.register_buffer({attr.local!r}, {empty}){note}")
             else:
-                grad = "" if attr.value.requires_grad else ", requires_grad=False"
+                unreached = attr.fqn in self.unreached and attr.value.requires_grad
+                grad = "" if attr.value.requires_grad and not unreached else ", requires_grad=False"
+                note = _UNREACHED if unreached else note
                 attr_lines.append(f"self.{attr.local} = nn.Parameter({empty}{grad}){note}")
             own_params.append((attr.local, attr.fqn, not attr.is_buffer))
         # nn.Module lists its own attributes before its children's

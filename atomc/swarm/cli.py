@@ -51,7 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "the last step's update, which runs meanwhile (one more copy of the "
                         "stage's weights and optimizer state)")
     s.add_argument("--slowdown", type=float, default=1.0,
-                   help="emulate a slower device: every call takes this many times longer")
+                   help="emulate a slower device: every call lasts this many times the least "
+                        "processor time such a call has taken here (a steady speed, whatever "
+                        "else the machine runs)")
     s.add_argument("--checkpoint-dir",
                    help="write the stage's state here after every step (a stage left without "
                         "servers resumes from it)")

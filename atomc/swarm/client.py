@@ -9,7 +9,9 @@ interleaved weighted round robin: a server twice as fast gets twice the micro-ba
 call that fails or times out bans its server with exponential backoff, until it announces a
 new incarnation, and the micro-batch goes to another server of the stage; if every server of
 a stage is banned the bans are ignored (as Petals does). Every call has a timeout: a SIGKILLed
-hivemind server gives its client no error at all.
+hivemind server gives its client no error at all. A call that cannot reach its server (no
+daemon to dial, or its stream ended mid-call) also reports it gone in the DHT, so that the
+swarm stops counting it before its record expires (atomc.swarm.records).
 
 A backward carries the stage's inputs and output gradients, and the server recomputes the
 forward (SWARM's design): so the backward goes to any server of the stage, and a micro-batch
@@ -32,15 +34,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.utils.asyncio import iter_as_aiter
 
 from atomc.errors import PeerError, UsageError
 from atomc.swarm.codec import wire_bytes
 from atomc.swarm.node import SwarmNode
-from atomc.swarm.records import ServerRecord, read_excluded
+from atomc.swarm.records import ServerRecord, read_excluded, report_gone
 from atomc.swarm.server import BATCH, GRAD, SwarmServicer, exclude
-from atomc.swarm.wire import check_refusal, decode, encode, join, split
+from atomc.swarm.wire import StreamClosed, check_refusal, decode, encode, join, split
+
+GONE_TTL_S = 120.0  # a report that a server is unreachable outlives any record it names
 
 
 @dataclass
@@ -303,6 +307,8 @@ class SwarmTrainer(SwarmNode):
                     self._exchange(method, request), cfg.request_timeout_s)
             except Exception as e:  # noqa: BLE001 - any failure of a remote call: route elsewhere
                 self._stats.retries += 1
+                if isinstance(e, (StreamClosed, P2PDaemonError)):
+                    await self._report_gone(peer)
                 span = self.router.ban(j, peer, time.monotonic())
                 self.log(f"stage {j} server ...{peer[-6:]}: {kind} of micro-batch {g} failed "
                          f"({type(e).__name__}: {str(e).strip()[:160]}); banned for {span:.1f} s")
@@ -323,6 +329,16 @@ class SwarmTrainer(SwarmNode):
     async def _exchange(method: Any, request: Any) -> Any:
         stream = await method(iter_as_aiter(split(request)))
         return check_refusal(join([part async for part in stream]))
+
+    async def _report_gone(self, peer: str) -> None:
+        """The server could not be reached (no daemon to dial, or its stream died): the
+        servers and trainers drop its record now, not when it expires (which is what a
+        SIGKILLed server's stage waits for before rebalancing, and its held micro-batches
+        before they are sent again)."""
+        record = self.roster(self.cfg.prefix).record(peer)
+        if record is not None:
+            await asyncio.get_running_loop().run_in_executor(
+                None, report_gone, self.dht, self.cfg.prefix, record, GONE_TTL_S)
 
     async def _exclude(self, k: int, j: int, peer: str, attempt: int) -> None:
         await asyncio.get_running_loop().run_in_executor(

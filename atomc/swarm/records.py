@@ -3,6 +3,8 @@
 - `{prefix}.servers`: each server's record, refreshed every heartbeat and expiring after
   `expiration_s` (a SIGKILLed server drops out when it stops refreshing): stage, the step its
   stage is at, the samples it holds for that step, throughput, queue, the package it serves.
+- `{prefix}.servers`, subkey `{peer}!gone`: a trainer could not connect to that server (the
+  announcement it last saw); readers drop it without waiting for its record to expire.
 - `{prefix}.excluded.{step}`: servers a trainer stopped trusting during a step (a call that
   failed or timed out, or a record gone), each with the attempt it was on: the gradients it
   held under that attempt never count. The trainers send those micro-batches again, and the
@@ -12,6 +14,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -32,6 +35,8 @@ class ServerRecord:
     moving: bool = False  # changing stage: not taking requests
     measured: bool = True  # `throughput` measured on this stage (not a stand-in): movable
     attempt: int = 0  # its gradients of `step` since it last dropped them (records' docstring)
+    served: tuple[float, ...] = ()  # its throughput on each stage it left (0: never served)
+    announced: float = 0.0  # DHT time of this announcement (a report of it gone names it)
 
     def to_value(self) -> dict[str, Any]:
         return asdict(self)
@@ -41,13 +46,26 @@ class ServerRecord:
         if not isinstance(value, dict):
             return None
         try:
-            return cls(**{**value, "peer": peer})
-        except TypeError:
+            return cls(**{**value, "peer": peer,
+                          "served": tuple(float(x) for x in value.get("served", ()))})
+        except (TypeError, ValueError):
             return None  # another version's record: ignored rather than trusted
 
 
 def servers_key(prefix: str) -> str:
     return f"{prefix}.servers"
+
+
+GONE = "!gone"  # a subkey `{peer}!gone` of the servers key: a trainer could not reach it
+
+
+def report_gone(dht: Any, prefix: str, record: ServerRecord, ttl_s: float) -> None:
+    """A trainer could not connect to `record`'s server: readers drop that announcement
+    (and older ones) now rather than when it expires. The report names the announcement, not
+    a time, so no clocks are compared: a server that is alive after all shows again with its
+    next heartbeat."""
+    dht.store(servers_key(prefix), subkey=record.peer + GONE, value=record.announced,
+              expiration_time=get_dht_time() + ttl_s)
 
 
 def excluded_key(prefix: str, step: int) -> str:
@@ -89,13 +107,29 @@ class Roster:
         self.seen: dict[str, tuple[ServerRecord, float]] = {}  # peer -> record, expiration
 
     def read(self) -> list[ServerRecord]:
-        for peer, (value, expires) in _read_expiring(self.dht, servers_key(self.prefix)).items():
-            rec = ServerRecord.from_value(peer, value)
-            if rec is not None:
-                self.seen[peer] = (rec, expires)
+        gone: dict[str, float] = {}
+        for sub, (value, expires) in _read_expiring(self.dht, servers_key(self.prefix)).items():
+            if sub.endswith(GONE):
+                if isinstance(value, (int, float)):
+                    peer = sub[:-len(GONE)]
+                    gone[peer] = max(float(value), gone.get(peer, -math.inf))
+                continue
+            rec = ServerRecord.from_value(sub, value)
+            if rec is not None and rec.announced >= self.announced(sub):
+                self.seen[sub] = (rec, expires)
         now = get_dht_time()
-        self.seen = {p: (r, e) for p, (r, e) in self.seen.items() if e > now}
+        self.seen = {p: (r, e) for p, (r, e) in self.seen.items()
+                     if e > now and r.announced > gone.get(p, -math.inf)}
         return sorted((r for r, _ in self.seen.values()), key=lambda r: (r.stage, r.peer))
+
+    def announced(self, peer: str) -> float:
+        """When the latest announcement of `peer` that this roster holds was made."""
+        held = self.seen.get(peer)
+        return held[0].announced if held is not None else -math.inf
+
+    def record(self, peer: str) -> ServerRecord | None:
+        held = self.seen.get(peer)
+        return held[0] if held is not None else None
 
 
 def excluded_subkey(peer: str, stage: int, attempt: int) -> str:

@@ -103,7 +103,7 @@ class ServeConfig:
     averaging_timeout_s: float = 20.0
     connect_timeout_s: float = 20.0
     request_wait_s: float = 30.0  # a call for a step this server has not reached waits this long
-    slowdown: float = 1.0  # emulate a slower device: every call takes this many times longer
+    slowdown: float = 1.0  # emulate a slower device: `slowdown` x a call's least CPU time
     delayed_updates: bool = False  # DPU: the optimizer step overlaps the next step's calls
     checkpoint_dir: str | Path | None = None  # the stage's state after every step (shared dir)
     name: str = ""
@@ -220,6 +220,8 @@ class SwarmServer(SwarmNode):
         self.queue = 0
         self.call_time: dict[str, CallTime] = {}  # call kind -> its time per sample
         self.carried_rate: float | None = None  # measured on the stage it served before
+        self.served: dict[int, float] = {}  # stage -> its rate there when it last left it
+        self.fastest: dict[tuple[int, str, int], float] = {}  # --slowdown: least CPU seconds
         self.moving_to: int | None = None  # the stage it is moving to (announced as its stage)
         self.closing = False
         self.moving = False
@@ -275,10 +277,14 @@ class SwarmServer(SwarmNode):
         """Serve stage j: build it, join its averaging group, take its latest state from a
         server of the stage (or the checkpoint directory; the initial weights at step 0)."""
         t0 = time.monotonic()
-        if self.stage is not None:  # moving: what it measured on its last stage stands in,
-            # at the new stage's cost
-            old = self._measured_rate() or self.carried_rate
-            self.carried_rate = old and old * self.costs[self.spec.index] / self.costs[j]
+        if self.stage is not None:  # moving: what it measured there before stands in, or
+            # what it measured on its last stage at the new stage's cost
+            old = self._measured_rate()
+            if old is not None:
+                self.served[self.spec.index] = old
+            old = old or self.carried_rate
+            self.carried_rate = self.served.get(j) or (
+                old and old * self.costs[self.spec.index] / self.costs[j])
         stage = self._build_stage(j)
         self.params = stage.named_parameters()
         sizes = [p.numel() for _, p in self.params]
@@ -476,7 +482,9 @@ class SwarmServer(SwarmNode):
                                     timeout=self.cfg.request_wait_s):
                 raise PeerError(f"stage {j} server {self.cfg.name} is at step {self.step}, the "
                                 f"call is for step {step}")
-            if self.moving or self.spec.index != j:
+            if self.moving:
+                raise PeerError(f"server {self.cfg.name} is moving to stage {self.moving_to}")
+            if self.spec.index != j:
                 raise PeerError(f"server {self.cfg.name} serves stage {self.spec.index}, not {j}")
             if self.step > step:
                 raise PeerError(f"stage {j} has taken step {step} already (at {self.step})")
@@ -491,7 +499,7 @@ class SwarmServer(SwarmNode):
                 if meta["id"] in self.ids:
                     raise PeerError(f"server {self.cfg.name} holds micro-batch {meta['id']} of "
                                     f"step {step} already")
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             out, loss = self._run(kind, values, meta)
             if kind == "backward":
                 off = 0
@@ -505,11 +513,25 @@ class SwarmServer(SwarmNode):
                 self.wake.set()
             took = time.perf_counter() - t0
             if self.cfg.slowdown > 1:
-                time.sleep((self.cfg.slowdown - 1) * took)  # the device is busy that long
-                took *= self.cfg.slowdown
+                took = self._emulated(kind, int(meta["samples"]), took,
+                                      time.process_time() - cpu0)
             self.call_time[kind].add(took, int(meta["samples"]))
         return encode(out, {"loss": loss, "server": self.cfg.name}, response=True,
                       compress=bool(meta.get("compress")))
+
+    def _emulated(self, kind: str, samples: int, took: float, cpu: float) -> float:
+        """--slowdown: the call lasts `slowdown` times the least processor time a call of its
+        kind and size has taken in this server on this stage (and no less than it took): a
+        device of one speed. Stretching a call's wall time instead stretched the machine's
+        load with it (on a shared CPU, waits for a core: a server's rate swung 2x from one
+        period to the next and rebalancing moved servers after the noise), and even a call's
+        processor time varies 10-30% with the contention for caches."""
+        key = (self.spec.index, kind, samples)
+        best = self.fastest[key] = min(cpu, self.fastest.get(key, cpu))
+        busy = self.cfg.slowdown * best
+        if busy > took:
+            time.sleep(busy - took)
+        return max(busy, took)
 
     def _run(self, kind: str, values: dict[str, Any], meta: dict[str, Any]
              ) -> tuple[dict[str, Any], float | None]:
@@ -737,10 +759,11 @@ class SwarmServer(SwarmNode):
         # moving: announced at the stage it goes to (so that no second server is sent to the
         # same gap), holding nothing there yet
         stage = self.moving_to if self.moving_to is not None else self.spec.index
+        served = tuple(self.served.get(t, 0.0) for t in range(self.cfg.num_stages))
         return ServerRecord(self.peer, self.cfg.name, stage, self.step,
                             0 if self.moving else sum(self.ids.values()), rate, self.queue,
                             self.fingerprint, self.started, self.moving, measured,
-                            self.attempt)
+                            self.attempt, served, float(get_dht_time()))
 
     def _announce(self) -> None:
         now = get_dht_time()
@@ -792,7 +815,7 @@ class SwarmServer(SwarmNode):
             return None
         # one not yet measured on its stage counts where it is announced and is not moved
         loads = [balance.ServerLoad(r.peer, r.stage, r.throughput, r.queue,
-                                    r.moving or not r.measured) for r in servers]
+                                    r.moving or not r.measured, r.served) for r in servers]
         plan = balance.plan_moves(loads, self.cfg.num_stages, self.cfg.min_gain, self.costs)
         if plan is None:  # too many servers to search: SWARM's one move per period
             one = balance.choose_move(loads, self.cfg.num_stages, self.cfg.min_gain, self.costs)

@@ -89,7 +89,7 @@ def join(parts: Iterable[Any]) -> Any:
     """The message `split` cut into `parts`."""
     parts = list(parts)
     if not parts:
-        raise PeerError("a SWARM message arrived empty (the sender closed its stream early)")
+        raise StreamClosed("a SWARM message arrived empty (the sender closed its stream early)")
     pieces = [t for m in parts for t in m.tensors]
     tensors = []
     i = 0
@@ -104,6 +104,10 @@ def join(parts: Iterable[Any]) -> Any:
     if isinstance(msg, runtime_pb2.ExpertRequest):
         msg.uid = parts[0].uid
     return msg
+
+
+class StreamClosed(PeerError):
+    """The peer's stream ended before a message: its process died (or closed) mid-call."""
 
 
 class Refused(PeerError):
