@@ -48,7 +48,7 @@ def test_swap_trainer_equals_adamw(root, name):
     # float32 over three steps: with two threads BEiT's losses are 1.7e-6 apart (one thread:
     # within 1e-6), as sub-model boundaries change which kernels reduce in what order; the
     # float64 chain above holds the same model to 1e-10
-    base.test_swap_trainer_equals_adamw(root, name, rel=5e-6)
+    base.test_swap_trainer_equals_adamw(root, name, rel=5e-6 if name == "hf-beit" else 1e-6)
 
 
 @pytest.mark.parametrize("name", CASES)

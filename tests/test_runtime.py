@@ -255,6 +255,7 @@ def test_weights_the_graph_never_reads_survive_checkpoints_and_export(tmp_path):
     assert not any(p.requires_grad for sub in resumed.host_modules
                    for n, p in sub.named_parameters() if "side" in n)
     assert torch.equal(exported["side.weight"], ref.side.weight)
+    assert not torch.equal(exported["shift"], torch.zeros(12))  # written in place: trained
     resumed.close()
 
 

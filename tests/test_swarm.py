@@ -308,14 +308,19 @@ def test_roster_drops_a_record_reported_gone_until_its_server_announces_again() 
         stored[subkey] = SimpleNamespace(value=value, expiration_time=expiration_time)
 
     dht = SimpleNamespace(get=lambda key, latest: SimpleNamespace(value=dict(stored)),
-                          store=store)
-    roster = records.Roster(dht, "p")
+                          store=lambda key, subkey, value, expiration_time, return_future:
+                          store(key, subkey, value, expiration_time))
+    patient = records.Roster(dht, "p", gone_grace_s=3600.0)
+    roster = records.Roster(dht, "p", gone_grace_s=0.0)
     announce("a", 10.0)
     announce("b", 10.0)
     assert [r.peer for r in roster.read()] == ["a", "b"]
-    # a trainer could not reach a: its record is dropped before it expires ...
+    assert [r.peer for r in patient.read()] == ["a", "b"]
+    # a trainer could not reach a: its record is dropped before it expires, once the report
+    # has stood for the grace (a live server announces within it) ...
     records.report_gone(dht, "p", roster.record("a"), ttl_s=60.0)
     assert [r.peer for r in roster.read()] == ["b"]
+    assert [r.peer for r in patient.read()] == ["a", "b"]
     announce("a", 9.0)  # ... an older announcement a slow DHT node returns stays dropped ...
     assert [r.peer for r in roster.read()] == ["b"]
     announce("a", 10.5)  # ... and a server alive after all shows with its next heartbeat

@@ -578,8 +578,12 @@ def params_without_gradient(traced: TracedModel) -> frozenset[str]:
     canon: dict[int, str] = {}
     for fqn, p in traced.model.named_parameters(remove_duplicate=False):
         canon.setdefault(id(p), fqn)
+    # what the output depends on, and every write (an in-place op or item assignment whose
+    # result is unused writes a value that is: `h[:, 0] = self.cls_token`, `h.add_(bias)`)
     live: set[fx.Node] = set()
-    todo = [n for n in gm.graph.nodes if n.op == "output"]
+    # (fx's `is_impure` would also count a dead dropout, whose random draw writes nothing)
+    todo = [n for n in gm.graph.nodes
+            if n.op == "output" or is_inplace(n) or n.target is operator.setitem]
     while todo:
         n = todo.pop()
         if n not in live:

@@ -17,7 +17,6 @@ was made for (PLAN["batch_size"]): memory was planned for them.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -62,8 +61,8 @@ class SwapTrainer:
         self.last_loss: float | None = None
         # weights of the original model that its traced graph never reads (a classifier's
         # unused pooler, a mask token for inputs it is not given): carried through untouched,
-        # so that export_state_dict() loads back into the model with strict=True
-        self.unread: dict[str, Any] = {}
+        # on the CPU, so that export_state_dict() loads back into the model with strict=True
+        self.unread: dict[str, torch.Tensor] = {}
 
     # ---- construction --------------------------------------------------------------------------
 
@@ -118,8 +117,10 @@ class SwapTrainer:
         unread: list[str] = []
         if state_dict is not None:
             try:
-                # a hand-written package may return nothing: then it names no unread weights
-                unread = list(pkg.load_original_state_dict(host_modules, state_dict) or ())
+                named = pkg.load_original_state_dict(host_modules, state_dict)
+                # a hand-written package may return nothing, or something else: no names then
+                unread = [k for k in named if isinstance(k, str)] if isinstance(
+                    named, (list, tuple)) else []
             except KeyError as e:
                 raise RuntimeMismatchError(
                     f"the initial state dict lacks {e}, which {pkg.path} needs; give the original "
@@ -153,7 +154,8 @@ class SwapTrainer:
                                 early_prefetch=run.early_prefetch)
         trainer = cls(pkg, executor, store, opt, host_modules, device=dev, accum=run.accum,
                       micro_batch_size=run.micro_batch, seed=run.seed, plan=typed_plan)
-        trainer.unread = {k: _detached(state_dict[k]) for k in unread if k in state_dict}
+        trainer.unread = {k: state_dict[k].detach().cpu().clone() for k in unread
+                          if isinstance(state_dict.get(k), torch.Tensor)}
         if resume is not None:
             trainer.load_state_dict(resume, source=f"checkpoint {checkpoint}")
         return trainer
@@ -255,8 +257,8 @@ class SwapTrainer:
         self.wait()
         self._sync_buffers_to_host()
         state = self.package.export_state_dict(self.host_modules)
-        return {**{k: v.detach().clone() for k, v in state.items()},
-                **{k: _detached(v) for k, v in self.unread.items()}}
+        return {**{k: v.clone() for k, v in self.unread.items()},
+                **{k: v.detach().clone() for k, v in state.items()}}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resume needs (copies): weights, optimizer state, step, loss scale."""
@@ -282,7 +284,7 @@ class SwapTrainer:
             "scaler": (self.optimizer.scaler.state_dict() if self.optimizer.scaler is not None
                        else None),
             "buffers": [{n: c(b) for n, b in m.named_buffers()} for m in self.host_modules],
-            "unread": {k: _detached(v) if copy else v for k, v in self.unread.items()},
+            "unread": {k: c(v) for k, v in self.unread.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any], source: str = "state dict") -> None:
@@ -304,7 +306,8 @@ class SwapTrainer:
             self.optimizer.scaler.load_state_dict(state["scaler"])
         self.step_count = int(state["step"])
         self.seed = int(state["seed"])
-        self.unread = dict(state.get("unread", {}))  # absent from checkpoints before it was kept
+        if "unread" in state:  # absent from checkpoints written before it was kept
+            self.unread = {k: v.detach().cpu().clone() for k, v in state["unread"].items()}
         self.executor.seed = self.seed
         self.executor.invalidate_slots()
 
@@ -379,11 +382,6 @@ def _plain(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_plain(v) for v in x]
     return x
-
-
-def _detached(value: Any) -> Any:
-    """A copy of a state-dict value (a tensor, or a module's extra state)."""
-    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
 
 
 def _clone_tree(x: Any) -> Any:

@@ -308,7 +308,7 @@ class SwarmTrainer(SwarmNode):
             except Exception as e:  # noqa: BLE001 - any failure of a remote call: route elsewhere
                 self._stats.retries += 1
                 if isinstance(e, (StreamClosed, P2PDaemonError)):
-                    await self._report_gone(peer)
+                    self._report_gone(peer)
                 span = self.router.ban(j, peer, time.monotonic())
                 self.log(f"stage {j} server ...{peer[-6:]}: {kind} of micro-batch {g} failed "
                          f"({type(e).__name__}: {str(e).strip()[:160]}); banned for {span:.1f} s")
@@ -330,15 +330,15 @@ class SwarmTrainer(SwarmNode):
         stream = await method(iter_as_aiter(split(request)))
         return check_refusal(join([part async for part in stream]))
 
-    async def _report_gone(self, peer: str) -> None:
-        """The server could not be reached (no daemon to dial, or its stream died): the
-        servers and trainers drop its record now, not when it expires (which is what a
-        SIGKILLed server's stage waits for before rebalancing, and its held micro-batches
-        before they are sent again)."""
+    def _report_gone(self, peer: str) -> None:
+        """The server could not be reached (no daemon to dial, or its stream died): unless it
+        announces again within a second, servers and trainers drop its record then, not when
+        it expires (which is what a SIGKILLed server's stage waits for before rebalancing,
+        and its held micro-batches before they are sent again). Stored in the background:
+        the micro-batch goes elsewhere meanwhile."""
         record = self.roster(self.cfg.prefix).record(peer)
         if record is not None:
-            await asyncio.get_running_loop().run_in_executor(
-                None, report_gone, self.dht, self.cfg.prefix, record, GONE_TTL_S)
+            report_gone(self.dht, self.cfg.prefix, record, GONE_TTL_S)
 
     async def _exclude(self, k: int, j: int, peer: str, attempt: int) -> None:
         await asyncio.get_running_loop().run_in_executor(

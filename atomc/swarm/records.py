@@ -4,7 +4,8 @@
   `expiration_s` (a SIGKILLed server drops out when it stops refreshing): stage, the step its
   stage is at, the samples it holds for that step, throughput, queue, the package it serves.
 - `{prefix}.servers`, subkey `{peer}!gone`: a trainer could not connect to that server (the
-  announcement it last saw); readers drop it without waiting for its record to expire.
+  announcement it last saw); readers drop it, unless it announces again within a second,
+  without waiting for its record to expire.
 - `{prefix}.excluded.{step}`: servers a trainer stopped trusting during a step (a call that
   failed or timed out, or a record gone), each with the attempt it was on: the gradients it
   held under that attempt never count. The trainers send those micro-batches again, and the
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -46,10 +48,14 @@ class ServerRecord:
         if not isinstance(value, dict):
             return None
         try:
-            return cls(**{**value, "peer": peer,
-                          "served": tuple(float(x) for x in value.get("served", ()))})
+            rec = cls(**{**value, "peer": peer,
+                         "served": tuple(float(x) for x in value.get("served", ()))})
         except (TypeError, ValueError):
             return None  # another version's record: ignored rather than trusted
+        rates = (rec.throughput, *rec.served)
+        if not all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in rates):
+            return None  # a rate no plan can use
+        return rec
 
 
 def servers_key(prefix: str) -> str:
@@ -57,6 +63,7 @@ def servers_key(prefix: str) -> str:
 
 
 GONE = "!gone"  # a subkey `{peer}!gone` of the servers key: a trainer could not reach it
+GONE_GRACE_S = 1.0  # a report counts if no newer announcement came for this long (2 heartbeats)
 
 
 def report_gone(dht: Any, prefix: str, record: ServerRecord, ttl_s: float) -> None:
@@ -65,7 +72,7 @@ def report_gone(dht: Any, prefix: str, record: ServerRecord, ttl_s: float) -> No
     a time, so no clocks are compared: a server that is alive after all shows again with its
     next heartbeat."""
     dht.store(servers_key(prefix), subkey=record.peer + GONE, value=record.announced,
-              expiration_time=get_dht_time() + ttl_s)
+              expiration_time=get_dht_time() + ttl_s, return_future=True)
 
 
 def excluded_key(prefix: str, step: int) -> str:
@@ -99,28 +106,40 @@ class Roster:
     """The servers as successive DHT reads see them. A record counts until its own expiration
     time, even when a later read misses it: a read asks a few DHT nodes, and right after a
     peer dies one of them may answer without a record that is still live. Waiting for the
-    record's expiration, rather than a fixed grace after the first miss, is both safe and as
-    fast as the DHT allows: a SIGKILLed server drops out when its last refresh expires."""
+    record's expiration, rather than a fixed grace after the first miss, is safe; a SIGKILLed
+    server drops out when its last refresh expires, or sooner when a trainer reports it gone
+    (`report_gone`): a report counts once this roster has held it for `gone_grace_s` (by its
+    own clock) with no newer announcement of that server, so that a live server that one
+    call failed to reach, and which announces every heartbeat, is never hidden."""
 
-    def __init__(self, dht: Any, prefix: str):
+    def __init__(self, dht: Any, prefix: str, gone_grace_s: float = GONE_GRACE_S):
         self.dht, self.prefix = dht, prefix
+        self.gone_grace_s = gone_grace_s
         self.seen: dict[str, tuple[ServerRecord, float]] = {}  # peer -> record, expiration
+        # peer -> (the announcement a report named, when this roster first saw it, expiration)
+        self.reports: dict[str, tuple[float, float, float]] = {}
 
     def read(self) -> list[ServerRecord]:
-        gone: dict[str, float] = {}
+        mono = time.monotonic()
         for sub, (value, expires) in _read_expiring(self.dht, servers_key(self.prefix)).items():
             if sub.endswith(GONE):
-                if isinstance(value, (int, float)):
-                    peer = sub[:-len(GONE)]
-                    gone[peer] = max(float(value), gone.get(peer, -math.inf))
+                peer = sub[:-len(GONE)]
+                if isinstance(value, (int, float)) and value > self.reports.get(
+                        peer, (-math.inf,))[0]:
+                    self.reports[peer] = (float(value), mono, expires)
                 continue
             rec = ServerRecord.from_value(sub, value)
             if rec is not None and rec.announced >= self.announced(sub):
                 self.seen[sub] = (rec, expires)
         now = get_dht_time()
+        self.reports = {p: r for p, r in self.reports.items() if r[2] > now}
         self.seen = {p: (r, e) for p, (r, e) in self.seen.items()
-                     if e > now and r.announced > gone.get(p, -math.inf)}
+                     if e > now and not self._reported(p, r, mono)}
         return sorted((r for r, _ in self.seen.values()), key=lambda r: (r.stage, r.peer))
+
+    def _reported(self, peer: str, rec: ServerRecord, mono: float) -> bool:
+        named, since, _ = self.reports.get(peer, (-math.inf, mono, 0.0))
+        return rec.announced <= named and mono - since >= self.gone_grace_s
 
     def announced(self, peer: str) -> float:
         """When the latest announcement of `peer` that this roster holds was made."""

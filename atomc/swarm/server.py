@@ -688,6 +688,9 @@ class SwarmServer(SwarmNode):
             off = 0
             for _, p in self.master.named_parameters():
                 n = p.numel()
+                if not p.requires_grad:  # frozen, or no gradient in the model: AdamW skips it
+                    off += n
+                    continue
                 g = total[off:off + n].view(p.shape).to(p.dtype)
                 if p.grad is None:
                     p.grad = g.clone()
@@ -791,7 +794,11 @@ class SwarmServer(SwarmNode):
             time.sleep(max(0.0, boundary - get_dht_time()))
             if self.moving or self.move_to is not None or self.closing:
                 continue
-            move = self._choose_move(view)
+            try:
+                move = self._choose_move(view)
+            except Exception as e:  # noqa: BLE001 - a bad record must not end rebalancing
+                self.log(f"rebalancing: no decision ({type(e).__name__}: {e})")
+                continue
             if move is not None:
                 self.log(f"rebalancing: {move}")
                 self.move_to = move.to_stage

@@ -167,10 +167,13 @@ def build_opgraph(gm: fx.GraphModule, model: nn.Module, values: dict[str, Any], 
 _STATISTICS = {"batch_norm", "layer_norm", "group_norm", "instance_norm", "native_batch_norm",
                "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
                "native_layer_norm", "native_group_norm", "var_mean", "std_mean", "var", "std",
-               "mean", "norm", "vector_norm", "linalg_vector_norm", "normalize", "_weight_norm",
-               "_weight_norm_interface", "norm_except_dim"}
+               "mean", "norm", "vector_norm", "linalg_vector_norm", "linalg_norm", "normalize",
+               "rms_norm", "renorm", "_weight_norm", "_weight_norm_interface",
+               "norm_except_dim"}
 _VIEWS = {"reshape", "view", "_unsafe_view", "flatten", "transpose", "permute", "t",
-          "contiguous", "unsqueeze", "squeeze", "expand", "clone", "detach", "to", "float"}
+          "contiguous", "unsqueeze", "squeeze", "expand", "clone", "detach", "to", "_to_copy",
+          "float", "double", "half", "bfloat16", "type_as", "view_as", "reshape_as", "select",
+          "narrow", "getitem", "__getitem__", "chunk", "split", "unbind"}
 
 
 def _op_name(node: fx.Node) -> str:
