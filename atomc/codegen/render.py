@@ -26,7 +26,7 @@ import site
 import sys
 import sysconfig
 from dataclasses import dataclass
-from functools import cache, reduce
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -593,8 +593,7 @@ def params_without_gradient(traced: TracedModel) -> frozenset[str]:
     reached: set[str] = set()
     for n in live:
         if n.op == "get_attr":
-            obj = reduce(getattr, str(n.target).split("."), gm)
-            reached.add(canon.get(id(obj), ""))
+            reached.add(canon.get(id(operator.attrgetter(str(n.target))(gm)), ""))
         elif n.op == "call_module":
             reached.update(canon.get(id(p), "") for _, p in
                            modules[str(n.target)].named_parameters(remove_duplicate=False))

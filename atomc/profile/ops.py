@@ -19,7 +19,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from atomc.trace.graph import tensors_in
+from atomc.trace.graph import VIEW_NAMES, tensors_in
 from atomc.trace.normalise import MODES
 
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.iand,
@@ -52,14 +52,6 @@ def is_inplace(node: fx.Node) -> bool:
     return False
 
 
-# methods and functions whose result shares its first argument's storage (fx graphs; ATen
-# operators say so in their schema)
-_VIEWS = {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t", "unsqueeze",
-          "squeeze", "expand", "expand_as", "narrow", "select", "flatten", "unflatten", "unfold",
-          "diagonal", "as_strided", "chunk", "split", "unbind", "movedim", "swapaxes",
-          "contiguous", "__getitem__", "getitem", "real", "imag"}
-
-
 def _writes(node: fx.Node, value: fx.Node) -> bool:
     """Whether in-place `node` writes `value` (its first argument, or a written ATen one)."""
     if isinstance(node.target, torch._ops.OpOverload):
@@ -78,7 +70,7 @@ def _is_view_of(node: fx.Node, value: fx.Node) -> bool:
         return bool(returns) and returns[0].alias_info is not None \
             and not returns[0].alias_info.is_write
     name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
-    return node.op in ("call_method", "call_function") and name in _VIEWS
+    return node.op in ("call_method", "call_function") and name in VIEW_NAMES
 
 
 def written_in_place(node: fx.Node) -> bool:

@@ -141,14 +141,14 @@ class Roster:
         named, since, _ = self.reports.get(peer, (-math.inf, mono, 0.0))
         return rec.announced <= named and mono - since >= self.gone_grace_s
 
-    def announced(self, peer: str) -> float:
-        """When the latest announcement of `peer` that this roster holds was made."""
-        held = self.seen.get(peer)
-        return held[0].announced if held is not None else -math.inf
-
     def record(self, peer: str) -> ServerRecord | None:
         held = self.seen.get(peer)
         return held[0] if held is not None else None
+
+    def announced(self, peer: str) -> float:
+        """When the latest announcement of `peer` that this roster holds was made."""
+        rec = self.record(peer)
+        return rec.announced if rec is not None else -math.inf
 
 
 def excluded_subkey(peer: str, stage: int, attempt: int) -> str:

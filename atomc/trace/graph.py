@@ -23,6 +23,14 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     return [x for x in leaves if isinstance(x, torch.Tensor)]
 
 
+# methods and functions whose result shares its first argument's storage (fx graphs; ATen
+# operators say so in their schema)
+VIEW_NAMES = {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t",
+              "unsqueeze", "squeeze", "expand", "expand_as", "narrow", "select", "flatten",
+              "unflatten", "unfold", "diagonal", "as_strided", "chunk", "split", "unbind",
+              "movedim", "swapaxes", "contiguous", "__getitem__", "getitem", "real", "imag"}
+
+
 def target_name(node: fx.Node) -> str:
     if node.op in ("call_function",):
         return fx.node._get_qualified_name(node.target)  # type: ignore[arg-type]
@@ -170,10 +178,9 @@ _STATISTICS = {"batch_norm", "layer_norm", "group_norm", "instance_norm", "nativ
                "mean", "norm", "vector_norm", "linalg_vector_norm", "linalg_norm", "normalize",
                "rms_norm", "renorm", "_weight_norm", "_weight_norm_interface",
                "norm_except_dim"}
-_VIEWS = {"reshape", "view", "_unsafe_view", "flatten", "transpose", "permute", "t",
-          "contiguous", "unsqueeze", "squeeze", "expand", "clone", "detach", "to", "_to_copy",
-          "float", "double", "half", "bfloat16", "type_as", "view_as", "reshape_as", "select",
-          "narrow", "getitem", "__getitem__", "chunk", "split", "unbind"}
+# what carries a weight's values on to a statistic: its views, copies and casts
+_CARRIES = VIEW_NAMES | {"_unsafe_view", "clone", "detach", "to", "_to_copy", "float", "double",
+                         "half", "bfloat16", "type_as"}
 
 
 def _op_name(node: fx.Node) -> str:
@@ -195,7 +202,7 @@ def _takes_statistics(node: fx.Node) -> bool:
         name = _op_name(user)
         if name in _STATISTICS:
             return True
-        if name in _VIEWS:
+        if name in _CARRIES:
             todo.extend(user.users)
     return False
 
