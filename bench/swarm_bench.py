@@ -346,8 +346,14 @@ def churn_run(args: argparse.Namespace, pkg: Path, d: Path, churn: Churn, policy
             raise RuntimeError(f"the trainer stopped:\n{procs.log('trainer')}")
     finally:
         procs.close()
+    return load_run(d)
+
+
+def load_run(d: Path) -> dict:
+    """A run's lines, from its directory (t0: the trainer's first step)."""
     servers = lines(d / "servers.jsonl")
-    return {"t0": t0, "trainer": lines(d / "trainer.jsonl"), "servers": servers,
+    trainer = lines(d / "trainer.jsonl")
+    return {"t0": trainer[0]["time"], "trainer": trainer, "servers": servers,
             "records": _snapshots(servers)}
 
 
@@ -421,6 +427,13 @@ def analyse(run: dict, churn: Churn, rates: Rates, args: argparse.Namespace) -> 
 def real_processes(args: argparse.Namespace) -> None:
     t_start = time.time()
     churn = churn_script(args.duration, args.stages)
+    if args.reanalyse is not None:  # the tables again, from an earlier run's logs
+        runs = {"none": load_run(args.reanalyse / "none"),
+                f"T = {args.period:g} s": load_run(args.reanalyse / "rebalance")}
+        rates = measured_rates(list(runs.values()), churn, args.stages)
+        runs["best static"] = load_run(args.reanalyse / "static")
+        report_a(runs, churn, rates, args)
+        return
     work = Path(tempfile.mkdtemp(prefix="atomc-swarm-bench-a-"))
     print(f"part (a): real processes on loopback, {A_CONFIG} in {args.stages} stages, global "
           f"batch {args.batch} (micro-batch {A_MICRO}), {args.duration:.0f} s per run; "
@@ -462,7 +475,9 @@ def report_a(runs: dict[str, dict], churn: Churn, rates: Rates,
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     ideal = sum((b - a) * x for (a, b), x in zip(spans, ref["ideal"])) / args.duration
     for name, r in out.items():
-        per = " / ".join(f"{100 * m / s:.0f}" for m, s in zip(r["measured"], ref["measured"]))
+        # (the best static assignment can leave a stage empty after a kill: no throughput)
+        per = " / ".join(f"{100 * m / s:.0f}" if s > 0 else "-"
+                         for m, s in zip(r["measured"], ref["measured"]))
         print(f"| {name} | {r['steps']} | {r['overall']:.2f} | "
               f"{100 * r['overall'] / ref['overall']:.1f} | "
               f"{100 * r['overall'] / ideal:.1f} | {r['flow_pct']:.1f} | {r['moves']} | {per} |")
@@ -613,6 +628,9 @@ def parse_args() -> argparse.Namespace:
     a.add_argument("--min-gain", type=float, default=0.03,
                    help="a move must raise the lower of its two stages by this fraction "
                         "(default 0.03: emulated devices keep a steady speed)")
+    a.add_argument("--reanalyse", type=Path, metavar="WORKDIR",
+                   help="print part (a)'s tables from the logs of an earlier run's work "
+                        "directory instead of running it")
     b = ap.add_argument_group("part (b), simulated")
     b.add_argument("--seeds", type=int, default=10, help="seeds per row (SWARM App. I: 10)")
     b.add_argument("--peers", type=int, default=400, help="peers at the start")

@@ -18,7 +18,9 @@ imported from the model file beside it (training and last-position inference), a
 the style of Meta's llama (complex rotary frequencies), a Hugging Face T5 (two inputs, one
 embedding tied three ways), and a mixture-of-experts model written as Hugging Face's MoE
 families are (device-type branches, router statistics without gradients, `finfo(dtype).min`
-masks, residuals added in place).
+masks, residuals added in place), and layers whose weight torch computes (weight norm and
+spectral norm, as parametrizations and as the older hooks, and parametrizations of the model's
+own).
 """
 
 from __future__ import annotations
@@ -71,6 +73,12 @@ CASES = {
     "moe": (MODELS / "moe.py", None),
     "meta-llama": (MODELS / "meta_llama.py", None),
     "t5": (MODELS / "hf_t5.py", None),
+    "param-norms": (MODELS / "param_norms.py", None),
+    "rnn": (MODELS / "rnn_lm.py", None),
+    "unet": (MODELS / "unet.py", None),
+    "dlrm": (MODELS / "dlrm.py", None),
+    "seq2seq": (MODELS / "seq2seq.py", None),
+    "timm-vit": (MODELS / "timm_vit.py", None),
 }
 
 
@@ -391,6 +399,22 @@ def test_constants_ship_with_the_package(root):
     out, _, _ = chain("nanogpt-last", root)
     package = load_package(out)
     assert any("constant" in n or "lifted" in n for n in package._constants.NAMES)
+
+
+def test_reparametrized_layers_are_written_as_their_author_wrote_them(root):
+    """A weight-normalised or spectral-normalised layer stays one module (its weight is
+    computed, and spectral norm updates buffers every forward), rebuilt by the same calls;
+    a parametrized module of the model's own is traced through."""
+    out, _, _ = chain("param-norms", root)
+    source = "\n".join(p.read_text() for p in sorted(out.glob("submodel_*.py")))
+    for call in ("parametrizations.weight_norm(nn.Conv1d(4, 8, (3,)",
+                 "parametrizations.spectral_norm(nn.Linear(128, 48), dim=0)",
+                 "nn.utils.weight_norm(nn.Linear(48, 48))",
+                 "nn.utils.spectral_norm(nn.Linear(48, 48), dim=0)",
+                 "parametrize.register_parametrization(nn.Linear(48, 48), 'weight', Symmetric())",
+                 "n_power_iterations=2"):
+        assert call in source, call
+    assert "F.softplus(" in source and "Gain(" not in source
 
 
 def test_model_file_imports_the_module_beside_it(tmp_path, capsys):

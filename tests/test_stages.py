@@ -186,3 +186,33 @@ def test_batch_norm_and_dropout_peers_equal_plain_copies_that_average(bn_work: d
         for k, v in ref.items():
             torch.testing.assert_close(exported[k].to(v.dtype), v, rtol=0, atol=1e-10, msg=k)
         trainer.close()
+
+
+def test_a_layouts_final_state_carries_the_weights_no_stage_holds(tmp_path: Path) -> None:
+    """Weights the traced graph never reads (an unused pooler, a mask token) belong to no
+    stage: the first stage carries them, so that the merged final state loads back into the
+    model with strict=True."""
+    fixture = Path(__file__).parent / "fixtures" / "unread_weights_model.py"
+    traced = trace_model(fixture, None, MICRO, device="cpu")
+    plan = plan_from_cuts(traced, [4])
+    generate(plan, tmp_path / "pkg", traced=traced)
+    net = network_from_data(
+        {"devices": [{"name": "d0", "region": "r0"}, {"name": "d1", "region": "r0"}],
+         "delay_ms": [[0.0, 1.0], [1.0, 0.0]], "bandwidth_gbps": [[0.0, 10.0], [10.0, 0.0]]},
+        "test network")
+    layout = tmp_path / "layout.json"
+    place(net, 2, 1, plan=plan, budget_s=0.2, compare_random=False).save(layout)
+    out = tmp_path / "run"
+    args = ["--package", str(tmp_path / "pkg"), "--steps", "2", "--global-batch", str(GLOBAL),
+            "--micro-batch", str(MICRO), "--final-dir", str(out), "--timeout", "60"]
+    argv, env = _launch(layout, args)
+    r = _run(argv, env, 240)
+    assert r.returncode == 0, r.stdout[-4000:]
+    buffers: dict[str, torch.Tensor] = {}
+    params, _ = final_state(out, 2, buffers)
+    torch.manual_seed(0)  # the runner's initial weights: the model built under seed 0
+    model = load_model_file(fixture).build_model()
+    initial = model.state_dict()
+    for k in ("pooler.weight", "mask_token", "spare_stats"):  # no stage holds these
+        torch.testing.assert_close(params[k], initial[k], rtol=0, atol=0)
+    model.load_state_dict({**params, **buffers}, strict=True)

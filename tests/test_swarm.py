@@ -9,6 +9,7 @@ group, binds to 127.0.0.1, has a bounded time and is killed with all it started.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import math
@@ -247,6 +248,101 @@ def test_router_weighted_round_robin_and_bans() -> None:
     assert r.stages[0]["a"].banned_until == 0.0
     r.refresh([recs[1]])
     assert r.servers(0) == ["b"]
+
+
+def test_router_learns_attempts_and_drops_a_server_that_left_its_stage() -> None:
+    r = Router(2)
+    rec = ServerRecord("a", "a", 0, 0, 0, 1.0, 0, "x", 5.0, attempt=2)
+    r.refresh([rec])
+    assert r.attempt(0, "a") == 2
+    r.learn_attempt(0, "a", 4)  # excluded attempt 3, or the server said it is on 4
+    r.refresh([rec])  # a record that has not shown it yet does not undo it
+    assert r.attempt(0, "a") == 4
+    r.learn_attempt(0, "a", 1)  # attempts only rise
+    assert r.attempt(0, "a") == 4
+    r.refresh([ServerRecord("a", "a", 0, 0, 0, 1.0, 0, "x", 9.0, attempt=0)])
+    assert r.attempt(0, "a") == 0  # a new incarnation counts its attempts anew
+    r.drop(0, "a")  # it said it moved: no calls, and no ban to outlive the move
+    assert r.servers(0) == [] and r.choose(0, 1, now=0.0) is None
+    r.refresh([ServerRecord("a", "a", 1, 0, 0, 1.0, 0, "x", 12.0)])
+    assert r.servers(1) == ["a"] and r.banned_for(1, "a", now=0.0) == 0.0
+
+
+def test_refusals_say_whether_the_server_moved_or_which_attempt_it_is_on() -> None:
+    from atomc.errors import PeerError
+    from atomc.swarm.wire import NotHere, Refused, WrongAttempt, check_refusal, refusal
+
+    def said(error: Exception, held: bool = False) -> Refused:
+        with pytest.raises(Refused) as e:
+            check_refusal(refusal(error, held))
+        return e.value
+
+    moved = said(NotHere("server b is moving to stage 1"))
+    assert moved.elsewhere and moved.attempt is None and "NotHere: server b" in str(moved)
+    stale = said(WrongAttempt("server b is on attempt 3", 3), held=True)
+    assert stale.attempt == 3 and stale.held and not stale.elsewhere
+    other = said(PeerError("stage 0 has taken step 4 already"))
+    assert not other.elsewhere and other.attempt is None and not other.held
+
+
+def test_a_trainer_calls_again_with_the_servers_attempt_and_routes_around_a_move(
+        monkeypatch) -> None:
+    """Refusals that are not faults cost no ban: a run on real processes banned the only
+    server of a stage for a minute after one exclusion (every call in flight named the old
+    attempt), and servers that had moved were banned where they no longer served."""
+    from types import SimpleNamespace
+
+    from atomc.errors import PeerError
+    from atomc.swarm import client
+    from atomc.swarm.client import StepStats, SwarmTrainer, TrainConfig
+    from atomc.swarm.wire import NotHere, Refused, WrongAttempt, check_refusal, refusal
+
+    on = {"a": 3, "b": 0}  # each server's attempt; a has moved to stage 1
+    named: list[tuple[str, int]] = []
+
+    async def exchange(method, request):
+        peer = method.peer
+        named.append((peer, int(request.uid)))
+        if peer == "a":
+            return check_refusal(refusal(NotHere("server a serves stage 1, not 0"), False))
+        if int(request.uid) != on[peer]:
+            return check_refusal(refusal(WrongAttempt("stale", on[peer]), False))
+        raise Refused("no decode in this test", held=False)
+
+    trainer = object.__new__(SwarmTrainer)
+    trainer.cfg = TrainConfig(package="x", num_stages=1, servers_timeout_s=0.0)
+    trainer.router = Router(1)
+    trainer.router.refresh([ServerRecord(p, p, 0, 0, 0, 1.0, 0, "x", 1.0) for p in "ab"])
+    trainer.router.stages[0]["a"].priority = -1.0  # a is tried first
+    trainer._stats, trainer._held, trainer.fingerprint, trainer.name = StepStats(0, 0), {}, "f", "t"
+    trainer.log, trainer.p2p = lambda msg: None, None
+    trainer._exchange = exchange
+    excluded = []
+
+    async def exclude(k, j, peer, attempt):
+        excluded.append((peer, attempt))
+
+    trainer._exclude = exclude
+    on["b"] = 2  # b dropped attempts 0 and 1 since the trainer read its record
+    monkeypatch.setattr(client.PeerID, "from_base58", lambda s: s)
+    monkeypatch.setattr(client.SwarmServicer, "get_stub", lambda p2p, peer, namespace:
+                        SimpleNamespace(rpc_backward=SimpleNamespace(peer=peer)))
+    with pytest.raises(PeerError, match="no server of stage 0"):
+        asyncio.run(trainer._call(0, "backward", 0, 0, (torch.zeros(1),), 1, {}))
+    assert named == [("a", 0), ("b", 0), ("b", 2)]  # moved: routed on; stale: its attempt
+    assert "a" not in trainer.router.stages[0]  # until a record shows it at stage 0 again
+    assert trainer.router.stages[0]["b"].failures == 1  # only the real refusal counted
+    assert excluded == []  # b said it does not hold the micro-batch
+
+
+def test_decisions_fall_on_the_same_ticks_whatever_the_period() -> None:
+    from atomc.swarm.server import starts_period
+
+    ticks = [i * 0.5 for i in range(1, 25)]
+    assert [t for t in ticks if starts_period(t, 0.5, 3.0)] == [3.0, 6.0, 9.0, 12.0]
+    # T not a multiple of the tick: the first tick at or after each multiple of T
+    assert [t for t in ticks if starts_period(t, 0.5, 1.3)][:4] == [1.5, 3.0, 4.0, 5.5]
+    assert all(starts_period(t, 0.5, 0.5) for t in ticks)
 
 
 def test_call_time_averages_a_window_of_calls_and_skips_the_first() -> None:

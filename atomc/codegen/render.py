@@ -38,6 +38,7 @@ from torch import fx, nn
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from atomc import __version__
+from atomc.codegen import reparam
 from atomc.codegen.split import Piece
 from atomc.dtypes import dtype_name
 from atomc.errors import CodegenError
@@ -412,7 +413,7 @@ def _simple_attrs(module: nn.Module) -> dict[str, Any]:
 
 def _same_module(a: nn.Module, b: nn.Module) -> str:
     """'' when `b` rebuilds `a` (same parameters, buffers, hyperparameters); else the difference."""
-    if type(a) is not type(b):
+    if reparam.layer_class(a) is not reparam.layer_class(b):
         return f"class {type(b).__name__} instead of {type(a).__name__}"
     if a.extra_repr() != b.extra_repr():
         return f"{b.extra_repr()!r} instead of {a.extra_repr()!r}"
@@ -485,8 +486,8 @@ def _repr_args(module: nn.Module) -> tuple[list[Any], dict[str, Any]] | None:
 
 def module_constructor(module: nn.Module, fqn: str, resolver: Resolver, imports: set[str]) -> str:
     """`nn.Linear(32, 96)`: source that rebuilds `module`, checked by rebuilding it on meta."""
-    why = f"module {fqn} ({type(module).__name__})"
-    klass = type(module)
+    klass = reparam.layer_class(module)
+    why = f"module {fqn} ({klass.__name__})"
     failures = []
     for args_kwargs in (_signature_args(module), _repr_args(module)):
         if args_kwargs is None:
@@ -494,7 +495,7 @@ def module_constructor(module: nn.Module, fqn: str, resolver: Resolver, imports:
         args, kwargs = args_kwargs
         try:
             with torch.device("meta"):
-                rebuilt = klass(*args, **kwargs)
+                rebuilt = reparam.rewrap(module, klass(*args, **kwargs))
         except Exception as e:  # noqa: BLE001 - the user's constructor may raise anything
             failures.append(f"{type(e).__name__}: {e}")
             continue
@@ -511,7 +512,9 @@ def module_constructor(module: nn.Module, fqn: str, resolver: Resolver, imports:
         if len(dtypes) == 1 and (dtype := dtypes.pop()) != torch.get_default_dtype():
             imports.add("import torch")
             text += f".to(torch.{dtype_name(dtype)})"
-        return text
+        return reparam.wrapped_source(module, text, imports, lambda v: (
+            module_constructor(v, f"{fqn}'s parametrization", resolver, imports)
+            if isinstance(v, nn.Module) else render_constant(v, resolver, imports, why)))
     detail = f" ({'; '.join(failures)})" if failures else ""
     raise CodegenError(
         f"cannot rebuild {why} from its attributes{detail}: atomc rebuilds leaf modules by reading "

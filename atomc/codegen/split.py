@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_unflatten
 
 from atomc.errors import CodegenError
 from atomc.ir import Plan
-from atomc.profile.ops import is_inplace
+from atomc.profile.ops import INPLACE_MODULE, is_inplace, writes_input
 from atomc.trace import TracedModel
 
 
@@ -226,6 +226,7 @@ def split_plan(traced: TracedModel, plan: Plan) -> list[Piece]:
                         fqn = qualnames.get(f"{submod_name}.{target}", target)
                         locals_of[target] = _identifier(target, piece)
                         piece.modules[locals_of[target]] = (fqn, _fetch(submod, target))
+                    node.meta[INPLACE_MODULE] = writes_input(_fetch(submod, target))
                     node.target = locals_of[target]
                 elif node.op == "get_attr" and str(node.target) not in piece.attrs:
                     raise CodegenError(f"node {node.name} reads {node.target}, a module attribute "

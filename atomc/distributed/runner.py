@@ -202,12 +202,20 @@ class LayoutTrainer:
         self.step_ms: list[float] = []
         self.losses: dict[int, float] = {}
         self.resumed_from: int | None = None
+        # weights of the initial state that no sub-model holds (the graph never reads them):
+        # the first stage carries them through its checkpoints to the final state, so that
+        # the merged state loads back into the model with strict=True
+        self.unread: dict[str, torch.Tensor] = {}
         if self.resume() is None:
             state = initial_state() if callable(initial_state) else initial_state
             if state is None:
                 raise UsageError("no initial weights and no checkpoint to resume from; give the "
                                  "original model's state dict (or a checkpoint directory)")
             self.stage.load_original(state)
+            if j == 0:
+                self.unread = {k: state[k].detach().cpu().clone()
+                               for k in self.pkg.unread_names(state)
+                               if isinstance(state[k], torch.Tensor)}
 
     # ---- set-up --------------------------------------------------------------------------------
 
@@ -511,6 +519,7 @@ class LayoutTrainer:
             "losses": {str(k): v for k, v in self.losses.items()},
         }
         state["stage_state"] = self.stage.state_dict()
+        state["unread"] = self.unread
         return state
 
     def save_checkpoint(self) -> Path:
@@ -544,6 +553,7 @@ class LayoutTrainer:
         state = load_checkpoint(path)
         self._check_tasklet_state(state, path)
         self.stage.load_state_dict(state["stage_state"])
+        self.unread = dict(state.get("unread", {}))  # absent from older checkpoints
         self.step_count = int(state["step"])
         self.losses = {int(k): float(v) for k, v in state.get("losses", {}).items()}
         self.resumed_from = step
@@ -680,6 +690,7 @@ def run_layout(cfg: LayoutConfig, loss_fn: Callable, initial_state: Any,
 
                 save_checkpoint(d / f"final_stage_{trainer.place.stage}.pt",
                                 {"params": trainer.stage_state_dict(),
+                                 "unread": trainer.unread,
                                  "buffers": {k: b.detach().cpu().clone()
                                              for k, b in trainer.stage.buffers().items()},
                                  "losses": {str(k): v for k, v in trainer.losses.items()},
@@ -700,7 +711,7 @@ def final_state(final_dir: str | Path, num_stages: int, buffers: dict | None = N
     losses: dict[int, float] = {}
     for j in range(num_stages):
         st = load_checkpoint(Path(final_dir) / f"final_stage_{j}.pt")
-        for k, v in st["params"].items():
+        for k, v in {**st.get("unread", {}), **st["params"]}.items():
             params.setdefault(k, v)
         if buffers is not None:
             buffers.update(st.get("buffers", {}))

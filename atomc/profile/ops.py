@@ -37,7 +37,21 @@ class OpCall:
     param_bytes: int
 
 
+INPLACE_MODULE = "atomc_inplace"  # node.meta of a call_module node in a graph without its modules
+
+
+def writes_input(module: nn.Module) -> bool:
+    """torch.nn's activations and dropouts built with inplace=True write their input
+    (torchvision's ResNets and most CNNs use nn.ReLU(inplace=True))."""
+    return getattr(module, "inplace", None) is True
+
+
 def is_inplace(node: fx.Node) -> bool:
+    if node.op == "call_module":
+        if INPLACE_MODULE in node.meta:  # a copied graph (codegen's pieces) has no modules
+            return bool(node.meta[INPLACE_MODULE])
+        gm = node.graph.owning_module
+        return gm is not None and writes_input(gm.get_submodule(str(node.target)))
     if node.op == "call_method":
         name = str(node.target)
         return name.endswith("_") and not name.endswith("__")

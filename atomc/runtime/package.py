@@ -99,6 +99,13 @@ class SwapPackage:
     original_names: tuple[str, ...] = ()  # the original state-dict names, in the model's order
     full_precision: tuple[str, ...] = ()  # weights kept float32 in half-precision runs (norms)
 
+    def unread_names(self, state_dict: dict[str, Any]) -> list[str]:
+        """Names in an original state dict that no sub-model holds (weights the traced graph
+        never reads), as the package's `load_original_state_dict` returns them."""
+        held = {fqn for names in self.param_names for fqn in names.values()}
+        aliases = getattr(self.module, "ALIASES", {})
+        return [k for k in state_dict if aliases.get(k, k) not in held]
+
     @property
     def num_submodels(self) -> int:
         return len(self.classes)

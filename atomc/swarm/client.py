@@ -7,7 +7,10 @@ Routing is SWARM's Algorithm 1 (`Router`): per stage, servers keyed by the work 
 each use adding its EMA time per sample times the samples sent, the least keyed taken (an
 interleaved weighted round robin: a server twice as fast gets twice the micro-batches). A
 call that fails or times out bans its server with exponential backoff, until it announces a
-new incarnation, and the micro-batch goes to another server of the stage; if every server of
+new incarnation, and the micro-batch goes to another server of the stage (a refusal that is
+no fault bans nothing: a server that moved is routed around, one whose attempt moved on is
+called again with it; a run on real processes banned the only server of a stage for a minute
+after one exclusion, as every call in flight named the attempt it had left); if every server of
 a stage is banned the bans are ignored (as Petals does). Every call has a timeout: a SIGKILLed
 hivemind server gives its client no error at all. A call that cannot reach its server (no
 daemon to dial, or its stream ended mid-call) also reports it gone in the DHT, so that the
@@ -42,9 +45,12 @@ from atomc.swarm.codec import wire_bytes
 from atomc.swarm.node import SwarmNode
 from atomc.swarm.records import ServerRecord, read_excluded, report_gone
 from atomc.swarm.server import BATCH, GRAD, SwarmServicer, exclude
-from atomc.swarm.wire import StreamClosed, check_refusal, decode, encode, join, split
+from atomc.swarm.wire import Refused, StreamClosed, check_refusal, decode, encode, join, split
 
 GONE_TTL_S = 120.0  # a report that a server is unreachable outlives any record it names
+ROUTES_S = 1.0  # a step's calls re-read the servers this often
+STALE_TRIES = 50  # calls refused for a stale attempt before the server counts as failing
+STALE_WAIT_S = 0.1  # a server reads its exclusions every tick of its serving loop (0.1 s)
 
 
 @dataclass
@@ -100,10 +106,11 @@ class Router:
             if s is None:
                 low = min((x.priority for x in queue.values()), default=0.0)
                 queue[r.peer] = s = _Server(priority=low)
-            if s.failures and r.started > s.started:
+            if r.started > s.started:  # a new incarnation: forgiven, its attempts anew
                 s.banned_until, s.failures = 0.0, 0
-            s.started = max(s.started, r.started) if not s.failures else s.started
-            s.attempt = r.attempt
+                s.started, s.attempt = r.started, r.attempt
+            else:  # attempts only rise: the trainer may know of one the record has not shown
+                s.attempt = max(s.attempt, r.attempt)
         for queue, live in zip(self.stages, seen):
             for peer in set(queue) - live:
                 del queue[peer]
@@ -133,6 +140,16 @@ class Router:
     def attempt(self, stage: int, peer: str) -> int:
         s = self.stages[stage].get(peer)
         return s.attempt if s is not None else 0
+
+    def learn_attempt(self, stage: int, peer: str, attempt: int) -> None:
+        """The server is on `attempt` (it said so, or we excluded the one before it)."""
+        s = self.stages[stage].get(peer)
+        if s is not None:
+            s.attempt = max(s.attempt, attempt)
+
+    def drop(self, stage: int, peer: str) -> None:
+        """The server left the stage (it said so): no calls until a record shows it there."""
+        self.stages[stage].pop(peer, None)
 
     def report(self, stage: int, peer: str, seconds: float, samples: int) -> None:
         s = self.stages[stage].get(peer)
@@ -239,13 +256,29 @@ class SwarmTrainer(SwarmNode):
         self._stats = StepStats(0.0, 0.0)
         self._held: dict[tuple[int, int], _Held] = {}
         total = self.cfg.global_micro or len(micro)
-        losses = await asyncio.gather(*[
-            self._micro(k, self.cfg.first_micro + m, b, total) for m, b in enumerate(micro)])
+        refresher = asyncio.create_task(self._refresh_routes())
+        try:
+            losses = await asyncio.gather(*[
+                self._micro(k, self.cfg.first_micro + m, b, total) for m, b in enumerate(micro)])
+        finally:
+            refresher.cancel()
         await self._wait_for_commit(k, micro, total)
         stats = self._stats
         stats.loss = float(sum(losses) / len(losses))
         stats.seconds = time.monotonic() - t0
         return stats
+
+    async def _refresh_routes(self) -> None:
+        """The servers as announced, every ROUTES_S while a step's calls run: a newcomer gets
+        calls (and so a measured rate) within a second, not at the next step, and a server that
+        moved or left is no longer called."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(ROUTES_S)
+            try:
+                self.router.refresh(await loop.run_in_executor(None, self._records))
+            except Exception as e:  # noqa: BLE001 - the calls themselves read and raise again
+                self.log(f"reading the servers failed ({type(e).__name__}: {e}); routes kept")
 
     async def _micro(self, k: int, g: int, batch: tuple, total: int) -> float:
         S = self.cfg.num_stages
@@ -279,6 +312,7 @@ class SwarmTrainer(SwarmNode):
                 "package": self.fingerprint, "compress": cfg.compress}
         request = encode(payload, meta, compress=cfg.compress)
         deadline = time.monotonic() + cfg.servers_timeout_s
+        stale = 0  # calls refused for naming another attempt than the server's
         while True:
             now = time.monotonic()
             peer = self.router.choose(j, samples, now, avoid)
@@ -307,6 +341,21 @@ class SwarmTrainer(SwarmNode):
                     self._exchange(method, request), cfg.request_timeout_s)
             except Exception as e:  # noqa: BLE001 - any failure of a remote call: route elsewhere
                 self._stats.retries += 1
+                if isinstance(e, Refused) and e.elsewhere:
+                    # it moved: not a fault, so no ban; no more calls to it for this stage
+                    # until a record shows it here (`refresh`)
+                    self.router.drop(j, peer)
+                    continue
+                said = e.attempt if isinstance(e, Refused) else None
+                if said is not None and not e.held and stale < STALE_TRIES:
+                    # a trainer excluded an attempt of it: ours names the old one (call again
+                    # at once with its new one), or its next one before it has read that
+                    stale += 1
+                    if said > attempt:
+                        self.router.learn_attempt(j, peer, said)
+                    else:
+                        await asyncio.sleep(STALE_WAIT_S)
+                    continue
                 if isinstance(e, (StreamClosed, P2PDaemonError)):
                     self._report_gone(peer)
                 span = self.router.ban(j, peer, time.monotonic())
@@ -315,7 +364,10 @@ class SwarmTrainer(SwarmNode):
                 if kind == "backward" and getattr(e, "held", True):
                     # it may hold this gradient (a call lost on the way, or timed out): nothing
                     # of that attempt may count; a server that refused says whether it holds it
-                    await self._exclude(k, j, peer, attempt)
+                    # (in the attempt it is on, which it names when ours is another)
+                    held_at = attempt if said is None else said
+                    await self._exclude(k, j, peer, held_at)
+                    self.router.learn_attempt(j, peer, held_at + 1)
                 avoid.add(peer)
                 continue
             self.router.report(j, peer, time.monotonic() - t0, samples)
@@ -366,6 +418,7 @@ class SwarmTrainer(SwarmNode):
                 if (h.peer, j, h.attempt) not in excluded:
                     await self._exclude(k, j, h.peer, h.attempt)
                     excluded.add((h.peer, j, h.attempt))
+                self.router.learn_attempt(j, h.peer, h.attempt + 1)
                 self.log(f"stage {j}: server ...{h.peer[-6:]} failed holding micro-batch {g} "
                          f"of step {k}; sending it again")
                 self._stats.resent += 1

@@ -71,10 +71,11 @@ from atomc.swarm.records import (
     read_servers,
     servers_key,
 )
-from atomc.swarm.wire import decode, encode, join, refusal, split
+from atomc.swarm.wire import NotHere, WrongAttempt, decode, encode, join, refusal, split
 
 GUESS_S = 30.0  # rebalancing waits this long at most for a new server's first measured rate
 READ_AHEAD_S = 0.25  # servers read the DHT this long before each decision moment
+EVENT_TICK_S = 0.5  # between periods, servers look this often for a swarm that changed
 BATCH = "atomc.batch."  # batch tensors travel as atomc.batch.0, atomc.batch.1, ...
 GRAD = "atomc.grad."  # output gradients of a backward call
 
@@ -341,11 +342,18 @@ class SwarmServer(SwarmNode):
         averager.state_sharing_priority = 0.0
         return averager
 
+    def _sharers(self, j: int) -> list[ServerRecord]:
+        """The servers of stage j that could share its state, as this node's roster holds them
+        (a fresh read would still count a server reported gone: a move to a stage emptied by
+        a kill then waited the whole download timeout for the dead server)."""
+        return [r for r in self.roster(self.cfg.prefix).read()
+                if r.stage == j and r.peer != self.peer and not r.moving]
+
     def _load_state(self, j: int) -> str:
-        records = read_servers(self.dht, self.cfg.prefix)
-        peers = [r for r in records if r.stage == j and r.peer != self.peer and not r.moving]
+        records = self.roster(self.cfg.prefix).read()
+        peers = self._sharers(j)
         if peers:
-            got = self._download(timeout=self.cfg.connect_timeout_s)
+            got = self._download(timeout=self.cfg.connect_timeout_s, stage=j)
             if got is not None:
                 return got
         ckpt = self._checkpoint_path(j)
@@ -374,12 +382,16 @@ class SwarmServer(SwarmNode):
             self.master.load_original(self.initial_state)
         return "the initial weights"
 
-    def _download(self, timeout: float) -> str | None:
+    def _download(self, timeout: float, stage: int | None = None) -> str | None:
+        """The stage's state from a server of it (None: none shared it within `timeout`, or,
+        given `stage`, none of its servers is left)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if stage is not None and not self._sharers(stage):
+                return None
             try:
                 got = self.averager.load_state_from_peers(
-                    timeout=max(1.0, deadline - time.monotonic()))
+                    timeout=max(1.0, min(5.0, deadline - time.monotonic())))
             except Exception as e:  # noqa: BLE001 - the sharer left mid-download: try another
                 self.log(f"state download failed ({type(e).__name__}: {e}); retrying")
                 got = None
@@ -483,9 +495,9 @@ class SwarmServer(SwarmNode):
                 raise PeerError(f"stage {j} server {self.cfg.name} is at step {self.step}, the "
                                 f"call is for step {step}")
             if self.moving:
-                raise PeerError(f"server {self.cfg.name} is moving to stage {self.moving_to}")
+                raise NotHere(f"server {self.cfg.name} is moving to stage {self.moving_to}")
             if self.spec.index != j:
-                raise PeerError(f"server {self.cfg.name} serves stage {self.spec.index}, not {j}")
+                raise NotHere(f"server {self.cfg.name} serves stage {self.spec.index}, not {j}")
             if self.step > step:
                 raise PeerError(f"stage {j} has taken step {step} already (at {self.step})")
             if kind == "backward":
@@ -494,8 +506,9 @@ class SwarmServer(SwarmNode):
                 if attempt != self.attempt or (self.peer, j, attempt) in self.excluded:
                     # the trainer must name the attempt its gradients go to: had it failed, the
                     # trainer excludes that attempt, and nothing of it may count
-                    raise PeerError(f"server {self.cfg.name} is on attempt {self.attempt} of "
-                                    f"step {step}, the call names attempt {attempt}")
+                    raise WrongAttempt(f"server {self.cfg.name} is on attempt {self.attempt} "
+                                       f"of step {step}, the call names attempt {attempt}",
+                                       self.attempt)
                 if meta["id"] in self.ids:
                     raise PeerError(f"server {self.cfg.name} holds micro-batch {meta['id']} of "
                                     f"step {step} already")
@@ -778,14 +791,20 @@ class SwarmServer(SwarmNode):
         the multiples of T in DHT time, each from the servers as it read them just before.
         A plan of several moves then starts at once on all its servers: deciding one by one,
         the first to move held the others back (its rate was a guess until it served), and a
-        server busy averaging at its turn lagged behind. The move itself runs in the serving
-        loop, when it is free (`_move`)."""
+        server busy averaging at its turn lagged behind. Between those moments servers read
+        the DHT every EVENT_TICK_S and decide at the next tick when the swarm itself changed
+        (a server left or joined, or a new one's rate became known): waiting up to T for a
+        stage emptied by a kill or for a newcomer cost a run on real processes 3-6 s at half
+        throughput per event. Rates drifting is not such a change: that waits for T. The move
+        itself runs in the serving loop, when it is free (`_move`)."""
         period = self.cfg.rebalance_s
+        tick = min(period, EVENT_TICK_S)
         roster = Roster(self.dht, self.cfg.prefix)  # this thread's own reads (and state)
+        swarm_then: frozenset | None = None  # the swarm at the last decision
         while not self.closing:
             t = get_dht_time()
-            boundary = (t // period + 1) * period
-            time.sleep(max(0.0, boundary - READ_AHEAD_S - t))
+            boundary = (t // tick + 1) * tick
+            time.sleep(max(0.0, boundary - min(READ_AHEAD_S, tick / 2) - t))
             try:
                 view = self._view(roster)
             except Exception as e:  # noqa: BLE001 - the next period reads again
@@ -794,6 +813,10 @@ class SwarmServer(SwarmNode):
             time.sleep(max(0.0, boundary - get_dht_time()))
             if self.moving or self.move_to is not None or self.closing:
                 continue
+            swarm_now = frozenset((r.peer, r.measured) for r in view if not r.moving)
+            if not starts_period(boundary, tick, period) and swarm_now == swarm_then:
+                continue
+            swarm_then = swarm_now
             try:
                 move = self._choose_move(view)
             except Exception as e:  # noqa: BLE001 - a bad record must not end rebalancing
@@ -907,6 +930,12 @@ class SwarmServer(SwarmNode):
         if self.stage is not None:
             self.stage.close()
         self.close_node(self.log)
+
+
+def starts_period(boundary: float, tick: float, period: float) -> bool:
+    """Whether the tick at `boundary` (DHT time) is the first at or after a multiple of
+    `period`: the same tick on every server, whatever T is."""
+    return math.floor(boundary / period + 1e-9) > math.floor((boundary - tick) / period + 1e-9)
 
 
 def exclude(dht: Any, prefix: str, step: int, peer: str, stage: int, attempt: int,

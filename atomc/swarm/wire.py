@@ -110,26 +110,48 @@ class StreamClosed(PeerError):
     """The peer's stream ended before a message: its process died (or closed) mid-call."""
 
 
+class NotHere(PeerError):
+    """Raised by a server for a call to a stage it does not serve (now): it is moving, or it
+    serves another one. Not a fault: the trainer routes elsewhere without banning it."""
+
+    elsewhere = True
+
+
+class WrongAttempt(PeerError):
+    """Raised by a server for a backward call that names another attempt than its own
+    (`attempt`, atomc.swarm.records): the trainer learns the server's and calls again."""
+
+    def __init__(self, said: str, attempt: int):
+        super().__init__(said)
+        self.attempt = attempt
+
+
 class Refused(PeerError):
     """A server refused a call (or failed it) and said so; `held`: it holds the call's
-    micro-batch among its gradients all the same (from an earlier call)."""
+    micro-batch among its gradients all the same (from an earlier call); `elsewhere`: it does
+    not serve the call's stage now (`NotHere`); `attempt`: the server's attempt, when the call
+    named another (`WrongAttempt`)."""
 
-    def __init__(self, said: str, held: bool):
+    def __init__(self, said: str, held: bool, elsewhere: bool = False,
+                 attempt: int | None = None):
         super().__init__(said)
-        self.held = held
+        self.held, self.elsewhere, self.attempt = held, elsewhere, attempt
 
 
 def refusal(error: BaseException, held: bool) -> Any:
     """A response that carries a server's refusal or failure in its words (an exception in a
     streaming handler reaches the caller only as a closed stream)."""
     said = " ".join(f"{type(error).__name__}: {error}".split())[:500]
-    return runtime_pb2.ExpertResponse(
-        metadata=json.dumps({"error": said, "held": held}).encode())
+    return runtime_pb2.ExpertResponse(metadata=json.dumps({
+        "error": said, "held": held, "elsewhere": bool(getattr(error, "elsewhere", False)),
+        "attempt": getattr(error, "attempt", None)}).encode())
 
 
 def check_refusal(msg: Any) -> Any:
     """`msg`, unless it is a refusal (`refusal`): then Refused."""
     if not msg.tensors and msg.metadata.startswith(b'{"error"'):
         said = json.loads(msg.metadata.decode())
-        raise Refused(str(said["error"]), bool(said.get("held")))
+        attempt = said.get("attempt")
+        raise Refused(str(said["error"]), bool(said.get("held")), bool(said.get("elsewhere")),
+                      attempt if isinstance(attempt, int) else None)
     return msg

@@ -72,7 +72,15 @@ def build_and_inputs(path: str | Path, config: str | None, batch_size: int, opti
         raise ModelFileError(f"batch size {batch_size} is not positive; give --batch-size 1 or "
                              f"more")
     with torch.device(device):
-        model = call_with_options(module.build_model, (config,), options, p)
+        try:
+            model = call_with_options(module.build_model, (config,), options, p)
+        except ModelFileError as on_meta:
+            if torch.device(device).type != "meta":
+                raise
+            try:
+                model = _built_with_values(module, config, options, p)
+            except ModelFileError:
+                raise on_meta from None
         if not isinstance(model, nn.Module):
             raise ModelFileError(f"{p}: build_model() returned {type(model).__name__}, expected an "
                                  f"nn.Module")
@@ -83,6 +91,16 @@ def build_and_inputs(path: str | Path, config: str | None, batch_size: int, opti
         raise ModelFileError(f"{p}: example_inputs() returned {type(inputs).__name__}, expected a "
                              f"tuple of tensors (the model's positional inputs)")
     return module, model, inputs
+
+
+def _built_with_values(module: ModuleType, config: str | None, options: dict[str, int],
+                       path: Path) -> nn.Module:
+    """build_model() for a constructor that reads tensor values, which the meta device has not
+    (timm's `[x.item() for x in torch.linspace(0, rate, depth)]`): built on the CPU with every
+    parameter sent to meta as it is registered, then moved to meta whole."""
+    with torch.device("cpu"), _parameters_on_meta():
+        model = call_with_options(module.build_model, (config,), options, path)
+    return model.to("meta") if isinstance(model, nn.Module) else model
 
 
 def trace_model(path: str | Path, config: str | None = None, batch_size: int = 1,

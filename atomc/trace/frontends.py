@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from torch import fx, nn
+from torch.nn.utils import parametrize
 
 from atomc.errors import TraceError
 
@@ -32,6 +33,13 @@ class LeafTracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if self.leaf_types and isinstance(m, self.leaf_types):
             return True
+        if parametrize.is_parametrized(m):
+            # torch.nn's layer with a weight computed by torch (weight_norm, spectral_norm):
+            # whole, as the plain layer is (codegen rebuilds it with the same calls,
+            # atomc.codegen.reparam); a module of the user's is traced through as always
+            layer = type(m).__mro__[1]  # parametrize subclasses the layer's class
+            alone = all(name == "parametrizations" for name, _ in m.named_children())
+            return alone and layer.__module__.startswith(("torch.nn.", "torch.ao.nn."))
         # fx keeps every torch.nn module whole; a composite one (TransformerEncoder,
         # MultiheadAttention) is traced through instead: the partitioner may cut inside it, and
         # codegen rebuilds only layers whose constructor arguments it can read back

@@ -7,6 +7,9 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.nn.utils import parametrizations, parametrize
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 from torch.utils._pytree import tree_flatten
 
 from atomc.dtypes import dtype_name
@@ -138,6 +141,7 @@ def build_opgraph(gm: fx.GraphModule, model: nn.Module, values: dict[str, Any], 
             param_fqns = _unique(canonical[id(p)]
                                  for _, p in mod.named_parameters(remove_duplicate=False))
             buffer_fqns = [buffer_ids[id(b)] for b in mod.buffers() if id(b) in buffer_ids]
+            standardized.update(canonical[id(p)] for p in normalised_weights(mod))
         else:
             module_fqn, module_type = _owner(node)
             if node.op == "get_attr":
@@ -167,6 +171,25 @@ def build_opgraph(gm: fx.GraphModule, model: nn.Module, values: dict[str, Any], 
         full_precision=tuple(f for f in params
                              if is_norm_weight(model, f) or f in standardized),
     )
+
+
+def normalised_weights(layer: nn.Module) -> list[nn.Parameter]:
+    """The parameters a weight-normalised or spectral-normalised layer computes its weight
+    from (parametrize's originals; the older hooks' weight_g and weight_v, or weight_orig):
+    torch takes a norm or a power iteration over them, which wants full precision, and
+    spectral norm's vectors, float32 buffers, meet them in one matrix-vector product."""
+    found: list[nn.Parameter] = []
+    for hook in layer._forward_pre_hooks.values():
+        if isinstance(hook, (WeightNorm, SpectralNorm)):
+            suffixes = ("_g", "_v") if isinstance(hook, WeightNorm) else ("_orig",)
+            found += [getattr(layer, hook.name + s) for s in suffixes]
+    if parametrize.is_parametrized(layer):
+        for chain in layer.parametrizations.values():
+            if any(type(p) in (parametrizations._WeightNorm, parametrizations._SpectralNorm)
+                   for p in chain):
+                found += [p for name, p in chain.named_parameters(recurse=False)
+                          if name.startswith("original")]
+    return found
 
 
 # Statistics over a weight's own values (weight standardization in BiT's convolutions, weight
