@@ -79,6 +79,7 @@ CASES = {
     "dlrm": (MODELS / "dlrm.py", None),
     "seq2seq": (MODELS / "seq2seq.py", None),
     "timm-vit": (MODELS / "timm_vit.py", None),
+    "gnn": (MODELS / "gnn.py", None),
 }
 
 

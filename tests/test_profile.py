@@ -148,6 +148,33 @@ def test_aten_inplace_operators_are_known_by_their_schema():
     assert is_inplace(div_) and is_inplace(out) and not is_inplace(div)
 
 
+def test_modules_built_inplace_write_their_input_by_position_or_keyword(tmp_path):
+    """nn.ReLU(inplace=True) writes its input: profiled alone on an input that takes gradients
+    it failed ("a leaf Variable ... in-place operation"); a copy is written instead."""
+    from atomc.profile.ops import is_inplace, written_in_place
+
+    (tmp_path / "m.py").write_text(
+        "import torch\nfrom torch import nn\n\n\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = nn.Linear(4, 4)\n"
+        "        self.act = nn.ReLU(inplace=True)\n"
+        "        self.drop = nn.Dropout(0.1, inplace=True)\n"
+        "        self.out = nn.ReLU()\n\n"
+        "    def forward(self, x):\n"
+        "        return self.out(self.drop(input=self.act(x * 2)) + self.fc(x))\n\n\n"
+        "def build_model(config=None):\n    return M()\n\n\n"
+        "def example_inputs(model, batch_size):\n    return (torch.randn(batch_size, 4),)\n")
+    traced = trace_model(tmp_path / "m.py", None, 2, device="cpu")
+    nodes = {n.name: n for n in traced.gm.graph.nodes}
+    assert is_inplace(nodes["act"]) and is_inplace(nodes["drop"]) and not is_inplace(nodes["out"])
+    assert written_in_place(nodes["mul"]) and written_in_place(nodes["act"])
+    prof = profile_model(traced, device="cpu", repeats=1, progress=False)
+    assert {n.name for n in prof.graph.nodes} >= {"act", "drop"} and len(prof.costs) == len(
+        prof.graph.nodes)
+
+
 def test_loss_working_memory_rides_on_the_output_node_and_nothing_leaks():
     """The last sub-model runs loss_fn every step: its working memory (what autograd saves,
     then those and the logits' gradient) is charged to the output node, and measuring it

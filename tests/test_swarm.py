@@ -333,16 +333,94 @@ def test_a_trainer_calls_again_with_the_servers_attempt_and_routes_around_a_move
     assert "a" not in trainer.router.stages[0]  # until a record shows it at stage 0 again
     assert trainer.router.stages[0]["b"].failures == 1  # only the real refusal counted
     assert excluded == []  # b said it does not hold the micro-batch
+    # we excluded an attempt of b for a step b had taken already: b never reads it and stays
+    # on 2, while we took it to be on 3; after a few ticks b's own word holds
+    named.clear()
+    trainer.router.refresh([ServerRecord("b", "b", 0, 0, 0, 1.0, 0, "x", 2.0, attempt=2)])
+    trainer.router.learn_attempt(0, "b", 3)
+    with pytest.raises(PeerError, match="no server of stage 0"):
+        asyncio.run(trainer._call(0, "backward", 0, 0, (torch.zeros(1),), 1, {}))
+    assert named == [("b", 3)] * client.STALE_TRUST + [("b", 2)]
+
+
+def test_a_trainer_reports_the_latest_announcement_of_a_server_it_cannot_reach() -> None:
+    """Readers ignore a report of an announcement older than one they hold; the trainer's
+    routes are up to a second old while a server announces every 0.5 s, so the report names
+    what a fresh read finds (the dead server's last word)."""
+    from types import SimpleNamespace
+
+    from atomc.swarm import records
+    from atomc.swarm.client import SwarmTrainer, TrainConfig
+
+    stored: dict[str, SimpleNamespace] = {}
+
+    def announce(at: float) -> None:
+        rec = ServerRecord("a", "a", 0, 0, 0, 1.0, 0, "x", 0.0, announced=at)
+        stored["a"] = SimpleNamespace(value=rec.to_value(), expiration_time=math.inf)
+
+    dht = SimpleNamespace(get=lambda key, latest: SimpleNamespace(value=dict(stored)),
+                          store=lambda key, subkey, value, expiration_time, return_future:
+                          stored.__setitem__(subkey, SimpleNamespace(
+                              value=value, expiration_time=expiration_time)))
+    trainer = object.__new__(SwarmTrainer)
+    trainer.cfg, trainer.dht, trainer.log = TrainConfig(package="x", num_stages=1), dht, print
+    announce(10.0)
+    trainer.rosters = {"atomc-swarm": records.Roster(dht, "atomc-swarm")}
+    trainer.rosters["atomc-swarm"].read()  # the routes were read at 10.0 ...
+    announce(10.5)  # ... and the server announced once more before it died
+    trainer._report_latest("a")
+    assert stored["a" + records.GONE].value[0] == 10.5
+    assert records.Roster(dht, "atomc-swarm", gone_grace_s=0.0).read() == []
+
+
+def test_every_reader_drops_a_reported_server_at_the_same_dht_time(monkeypatch) -> None:
+    """Counting the grace from each reader's first sight of a report, the servers of one plan
+    saw the event a decision tick apart and only some of them moved."""
+    from types import SimpleNamespace
+
+    from atomc.swarm import records
+
+    now = [100.0]
+    monkeypatch.setattr(records, "get_dht_time", lambda: now[0])
+    stored: dict[str, SimpleNamespace] = {}
+    rec = ServerRecord("a", "a", 0, 0, 0, 1.0, 0, "x", 0.0, announced=99.8)
+    stored["a"] = SimpleNamespace(value=rec.to_value(), expiration_time=104.0)
+    dht = SimpleNamespace(get=lambda key, latest: SimpleNamespace(value=dict(stored)),
+                          store=lambda key, subkey, value, expiration_time, return_future:
+                          stored.__setitem__(subkey, SimpleNamespace(
+                              value=value, expiration_time=expiration_time)))
+    early, late = records.Roster(dht, "p"), records.Roster(dht, "p")
+    records.report_gone(dht, "p", rec, ttl_s=60.0)  # at DHT time 100.0
+    now[0] = 100.2
+    assert [r.peer for r in early.read()] == ["a"]  # within the grace
+    now[0] = 100.9
+    assert [r.peer for r in late.read()] == ["a"]  # its first sight of the report
+    now[0] = 101.05
+    assert early.read() == [] and late.read() == []  # both a grace after the report
+    stored["a!gone"] = SimpleNamespace(value=99.8, expiration_time=160.0)  # an older format
+    assert [r.peer for r in records.Roster(dht, "p").read()] == ["a"]  # counted from now
 
 
 def test_decisions_fall_on_the_same_ticks_whatever_the_period() -> None:
-    from atomc.swarm.server import starts_period
+    from atomc.swarm.server import period_of
+
+    def first_ticks(ticks: list[float], period: float) -> list[float]:
+        out, then = [], period_of(0.0, period)
+        for t in ticks:
+            if period_of(t, period) > then:
+                out.append(t)
+                then = period_of(t, period)
+        return out
 
     ticks = [i * 0.5 for i in range(1, 25)]
-    assert [t for t in ticks if starts_period(t, 0.5, 3.0)] == [3.0, 6.0, 9.0, 12.0]
+    assert first_ticks(ticks, 3.0) == [3.0, 6.0, 9.0, 12.0]
     # T not a multiple of the tick: the first tick at or after each multiple of T
-    assert [t for t in ticks if starts_period(t, 0.5, 1.3)][:4] == [1.5, 3.0, 4.0, 5.5]
-    assert all(starts_period(t, 0.5, 0.5) for t in ticks)
+    assert first_ticks(ticks, 1.3)[:4] == [1.5, 3.0, 4.0, 5.5]
+    assert first_ticks(ticks, 0.5) == ticks
+    # a late tick (a slow read skipped 3.0) still decides for its period
+    assert first_ticks([t for t in ticks if t != 3.0], 3.0) == [3.5, 6.0, 9.0, 12.0]
+    # DHT times are floats: 0.1 * 30 = 3.0000000000000004 is in period 1, 2.9999999 is not
+    assert period_of(0.1 * 30, 3.0) == 1 and period_of(3.0 - 1e-7, 3.0) == 0
 
 
 def test_call_time_averages_a_window_of_calls_and_skips_the_first() -> None:

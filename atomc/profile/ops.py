@@ -73,7 +73,15 @@ def _writes(node: fx.Node, value: fx.Node) -> bool:
         args.update(node.kwargs)
         return any(a.alias_info is not None and a.alias_info.is_write and args.get(a.name) is value
                    for a in node.target._schema.arguments)
-    return bool(node.args) and node.args[0] is value
+    return _first_input(node) is value
+
+
+def _first_input(node: fx.Node) -> Any:
+    """The value an in-place method, function or module writes: its first argument, passed
+    by position or (a module called as `self.act(input=x)`) by keyword."""
+    if node.args:
+        return node.args[0]
+    return next(iter(node.kwargs.values()), None)
 
 
 def _is_view_of(node: fx.Node, value: fx.Node) -> bool:
@@ -234,12 +242,15 @@ def build_call(gm: fx.GraphModule, node: fx.Node, values: dict[str, Any], device
         target = node.target  # type: ignore[assignment]
     inputs = tensors_in((args, kwargs))
     grad_inputs = [t for t in inputs if t.requires_grad] + params
-    clone_first = is_inplace(node)
+    clone_first = is_inplace(node) and bool(args or kwargs)
 
     def fn() -> Any:
-        if clone_first:
+        if clone_first and args:
             first, *rest = args
             return target(first.clone(), *rest, **kwargs)
+        if clone_first:  # its input passed by keyword (see _first_input)
+            key = next(iter(kwargs))
+            return target(*args, **{**kwargs, key: kwargs[key].clone()})
         return target(*args, **kwargs)
 
     return OpCall(

@@ -3,9 +3,9 @@
 - `{prefix}.servers`: each server's record, refreshed every heartbeat and expiring after
   `expiration_s` (a SIGKILLed server drops out when it stops refreshing): stage, the step its
   stage is at, the samples it holds for that step, throughput, queue, the package it serves.
-- `{prefix}.servers`, subkey `{peer}!gone`: a trainer could not connect to that server (the
-  announcement it last saw); readers drop it, unless it announces again within a second,
-  without waiting for its record to expire.
+- `{prefix}.servers`, subkey `{peer}!gone`: a trainer could not connect to that server (its
+  latest announcement, and when the report was made); readers drop it a second after the
+  report unless it announces again, without waiting for its record to expire.
 - `{prefix}.excluded.{step}`: servers a trainer stopped trusting during a step (a call that
   failed or timed out, or a record gone), each with the attempt it was on: the gradients it
   held under that attempt never count. The trainers send those micro-batches again, and the
@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -68,11 +69,26 @@ GONE_GRACE_S = 1.0  # a report counts if no newer announcement came for this lon
 
 def report_gone(dht: Any, prefix: str, record: ServerRecord, ttl_s: float) -> None:
     """A trainer could not connect to `record`'s server: readers drop that announcement
-    (and older ones) now rather than when it expires. The report names the announcement, not
-    a time, so no clocks are compared: a server that is alive after all shows again with its
-    next heartbeat."""
-    dht.store(servers_key(prefix), subkey=record.peer + GONE, value=record.announced,
-              expiration_time=get_dht_time() + ttl_s, return_future=True)
+    (and older ones) a grace after the report rather than when it expires; a server that is
+    alive after all shows again with its next heartbeat. The report names the announcement
+    and when it was made (DHT time): every reader drops the record at the same DHT time, so
+    the servers that rebalance see the server gone at the same decision tick (each reader
+    counting the grace from its own first sight of the report, servers of one plan saw the
+    event a tick apart and only some of them moved)."""
+    now = float(get_dht_time())
+    dht.store(servers_key(prefix), subkey=record.peer + GONE, value=[record.announced, now],
+              expiration_time=now + ttl_s, return_future=True)
+
+
+def _report(value: Any) -> tuple[float | None, float | None]:
+    """(announcement named, DHT time of the report) of a gone report's value; a bare number
+    is a report without its time (counted from this reader's first sight)."""
+    if isinstance(value, (int, float)):
+        return float(value), None
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(
+            isinstance(x, (int, float)) and math.isfinite(x) for x in value):
+        return float(value[0]), float(value[1])
+    return None, None
 
 
 def excluded_key(prefix: str, step: int) -> str:
@@ -108,41 +124,54 @@ class Roster:
     peer dies one of them may answer without a record that is still live. Waiting for the
     record's expiration, rather than a fixed grace after the first miss, is safe; a SIGKILLed
     server drops out when its last refresh expires, or sooner when a trainer reports it gone
-    (`report_gone`): a report counts once this roster has held it for `gone_grace_s` (by its
-    own clock) with no newer announcement of that server, so that a live server that one
-    call failed to reach, and which announces every heartbeat, is never hidden."""
+    (`report_gone`): a report counts `gone_grace_s` after it was made (DHT time) if no newer
+    announcement of that server came, so that a live server that one call failed to reach,
+    and which announces every heartbeat, is never hidden."""
 
     def __init__(self, dht: Any, prefix: str, gone_grace_s: float = GONE_GRACE_S):
         self.dht, self.prefix = dht, prefix
         self.gone_grace_s = gone_grace_s
+        # a trainer reads from executor threads that can overlap (its routes' refresh, its
+        # commit wait): one read at a time, or a dict changes size while another walks it
+        self.lock = threading.RLock()
         self.seen: dict[str, tuple[ServerRecord, float]] = {}  # peer -> record, expiration
-        # peer -> (the announcement a report named, when this roster first saw it, expiration)
-        self.reports: dict[str, tuple[float, float, float]] = {}
+        # peer -> (the announcement a report named, the report's DHT time (None: a report
+        # without one), when this roster first saw it (monotonic), the report's expiration)
+        self.reports: dict[str, tuple[float, float | None, float, float]] = {}
 
     def read(self) -> list[ServerRecord]:
+        with self.lock:
+            return self._read()
+
+    def _read(self) -> list[ServerRecord]:
         mono = time.monotonic()
         for sub, (value, expires) in _read_expiring(self.dht, servers_key(self.prefix)).items():
             if sub.endswith(GONE):
                 peer = sub[:-len(GONE)]
-                if isinstance(value, (int, float)) and value > self.reports.get(
-                        peer, (-math.inf,))[0]:
-                    self.reports[peer] = (float(value), mono, expires)
+                named, at = _report(value)
+                if named is not None and named > self.reports.get(peer, (-math.inf,))[0]:
+                    self.reports[peer] = (named, at, mono, expires)
                 continue
             rec = ServerRecord.from_value(sub, value)
             if rec is not None and rec.announced >= self.announced(sub):
                 self.seen[sub] = (rec, expires)
         now = get_dht_time()
-        self.reports = {p: r for p, r in self.reports.items() if r[2] > now}
+        self.reports = {p: r for p, r in self.reports.items() if r[3] > now}
         self.seen = {p: (r, e) for p, (r, e) in self.seen.items()
                      if e > now and not self._reported(p, r, mono)}
         return sorted((r for r, _ in self.seen.values()), key=lambda r: (r.stage, r.peer))
 
     def _reported(self, peer: str, rec: ServerRecord, mono: float) -> bool:
-        named, since, _ = self.reports.get(peer, (-math.inf, mono, 0.0))
-        return rec.announced <= named and mono - since >= self.gone_grace_s
+        named, at, since, _ = self.reports.get(peer, (-math.inf, None, mono, 0.0))
+        if rec.announced > named:
+            return False
+        if at is not None:  # the same moment for every reader (see report_gone)
+            return get_dht_time() - at >= self.gone_grace_s
+        return mono - since >= self.gone_grace_s
 
     def record(self, peer: str) -> ServerRecord | None:
-        held = self.seen.get(peer)
+        with self.lock:
+            held = self.seen.get(peer)
         return held[0] if held is not None else None
 
     def announced(self, peer: str) -> float:

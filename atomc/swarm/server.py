@@ -362,6 +362,7 @@ class SwarmServer(SwarmNode):
 
             self._adopt(dict(load_checkpoint(ckpt)))
             return f"checkpoint {ckpt}"
+        peers = self._sharers(j)  # the download stops when the last of them is gone
         if peers:
             raise PeerError(f"stage {j} has servers ({', '.join(p.name or p.peer for p in peers)})"
                             f" but none shared its state within {self.cfg.connect_timeout_s:.0f} "
@@ -390,8 +391,7 @@ class SwarmServer(SwarmNode):
             if stage is not None and not self._sharers(stage):
                 return None
             try:
-                got = self.averager.load_state_from_peers(
-                    timeout=max(1.0, min(5.0, deadline - time.monotonic())))
+                got = self._one_download(deadline, stage)
             except Exception as e:  # noqa: BLE001 - the sharer left mid-download: try another
                 self.log(f"state download failed ({type(e).__name__}: {e}); retrying")
                 got = None
@@ -407,6 +407,20 @@ class SwarmServer(SwarmNode):
                 return f"server {meta.get('name') or '?'} (step {meta['step']})"
             time.sleep(0.3)
         return None
+
+    def _one_download(self, deadline: float, stage: int | None) -> Any:
+        """One download attempt, for as long as the deadline allows (a large stage's state
+        streams for a while), given up early when `stage` has no live server left."""
+        future = self.averager.load_state_from_peers(
+            wait=False, timeout=max(1.0, deadline - time.monotonic()))
+        while True:
+            try:
+                return future.result(timeout=0.5)
+            except TimeoutError:
+                if time.monotonic() >= deadline or (
+                        stage is not None and not self._sharers(stage)):
+                    future.cancel()
+                    return None
 
     def _state(self) -> dict[str, Any]:
         """The stage's state: its weights, optimizer and buffers (with DPU, the weights in use
@@ -490,8 +504,11 @@ class SwarmServer(SwarmNode):
             raise PeerError(f"this server serves package {self.fingerprint}, the trainer "
                             f"{meta.get('package')}; give both the same generated package")
         with self.cv:
-            if not self.cv.wait_for(lambda: self.step >= step or self.closing,
-                                    timeout=self.cfg.request_wait_s):
+            # a server moving (its step is not its stage's until the state arrives) or on
+            # another stage turns the call away at once rather than after the wait
+            if not self.cv.wait_for(
+                    lambda: self.step >= step or self.closing or self.moving
+                    or self.spec.index != j, timeout=self.cfg.request_wait_s):
                 raise PeerError(f"stage {j} server {self.cfg.name} is at step {self.step}, the "
                                 f"call is for step {step}")
             if self.moving:
@@ -594,7 +611,10 @@ class SwarmServer(SwarmNode):
         others = [r for r in servers if r.stage == self.spec.index and r.peer != self.peer
                   and not r.moving]
         ahead = [r for r in others if r.step > self.step]
-        if ahead and not self.ids:
+        if ahead:
+            # the stage took the step without us (whatever we hold of it was sent again
+            # elsewhere, or counted in a round we could not finish): take its state. Waiting
+            # for a group while holding such gradients stalled a stage for good on a real run
             self._catch_up(ahead)
             return
         if self._stage_samples(servers, excluded) < cfg.target_batch_size:
@@ -749,7 +769,8 @@ class SwarmServer(SwarmNode):
             self._save_checkpoint({**in_use, "master": self.master.state_dict(), "step": step})
 
     def _catch_up(self, ahead: list[ServerRecord]) -> None:
-        """The stage moved on without us (we held nothing for the step): take its state."""
+        """The stage moved on without us: take its state (and drop what we held of the step,
+        `_adopt`)."""
         got = self._download(timeout=self.cfg.averaging_timeout_s)
         if got is not None:
             self.log(f"caught up to step {self.step} from {got}")
@@ -801,6 +822,7 @@ class SwarmServer(SwarmNode):
         tick = min(period, EVENT_TICK_S)
         roster = Roster(self.dht, self.cfg.prefix)  # this thread's own reads (and state)
         swarm_then: frozenset | None = None  # the swarm at the last decision
+        period_then = period_of(get_dht_time(), period)  # the period of the last decision
         while not self.closing:
             t = get_dht_time()
             boundary = (t // tick + 1) * tick
@@ -814,9 +836,11 @@ class SwarmServer(SwarmNode):
             if self.moving or self.move_to is not None or self.closing:
                 continue
             swarm_now = frozenset((r.peer, r.measured) for r in view if not r.moving)
-            if not starts_period(boundary, tick, period) and swarm_now == swarm_then:
+            # the first tick of each period (a late tick, after a slow read, still counts)
+            now_period = period_of(boundary, period)
+            if now_period <= period_then and swarm_now == swarm_then:
                 continue
-            swarm_then = swarm_now
+            swarm_then, period_then = swarm_now, now_period
             try:
                 move = self._choose_move(view)
             except Exception as e:  # noqa: BLE001 - a bad record must not end rebalancing
@@ -852,7 +876,23 @@ class SwarmServer(SwarmNode):
             plan = [one] if one is not None else []
         return next((m for m in plan if m.peer == self.peer), None)
 
+    def _hand_over(self) -> None:
+        """Before leaving a stage, let its servers that are behind us take our state: a
+        server that took a step alone and moved on left the others a step behind with no one
+        to catch up from (only the checkpoint held it), and the trainer waited for a step
+        the stage had lost. Bounded: a server that does not catch up is not waited for."""
+        deadline = time.monotonic() + self.cfg.averaging_timeout_s
+        while time.monotonic() < deadline and not self.closing:
+            behind = [r for r in self.roster(self.cfg.prefix).read()
+                      if r.stage == self.spec.index and r.peer != self.peer and not r.moving
+                      and r.step < self.step]
+            if not behind:
+                return
+            time.sleep(0.2)
+        self.log(f"leaving stage {self.spec.index} at step {self.step} with servers behind it")
+
     def _move(self, to: int) -> None:
+        self._hand_over()
         self._metric({"event": "move", "from": self.spec.index, "to": to})
         self.moving, self.moving_to = True, to
         self._announce()
@@ -932,10 +972,10 @@ class SwarmServer(SwarmNode):
         self.close_node(self.log)
 
 
-def starts_period(boundary: float, tick: float, period: float) -> bool:
-    """Whether the tick at `boundary` (DHT time) is the first at or after a multiple of
-    `period`: the same tick on every server, whatever T is."""
-    return math.floor(boundary / period + 1e-9) > math.floor((boundary - tick) / period + 1e-9)
+def period_of(t: float, period: float) -> int:
+    """Which rebalancing period DHT time `t` is in: a server decides at the first tick of each
+    (the same tick on every server, whatever T is)."""
+    return math.floor(t / period + 1e-9)
 
 
 def exclude(dht: Any, prefix: str, step: int, peer: str, stage: int, attempt: int,

@@ -79,8 +79,9 @@ def build_and_inputs(path: str | Path, config: str | None, batch_size: int, opti
                 raise
             try:
                 model = _built_with_values(module, config, options, p)
-            except ModelFileError:
-                raise on_meta from None
+            except ModelFileError as on_cpu:
+                raise ModelFileError(f"{on_meta}; built again on the CPU with its parameters "
+                                     f"on meta: {on_cpu}") from None
         if not isinstance(model, nn.Module):
             raise ModelFileError(f"{p}: build_model() returned {type(model).__name__}, expected an "
                                  f"nn.Module")
