@@ -397,8 +397,8 @@ def test_every_reader_drops_a_reported_server_at_the_same_dht_time(monkeypatch) 
     assert [r.peer for r in late.read()] == ["a"]  # its first sight of the report
     now[0] = 101.05
     assert early.read() == [] and late.read() == []  # both a grace after the report
-    stored["a!gone"] = SimpleNamespace(value=99.8, expiration_time=160.0)  # an older format
-    assert [r.peer for r in records.Roster(dht, "p").read()] == ["a"]  # counted from now
+    stored["a!gone"] = SimpleNamespace(value=99.8, expiration_time=160.0)  # no time: malformed
+    assert [r.peer for r in records.Roster(dht, "p").read()] == ["a"]  # ignored
 
 
 def test_decisions_fall_on_the_same_ticks_whatever_the_period() -> None:

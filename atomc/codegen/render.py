@@ -45,6 +45,7 @@ from atomc.errors import CodegenError
 from atomc.ir import OpGraph, Plan
 from atomc.profile.ops import is_inplace, written_in_place
 from atomc.trace import TracedModel, dtype_args, model_dtype
+from atomc.trace.frontends import layer_class
 from atomc.trace.normalise import MODES
 
 # Names the generated modules bind at top level (or that read badly as locals).
@@ -413,7 +414,7 @@ def _simple_attrs(module: nn.Module) -> dict[str, Any]:
 
 def _same_module(a: nn.Module, b: nn.Module) -> str:
     """'' when `b` rebuilds `a` (same parameters, buffers, hyperparameters); else the difference."""
-    if reparam.layer_class(a) is not reparam.layer_class(b):
+    if layer_class(a) is not layer_class(b):
         return f"class {type(b).__name__} instead of {type(a).__name__}"
     if a.extra_repr() != b.extra_repr():
         return f"{b.extra_repr()!r} instead of {a.extra_repr()!r}"
@@ -486,7 +487,7 @@ def _repr_args(module: nn.Module) -> tuple[list[Any], dict[str, Any]] | None:
 
 def module_constructor(module: nn.Module, fqn: str, resolver: Resolver, imports: set[str]) -> str:
     """`nn.Linear(32, 96)`: source that rebuilds `module`, checked by rebuilding it on meta."""
-    klass = reparam.layer_class(module)
+    klass = layer_class(module)
     why = f"module {fqn} ({klass.__name__})"
     failures = []
     for args_kwargs in (_signature_args(module), _repr_args(module)):

@@ -23,15 +23,6 @@ from torch.nn.utils import parametrizations, parametrize
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
-
-def layer_class(module: nn.Module) -> type:
-    """The layer's own class: parametrize turns a module into an instance of a subclass made
-    for it (`ParametrizedLinear`), which no code can name."""
-    if parametrize.is_parametrized(module):
-        return type(module).__mro__[1]
-    return type(module)
-
-
 _NN = "from torch import nn"
 _PARAMETRIZATIONS = "from torch.nn.utils import parametrizations"
 _PARAMETRIZE = "from torch.nn.utils import parametrize"

@@ -117,10 +117,8 @@ class SwapTrainer:
         unread: list[str] = []
         if state_dict is not None:
             try:
-                named = pkg.load_original_state_dict(host_modules, state_dict)
-                # a hand-written package may return nothing, or something else: no names then
-                unread = [k for k in named if isinstance(k, str)] if isinstance(
-                    named, (list, tuple)) else []
+                pkg.load_original_state_dict(host_modules, state_dict)
+                unread = pkg.unread_names(state_dict)
             except KeyError as e:
                 raise RuntimeMismatchError(
                     f"the initial state dict lacks {e}, which {pkg.path} needs; give the original "

@@ -43,7 +43,7 @@ from hivemind.utils.asyncio import iter_as_aiter
 from atomc.errors import PeerError, UsageError
 from atomc.swarm.codec import wire_bytes
 from atomc.swarm.node import SwarmNode
-from atomc.swarm.records import Roster, ServerRecord, read_excluded, report_gone
+from atomc.swarm.records import ServerRecord, read_excluded, read_servers, report_gone
 from atomc.swarm.server import BATCH, GRAD, SwarmServicer, exclude
 from atomc.swarm.wire import Refused, StreamClosed, check_refusal, decode, encode, join, split
 
@@ -142,17 +142,12 @@ class Router:
         s = self.stages[stage].get(peer)
         return s.attempt if s is not None else 0
 
-    def learn_attempt(self, stage: int, peer: str, attempt: int) -> None:
-        """The server is on `attempt` (it said so, or we excluded the one before it)."""
+    def learn_attempt(self, stage: int, peer: str, attempt: int, trust: bool = False) -> None:
+        """The server is on `attempt` (it said so, or we excluded the one before it): a later
+        one than we knew, or with `trust`, whatever we took it to be."""
         s = self.stages[stage].get(peer)
         if s is not None:
-            s.attempt = max(s.attempt, attempt)
-
-    def set_attempt(self, stage: int, peer: str, attempt: int) -> None:
-        """The server is on `attempt`, whatever we took it to be."""
-        s = self.stages[stage].get(peer)
-        if s is not None:
-            s.attempt = attempt
+            s.attempt = attempt if trust else max(s.attempt, attempt)
 
     def drop(self, stage: int, peer: str) -> None:
         """The server left the stage (it said so): no calls until a record shows it there."""
@@ -365,7 +360,7 @@ class SwarmTrainer(SwarmNode):
                         # still behind after a few ticks: it never read our exclusion (it was
                         # for a step it had taken already); its own word holds. Safe: a
                         # gradient it takes under an attempt excluded later is sent again
-                        self.router.set_attempt(j, peer, said)
+                        self.router.learn_attempt(j, peer, said, trust=True)
                     else:
                         await asyncio.sleep(STALE_WAIT_S)
                     continue
@@ -414,9 +409,9 @@ class SwarmTrainer(SwarmNode):
         old) would be ignored, and the swarm would wait for the dead server's record to
         expire (a real run: 4.6 s after a kill, where a second was enough)."""
         try:
-            latest = Roster(self.dht, self.cfg.prefix)  # new: it honours no report yet
-            latest.read()
-            record = latest.record(peer)
+            # a fresh read (it honours no report yet)
+            record = next((r for r in read_servers(self.dht, self.cfg.prefix)
+                           if r.peer == peer), None)
             if record is not None:
                 report_gone(self.dht, self.cfg.prefix, record, GONE_TTL_S)
         except Exception as e:  # noqa: BLE001 - the record then expires as it would have

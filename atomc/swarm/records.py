@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -80,15 +79,12 @@ def report_gone(dht: Any, prefix: str, record: ServerRecord, ttl_s: float) -> No
               expiration_time=now + ttl_s, return_future=True)
 
 
-def _report(value: Any) -> tuple[float | None, float | None]:
-    """(announcement named, DHT time of the report) of a gone report's value; a bare number
-    is a report without its time (counted from this reader's first sight)."""
-    if isinstance(value, (int, float)):
-        return float(value), None
+def _report(value: Any) -> tuple[float, float] | None:
+    """(announcement named, DHT time of the report) of a gone report's value, or None."""
     if isinstance(value, (list, tuple)) and len(value) == 2 and all(
             isinstance(x, (int, float)) and math.isfinite(x) for x in value):
         return float(value[0]), float(value[1])
-    return None, None
+    return None
 
 
 def excluded_key(prefix: str, step: int) -> str:
@@ -135,39 +131,34 @@ class Roster:
         # commit wait): one read at a time, or a dict changes size while another walks it
         self.lock = threading.RLock()
         self.seen: dict[str, tuple[ServerRecord, float]] = {}  # peer -> record, expiration
-        # peer -> (the announcement a report named, the report's DHT time (None: a report
-        # without one), when this roster first saw it (monotonic), the report's expiration)
-        self.reports: dict[str, tuple[float, float | None, float, float]] = {}
+        # peer -> (the announcement a report named, the report's DHT time, its expiration)
+        self.reports: dict[str, tuple[float, float, float]] = {}
 
     def read(self) -> list[ServerRecord]:
         with self.lock:
             return self._read()
 
     def _read(self) -> list[ServerRecord]:
-        mono = time.monotonic()
         for sub, (value, expires) in _read_expiring(self.dht, servers_key(self.prefix)).items():
             if sub.endswith(GONE):
                 peer = sub[:-len(GONE)]
-                named, at = _report(value)
-                if named is not None and named > self.reports.get(peer, (-math.inf,))[0]:
-                    self.reports[peer] = (named, at, mono, expires)
+                report = _report(value)
+                if report is not None and report[0] > self.reports.get(peer, (-math.inf,))[0]:
+                    self.reports[peer] = (*report, expires)
                 continue
             rec = ServerRecord.from_value(sub, value)
             if rec is not None and rec.announced >= self.announced(sub):
                 self.seen[sub] = (rec, expires)
         now = get_dht_time()
-        self.reports = {p: r for p, r in self.reports.items() if r[3] > now}
+        self.reports = {p: r for p, r in self.reports.items() if r[2] > now}
         self.seen = {p: (r, e) for p, (r, e) in self.seen.items()
-                     if e > now and not self._reported(p, r, mono)}
+                     if e > now and not self._reported(p, r, now)}
         return sorted((r for r, _ in self.seen.values()), key=lambda r: (r.stage, r.peer))
 
-    def _reported(self, peer: str, rec: ServerRecord, mono: float) -> bool:
-        named, at, since, _ = self.reports.get(peer, (-math.inf, None, mono, 0.0))
-        if rec.announced > named:
-            return False
-        if at is not None:  # the same moment for every reader (see report_gone)
-            return get_dht_time() - at >= self.gone_grace_s
-        return mono - since >= self.gone_grace_s
+    def _reported(self, peer: str, rec: ServerRecord, now: float) -> bool:
+        # a grace after the report, the same moment for every reader (see report_gone)
+        named, at, _ = self.reports.get(peer, (-math.inf, math.inf, 0.0))
+        return rec.announced <= named and now - at >= self.gone_grace_s
 
     def record(self, peer: str) -> ServerRecord | None:
         with self.lock:

@@ -342,16 +342,17 @@ class SwarmServer(SwarmNode):
         averager.state_sharing_priority = 0.0
         return averager
 
-    def _sharers(self, j: int) -> list[ServerRecord]:
-        """The servers of stage j that could share its state, as this node's roster holds them
-        (a fresh read would still count a server reported gone: a move to a stage emptied by
-        a kill then waited the whole download timeout for the dead server)."""
-        return [r for r in self.roster(self.cfg.prefix).read()
-                if r.stage == j and r.peer != self.peer and not r.moving]
+    def _sharers(self, j: int, records: list[ServerRecord] | None = None) -> list[ServerRecord]:
+        """The other servers of stage j (not moving), from `records` or as this node's roster
+        holds them (a fresh read would still count a server reported gone: a move to a stage
+        emptied by a kill then waited the whole download timeout for the dead server)."""
+        if records is None:
+            records = self.roster(self.cfg.prefix).read()
+        return [r for r in records if r.stage == j and r.peer != self.peer and not r.moving]
 
     def _load_state(self, j: int) -> str:
         records = self.roster(self.cfg.prefix).read()
-        peers = self._sharers(j)
+        peers = self._sharers(j, records)
         if peers:
             got = self._download(timeout=self.cfg.connect_timeout_s, stage=j)
             if got is not None:
@@ -608,8 +609,7 @@ class SwarmServer(SwarmNode):
                 self.ids = {}
                 self.attempt += 1
             self._announce()
-        others = [r for r in servers if r.stage == self.spec.index and r.peer != self.peer
-                  and not r.moving]
+        others = self._sharers(self.spec.index, servers)
         ahead = [r for r in others if r.step > self.step]
         if ahead:
             # the stage took the step without us (whatever we hold of it was sent again
@@ -883,9 +883,7 @@ class SwarmServer(SwarmNode):
         the stage had lost. Bounded: a server that does not catch up is not waited for."""
         deadline = time.monotonic() + self.cfg.averaging_timeout_s
         while time.monotonic() < deadline and not self.closing:
-            behind = [r for r in self.roster(self.cfg.prefix).read()
-                      if r.stage == self.spec.index and r.peer != self.peer and not r.moving
-                      and r.step < self.step]
+            behind = [r for r in self._sharers(self.spec.index) if r.step < self.step]
             if not behind:
                 return
             time.sleep(0.2)

@@ -22,6 +22,14 @@ from torch.nn.utils import parametrize
 from atomc.errors import TraceError
 
 
+def layer_class(module: nn.Module) -> type:
+    """The layer's own class: parametrize turns a module into an instance of a subclass made
+    for it (`ParametrizedLinear`), which no code can name."""
+    if parametrize.is_parametrized(module):
+        return type(module).__mro__[1]
+    return type(module)
+
+
 class LeafTracer(fx.Tracer):
     """symbolic_trace's tracer with user-given module types kept whole, and torch.nn's own
     layers whole only when they have no sub-modules."""
@@ -37,9 +45,8 @@ class LeafTracer(fx.Tracer):
             # torch.nn's layer with a weight computed by torch (weight_norm, spectral_norm):
             # whole, as the plain layer is (codegen rebuilds it with the same calls,
             # atomc.codegen.reparam); a module of the user's is traced through as always
-            layer = type(m).__mro__[1]  # parametrize subclasses the layer's class
             alone = all(name == "parametrizations" for name, _ in m.named_children())
-            return alone and layer.__module__.startswith(("torch.nn.", "torch.ao.nn."))
+            return alone and layer_class(m).__module__.startswith(("torch.nn.", "torch.ao.nn."))
         # fx keeps every torch.nn module whole; a composite one (TransformerEncoder,
         # MultiheadAttention) is traced through instead: the partitioner may cut inside it, and
         # codegen rebuilds only layers whose constructor arguments it can read back
