@@ -24,7 +24,7 @@ demo: install
 test: install lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
-# the survey of 58 more Hugging Face families through the whole chain (about 25 minutes)
+# the survey of 95 more Hugging Face families through the whole chain (about 50 minutes)
 families: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m families tests/test_families.py
 

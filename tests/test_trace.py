@@ -174,6 +174,126 @@ def test_untraceable_names_both_frontends(tmp_path):
     assert "model.py:" in text  # the source line
 
 
+LAYERDROP = """
+class Net(nn.Module):
+    def __init__(self, layerdrop):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.layerdrop = layerdrop
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training:            # Hugging Face's LayerDrop
+                dropout_probability = torch.rand([])
+                if dropout_probability < self.layerdrop:
+                    continue
+            x = layer(x)
+        return x
+
+def build_model(config=None):
+    return Net(float(config or 0))
+
+def example_inputs(model, batch_size):
+    return (torch.randn(batch_size, 8),)
+"""
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_layerdrop_of_zero_keeps_every_layer_and_any_other_is_refused(tmp_path, frontend):
+    path = write_model(tmp_path, LAYERDROP)
+    g = trace_model(path, batch_size=2, frontend=frontend).graph
+    linears = [n for n in g.nodes if n.target in ("layers.0", "layers.1", "layers.2")
+               or n.target.endswith("linear.default")]
+    assert len(linears) == 3  # every layer, with no branch left (export keeps the unused draws)
+    with pytest.raises(TraceError, match=r"model\.py:\d+ `if dropout_probability < "
+                                         r"self\.layerdrop:` compares a random draw .* with 0\.2"):
+        trace_model(path, "0.2", batch_size=2, frontend=frontend)
+    # at 1, every draw skips: a fixed graph again (the identity)
+    g = trace_model(path, "1.0", batch_size=2, frontend=frontend).graph
+    assert not any(n.op == "call_module" or "linear" in n.target for n in g.nodes)
+
+
+OPTIONAL_INPUT = """
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x, mask=None, scale: float = 2.0):
+        h = self.a(x)
+        if mask is None:                 # traced as a Proxy, mask would take the other branch
+            mask = torch.ones(x.shape[0], x.shape[1], device=x.device)  # sizes as arguments
+        return self.b(h * mask) * scale
+
+def build_model(config=None):
+    return Net()
+
+def example_inputs(model, batch_size):
+    return (torch.randn(batch_size, 8),)
+"""
+
+
+def test_inputs_the_model_file_does_not_give_take_their_defaults(tmp_path):
+    path = write_model(tmp_path, OPTIONAL_INPUT)
+    traced = trace_model(path, batch_size=2, device="cpu", frontend="fx")
+    assert [n.target for n in traced.graph.nodes if n.op == "placeholder"] == ["x"]
+    x = traced.inputs[0]
+    torch.testing.assert_close(traced.gm(x), traced.model(x))
+    needed = write_model(tmp_path, OPTIONAL_INPUT.replace("mask=None", "mask"), "needed.py")
+    with pytest.raises(TraceError, match=r"Net\.forward takes 'mask', which the model file's "
+                                         r"example_inputs\(\) does not give"):
+        trace_model(needed, batch_size=2)
+
+
+CUSTOM_BACKWARD = """
+class Reverse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return Reverse.apply(self.a(x))
+
+def build_model(config=None):
+    return Net()
+
+def example_inputs(model, batch_size):
+    return (torch.randn(batch_size, 8),)
+"""
+
+
+def test_custom_autograd_functions_keep_their_backward(tmp_path):
+    path = write_model(tmp_path, CUSTOM_BACKWARD)
+    traced = trace_model(path, batch_size=2, device="cpu")
+    (call,) = [n for n in traced.graph.nodes if n.op == "call_function"]
+    assert call.target.endswith(".Reverse.apply") and call.name == "reverse"
+    x = traced.inputs[0]
+    traced.gm(x).sum().backward()
+    assert (traced.model.a.bias.grad == -2).all()  # the Function's backward, not the identity's
+    # torch.export records the forward's operations only: refused, not trained with +2
+    with pytest.raises(TraceError, match=r"custom autograd\.Function \S+\.Reverse \(called at "
+                                         r"model\.py:\d+ .*whose backward is not autograd's"):
+        trace_model(path, batch_size=2, frontend="export")
+    # a backward that is only the forward's derivative written by hand (BLOOM's GeLU) loses
+    # nothing: exported as its forward's operations
+    square = CUSTOM_BACKWARD.replace("return x.view_as(x)", "ctx.save_for_backward(x)\n"
+                                     "        return x * x").replace(
+        "return -grad", "(x,) = ctx.saved_tensors\n        return 2 * x * grad")
+    traced = trace_model(write_model(tmp_path, square, "square.py"), batch_size=2,
+                         frontend="export", device="cpu")
+    assert not any("Reverse" in n.target for n in traced.graph.nodes)
+
+
 LEAFY = """
 class Inner(nn.Module):
     def __init__(self):

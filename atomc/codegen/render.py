@@ -45,7 +45,7 @@ from atomc.errors import CodegenError
 from atomc.ir import OpGraph, Plan
 from atomc.profile.ops import is_inplace, written_in_place
 from atomc.trace import TracedModel, dtype_args, model_dtype
-from atomc.trace.frontends import layer_class
+from atomc.trace.frontends import autograd_function_of, layer_class
 from atomc.trace.normalise import MODES
 
 # Names the generated modules bind at top level (or that read badly as locals).
@@ -223,6 +223,9 @@ class Resolver:
             raise CodegenError(f"{why} calls the higher-order operator {fn}; atomc cannot "
                                f"generate code for it: avoid torch.cond/torch.no_grad regions "
                                f"inside forward")
+        function = autograd_function_of(fn)
+        if function is not None:  # a custom autograd.Function, kept whole by the tracer
+            return f"{self.cls(function, imports, why)}.apply"
         name = getattr(fn, "__name__", None)
         module = getattr(fn, "__module__", None)
         if module == self.model_module.__name__ or name == "<lambda>":

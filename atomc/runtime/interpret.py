@@ -50,6 +50,20 @@ def _leaf(v: Any, grad: bool) -> Any:
     return v
 
 
+def _storages(module: torch.nn.Module) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+
+
+def _handed_on(v: Any, weights: set[int]) -> Any:
+    """A sub-model's output as later sub-models read it. An output that is a view of the
+    sub-model's own weights (Perceiver's `latents.expand(batch, -1, -1)` crossing a cut) is
+    copied: those weights live in a slot that the next load into it overwrites."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    v = v.detach()
+    return v.clone() if v.untyped_storage().data_ptr() in weights else v
+
+
 def directions(actions: list[Action]) -> list[str | None]:
     """For each S and R action: "values" (activations forward) or "grads" (gradients back).
     A receive before its micro-batch's first forward brings values, after it gradients; a send
@@ -253,8 +267,9 @@ class _Step:
         if ex.keep:
             self.kept[(i, m)] = (args, outs)
         env = self.envs[m]
+        weights = _storages(mod)
         for n, v in zip(ex.pkg.outputs[i], outs):
-            env[n] = v.detach() if isinstance(v, torch.Tensor) else v
+            env[n] = _handed_on(v, weights)
 
     def _backward(self, i: int, m: int) -> None:
         ex = self.ex

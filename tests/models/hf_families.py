@@ -1,8 +1,9 @@
 """Tiny random configurations of many Hugging Face families, one model file for all of them:
 `--config NAME` picks one (tests/test_families.py runs the whole chain on each).
 
-Causal LMs return their logits (next-token loss); encoders their classification logits and
-image models theirs (a made-up label per sample). Nothing is downloaded.
+Causal LMs return their logits (next-token loss); encoder-decoders theirs for the decoder's
+ids (the second input); encoders, speech encoders and image models their classification
+logits, CLIP its image-text similarities (a made-up label per sample). Nothing is downloaded.
 """
 
 import torch
@@ -107,7 +108,91 @@ VISION = {
     "mobilevit": {"image_size": 32, "hidden_sizes": [16, 24, 32],
                   "neck_hidden_sizes": [8, 8, 16, 16, 24, 24, 32]},
 }
-NAMES = (*CAUSAL, *ENCODERS, *VISION)
+# encoder-decoders: the decoder's ids are the second input. Their LayerDrop probabilities are
+# 0 (transformers' default; atomc refuses any other, see atomc.trace.frontends)
+_BART_LIKE = {"d_model": 32, "encoder_layers": 1, "decoder_layers": 1,
+              "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 64,
+              "decoder_ffn_dim": 64, "vocab_size": VOCAB, "max_position_embeddings": 64,
+              "pad_token_id": 1, "decoder_start_token_id": 2, "encoder_layerdrop": 0.0,
+              "decoder_layerdrop": 0.0}
+_T5_LIKE = {"vocab_size": VOCAB, "d_model": 32, "d_ff": 64, "num_layers": 1, "num_heads": 4,
+            "d_kv": 8}
+SEQ2SEQ = {"bart": _BART_LIKE, "marian": _BART_LIKE, "pegasus": _BART_LIKE, "mbart": _BART_LIKE,
+           "blenderbot-small": _BART_LIKE, "m2m_100": _BART_LIKE, "plbart": _BART_LIKE,
+           "mt5": _T5_LIKE, "umt5": _T5_LIKE}
+# speech encoders over raw audio (a convolutional feature extractor, then attention)
+_SPEECH = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "intermediate_size": 64, "conv_dim": [16, 16], "conv_stride": [5, 4],
+           "conv_kernel": [10, 8], "num_conv_pos_embeddings": 16,
+           "num_conv_pos_embedding_groups": 2, "mask_time_prob": 0.0, "layerdrop": 0.0}
+AUDIO = {"wav2vec2": _SPEECH, "hubert": _SPEECH, "data2vec-audio": _SPEECH, "sew": _SPEECH,
+         "unispeech": _SPEECH, "wavlm": _SPEECH}
+ENCODERS.update({
+    "xlnet": {"d_model": 32, "n_layer": 2, "n_head": 4, "d_inner": 64, "vocab_size": VOCAB},
+    "squeezebert": {**_DECODER, "embedding_size": 32, "q_groups": 2, "k_groups": 2,
+                    "v_groups": 2, "post_attention_groups": 2, "intermediate_groups": 2,
+                    "output_groups": 2},
+    "layoutlm": {**_DECODER}, "ernie": {**_DECODER}, "mra": {**_DECODER},
+    "fnet": {"hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64,
+             "vocab_size": VOCAB},
+    "esm": {**_DECODER, "pad_token_id": 1, "mask_token_id": 2,
+            "position_embedding_type": "rotary"},
+    "convbert": {**_DECODER}, "luke": {**_DECODER},
+})
+VISION.update({
+    "pvt": {"image_size": 32, "hidden_sizes": [8, 16, 32, 64], "depths": [1, 1, 1, 1],
+            "num_attention_heads": [1, 1, 2, 2]},
+    "mobilevitv2": {"image_size": 64, "width_multiplier": 0.25},
+    "vit_msn": {"hidden_size": 32, "intermediate_size": 64, **_LAYERS, "image_size": 16,
+                "patch_size": 4},
+    "hiera": {"embed_dim": 8, "depths": [1, 1, 1, 1], "num_heads": [1, 1, 1, 1],
+              "image_size": [64, 64], "patch_stride": [4, 4], "masked_unit_size": [8, 8],
+              "query_stride": [2, 2]},
+})
+# video classifiers: (batch, frames, channels, height, width)
+_VIDEO = {"hidden_size": 32, "intermediate_size": 64, **_LAYERS, "image_size": 16,
+          "num_frames": 4}
+VIDEO = {"vivit": {**_VIDEO, "tubelet_size": [2, 4, 4]}, "timesformer": {**_VIDEO, "patch_size": 4}}
+
+
+def _others() -> dict:
+    """Families whose head the Auto classes do not pick from a bare config, or whose inputs
+    are their own (log-mel features, pixel ids): (kind, model) builders."""
+    t = transformers
+    _seq2seq = {"vocab_size": VOCAB, "encoder_layers": 1, "decoder_layers": 1,
+                "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+                "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "d_model": 32,
+                "max_target_positions": 32, "pad_token_id": 1, "decoder_start_token_id": 2}
+    return {
+        "clip": lambda: ("clip", t.CLIPModel(t.CLIPConfig(
+            text_config={**_DECODER, "max_position_embeddings": 64, "bos_token_id": 0,
+                         "eos_token_id": 2},
+            vision_config={"hidden_size": 32, "intermediate_size": 64, **_LAYERS,
+                           "image_size": 16, "patch_size": 4}, projection_dim=16))),
+        "whisper": lambda: ("features", t.WhisperForConditionalGeneration(t.WhisperConfig(
+            **_seq2seq, num_mel_bins=8, max_source_positions=16, bos_token_id=2,
+            eos_token_id=3))),
+        "speech_to_text": lambda: ("features", t.Speech2TextForConditionalGeneration(
+            t.Speech2TextConfig(**_seq2seq, input_feat_per_channel=8, input_channels=1,
+                                max_source_positions=64, conv_channels=16,
+                                encoder_layerdrop=0.0, decoder_layerdrop=0.0))),
+        "deit": lambda: ("image", t.DeiTForImageClassification(t.DeiTConfig(
+            hidden_size=32, intermediate_size=64, **_LAYERS, image_size=16, patch_size=4,
+            num_labels=LABELS))),
+        "levit": lambda: ("image", t.LevitForImageClassification(t.LevitConfig(
+            image_size=64, hidden_sizes=[16, 32, 48], num_attention_heads=[1, 2, 3],
+            depths=[1, 1, 1], key_dim=[8, 8, 8], num_labels=LABELS))),
+        "perceiver": lambda: ("image", t.PerceiverForImageClassificationLearned(t.PerceiverConfig(
+            num_latents=8, d_latents=32, d_model=32, num_blocks=1, num_self_attends_per_block=1,
+            num_self_attention_heads=4, num_cross_attention_heads=4, image_size=16,
+            num_labels=LABELS))),
+        "imagegpt": lambda: ("pixel-ids", t.ImageGPTForImageClassification(t.ImageGPTConfig(
+            vocab_size=17, n_positions=64, n_embd=32, n_layer=2, n_head=4, num_labels=LABELS))),
+    }
+
+
+OTHERS = ("clip", "whisper", "speech_to_text", "deit", "levit", "perceiver", "imagegpt")
+NAMES = (*CAUSAL, *ENCODERS, *VISION, *SEQ2SEQ, *AUDIO, *VIDEO, *OTHERS)
 
 
 class Classifier(nn.Module):
@@ -117,12 +202,22 @@ class Classifier(nn.Module):
         super().__init__()
         self.model, self.kind = model, kind
 
-    def forward(self, x):
+    def forward(self, x, y=None):
         if self.kind == "causal":
             return self.model(input_ids=x, use_cache=False).logits
         if self.kind == "encoder":
             return self.model(input_ids=x).logits
-        return self.model(pixel_values=x).logits
+        if self.kind == "seq2seq":
+            return self.model(input_ids=x, decoder_input_ids=y, use_cache=False).logits
+        if self.kind == "features":  # log-mel features in, the decoder's ids' logits out
+            return self.model(input_features=x, decoder_input_ids=y, use_cache=False).logits
+        if self.kind == "audio":
+            return self.model(input_values=x).logits
+        if self.kind == "pixel-ids":
+            return self.model(input_ids=x).logits
+        if self.kind == "clip":  # image-text similarities, two towers
+            return self.model(input_ids=x, pixel_values=y).logits_per_image
+        return self.model(pixel_values=x).logits  # images and videos
 
 
 def build_model(config=None):
@@ -138,19 +233,47 @@ def build_model(config=None):
     if config in VISION:
         cfg = auto(config, num_labels=LABELS, **VISION[config])
         return Classifier(transformers.AutoModelForImageClassification.from_config(cfg), "image")
+    if config in SEQ2SEQ:
+        cfg = auto(config, **SEQ2SEQ[config])
+        return Classifier(transformers.AutoModelForSeq2SeqLM.from_config(cfg), "seq2seq")
+    if config in AUDIO:
+        cfg = auto(config, num_labels=LABELS, **AUDIO[config])
+        return Classifier(transformers.AutoModelForAudioClassification.from_config(cfg), "audio")
+    if config in VIDEO:
+        cfg = auto(config, num_labels=LABELS, **VIDEO[config])
+        return Classifier(transformers.AutoModelForVideoClassification.from_config(cfg), "image")
+    if config in OTHERS:
+        kind, model = _others()[config]()
+        return Classifier(model, kind)
     raise ValueError(f"unknown config {config!r}; expected one of {', '.join(NAMES)}")
 
 
 def example_inputs(model, batch_size):
+    ids = torch.randint(3, VOCAB, (batch_size, SEQ))  # above the pad and start ids
     if model.kind == "image":
-        size = getattr(model.model.config, "image_size", 32)
-        return (torch.randn(batch_size, 3, size, size),)
-    return (torch.randint(0, VOCAB, (batch_size, SEQ)),)
+        config = model.model.config
+        size = getattr(config, "image_size", 32)
+        size = size[0] if isinstance(size, (list, tuple)) else size
+        frames = (config.num_frames,) if config.model_type in VIDEO else ()
+        return (torch.randn(batch_size, *frames, 3, size, size),)
+    if model.kind == "features":
+        config = model.model.config
+        features = (8, 32) if config.model_type == "whisper" else (40, 8)  # (mels, frames)
+        return (torch.randn(batch_size, *features), torch.randint(3, VOCAB, (batch_size, SEQ // 2)))
+    if model.kind == "pixel-ids":  # an 8 x 8 image's colour-cluster ids
+        return (torch.randint(0, 16, (batch_size, 64)),)
+    if model.kind == "seq2seq":
+        return (ids, torch.randint(3, VOCAB, (batch_size, SEQ // 2)))
+    if model.kind == "audio":
+        return (torch.randn(batch_size, 800),)
+    if model.kind == "clip":
+        return (ids, torch.randn(batch_size, 3, 16, 16))
+    return (ids,)
 
 
 def loss_fn(logits, batch):
-    if logits.dim() == 3:  # next-token loss
-        (ids,) = batch
+    if logits.dim() == 3:  # next-token loss (of the decoder's ids for encoder-decoders)
+        ids = batch[-1]
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1))
     labels = torch.arange(logits.shape[0], device=logits.device) % logits.shape[1]
     return F.cross_entropy(logits, labels)
