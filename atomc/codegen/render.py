@@ -45,7 +45,8 @@ from atomc.errors import CodegenError
 from atomc.ir import OpGraph, Plan
 from atomc.profile.ops import is_inplace, written_in_place
 from atomc.trace import TracedModel, dtype_args, model_dtype
-from atomc.trace.frontends import autograd_function_of, layer_class
+from atomc.trace.dynamic import autograd_function_of
+from atomc.trace.frontends import layer_class
 from atomc.trace.normalise import MODES
 
 # Names the generated modules bind at top level (or that read badly as locals).

@@ -13,7 +13,6 @@ import functools
 import inspect
 import io
 import logging
-import re
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,12 +20,10 @@ from unittest import mock
 
 import torch
 from torch import fx, nn
-from torch.autograd.function import FunctionCtx
 from torch.nn.utils import parametrize
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves, tree_map
 
 from atomc.errors import TraceError
+from atomc.trace.dynamic import FINAL, LayerDropDecided, functions_checked, functions_kept_whole
 
 
 def layer_class(module: nn.Module) -> type:
@@ -54,120 +51,6 @@ def _sizes_as_tuple(factory: Callable) -> Callable:
     return call
 
 
-_APPLY = torch.autograd.Function.__dict__["apply"].__func__
-_SETUP_CONTEXT = torch.autograd.Function.setup_context
-
-
-class FunctionCall:
-    """`TheFunction.apply` as a graph node's target. Not the bound method itself: fx would name
-    that by where `apply` is defined (torch.autograd.function), which holds no such name."""
-
-    def __init__(self, function: type):
-        self.function = function
-        self.__module__ = function.__module__
-        self.__qualname__ = f"{function.__qualname__}.apply"
-        self.__name__ = self.__qualname__  # fx names a target module.__name__
-
-    def __call__(self, *args, **kwargs):
-        return self.function.apply(*args, **kwargs)
-
-    def __repr__(self) -> str:
-        return f"{self.function.__qualname__}.apply"
-
-
-def autograd_function_of(fn: object) -> type | None:
-    """The custom torch.autograd.Function a node's target applies, else None."""
-    return fn.function if isinstance(fn, FunctionCall) else None
-
-
-def _custom(cls: type) -> bool:
-    # torch's own Functions (checkpointing's) differentiate their forward exactly
-    return not cls.__module__.startswith("torch.")
-
-
-@contextlib.contextmanager
-def _functions_kept_whole() -> Iterator[None]:
-    """Symbolic tracing would run a custom autograd.Function's forward on Proxies and record
-    its operations, and training would differentiate those instead of calling the Function's
-    own backward (a gradient reversal layer's, YOSO's approximate one). One call node to
-    `TheFunction.apply` keeps both."""
-
-    def apply(cls, *args, **kwargs):
-        for value in tree_leaves((args, kwargs)):
-            if isinstance(value, fx.Proxy) and _custom(cls):
-                # named after the Function (round_straight_through), not "apply"
-                name = re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower()
-                return value.tracer.create_proxy("call_function", FunctionCall(cls), args,
-                                                 kwargs, name=name)
-        return _APPLY(cls, *args, **kwargs)
-
-    with mock.patch.object(torch.autograd.Function, "apply", classmethod(apply)):
-        yield
-
-
-@contextlib.contextmanager
-def _functions_seen(seen: dict[type, tuple[str, tuple, dict]]) -> Iterator[None]:
-    """Records the custom autograd.Functions a run calls: the line that calls each first, and
-    the arguments it was called with."""
-
-    def apply(cls, *args, **kwargs):
-        if _custom(cls):
-            seen.setdefault(cls, (_caller(), args, kwargs))
-        return _APPLY(cls, *args, **kwargs)
-
-    with mock.patch.object(torch.autograd.Function, "apply", classmethod(apply)):
-        yield
-
-
-def _backward_is_derivative(cls: type, args: tuple, kwargs: dict) -> bool:
-    """Whether the Function's backward gives autograd's gradients of its forward, on random
-    inputs shaped like the traced ones. Any failure to tell (arguments that are modules, a
-    forward that needs more of `ctx` than saving tensors) counts as no."""
-    gen = torch.Generator().manual_seed(0)
-
-    def real(v: object) -> object:
-        if not isinstance(v, torch.Tensor):
-            return v
-        shape = tuple(int(n) for n in v.shape)
-        if v.is_floating_point():
-            return (torch.rand(shape, generator=gen, dtype=torch.float64) + 0.5).requires_grad_()
-        return torch.zeros(shape, dtype=v.dtype)
-
-    try:
-        own_args, own_kwargs = tree_map(real, (args, kwargs))
-        same_args, same_kwargs = tree_map(
-            lambda v: v.detach().clone().requires_grad_() if isinstance(v, torch.Tensor)
-            and v.is_floating_point() else v, (own_args, own_kwargs))
-        own = _APPLY(cls, *own_args, **own_kwargs)
-        if cls.setup_context is not _SETUP_CONTEXT:  # forward(*args) with setup_context
-            derived = cls.forward(*same_args, **same_kwargs)
-        else:
-            derived = cls.forward(FunctionCtx(), *same_args, **same_kwargs)
-        return _same_gradients(own, tree_leaves((own_args, own_kwargs)), derived,
-                               tree_leaves((same_args, same_kwargs)))
-    except Exception:  # noqa: BLE001 - anything that stops the comparison means "cannot tell"
-        return False
-
-
-def _same_gradients(own: object, own_in: list, derived: object, derived_in: list) -> bool:
-    outs = [o for o in tree_leaves(own) if isinstance(o, torch.Tensor) and o.requires_grad]
-    alike = [o for o in tree_leaves(derived) if isinstance(o, torch.Tensor) and o.requires_grad]
-    if len(outs) != len(alike):
-        return False
-    ins = [(a, b) for a, b in zip(own_in, derived_in) if isinstance(a, torch.Tensor)
-           and a.requires_grad]
-    gen = torch.Generator().manual_seed(1)
-    grads = [torch.randn(o.shape, generator=gen, dtype=o.dtype) for o in outs]
-    mine = torch.autograd.grad(outs, [a for a, _ in ins], grads, allow_unused=True)
-    theirs = torch.autograd.grad(alike, [b for _, b in ins], grads, allow_unused=True)
-    pairs = [*zip(outs, alike), *((torch.zeros(()) if g is None else g,
-                                   torch.zeros(()) if h is None else h)
-                                  for g, h in zip(mine, theirs))]
-    # a value outside the forward's domain (acos of more than 1) tells nothing: no
-    return all(a.isfinite().all() and torch.allclose(a.double(), b.double(), rtol=1e-6, atol=1e-9)
-               for a, b in pairs)
-
-
 class LeafTracer(fx.Tracer):
     """symbolic_trace's tracer with user-given module types kept whole, and torch.nn's own
     layers whole only when they have no sub-modules."""
@@ -178,7 +61,7 @@ class LeafTracer(fx.Tracer):
 
     def trace(self, root, concrete_args=None):
         with contextlib.ExitStack() as patches:
-            patches.enter_context(_functions_kept_whole())
+            patches.enter_context(functions_kept_whole())
             for name in _SIZED_FACTORIES:
                 patches.enter_context(mock.patch.object(torch, name, _sizes_as_tuple(
                     getattr(torch, name))))
@@ -252,89 +135,11 @@ def _quiet_torch_logs() -> Iterator[None]:
 
 
 def trace_export(model: nn.Module, inputs: tuple) -> fx.GraphModule:
-    seen: dict[type, tuple[str, tuple, dict]] = {}
-    with _quiet_torch_logs(), _functions_seen(seen):
+    with _quiet_torch_logs(), functions_checked():
         program = torch.export.export(model, inputs, strict=False)
-    # export records a Function's forward operations and drops its backward: training takes
-    # autograd's derivative of the forward. That is the Function's own gradient when its
-    # backward is only a hand-written derivative (BLOOM's GeLU), and silently wrong when it is
-    # another (an approximation, a gradient reversal, a straight-through estimator)
-    other = {c: where for c, (where, args, kwargs) in seen.items()
-             if not _backward_is_derivative(c, args, kwargs)}
-    if other:
-        names = ", ".join(f"{c.__module__}.{c.__qualname__} (called at {where})"
-                          for c, where in other.items())
-        raise CustomBackward(
-            f"the model calls the custom autograd.Function {names}, whose backward is not "
-            f"autograd's derivative of its forward (tried on random inputs of the traced "
-            f"shapes); torch.export keeps its forward and drops its backward, so training would "
-            f"use the wrong gradients. Make the model traceable by torch.fx (which keeps the "
-            f"Function whole), or mark the module that calls it as a leaf (LEAF_MODULES)")
     gm = program.module()
     # The unlifted module carries pytree and guard plumbing; the compute graph is what we need.
     return gm
-
-
-class RandomSkip(TraceError):
-    """The model decides at random whether a part of it runs (LayerDrop)."""
-
-
-class CustomBackward(TraceError):
-    """torch.export traced through a custom autograd.Function and lost its backward."""
-
-
-_COMPARISONS = {
-    # whether `draw OP p` holds for every draw in [0, 1) (True), for none (False), or depends;
-    # `p > draw` reaches the mode as draw.lt(p), the operator methods by their plain names
-    "lt": lambda p: True if p >= 1 else False if p <= 0 else None,
-    "le": lambda p: True if p >= 1 else False if p < 0 else None,
-    "gt": lambda p: True if p < 0 else False if p >= 1 else None,
-    "ge": lambda p: True if p <= 0 else False if p >= 1 else None,
-}
-
-
-_RAND = torch.rand  # the tracer wraps torch.rand (see _sizes_as_tuple) while it traces
-
-
-class LayerDropDecided(TorchFunctionMode):
-    """Decides `torch.rand([]) < p` while tracing, when every draw gives the same answer.
-
-    Hugging Face's LayerDrop skips a whole layer in training when a scalar uniform draw falls
-    below the config's probability. Traced, the comparison is control flow on a random value:
-    torch.export cannot guard on it, and symbolic tracing would bake in whatever one draw said.
-    With the probability 0 (most configs) every draw keeps the layer, which a fixed graph
-    represents exactly; any other probability is refused, since sub-models cannot skip layers.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.draws: dict[int, torch.Tensor] = {}  # id -> draw, kept alive so ids stay unique
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "").strip("_")
-        if name in _COMPARISONS and len(args) == 2 and id(args[0]) in self.draws \
-                and isinstance(args[1], (int, float)) and not isinstance(args[1], bool):
-            decided = _COMPARISONS[name](args[1])
-            if decided is None:
-                raise RandomSkip(
-                    f"{_caller()} compares a random draw torch.rand([]) with {args[1]}: the "
-                    "model skips part of itself at random in training (LayerDrop), which fixed "
-                    "sub-models cannot do; set that probability (the config's layerdrop) to 0")
-            return decided
-        out = func(*args, **kwargs)
-        if func is _RAND and isinstance(out, torch.Tensor) and out.dim() == 0:
-            self.draws[id(out)] = out
-        return out
-
-
-def _caller() -> str:
-    """The innermost line of the model's own code (not torch's, not this module's)."""
-    for frame in reversed(traceback.extract_stack()):
-        parts = Path(frame.filename).parts
-        if "torch" not in parts and frame.filename != __file__:
-            return f"{Path(frame.filename).name}:{frame.lineno} `{(frame.line or '').strip()}`"
-    return "the model"
 
 
 def trace(model: nn.Module, inputs: tuple, leaf_types: tuple[type, ...], model_path: Path,
@@ -346,15 +151,15 @@ def trace(model: nn.Module, inputs: tuple, leaf_types: tuple[type, ...], model_p
         try:
             with LayerDropDecided():
                 return trace_fx(model, leaf_types, len(inputs), defaults), "fx"
-        except RandomSkip as e:
-            raise RandomSkip(f"cannot trace the model in {model_path}: {e}") from None
+        except FINAL as e:
+            raise type(e)(f"cannot trace the model in {model_path}: {e}") from None
         except Exception as e:  # noqa: BLE001 - fx raises many kinds; all mean "try the next"
             failures.append(f"torch.fx.symbolic_trace: {_describe(e, model_path)}")
     if frontend in ("auto", "export"):
         try:
             with LayerDropDecided():
                 return trace_export(model, inputs), "export"
-        except (RandomSkip, CustomBackward) as e:
+        except FINAL as e:
             raise type(e)(f"cannot trace the model in {model_path}: {e}") from None
         except Exception as e:  # noqa: BLE001 - export raises many kinds; all are reported below
             failures.append(f"torch.export: {_describe(e, model_path)}")

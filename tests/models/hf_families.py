@@ -155,43 +155,39 @@ _VIDEO = {"hidden_size": 32, "intermediate_size": 64, **_LAYERS, "image_size": 1
 VIDEO = {"vivit": {**_VIDEO, "tubelet_size": [2, 4, 4]}, "timesformer": {**_VIDEO, "patch_size": 4}}
 
 
-def _others() -> dict:
-    """Families whose head the Auto classes do not pick from a bare config, or whose inputs
-    are their own (log-mel features, pixel ids): (kind, model) builders."""
-    t = transformers
-    _seq2seq = {"vocab_size": VOCAB, "encoder_layers": 1, "decoder_layers": 1,
-                "encoder_attention_heads": 4, "decoder_attention_heads": 4,
-                "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "d_model": 32,
-                "max_target_positions": 32, "pad_token_id": 1, "decoder_start_token_id": 2}
-    return {
-        "clip": lambda: ("clip", t.CLIPModel(t.CLIPConfig(
-            text_config={**_DECODER, "max_position_embeddings": 64, "bos_token_id": 0,
-                         "eos_token_id": 2},
-            vision_config={"hidden_size": 32, "intermediate_size": 64, **_LAYERS,
-                           "image_size": 16, "patch_size": 4}, projection_dim=16))),
-        "whisper": lambda: ("features", t.WhisperForConditionalGeneration(t.WhisperConfig(
-            **_seq2seq, num_mel_bins=8, max_source_positions=16, bos_token_id=2,
-            eos_token_id=3))),
-        "speech_to_text": lambda: ("features", t.Speech2TextForConditionalGeneration(
-            t.Speech2TextConfig(**_seq2seq, input_feat_per_channel=8, input_channels=1,
-                                max_source_positions=64, conv_channels=16,
-                                encoder_layerdrop=0.0, decoder_layerdrop=0.0))),
-        "deit": lambda: ("image", t.DeiTForImageClassification(t.DeiTConfig(
-            hidden_size=32, intermediate_size=64, **_LAYERS, image_size=16, patch_size=4,
-            num_labels=LABELS))),
-        "levit": lambda: ("image", t.LevitForImageClassification(t.LevitConfig(
-            image_size=64, hidden_sizes=[16, 32, 48], num_attention_heads=[1, 2, 3],
-            depths=[1, 1, 1], key_dim=[8, 8, 8], num_labels=LABELS))),
-        "perceiver": lambda: ("image", t.PerceiverForImageClassificationLearned(t.PerceiverConfig(
-            num_latents=8, d_latents=32, d_model=32, num_blocks=1, num_self_attends_per_block=1,
-            num_self_attention_heads=4, num_cross_attention_heads=4, image_size=16,
-            num_labels=LABELS))),
-        "imagegpt": lambda: ("pixel-ids", t.ImageGPTForImageClassification(t.ImageGPTConfig(
-            vocab_size=17, n_positions=64, n_embd=32, n_layer=2, n_head=4, num_labels=LABELS))),
-    }
-
-
-OTHERS = ("clip", "whisper", "speech_to_text", "deit", "levit", "perceiver", "imagegpt")
+_FEATURES_SEQ2SEQ = {"vocab_size": VOCAB, "encoder_layers": 1, "decoder_layers": 1,
+                     "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+                     "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "d_model": 32,
+                     "max_target_positions": 32, "pad_token_id": 1, "decoder_start_token_id": 2}
+_t = transformers
+# families whose head the Auto classes do not pick from a bare config, or whose inputs are
+# their own (log-mel features, pixel ids): name -> () -> (kind, model)
+OTHERS = {
+    "clip": lambda: ("clip", _t.CLIPModel(_t.CLIPConfig(
+        text_config={**_DECODER, "max_position_embeddings": 64, "bos_token_id": 0,
+                     "eos_token_id": 2},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, **_LAYERS, "image_size": 16,
+                       "patch_size": 4}, projection_dim=16))),
+    "whisper": lambda: ("features", _t.WhisperForConditionalGeneration(_t.WhisperConfig(
+        **_FEATURES_SEQ2SEQ, num_mel_bins=8, max_source_positions=16, bos_token_id=2,
+        eos_token_id=3))),
+    "speech_to_text": lambda: ("features", _t.Speech2TextForConditionalGeneration(
+        _t.Speech2TextConfig(**_FEATURES_SEQ2SEQ, input_feat_per_channel=8, input_channels=1,
+                             max_source_positions=64, conv_channels=16, encoder_layerdrop=0.0,
+                             decoder_layerdrop=0.0))),
+    "deit": lambda: ("image", _t.DeiTForImageClassification(_t.DeiTConfig(
+        hidden_size=32, intermediate_size=64, **_LAYERS, image_size=16, patch_size=4,
+        num_labels=LABELS))),
+    "levit": lambda: ("image", _t.LevitForImageClassification(_t.LevitConfig(
+        image_size=64, hidden_sizes=[16, 32, 48], num_attention_heads=[1, 2, 3],
+        depths=[1, 1, 1], key_dim=[8, 8, 8], num_labels=LABELS))),
+    "perceiver": lambda: ("image", _t.PerceiverForImageClassificationLearned(_t.PerceiverConfig(
+        num_latents=8, d_latents=32, d_model=32, num_blocks=1, num_self_attends_per_block=1,
+        num_self_attention_heads=4, num_cross_attention_heads=4, image_size=16,
+        num_labels=LABELS))),
+    "imagegpt": lambda: ("pixel-ids", _t.ImageGPTForImageClassification(_t.ImageGPTConfig(
+        vocab_size=17, n_positions=64, n_embd=32, n_layer=2, n_head=4, num_labels=LABELS))),
+}
 NAMES = (*CAUSAL, *ENCODERS, *VISION, *SEQ2SEQ, *AUDIO, *VIDEO, *OTHERS)
 
 
@@ -243,7 +239,7 @@ def build_model(config=None):
         cfg = auto(config, num_labels=LABELS, **VIDEO[config])
         return Classifier(transformers.AutoModelForVideoClassification.from_config(cfg), "image")
     if config in OTHERS:
-        kind, model = _others()[config]()
+        kind, model = OTHERS[config]()
         return Classifier(model, kind)
     raise ValueError(f"unknown config {config!r}; expected one of {', '.join(NAMES)}")
 
