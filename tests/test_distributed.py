@@ -368,7 +368,8 @@ def test_elastic_restart_resumes_from_checkpoint(work: dict) -> None:
 
 def test_pack_unpack_mixed_dtypes() -> None:
     """Values of any dtypes and odd sizes share one buffer: each at a 16-byte aligned offset
-    (a 3-byte bool followed by a float32 used to fail: storage_offset must be divisible by 4)."""
+    (a 3-byte bool followed by a float32 used to fail: storage_offset must be divisible by 4),
+    each in its sender's layout."""
     from atomc.distributed.pipeline import ALIGN, describe, pack, packed_bytes, unpack
 
     g = torch.Generator().manual_seed(0)
@@ -381,7 +382,8 @@ def test_pack_unpack_mixed_dtypes() -> None:
               "empty": torch.zeros(0, 4),
               "c": torch.randn(3, generator=g, dtype=torch.complex128),
               "b": torch.tensor([7, 200, 3], dtype=torch.uint8),
-              "t": torch.randn(4, 6, generator=g)[:, 1:4]}  # not contiguous
+              "t": torch.randn(4, 6, generator=g)[:, 1:4],  # not contiguous
+              "tr": torch.randn(3, 4, 5, generator=g).transpose(0, 2)}  # not row-major
     entries = list(describe(values, tuple(values)))
     total = packed_bytes(entries)
     assert total % ALIGN == 0 and total >= sum(e.num_bytes for e in entries)
@@ -390,6 +392,8 @@ def test_pack_unpack_mixed_dtypes() -> None:
         v = values[e.name]
         assert t.dtype == v.dtype and t.shape == v.shape and torch.equal(t, v), e.name
         assert t.numel() == 0 or t.storage_offset() * t.element_size() % ALIGN == 0
+        # laid out as it was sent (dropout draws in memory order), or dense where it was not
+        assert t.stride() == torch.empty_like(v).stride(), e.name
 
 
 class _FakeNccl:

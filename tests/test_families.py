@@ -32,10 +32,6 @@ NOT_IN_BFLOAT16 = {"hf-resnet", "hf-mobilenet_v2"}
 # Known misses, found by the survey of 2026-11-25 and not yet explained: they fail as recorded
 # here (strict), so a fix shows as a pass that must be moved out of this list
 KNOWN = {
-    ("swap", "hf-wavlm"): "with attention dropout on, recomputed activations train layer 0's "
-                          "attention differently from kept ones (out_proj.bias 6e-4 apart after "
-                          "one step); keep mode equals AdamW, and so does recompute without "
-                          "attention dropout",
     ("bfloat16", "hf-levit"): "the bfloat16 plan's first loss is 1.04% from float32's where "
                               "eager bfloat16 autocast is 0.11% (a BatchNorm1d after every "
                               "linear layer)",

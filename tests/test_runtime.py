@@ -227,6 +227,27 @@ def test_buffers_updated_once_and_recomputed_as_in_the_forward(tmp_path):
         trainer.close()
 
 
+def test_a_stashed_value_keeps_its_memory_order_for_the_recomputation(tmp_path):
+    """A transposed view crosses a cut and dropout reads it (WavLM): with the boundary values
+    stashed on the host, the recomputation draws the forward's mask only if the stashed copy
+    is laid out as the value was (dropout draws in memory order), in the first step (buffers
+    made as values arrive) and after it (buffers in one arena)."""
+    path = FIXTURES / "transposed_dropout_model.py"
+    traced = trace_model(path, None, 4, device="cpu")
+    pkg = generate(plan_from_cuts(traced, [4, 7], 2), tmp_path / "td", traced=traced)
+    mf = load_model_file(path)
+    torch.manual_seed(0)
+    ref = mf.build_model()
+    trainer = SwapTrainer.from_package(pkg, device="cpu", seed=2, state_dict=ref.state_dict(),
+                                       offload_activations=True, optimizer={"lr": 1e-2})
+    g = torch.Generator().manual_seed(4)
+    batches = [torch.randn(8, 5, 6, generator=g) for _ in range(3)]
+    assert swap_run(trainer, batches) == plain_run(ref, mf.loss_fn, batches, 2, seed=2)
+    assert_same(trainer.export_state_dict(), ref.state_dict())
+    assert any(not b.is_contiguous() for b in trainer.executor.stash.host.values())
+    trainer.close()
+
+
 def test_weights_the_graph_never_reads_survive_checkpoints_and_export(tmp_path):
     """An unused layer, parameter and buffer of the original model, and a layer whose result
     is unused: not trained, but carried through a checkpoint and back into

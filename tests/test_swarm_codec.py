@@ -273,3 +273,21 @@ def test_messages_over_the_p2p_limit_travel_in_parts(compress):
         decode(join(parts[:-1]), torch.device("cpu"))
     with pytest.raises(PeerError, match="empty"):
         join([])
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_values_arrive_laid_out_as_they_were_sent(compress):
+    """A transposed activation arrives transposed (dropout draws its mask in memory order: a
+    row-major copy drew other masks on the next stage than the unpartitioned model did); a
+    slice arrives dense, in the order torch.empty_like gives it."""
+    from atomc.swarm.wire import decode, encode
+
+    values = {"t": _gaussian((3, 4, 5), torch.float32).transpose(0, 2),
+              "s": _gaussian((4, 6), torch.float32)[:, 1:4], "r": _gaussian((2, 3), torch.float32)}
+    got, _ = decode(encode(values, {}, compress=compress), torch.device("cpu"))
+    for name, v in values.items():
+        assert got[name].stride() == torch.empty_like(v).stride(), name
+        if compress:
+            _assert_within_bound(v, got[name])
+        else:
+            assert torch.equal(got[name], v), name

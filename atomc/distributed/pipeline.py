@@ -84,6 +84,10 @@ class Entry:
     dtype: str = ""
     grad: bool = False  # the receiver sends a gradient back for it
     value: Any = None  # a non-tensor, JSON-encoded (see _encode)
+    # a tensor's layout when it is not row-major (a transposed view), as strides: dropout draws
+    # its mask in memory order, so a stage that received a row-major copy drew other masks
+    # than the unpartitioned model
+    strides: tuple[int, ...] = ()
 
     @property
     def num_bytes(self) -> int:
@@ -126,6 +130,27 @@ def _decode(v: Any, device: torch.device) -> Any:
     return [_decode(x, device) for x in v["list"]]
 
 
+def layout(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides of `t`'s dense layout (as torch.empty_like keeps it, and so as dropout's
+    mask is laid out), or () when that is row-major."""
+    dense = torch.empty_like(t, device="meta")
+    return () if dense.is_contiguous() else tuple(dense.stride())
+
+
+def in_memory_order(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s elements as one row, in the order of its dense layout (`layout`)."""
+    if t.is_contiguous():
+        return t.reshape(-1)
+    dense = torch.empty_like(t)
+    dense.copy_(t)
+    return dense.as_strided((dense.numel(),), (1,))
+
+
+def laid_out(flat: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...]) -> torch.Tensor:
+    """The tensor `in_memory_order` made a row of, back in its shape and layout."""
+    return flat.view(shape) if not strides else flat.as_strided(shape, strides)
+
+
 def describe(values: dict[str, Any], names: tuple[str, ...]) -> tuple[Entry, ...]:
     out = []
     for n in names:
@@ -134,20 +159,28 @@ def describe(values: dict[str, Any], names: tuple[str, ...]) -> tuple[Entry, ...
             # every floating-point tensor carries a gradient back: a swapped stage computes its
             # forward without autograd and recomputes it, so requires_grad says nothing there
             out.append(Entry(n, "tensor", tuple(v.shape), dtype_name(v.dtype),
-                             bool(v.is_floating_point() or v.is_complex())))
+                             bool(v.is_floating_point() or v.is_complex()),
+                             strides=layout(v)))
         else:
             out.append(Entry(n, "value", value=_encode(v)))
     return tuple(out)
 
 
+def entry_row(e: Entry) -> list[Any]:
+    return [e.name, e.kind, list(e.shape), e.dtype, e.grad, e.value, list(e.strides)]
+
+
+def entry_of(row: list[Any]) -> Entry:
+    n, k, s, d, g, v, st = row
+    return Entry(n, k, tuple(s), d, bool(g), v, tuple(st))
+
+
 def header_bytes(entries: tuple[Entry, ...]) -> bytes:
-    data = [[e.name, e.kind, list(e.shape), e.dtype, e.grad, e.value] for e in entries]
-    return json.dumps(data).encode()
+    return json.dumps([entry_row(e) for e in entries]).encode()
 
 
 def parse_header(raw: bytes) -> tuple[Entry, ...]:
-    return tuple(Entry(n, k, tuple(s), d, bool(g), v)
-                 for n, k, s, d, g, v in json.loads(raw.decode()))
+    return tuple(entry_of(row) for row in json.loads(raw.decode()))
 
 
 ALIGN = 16  # every value starts at a multiple of this in a packed buffer (any dtype's itemsize)
@@ -170,7 +203,7 @@ def pack(tensors: list[torch.Tensor], total: int, device: torch.device) -> torch
     for t in tensors:
         n = t.numel() * t.element_size()
         if n:
-            buf[off:off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+            buf[off:off + n].copy_(in_memory_order(t.detach()).view(torch.uint8))
         off += _padded(n)
     if off != total:
         raise RuntimeMismatchError(f"packed {off} bytes into a buffer of {total}; the boundary "
@@ -183,8 +216,8 @@ def unpack(buf: torch.Tensor, entries: list[Entry]) -> list[torch.Tensor]:
     out, off = [], 0
     for e in entries:
         n = e.num_bytes
-        t = buf[off:off + n].view(_boundary_dtype(e.dtype)).view(e.shape) if n else \
-            torch.empty(e.shape, dtype=_boundary_dtype(e.dtype), device=buf.device)
+        t = laid_out(buf[off:off + n].view(_boundary_dtype(e.dtype)), e.shape, e.strides) \
+            if n else torch.empty(e.shape, dtype=_boundary_dtype(e.dtype), device=buf.device)
         out.append(t)
         off += _padded(n)
     return out

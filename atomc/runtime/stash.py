@@ -87,8 +87,13 @@ class ActivationStash:
         would stay in PyTorch's pinned cache, which is why the first step does not pin.
         """
         buf = self.host.get((name, m))
-        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
-            buf = torch.empty(like.shape, dtype=like.dtype)
+        # the value's memory order is kept (a transposed view stays transposed): dropout and
+        # the other random operators draw in memory order, so a recomputation from a
+        # row-major copy of a transposed boundary value drew other masks than its forward
+        layout = torch.empty_like(like, device="meta").stride()
+        if (buf is None or buf.shape != like.shape or buf.dtype != like.dtype
+                or buf.stride() != layout):
+            buf = torch.empty_like(like, device="cpu")
             self.host[(name, m)] = buf
             self.unplaced = True
         return buf
@@ -98,8 +103,8 @@ class ActivationStash:
         if not self.unplaced:
             return
         keys = list(self.host)
-        self.arena = HostArena([(tuple(self.host[k].shape), self.host[k].dtype) for k in keys],
-                               pin=self.cuda)
+        self.arena = HostArena([(tuple(self.host[k].shape), self.host[k].dtype,
+                                 self.host[k].stride()) for k in keys], pin=self.cuda)
         # the old buffers may still be read by queued copies: pageable ones were staged when the
         # copy was issued; an old arena's pinned block is kept by the allocator until they end
         self.host = dict(zip(keys, self.arena.buffers))
@@ -131,7 +136,7 @@ class ActivationStash:
                         self.tracer.span("prefetch", i, "checkpoint", ps, nbytes):
                     for n in todo:
                         host = env[n].host
-                        dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+                        dev = torch.empty_like(host, device=self.device)  # its layout too
                         dev.copy_(host, non_blocking=True)
                         back.append(dev)
                 ready = torch.cuda.Event()
@@ -144,7 +149,7 @@ class ActivationStash:
             else:
                 with self.tracer.span("prefetch", i, "checkpoint", None, nbytes):
                     for n in todo:
-                        env[n] = env[n].host.clone()
+                        env[n] = env[n].host.clone()  # a dense buffer's clone keeps its strides
 
     def inputs_ready(self, i: int, m: int) -> None:
         """Make the compute stream wait for micro-batch m's inputs of sub-model i (CUDA)."""

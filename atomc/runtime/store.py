@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -211,26 +212,31 @@ def pinned_allocation_bytes(nbytes: int) -> int:
 class HostArena:
     """Host buffers that are views into ONE allocation, pinned when `pin` (ordinary memory if not).
 
-    `specs` lists (shape, dtype) per buffer; `buffers[j]` is buffer j, starting at a multiple of
+    `specs` lists (shape, dtype) per buffer, or (shape, dtype, strides) for a dense buffer laid
+    out in another order than row-major; `buffers[j]` is buffer j, starting at a multiple of
     ARENA_ALIGN bytes of the allocation. One allocation pays the pinned allocator's
     power-of-two rounding once, where one per buffer would pay it for each (see the module
     docstring). The CPU path (`pin=False`) runs the same code with ordinary memory.
     """
 
-    def __init__(self, specs: Sequence[tuple[Sequence[int], torch.dtype]], pin: bool):
+    def __init__(self, specs: Sequence[tuple[Any, ...]], pin: bool):
         self.pin = pin
         offsets, end = [], 0
-        for shape, dtype in specs:
+        for shape, dtype, *_ in specs:
             start = -(-end // ARENA_ALIGN) * ARENA_ALIGN
             offsets.append(start)
             end = start + math.prod(tuple(shape)) * dtype.itemsize
         self.nbytes = end  # what the buffers span, alignment gaps included
         self.storage = torch.zeros(end, dtype=torch.uint8, pin_memory=pin)
-        self.specs = [(tuple(shape), dtype) for shape, dtype in specs]
+        self.specs = [(tuple(shape), dtype) for shape, dtype, *_ in specs]
         self.buffers: list[torch.Tensor] = []
-        for (shape, dtype), start in zip(self.specs, offsets):
+        for spec, start in zip(specs, offsets):
+            shape, dtype = tuple(spec[0]), spec[1]
             nb = math.prod(shape) * dtype.itemsize
-            self.buffers.append(self.storage[start:start + nb].view(dtype).view(shape))
+            flat = self.storage[start:start + nb].view(dtype)
+            strides = spec[2] if len(spec) > 2 else None
+            self.buffers.append(flat.view(shape) if strides is None
+                                else flat.as_strided(shape, strides))
 
     def pinned_bytes(self) -> int:
         """Pinned host bytes this arena holds, as the allocator rounded them (0 when not pinned)."""

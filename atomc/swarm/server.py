@@ -24,9 +24,12 @@ global batch with no repeats and no member's attempt is excluded (`records`), ot
 their sums and try again (a dead server's micro-batches come back from the trainers). A call
 that is refused (wrong step, stage or attempt) is answered with the reason, so the trainer logs
 the server's words. A server that missed the round downloads the stage's state from one that
-took it (the averager's state sharing, priority = step), as does a server that joins or moves
-to the stage. BatchNorm statistics are updated by the forward call only (the backward's
-recomputation restores them) and averaged at the commit. With delayed parameter updates, a
+took it (`rpc_state`, from the server furthest ahead first), as does a server that joins or
+moves to the stage. It asks the servers its roster holds, by name: the averager's own state
+sharing found them through records its process declared every second, and twice on a loaded
+CI box a joining server found none within 20 s while its stage's server was up and serving.
+BatchNorm statistics are updated by the forward call only (the backward's recomputation
+restores them) and averaged at the commit. With delayed parameter updates, a
 copy of the stage takes each update on another thread while the calls of the next step
 compute with the weights before it.
 """
@@ -71,7 +74,16 @@ from atomc.swarm.records import (
     read_servers,
     servers_key,
 )
-from atomc.swarm.wire import NotHere, WrongAttempt, decode, encode, join, refusal, split
+from atomc.swarm.wire import (
+    NotHere,
+    WrongAttempt,
+    check_refusal,
+    decode,
+    encode,
+    join,
+    refusal,
+    split,
+)
 
 GUESS_S = 30.0  # rebalancing waits this long at most for a new server's first measured rate
 READ_AHEAD_S = 0.25  # servers read the DHT this long before each decision moment
@@ -177,6 +189,18 @@ class SwarmServicer(ServicerBase):
         for part in self.server.contribution(int(request.uid)):
             yield part
 
+    async def rpc_state(self, request: runtime_pb2.ExpertUID,
+                        context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """The stage's state for a server that joins it, moves to it or fell behind; a
+        refusal, in the server's words, when it does not hold that stage's state now."""
+        try:
+            msg = await asyncio.get_running_loop().run_in_executor(
+                None, self.server.state_message, int(request.uid))
+        except Exception as e:  # noqa: BLE001 - told to the caller, who asks another server
+            msg = refusal(e, held=False)
+        for part in split(msg):
+            yield part
+
 
 class _OneMicro:
     """A stage's io for one micro-batch: what the call brought, and what the stage sends."""
@@ -226,6 +250,7 @@ class SwarmServer(SwarmNode):
         self.moving_to: int | None = None  # the stage it is moving to (announced as its stage)
         self.closing = False
         self.moving = False
+        self.sharing = False  # holds its stage's state: others may download it
         self.announce_soon = False
         self.wake = threading.Event()  # a backward call finished: the serving loop looks now
         # of the gradients it holds; an exclusion voids one (records). Never reused, not even
@@ -313,9 +338,9 @@ class SwarmServer(SwarmNode):
         self.averager = self._make_averager(j, [torch.zeros(1)])
         # no one may download from it before it holds the stage's state (it would hand out
         # the initial weights as the stage's, at step 0)
-        self.averager.allow_state_sharing = False
+        self.sharing = False
         source = self._load_state(j)
-        self.averager.allow_state_sharing = True
+        self.sharing = True
         self.moving, self.moving_to = False, None
         self._announce()
         self.log(f"serving stage {j} (sub-models {self.spec.start}..{self.spec.stop - 1}) at "
@@ -323,24 +348,26 @@ class SwarmServer(SwarmNode):
         self._metric({"event": "enter", "stage": j, "step": self.step, "source": source})
 
     def _make_averager(self, j: int, tensors: list[torch.Tensor]) -> Any:
-        server = self
-
-        class StageAverager(self.hm.averaging.DecentralizedAverager):
-            def get_current_state(self):  # a server joining the stage downloads this
-                with server.cv:
-                    meta = {"step": server.step, "stage": j, "package": server.fingerprint,
-                            "name": server.cfg.name}
-                    return meta, [state_bytes(server._state())]
-
         cfg = self.cfg
-        averager = StageAverager(
+        # state travels by rpc_state: the averager neither declares nor serves it
+        return self.hm.averaging.DecentralizedAverager(
             tensors, self.dht, start=True, prefix=f"{cfg.prefix}_stage{j}", min_group_size=2,
             min_matchmaking_time=cfg.matchmaking_s,
             request_timeout=max(0.5, cfg.matchmaking_s / 2),
             allreduce_timeout=cfg.averaging_timeout_s, next_chunk_timeout=10.0,
-            client_mode=False, declare_state_period=min(2.0, cfg.heartbeat_s * 2))
-        averager.state_sharing_priority = 0.0
-        return averager
+            client_mode=False, allow_state_sharing=False)
+
+    def state_message(self, j: int) -> Any:
+        """The state of stage j as one response (rpc_state); PeerError when this server does
+        not hold it now (another stage, moving, or still loading it)."""
+        with self.cv:
+            if self.stage is None or self.spec.index != j or self.moving or not self.sharing:
+                raise NotHere(f"server {self.cfg.name} holds no state of stage {j} now")
+            meta = {"step": self.step, "stage": j, "package": self.fingerprint,
+                    "name": self.cfg.name}
+            blob = state_bytes(self._state())
+        return runtime_pb2.ExpertResponse(tensors=[serialize_torch_tensor(blob)],
+                                          metadata=json.dumps(meta).encode())
 
     def _sharers(self, j: int, records: list[ServerRecord] | None = None) -> list[ServerRecord]:
         """The other servers of stage j (not moving), from `records` or as this node's roster
@@ -354,7 +381,7 @@ class SwarmServer(SwarmNode):
         records = self.roster(self.cfg.prefix).read()
         peers = self._sharers(j, records)
         if peers:
-            got = self._download(timeout=self.cfg.connect_timeout_s, stage=j)
+            got = self._download(j, timeout=self.cfg.connect_timeout_s)
             if got is not None:
                 return got
         ckpt = self._checkpoint_path(j)
@@ -384,44 +411,44 @@ class SwarmServer(SwarmNode):
             self.master.load_original(self.initial_state)
         return "the initial weights"
 
-    def _download(self, timeout: float, stage: int | None = None) -> str | None:
-        """The stage's state from a server of it (None: none shared it within `timeout`, or,
-        given `stage`, none of its servers is left)."""
+    def _download(self, j: int, timeout: float) -> str | None:
+        """Stage j's state from a server of it, the one furthest ahead first (None: none
+        shared it within `timeout`, or none of its servers is left)."""
         deadline = time.monotonic() + timeout
+        failed: dict[str, str] = {}  # sharer -> why its last try failed
         while time.monotonic() < deadline:
-            if stage is not None and not self._sharers(stage):
+            sharers = sorted(self._sharers(j), key=lambda r: (-r.step, r.peer))
+            if not sharers:
                 return None
-            try:
-                got = self._one_download(deadline, stage)
-            except Exception as e:  # noqa: BLE001 - the sharer left mid-download: try another
-                self.log(f"state download failed ({type(e).__name__}: {e}); retrying")
-                got = None
-            if got is not None:
-                meta, tensors = got
+            for r in sharers:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    msg = self.run(asyncio.wait_for(self._ask_state(r.peer, j), left))
+                except Exception as e:  # noqa: BLE001 - gone or not ready: try another
+                    said = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+                    if failed.get(r.peer) != said:  # once per reason, not once per try
+                        self.log(f"state of stage {j} from {r.name or r.peer[-6:]} failed "
+                                 f"({said}); trying again")
+                    failed[r.peer] = said
+                    continue
+                meta = json.loads(msg.metadata.decode())
                 if meta.get("package") != self.fingerprint:
                     raise PeerError(f"stage {meta.get('stage')} servers serve package "
                                     f"{meta.get('package')}, this one {self.fingerprint}; give "
                                     f"every server the same generated package")
-                state = state_from_bytes(tensors[0])
+                state = state_from_bytes(deserialize_torch_tensor(msg.tensors[0]))
                 state["step"] = int(meta["step"])
                 self._adopt(state)
                 return f"server {meta.get('name') or '?'} (step {meta['step']})"
             time.sleep(0.3)
         return None
 
-    def _one_download(self, deadline: float, stage: int | None) -> Any:
-        """One download attempt, for as long as the deadline allows (a large stage's state
-        streams for a while), given up early when `stage` has no live server left."""
-        future = self.averager.load_state_from_peers(
-            wait=False, timeout=max(1.0, deadline - time.monotonic()))
-        while True:
-            try:
-                return future.result(timeout=0.5)
-            except TimeoutError:
-                if time.monotonic() >= deadline or (
-                        stage is not None and not self._sharers(stage)):
-                    future.cancel()
-                    return None
+    async def _ask_state(self, peer: str, j: int) -> Any:
+        stub = SwarmServicer.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.cfg.prefix)
+        stream = await stub.rpc_state(runtime_pb2.ExpertUID(uid=str(j)))
+        return check_refusal(join([part async for part in stream]))
 
     def _state(self) -> dict[str, Any]:
         """The stage's state: its weights, optimizer and buffers (with DPU, the weights in use
@@ -453,7 +480,6 @@ class SwarmServer(SwarmNode):
             self.step = step
             self.acc.zero_()
             self.ids = {}
-            self.averager.state_sharing_priority = float(step)
             self.cv.notify_all()
 
     def _checkpoint_path(self, j: int) -> Path | None:
@@ -749,7 +775,6 @@ class SwarmServer(SwarmNode):
                     self._save_checkpoint({**self._state(), "step": self.step})
             self.acc.zero_()
             self.ids = {}
-            self.averager.state_sharing_priority = float(self.step)
             self.cv.notify_all()
         self._announce()
         names = sorted(str(v.get("peer", "?"))[-6:] for v in group.values())
@@ -771,7 +796,7 @@ class SwarmServer(SwarmNode):
     def _catch_up(self, ahead: list[ServerRecord]) -> None:
         """The stage moved on without us: take its state (and drop what we held of the step,
         `_adopt`)."""
-        got = self._download(timeout=self.cfg.averaging_timeout_s)
+        got = self._download(self.spec.index, timeout=self.cfg.averaging_timeout_s)
         if got is not None:
             self.log(f"caught up to step {self.step} from {got}")
 

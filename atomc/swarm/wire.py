@@ -15,6 +15,7 @@ first part; each tensor's bytes are cut by hivemind's `split_for_streaming`.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -22,7 +23,14 @@ import torch
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-from atomc.distributed.pipeline import Entry, _decode, describe
+from atomc.distributed.pipeline import (
+    _decode,
+    describe,
+    entry_of,
+    entry_row,
+    in_memory_order,
+    laid_out,
+)
 from atomc.errors import PeerError
 from atomc.swarm.codec import pack, unpack
 
@@ -33,10 +41,10 @@ def encode(values: dict[str, Any], meta: dict[str, Any], *, compress: bool = Fal
            response: bool = False) -> Any:
     """`values` (name -> tensor or plain value) and `meta` (JSON-able) as one message."""
     entries = describe(values, tuple(sorted(values)))
-    header = {"meta": meta,
-              "entries": [[e.name, e.kind, list(e.shape), e.dtype, e.grad, e.value]
-                          for e in entries]}
-    tensors = [pack(values[e.name].detach(), compress) for e in entries if e.kind == "tensor"]
+    header = {"meta": meta, "entries": [entry_row(e) for e in entries]}
+    # in memory order: the receiver lays each out as the sender had it (`layout`)
+    tensors = [pack(in_memory_order(values[e.name].detach()), compress)
+               for e in entries if e.kind == "tensor"]
     cls = runtime_pb2.ExpertResponse if response else runtime_pb2.ExpertRequest
     return cls(tensors=tensors, metadata=json.dumps(header).encode())
 
@@ -45,7 +53,7 @@ def decode(msg: Any, device: torch.device) -> tuple[dict[str, Any], dict[str, An
     """The values and metadata of a message `encode` wrote; tensors on `device`."""
     try:
         header = json.loads(msg.metadata.decode())
-        entries = [Entry(n, k, tuple(s), d, bool(g), v) for n, k, s, d, g, v in header["entries"]]
+        entries = [entry_of(row) for row in header["entries"]]
     except (ValueError, KeyError, TypeError) as e:
         raise PeerError(f"a SWARM message has a malformed header ({e}); every server and trainer "
                         f"must run the same atomc version") from None
@@ -58,10 +66,11 @@ def decode(msg: Any, device: torch.device) -> tuple[dict[str, Any], dict[str, An
     for e in entries:
         if e.kind == "tensor":
             t = unpack(next(tensors)).to(device)
-            if tuple(t.shape) != e.shape:
-                raise PeerError(f"{e.name} arrived with shape {tuple(t.shape)}, its header says "
-                                f"{e.shape}")
-            values[e.name] = t
+            if t.numel() != math.prod(e.shape):
+                raise PeerError(f"{e.name} arrived with {t.numel()} elements, its header says "
+                                f"shape {e.shape}")
+            values[e.name] = laid_out(t.detach().reshape(-1), e.shape, e.strides
+                                      ).requires_grad_(t.requires_grad)
         else:
             values[e.name] = _decode(e.value, device)
     return values, header["meta"]
