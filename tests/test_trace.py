@@ -174,6 +174,20 @@ def test_untraceable_names_both_frontends(tmp_path):
     assert "model.py:" in text  # the source line
 
 
+def test_untraceable_code_of_a_library_is_named_beside_the_model_files_call(tmp_path):
+    """A model that fails inside a library's code (a Hugging Face forward): the error names
+    the model file's line that calls it and the library's line that failed."""
+    (tmp_path / "mylib.py").write_text("def gate(x):\n    if x.sum() > 0:\n"
+                                      "        return x\n    return -x\n")
+    path = write_model(tmp_path, "import mylib\n" + RESIDUAL.replace(
+        "return self.c(self.b(h) + x)", "return mylib.gate(self.c(self.b(h) + x))"))
+    with pytest.raises(TraceError) as info:
+        trace_model(path, batch_size=2)
+    text = str(info.value)
+    assert "(at model.py:" in text and "mylib.gate" in text, text
+    assert "mylib.py:2: if x.sum() > 0:" in text, text
+
+
 LAYERDROP = """
 class Net(nn.Module):
     def __init__(self, layerdrop):
@@ -292,6 +306,39 @@ def test_custom_autograd_functions_keep_their_backward(tmp_path):
     traced = trace_model(write_model(tmp_path, square, "square.py"), batch_size=2,
                          frontend="export", device="cpu")
     assert not any("Reverse" in n.target for n in traced.graph.nodes)
+
+
+CONVERTS_ITSELF = """
+class Router(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.classifier = nn.Linear(8, 4)
+        self.dtype = torch.float32
+
+    def forward(self, x):
+        self.classifier = self.classifier.to(self.dtype)  # SwitchTransformers' router
+        return self.classifier(x.to(self.dtype))
+
+def build_model(config=None):
+    return Router()
+
+def example_inputs(model, batch_size):
+    return (torch.randn(batch_size, 8),)
+"""
+
+
+def test_a_module_that_converts_itself_to_what_it_is_exports(tmp_path):
+    """`self.classifier = self.classifier.to(self.dtype)` in a forward changes nothing, yet
+    torch.export refused it (`Couldn't swap Linear.weight`); a conversion that changes the
+    weights is still refused."""
+    path = write_model(tmp_path, CONVERTS_ITSELF)
+    traced = trace_model(path, batch_size=2, frontend="export", device="cpu")
+    x = traced.inputs[0]
+    torch.testing.assert_close(traced.gm(x), traced.model(x))
+    changes = write_model(tmp_path, CONVERTS_ITSELF.replace("self.dtype = torch.float32",
+                                                            "self.dtype = torch.float64"), "m2.py")
+    with pytest.raises(TraceError, match="swap"):
+        trace_model(changes, batch_size=2, frontend="export", device="cpu")
 
 
 LEAFY = """

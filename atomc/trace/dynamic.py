@@ -1,11 +1,13 @@
 """What a model decides while it runs that a traced graph must keep: whether LayerDrop skips
-a layer (a random draw compared with a probability) and which backward a custom autograd
-Function runs (its own, not autograd's derivative of its forward). Used by the frontends
-while they trace (atomc.trace.frontends) and by codegen to name a kept Function."""
+a layer (a random draw compared with a probability), which backward a custom autograd
+Function runs (its own, not autograd's derivative of its forward), and whether a module that
+converts itself in its forward changes anything. Used by the frontends while they trace
+(atomc.trace.frontends) and by codegen to name a kept Function."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 import traceback
 from collections.abc import Callable, Iterator
@@ -13,7 +15,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from torch import fx
+from torch import fx, nn
 from torch.autograd.function import FunctionCtx
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
@@ -225,3 +227,26 @@ class LayerDropDecided(TorchFunctionMode):
         if func is _RAND and isinstance(out, torch.Tensor) and out.dim() == 0:
             self.draws[id(out)] = out
         return out
+
+
+@contextlib.contextmanager
+def conversions_that_change_nothing() -> Iterator[None]:
+    """A module's `.to(...)` inside a forward returns the module when it would change none of
+    its tensors (SwitchTransformers' router: `self.classifier = self.classifier.to(self.dtype)`
+    on every call). torch.export swaps each parameter for its converted self, and refuses
+    (`Couldn't swap Linear.weight`) though the conversion does nothing; one that does change
+    a tensor is left to torch (and so refused)."""
+    convert = nn.Module.to
+
+    def to(module: nn.Module, *args: object, **kwargs: object) -> nn.Module:
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if memory_format is None and all(
+                (device is None or t.device == device)
+                and (dtype is None or t.dtype == dtype
+                     or not (t.is_floating_point() or t.is_complex()))
+                for t in itertools.chain(module.parameters(), module.buffers())):
+            return module
+        return convert(module, *args, **kwargs)
+
+    with mock.patch.object(nn.Module, "to", to):
+        yield

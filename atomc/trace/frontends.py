@@ -23,7 +23,13 @@ from torch import fx, nn
 from torch.nn.utils import parametrize
 
 from atomc.errors import TraceError
-from atomc.trace.dynamic import FINAL, LayerDropDecided, functions_checked, functions_kept_whole
+from atomc.trace.dynamic import (
+    FINAL,
+    LayerDropDecided,
+    conversions_that_change_nothing,
+    functions_checked,
+    functions_kept_whole,
+)
 
 
 def layer_class(module: nn.Module) -> type:
@@ -135,7 +141,7 @@ def _quiet_torch_logs() -> Iterator[None]:
 
 
 def trace_export(model: nn.Module, inputs: tuple) -> fx.GraphModule:
-    with _quiet_torch_logs(), functions_checked():
+    with _quiet_torch_logs(), functions_checked(), conversions_that_change_nothing():
         program = torch.export.export(model, inputs, strict=False)
     gm = program.module()
     # The unlifted module carries pytree and guard plumbing; the compute graph is what we need.
@@ -178,7 +184,31 @@ def _describe(exc: BaseException, model_path: Path) -> str:
         message += (" [the model returns an object torch.export cannot flatten: return tensors, "
                     "tuples or dicts of them (for Hugging Face models pass use_cache=False)]")
     where = ""
-    for frame in traceback.extract_tb(exc.__traceback__):
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in frames:
         if Path(frame.filename).resolve() == model_path.resolve():
             where = f" (at {model_path.name}:{frame.lineno}: {(frame.line or '').strip()})"
+    # the line that failed, where it is the code of a library the model calls (a Hugging Face
+    # model's forward): the model file's own line alone names only the call into it
+    libraries = [f for f in frames if not _is_internal(f.filename)]
+    if libraries and Path(libraries[-1].filename).resolve() != model_path.resolve():
+        last = libraries[-1]
+        where += (f" (failed in {_short_path(last.filename)}:{last.lineno}: "
+                  f"{(last.line or '').strip()})")
     return message + where
+
+
+_INTERNAL = tuple(str(Path(m.__file__).resolve().parent) for m in (torch, contextlib))
+_ATOMC = str(Path(__file__).resolve().parents[1])
+
+
+def _is_internal(filename: str) -> bool:
+    """Frames of torch, of the standard library and of atomc: not where a model failed."""
+    path = str(Path(filename).resolve())
+    return path.startswith(_INTERNAL) or path.startswith(_ATOMC) or filename.startswith("<")
+
+
+def _short_path(filename: str) -> str:
+    parts = Path(filename).parts
+    return str(Path(*parts[parts.index("site-packages") + 1:])) if "site-packages" in parts \
+        else filename
