@@ -411,13 +411,14 @@ class SwarmServer(SwarmNode):
             self.master.load_original(self.initial_state)
         return "the initial weights"
 
-    def _download(self, j: int, timeout: float) -> str | None:
-        """Stage j's state from a server of it, the one furthest ahead first (None: none
-        shared it within `timeout`, or none of its servers is left)."""
+    def _download(self, j: int, timeout: float, past: int = -1) -> str | None:
+        """Stage j's state from a server of it past step `past`, the one furthest ahead first
+        (None: none shared it within `timeout`, or none such is left)."""
         deadline = time.monotonic() + timeout
         failed: dict[str, str] = {}  # sharer -> why its last try failed
         while time.monotonic() < deadline:
-            sharers = sorted(self._sharers(j), key=lambda r: (-r.step, r.peer))
+            sharers = sorted((r for r in self._sharers(j) if r.step > past),
+                             key=lambda r: (-r.step, r.peer))
             if not sharers:
                 return None
             for r in sharers:
@@ -796,7 +797,8 @@ class SwarmServer(SwarmNode):
     def _catch_up(self, ahead: list[ServerRecord]) -> None:
         """The stage moved on without us: take its state (and drop what we held of the step,
         `_adopt`)."""
-        got = self._download(self.spec.index, timeout=self.cfg.averaging_timeout_s)
+        # from a server ahead of us only: one at our step has nothing to give
+        got = self._download(self.spec.index, self.cfg.averaging_timeout_s, past=self.step)
         if got is not None:
             self.log(f"caught up to step {self.step} from {got}")
 
