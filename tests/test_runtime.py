@@ -109,6 +109,14 @@ def swap_run(trainer, batches):
     return [trainer.step(b) for b in batches]
 
 
+def fixture_package(tmp_path, name, cuts, C):
+    """(package, model file) of tests/fixtures/NAME.py traced at batch 4, cut at `cuts`."""
+    path = FIXTURES / f"{name}.py"
+    traced = trace_model(path, None, 4, device="cpu")
+    return (generate(plan_from_cuts(traced, cuts, C), tmp_path / name, traced=traced),
+            load_model_file(path))
+
+
 def assert_same(a: dict, b: dict, atol: float = 0.0) -> None:
     assert set(a) == set(b)
     for k, x in a.items():
@@ -209,10 +217,7 @@ def test_hand_written_package_skip_connections_ints_and_middle_tie():
 
 def test_buffers_updated_once_and_recomputed_as_in_the_forward(tmp_path):
     """BatchNorm running statistics (buffers) in two sub-models, with dropout between."""
-    path = FIXTURES / "bn_mlp_model.py"
-    traced = trace_model(path, None, 4, device="cpu")
-    pkg = generate(plan_from_cuts(traced, [3, 6], 3), tmp_path / "bn", traced=traced)
-    mf = load_model_file(path)
+    pkg, mf = fixture_package(tmp_path, "bn_mlp_model", [3, 6], 3)
     for offload in (False, True):
         torch.manual_seed(0)
         ref = mf.build_model()
@@ -232,10 +237,7 @@ def test_a_stashed_value_keeps_its_memory_order_for_the_recomputation(tmp_path):
     stashed on the host, the recomputation draws the forward's mask only if the stashed copy
     is laid out as the value was (dropout draws in memory order), in the first step (buffers
     made as values arrive) and after it (buffers in one arena)."""
-    path = FIXTURES / "transposed_dropout_model.py"
-    traced = trace_model(path, None, 4, device="cpu")
-    pkg = generate(plan_from_cuts(traced, [4, 7], 2), tmp_path / "td", traced=traced)
-    mf = load_model_file(path)
+    pkg, mf = fixture_package(tmp_path, "transposed_dropout_model", [4, 7], 2)
     torch.manual_seed(0)
     ref = mf.build_model()
     trainer = SwapTrainer.from_package(pkg, device="cpu", seed=2, state_dict=ref.state_dict(),
@@ -252,10 +254,7 @@ def test_weights_the_graph_never_reads_survive_checkpoints_and_export(tmp_path):
     """An unused layer, parameter and buffer of the original model, and a layer whose result
     is unused: not trained, but carried through a checkpoint and back into
     export_state_dict(), which loads with strict=True."""
-    path = FIXTURES / "unread_weights_model.py"
-    traced = trace_model(path, None, 4, device="cpu")
-    pkg = generate(plan_from_cuts(traced, [2, 4], 2), tmp_path / "spares", traced=traced)
-    mf = load_model_file(path)
+    pkg, mf = fixture_package(tmp_path, "unread_weights_model", [2, 4], 2)
     torch.manual_seed(0)
     ref = mf.build_model()
     g = torch.Generator().manual_seed(4)

@@ -221,20 +221,17 @@ class HostArena:
 
     def __init__(self, specs: Sequence[tuple[Any, ...]], pin: bool):
         self.pin = pin
+        laid = [(tuple(s[0]), s[1], tuple(s[2]) if len(s) > 2 else None) for s in specs]
         offsets, end = [], 0
-        for shape, dtype, *_ in specs:
+        for shape, dtype, _ in laid:
             start = -(-end // ARENA_ALIGN) * ARENA_ALIGN
             offsets.append(start)
-            end = start + math.prod(tuple(shape)) * dtype.itemsize
+            end = start + math.prod(shape) * dtype.itemsize
         self.nbytes = end  # what the buffers span, alignment gaps included
         self.storage = torch.zeros(end, dtype=torch.uint8, pin_memory=pin)
-        self.specs = [(tuple(shape), dtype) for shape, dtype, *_ in specs]
         self.buffers: list[torch.Tensor] = []
-        for spec, start in zip(specs, offsets):
-            shape, dtype = tuple(spec[0]), spec[1]
-            nb = math.prod(shape) * dtype.itemsize
-            flat = self.storage[start:start + nb].view(dtype)
-            strides = spec[2] if len(spec) > 2 else None
+        for (shape, dtype, strides), start in zip(laid, offsets):
+            flat = self.storage[start:start + math.prod(shape) * dtype.itemsize].view(dtype)
             self.buffers.append(flat.view(shape) if strides is None
                                 else flat.as_strided(shape, strides))
 

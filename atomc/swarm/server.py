@@ -642,7 +642,7 @@ class SwarmServer(SwarmNode):
             # the stage took the step without us (whatever we hold of it was sent again
             # elsewhere, or counted in a round we could not finish): take its state. Waiting
             # for a group while holding such gradients stalled a stage for good on a real run
-            self._catch_up(ahead)
+            self._catch_up()
             return
         if self._stage_samples(servers, excluded) < cfg.target_batch_size:
             return
@@ -794,7 +794,7 @@ class SwarmServer(SwarmNode):
         if in_use is not None:
             self._save_checkpoint({**in_use, "master": self.master.state_dict(), "step": step})
 
-    def _catch_up(self, ahead: list[ServerRecord]) -> None:
+    def _catch_up(self) -> None:
         """The stage moved on without us: take its state (and drop what we held of the step,
         `_adopt`)."""
         # from a server ahead of us only: one at our step has nothing to give

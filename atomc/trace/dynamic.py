@@ -35,11 +35,20 @@ class CustomBackward(TraceError):
 FINAL = (RandomSkip, CustomBackward)
 
 
+_INTERNAL = (*(str(Path(m.__file__).resolve().parent) for m in (torch, contextlib)),
+             str(Path(__file__).resolve().parents[1]))  # torch, the standard library, atomc
+
+
+def is_internal(filename: str) -> bool:
+    """A frame of torch, of the standard library or of atomc: not the model's own code (nor
+    a library's it calls, such as transformers)."""
+    return filename.startswith("<") or str(Path(filename).resolve()).startswith(_INTERNAL)
+
+
 def caller() -> str:
-    """The innermost line of the model's own code (not torch's, not this module's)."""
+    """The innermost line of the model's own code (or of a library it calls)."""
     for frame in reversed(traceback.extract_stack()):
-        parts = Path(frame.filename).parts
-        if "torch" not in parts and frame.filename != __file__:
+        if not is_internal(frame.filename):
             return f"{Path(frame.filename).name}:{frame.lineno} `{(frame.line or '').strip()}`"
     return "the model"
 

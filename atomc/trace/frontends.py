@@ -29,6 +29,7 @@ from atomc.trace.dynamic import (
     conversions_that_change_nothing,
     functions_checked,
     functions_kept_whole,
+    is_internal,
 )
 
 
@@ -190,22 +191,12 @@ def _describe(exc: BaseException, model_path: Path) -> str:
             where = f" (at {model_path.name}:{frame.lineno}: {(frame.line or '').strip()})"
     # the line that failed, where it is the code of a library the model calls (a Hugging Face
     # model's forward): the model file's own line alone names only the call into it
-    libraries = [f for f in frames if not _is_internal(f.filename)]
+    libraries = [f for f in frames if not is_internal(f.filename)]
     if libraries and Path(libraries[-1].filename).resolve() != model_path.resolve():
         last = libraries[-1]
         where += (f" (failed in {_short_path(last.filename)}:{last.lineno}: "
                   f"{(last.line or '').strip()})")
     return message + where
-
-
-_INTERNAL = tuple(str(Path(m.__file__).resolve().parent) for m in (torch, contextlib))
-_ATOMC = str(Path(__file__).resolve().parents[1])
-
-
-def _is_internal(filename: str) -> bool:
-    """Frames of torch, of the standard library and of atomc: not where a model failed."""
-    path = str(Path(filename).resolve())
-    return path.startswith(_INTERNAL) or path.startswith(_ATOMC) or filename.startswith("<")
 
 
 def _short_path(filename: str) -> str:
