@@ -411,17 +411,18 @@ def main() -> int:
           f"torch {torch.__version__}, {platform.node()}, {time.strftime('%Y-%m-%d %H:%M')}")
     h2d_peak, d2h_peak = pinned_copy_gbps(device)
     rows = []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="atomc-swap-bench-") as tmp:
         for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
             rows.append(bench_config(config, args, Path(tmp)))
-    report(rows, h2d_peak, d2h_peak)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": name, "torch": torch.__version__,
-                               "h2d_peak_gbps": h2d_peak, "d2h_peak_gbps": d2h_peak,
-                               "args": dict(vars(args)),
-                               "rows": rows}, indent=1, default=str))
-    print(f"\nwrote {out}")
+            # reported after each config: a lease that ends mid-run keeps what was measured
+            report(rows, h2d_peak, d2h_peak)
+            out.write_text(json.dumps({"device": name, "torch": torch.__version__,
+                                       "h2d_peak_gbps": h2d_peak, "d2h_peak_gbps": d2h_peak,
+                                       "args": dict(vars(args)),
+                                       "rows": rows}, indent=1, default=str))
+            print(f"\nwrote {out}")
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 0

@@ -203,3 +203,37 @@ def test_loss_working_memory_rides_on_the_output_node_and_nothing_leaks():
     assert _loss_costs(traced, torch.device("cpu"), 1)[2:] == (out.peak_fwd_bytes,
                                                                out.peak_bwd_bytes)
     assert live_bytes() == before
+
+
+def test_backward_shares_the_engine_calls_fixed_cost_out(monkeypatch):
+    """A model's backward pays autograd's fixed cost per call once for all its operators, so a
+    small operator's backward goes through one call with copies of itself (their own inputs
+    and parameters: no gradient summed across them), not one call each."""
+    import sys
+    import time
+
+    import torch
+
+    from atomc.profile.measure import measure
+    from atomc.profile.ops import analyse
+
+    traced = trace_model(EXAMPLES / "gpt.py", "tiny", 1, device="cpu")
+    node = next(n for n in traced.gm.graph.nodes if n.name == "h_0_ln_1")
+    grad = torch.autograd.grad
+    fixed_ms, seen = 0.25, []
+
+    def slow_grad(outputs, inputs, *args, **kwargs):
+        until = time.perf_counter() + fixed_ms / 1e3
+        while time.perf_counter() < until:  # sleep() overshoots by more than this
+            pass
+        seen.append(len(inputs))
+        return grad(outputs, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", slow_grad)
+    # up to 32 copies (the module, not atomc.profile's function of the same name)
+    monkeypatch.setattr(sys.modules["atomc.profile.measure"], "SAMPLE_MS", 10.0)
+    stats = analyse(traced.gm, node, traced.values)
+    m = measure(traced.gm, node, traced.values, stats, torch.device("cpu"), repeats=3)
+    assert m.bwd_ms < 0.5 * fixed_ms
+    # a LayerNorm differentiates its input, weight and bias: several copies went through a call
+    assert max(seen) >= 2 * 3 and max(seen) % 3 == 0

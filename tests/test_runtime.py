@@ -622,6 +622,7 @@ def test_norm_weights_stay_float32_in_a_bfloat16_image(gpt_traced, pkg_root):
     full = set(trainer.package.full_precision)
     assert full and all(".ln_" in k or k.startswith("ln_f.") for k in full)
     trainer.step(gpt_batches(1, 2)[0])
+    trainer.wait()  # step() returns with the last sub-models' updates still running on their thread
     store = trainer.store
     for i, L in enumerate(store.layouts):
         assert store.image[i].dtype == torch.bfloat16
