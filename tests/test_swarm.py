@@ -258,6 +258,26 @@ def test_router_weighted_round_robin_and_bans() -> None:
     assert r.servers(0) == ["b"]
 
 
+def test_router_keeps_a_bound_of_calls_in_flight_per_server() -> None:
+    """A trainer's calls wait for a server rather than queue at the servers known when they
+    were sent: a server that joins mid-step gets the calls still to come, and a killed one
+    takes no more than the bound with it."""
+    from atomc.swarm.client import FULL
+
+    r = Router(1)
+    r.refresh([ServerRecord(p, p, 0, 0, 0, 1.0, 0, "x", 0.0) for p in ("a", "b")])
+    assert sorted(r.choose(0, 1, now=0.0, limit=1) for _ in range(2)) == ["a", "b"]
+    assert r.choose(0, 1, now=0.0, limit=1) == FULL  # both busy: the call waits
+    r.refresh([ServerRecord(p, p, 0, 0, 0, 1.0, 0, "x", 0.0) for p in ("a", "b", "c")])
+    assert r.choose(0, 1, now=0.0, limit=1) == "c"  # a newcomer takes it
+    r.answered(0, "a")
+    assert r.choose(0, 1, now=0.0, limit=1) == "a"
+    assert r.choose(0, 1, now=0.0, limit=2) in ("a", "b", "c")  # a higher bound: room again
+    r.drop(0, "b")
+    r.answered(0, "b")  # a call to a server that left ends: nothing to count
+    assert r.choose(0, 1, now=0.0, avoid={"a", "c"}, limit=1) is None  # no server to try
+
+
 def test_router_learns_attempts_and_drops_a_server_that_left_its_stage() -> None:
     r = Router(2)
     rec = ServerRecord("a", "a", 0, 0, 0, 1.0, 0, "x", 5.0, attempt=2)
@@ -335,6 +355,7 @@ def test_a_trainer_calls_again_with_the_servers_attempt_and_routes_around_a_move
     monkeypatch.setattr(client.PeerID, "from_base58", lambda s: s)
     monkeypatch.setattr(client.SwarmServicer, "get_stub", lambda p2p, peer, namespace:
                         SimpleNamespace(rpc_backward=SimpleNamespace(peer=peer)))
+    trainer._answered = asyncio.Condition()
     with pytest.raises(PeerError, match="no server of stage 0"):
         asyncio.run(trainer._call(0, "backward", 0, 0, (torch.zeros(1),), 1, {}))
     assert named == [("a", 0), ("b", 0), ("b", 2)]  # moved: routed on; stale: its attempt
@@ -346,6 +367,7 @@ def test_a_trainer_calls_again_with_the_servers_attempt_and_routes_around_a_move
     named.clear()
     trainer.router.refresh([ServerRecord("b", "b", 0, 0, 0, 1.0, 0, "x", 2.0, attempt=2)])
     trainer.router.learn_attempt(0, "b", 3)
+    trainer._answered = asyncio.Condition()
     with pytest.raises(PeerError, match="no server of stage 0"):
         asyncio.run(trainer._call(0, "backward", 0, 0, (torch.zeros(1),), 1, {}))
     assert named == [("b", 3)] * client.STALE_TRUST + [("b", 2)]

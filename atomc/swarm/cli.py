@@ -83,6 +83,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds a server has to answer one call (default 30)")
     t.add_argument("--servers-timeout", type=float, default=60.0,
                    help="seconds to wait for a server of every stage (default 60)")
+    t.add_argument("--max-in-flight", type=int, default=2,
+                   help="calls this trainer keeps unanswered at one server (default 2: one "
+                        "running, one queued; more where a round trip outlasts a call)")
     t.add_argument("--data", choices=("counting", "random"), default="counting",
                    help="counting sequences (learnable) or the model file's example_inputs")
     t.add_argument("--data-seed", type=int, default=0)
@@ -172,7 +175,7 @@ def run_train(args: argparse.Namespace) -> int:
         package=args.package, num_stages=args.stages, prefix=args.prefix, **_addresses(args),
         micro_batch_size=args.micro_batch_size, compress=args.compress,
         request_timeout_s=args.request_timeout, connect_timeout_s=args.connect_timeout,
-        servers_timeout_s=args.servers_timeout, name=name),
+        servers_timeout_s=args.servers_timeout, max_in_flight=args.max_in_flight, name=name),
         log=lambda s: print(f"[{name}] {s}", file=sys.stderr, flush=True))
     try:
         size = trainer.micro_batch_size

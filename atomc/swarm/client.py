@@ -5,7 +5,12 @@ output: one optimizer step of every stage per global batch; the step's loss
 
 Routing is SWARM's Algorithm 1 (`Router`): per stage, servers keyed by the work routed to them,
 each use adding its EMA time per sample times the samples sent, the least keyed taken (an
-interleaved weighted round robin: a server twice as fast gets twice the micro-batches). A
+interleaved weighted round robin: a server twice as fast gets twice the micro-batches), among
+the servers with fewer than `max_in_flight` of our calls unanswered; a call finding every
+server of its stage at that bound waits for one to answer. Without the bound a step's calls
+queued at the servers known when they were sent: a server that joined mid-step sat idle
+for 10 s while the slow ones worked through their queues, and a killed server took its queue
+with it. A
 call that fails or times out bans its server with exponential backoff, until it announces a
 new incarnation, and the micro-batch goes to another server of the stage (a refusal that is
 no fault bans nothing: a server that moved is routed around, one whose attempt moved on is
@@ -30,6 +35,7 @@ micro-batch: one that does not is not excluded for it.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,6 +78,7 @@ class TrainConfig:
     step_timeout_s: float = 600.0
     ban_s: float = 1.0  # first ban; doubles with each further failure
     ban_max_s: float = 60.0  # up to this (a server back from a fault is tried again)
+    max_in_flight: int = 2  # our unanswered calls per server (one running, one queued)
     name: str = ""
 
 
@@ -83,6 +90,10 @@ class _Server:
     failures: int = 0
     started: float = 0.0  # the incarnation banned
     attempt: int = 0  # its attempt at the step, as last announced (atomc.swarm.records)
+    in_flight: int = 0  # our calls to it not answered yet
+
+
+FULL = ""  # Router.choose: every server of the stage has its bound of calls in flight
 
 
 class Router:
@@ -119,20 +130,33 @@ class Router:
     def servers(self, stage: int) -> list[str]:
         return sorted(self.stages[stage])
 
-    def choose(self, stage: int, samples: int, now: float, avoid: set[str] = frozenset()
-               ) -> str | None:
+    def choose(self, stage: int, samples: int, now: float, avoid: set[str] = frozenset(),
+               limit: int | None = None) -> str | None:
+        """The server for a call of `samples` (its call counted in flight until `answered`);
+        None if the stage has none to try, FULL if each has `limit` calls in flight."""
         queue = self.stages[stage]
         cands = [p for p in queue if p not in avoid]
         open_ = [p for p in cands if queue[p].banned_until <= now]
         pool = open_ or cands  # every server banned: try them anyway rather than stop
         if not pool:
             return None
+        if limit is not None:
+            pool = [p for p in pool if queue[p].in_flight < limit]
+            if not pool:
+                return FULL
         peer = min(pool, key=lambda p: (queue[p].priority, p))
         s = queue[peer]
         known = [x.ema for x in queue.values() if x.ema is not None]
         ema = s.ema if s.ema is not None else (sum(known) / len(known) if known else 1.0)
         s.priority += ema * samples
+        s.in_flight += 1
         return peer
+
+    def answered(self, stage: int, peer: str) -> None:
+        """A call `choose` sent to `peer` ended (answered, failed or given up)."""
+        s = self.stages[stage].get(peer)
+        if s is not None:  # (dropped and seen again since: counted anew from 0)
+            s.in_flight = max(0, s.in_flight - 1)
 
     def banned_for(self, stage: int, peer: str, now: float) -> float:
         s = self.stages[stage].get(peer)
@@ -195,6 +219,9 @@ class SwarmTrainer(SwarmNode):
     """One trainer (see the module docstring)."""
 
     def __init__(self, cfg: TrainConfig, log: Callable[[str], None] = print):
+        if cfg.max_in_flight < 1:
+            raise UsageError(f"--max-in-flight {cfg.max_in_flight}: a trainer needs at least "
+                             f"one call in flight per server")
         super().__init__(cfg.package, cfg.num_stages, cfg.initial_peers, cfg.host_maddrs,
                          cfg.announce_maddrs, cfg.connect_timeout_s, "trainer")
         self.cfg = cfg
@@ -247,7 +274,7 @@ class SwarmTrainer(SwarmNode):
         future = asyncio.run_coroutine_threadsafe(self._step(self.step_count, micro), self.loop)
         try:
             stats = future.result(self.cfg.step_timeout_s)
-        except TimeoutError:
+        except concurrent.futures.TimeoutError:  # (TimeoutError itself from Python 3.11)
             future.cancel()
             raise PeerError(f"step {self.step_count} did not finish within "
                             f"{self.cfg.step_timeout_s:.0f} s; see the servers' logs") from None
@@ -258,6 +285,7 @@ class SwarmTrainer(SwarmNode):
         t0 = time.monotonic()
         self._stats = StepStats(0.0, 0.0)
         self._held: dict[tuple[int, int], _Held] = {}
+        self._answered = asyncio.Condition()  # a call ended, or the routes were read again
         total = self.cfg.global_micro or len(micro)
         refresher = asyncio.create_task(self._refresh_routes())
         try:
@@ -282,6 +310,8 @@ class SwarmTrainer(SwarmNode):
                 self.router.refresh(await loop.run_in_executor(None, self._records))
             except Exception as e:  # noqa: BLE001 - the calls themselves read and raise again
                 self.log(f"reading the servers failed ({type(e).__name__}: {e}); routes kept")
+            async with self._answered:  # a newcomer takes calls waiting for a server
+                self._answered.notify_all()
 
     async def _micro(self, k: int, g: int, batch: tuple, total: int) -> float:
         S = self.cfg.num_stages
@@ -318,7 +348,14 @@ class SwarmTrainer(SwarmNode):
         stale = 0  # calls refused for naming another attempt than the server's
         while True:
             now = time.monotonic()
-            peer = self.router.choose(j, samples, now, avoid)
+            peer = self.router.choose(j, samples, now, avoid, cfg.max_in_flight)
+            if peer == FULL:
+                async with self._answered:
+                    try:
+                        await asyncio.wait_for(self._answered.wait(), ROUTES_S)
+                    except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
+                        pass
+                continue
             if peer is None:
                 if now > deadline:
                     raise PeerError(f"no server of stage {j} under DHT prefix {cfg.prefix!r} "
@@ -328,20 +365,25 @@ class SwarmTrainer(SwarmNode):
                 self.router.refresh(records)
                 avoid.clear()  # every server failed once: they may have come back
                 continue
-            wait = self.router.banned_for(j, peer, now)
-            if wait > 0:  # every server of the stage is banned: not faster than a second
-                await asyncio.sleep(min(wait, 1.0))
-            stub = SwarmServicer.get_stub(self.p2p, PeerID.from_base58(peer),
-                                          namespace=cfg.prefix)
-            method = stub.rpc_forward if kind == "forward" else stub.rpc_backward
-            # a backward names the server's attempt its gradients go to (atomc.swarm.records)
-            attempt = self.router.attempt(j, peer)
-            request.uid = str(attempt)
-            t0 = time.monotonic()
-            self._stats.calls += 1
             try:
-                response = await asyncio.wait_for(
-                    self._exchange(method, request), cfg.request_timeout_s)
+                try:
+                    wait = self.router.banned_for(j, peer, now)
+                    if wait > 0:  # every server of the stage is banned: not faster than 1 s
+                        await asyncio.sleep(min(wait, 1.0))
+                    stub = SwarmServicer.get_stub(self.p2p, PeerID.from_base58(peer),
+                                                  namespace=cfg.prefix)
+                    method = stub.rpc_forward if kind == "forward" else stub.rpc_backward
+                    # a backward names the server's attempt its gradients go to (records)
+                    attempt = self.router.attempt(j, peer)
+                    request.uid = str(attempt)
+                    t0 = time.monotonic()
+                    self._stats.calls += 1
+                    response = await asyncio.wait_for(
+                        self._exchange(method, request), cfg.request_timeout_s)
+                finally:
+                    self.router.answered(j, peer)
+                    async with self._answered:
+                        self._answered.notify_all()
             except Exception as e:  # noqa: BLE001 - any failure of a remote call: route elsewhere
                 self._stats.retries += 1
                 if isinstance(e, Refused) and e.elsewhere:
