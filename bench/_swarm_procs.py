@@ -54,6 +54,17 @@ class Procs:
             time.sleep(0.1)
         return path.read_text().split()[0]
 
+    def wait_entered(self, name: str, metrics: Path, timeout_s: float = 90.0) -> None:
+        """Until server `name` serves its stage (its "enter" line in `metrics`): a server
+        writes its address before it has its stage's state, and one that failed to get it
+        exits; a run that went on without it measured a swarm it did not mean to."""
+        proc, deadline = self.procs[name], time.monotonic() + timeout_s
+        while not any(x.get("server") == name and x.get("event") == "enter"
+                      for x in lines(metrics)):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not enter its stage:\n{self.log(name)}")
+            time.sleep(0.1)
+
     def log(self, name: str) -> str:
         p = self.d / f"{name}.log"
         return p.read_text()[-3000:] if p.is_file() else ""

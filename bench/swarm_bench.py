@@ -321,6 +321,7 @@ def churn_run(args: argparse.Namespace, pkg: Path, d: Path, churn: Churn, policy
                 serve(n, first)
         for n in names:
             procs.wait_file(n, d / f"{n}.addr")
+            procs.wait_entered(n, d / "servers.jsonl")
         procs.atomc("trainer", [
             "swarm", "train", str(pkg), "--stages", str(args.stages), "--steps", "1000000",
             "--batch-size", str(args.batch), "--data", "random", "--initial-peers", first,

@@ -296,6 +296,32 @@ def test_router_learns_attempts_and_drops_a_server_that_left_its_stage() -> None
     assert r.servers(1) == ["a"] and r.banned_for(1, "a", now=0.0) == 0.0
 
 
+def test_a_server_takes_the_state_of_one_that_entered_its_stage_while_it_looked() -> None:
+    """Servers started together: the first look at the stage found none (a server announces
+    itself once it holds its state), the second found one. The newcomer downloads from it; it
+    refused with "none shared its state" without asking, and a bench run went on without it."""
+    from types import SimpleNamespace
+
+    from atomc.swarm.server import SwarmServer
+
+    a = ServerRecord("pa", "a", 0, 0, 0, 1.0, 0, "x", 1.0)
+    reads = iter([[], [a], [a]])
+    server = object.__new__(SwarmServer)
+    server.peer = "pc"
+    server.cfg = SimpleNamespace(connect_timeout_s=20.0, checkpoint_dir=None)
+    server.roster = lambda prefix: SimpleNamespace(read=lambda: next(reads))
+    server.cfg.prefix = "p"
+    asked = []
+
+    def download(j, timeout, past=-1):
+        asked.append((j, [r.name for r in server._sharers(j, [a])]))
+        return "server a (step 0)"
+
+    server._download = download
+    assert server._load_state(0) == "server a (step 0)"
+    assert asked == [(0, ["a"])]
+
+
 def test_refusals_say_whether_the_server_moved_or_which_attempt_it_is_on() -> None:
     from atomc.errors import PeerError
     from atomc.swarm.wire import NotHere, Refused, WrongAttempt, check_refusal, refusal
@@ -465,6 +491,13 @@ def test_call_time_averages_a_window_of_calls_and_skips_the_first() -> None:
     for _ in range(300):  # ... and a lasting change takes over within a few windows
         t.add(0.2, 2)
     assert t.per_sample() == pytest.approx(0.1, rel=0.01)
+    early = CallTime(window_s=10.0)
+    for _ in range(20):  # 4 s of calls: an estimate, not yet one to keep for the stage
+        early.add(0.2, 2)
+    assert early.per_sample() is not None and not early.settled
+    for _ in range(20):  # about 7 s of calls, decayed to half a window
+        early.add(0.2, 2)
+    assert early.settled and t.settled
 
 
 def test_roster_keeps_a_record_a_read_missed_until_it_expires(monkeypatch) -> None:

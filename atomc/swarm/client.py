@@ -365,6 +365,9 @@ class SwarmTrainer(SwarmNode):
                 self.router.refresh(records)
                 avoid.clear()  # every server failed once: they may have come back
                 continue
+            # a backward names the server's attempt its gradients go to (atomc.swarm.records)
+            attempt = self.router.attempt(j, peer)
+            request.uid = str(attempt)
             try:
                 try:
                     wait = self.router.banned_for(j, peer, now)
@@ -373,14 +376,11 @@ class SwarmTrainer(SwarmNode):
                     stub = SwarmServicer.get_stub(self.p2p, PeerID.from_base58(peer),
                                                   namespace=cfg.prefix)
                     method = stub.rpc_forward if kind == "forward" else stub.rpc_backward
-                    # a backward names the server's attempt its gradients go to (records)
-                    attempt = self.router.attempt(j, peer)
-                    request.uid = str(attempt)
                     t0 = time.monotonic()
                     self._stats.calls += 1
                     response = await asyncio.wait_for(
                         self._exchange(method, request), cfg.request_timeout_s)
-                finally:
+                finally:  # its place in flight is free, whatever became of the call
                     self.router.answered(j, peer)
                     async with self._answered:
                         self._answered.notify_all()

@@ -166,6 +166,14 @@ class CallTime:
     def per_sample(self) -> float | None:
         return self.seconds / self.samples if self.samples else None
 
+    @property
+    def settled(self) -> bool:
+        """Whether the estimate rests on half a window of calls: a stage's rate kept for later
+        (`SwarmServer.served`) must. A server that moved after a few calls kept its warm-up's
+        rate for that stage, a third of its real one, and with it every later plan counted
+        it a slow server there: after a kill a run sat 60 s at 84% of the best assignment."""
+        return self.seconds >= self.window_s / 2
+
 
 class SwarmServicer(ServicerBase):
     """The p2p handlers; the work is the server's."""
@@ -306,7 +314,7 @@ class SwarmServer(SwarmNode):
         if self.stage is not None:  # moving: what it measured there before stands in, or
             # what it measured on its last stage at the new stage's cost
             old = self._measured_rate()
-            if old is not None:
+            if old is not None and all(t.settled for t in self.call_time.values()):
                 self.served[self.spec.index] = old
             old = old or self.carried_rate
             self.carried_rate = self.served.get(j) or (
@@ -390,6 +398,13 @@ class SwarmServer(SwarmNode):
 
             self._adopt(dict(load_checkpoint(ckpt)))
             return f"checkpoint {ckpt}"
+        if self._sharers(j):
+            # one entered the stage since we looked (servers started together: a server
+            # announces itself once it holds its stage's state, so the first look found none
+            # and this one refused with no download tried, in a bench run)
+            got = self._download(j, timeout=self.cfg.connect_timeout_s)
+            if got is not None:
+                return got
         peers = self._sharers(j)  # the download stops when the last of them is gone
         if peers:
             raise PeerError(f"stage {j} has servers ({', '.join(p.name or p.peer for p in peers)})"
