@@ -297,29 +297,29 @@ def test_router_learns_attempts_and_drops_a_server_that_left_its_stage() -> None
 
 
 def test_a_server_takes_the_state_of_one_that_entered_its_stage_while_it_looked() -> None:
-    """Servers started together: the first look at the stage found none (a server announces
-    itself once it holds its state), the second found one. The newcomer downloads from it; it
-    refused with "none shared its state" without asking, and a bench run went on without it."""
+    """Servers started together: a server announces itself once it holds its stage's state,
+    so the first look finds none and a later one a server, which shares when asked. The error
+    "none shared its state" came from another look at the stage than the download's, with no
+    download tried, and a bench run went on without the server. Only a download that asked
+    and got nothing in time refuses."""
     from types import SimpleNamespace
 
-    from atomc.swarm.server import SwarmServer
+    from atomc.swarm.server import StateNotShared, SwarmServer
 
-    a = ServerRecord("pa", "a", 0, 0, 0, 1.0, 0, "x", 1.0)
-    reads = iter([[], [a], [a]])
     server = object.__new__(SwarmServer)
     server.peer = "pc"
-    server.cfg = SimpleNamespace(connect_timeout_s=20.0, checkpoint_dir=None)
-    server.roster = lambda prefix: SimpleNamespace(read=lambda: next(reads))
-    server.cfg.prefix = "p"
-    asked = []
+    server.cfg = SimpleNamespace(connect_timeout_s=20.0, checkpoint_dir=None, prefix="p")
+    server.roster = lambda prefix: SimpleNamespace(read=lambda: [])
+    answers = iter([None, "server d (step 0)"])  # no one to ask; then d, entered meanwhile
+    server._download = lambda j, timeout, past=-1: next(answers)
+    assert server._load_state(1) == "server d (step 0)"
 
-    def download(j, timeout, past=-1):
-        asked.append((j, [r.name for r in server._sharers(j, [a])]))
-        return "server a (step 0)"
+    def unshared(j, timeout, past=-1):
+        raise StateNotShared("stage 1 has servers (d) but none shared its state within 20 s")
 
-    server._download = download
-    assert server._load_state(0) == "server a (step 0)"
-    assert asked == [(0, ["a"])]
+    server._download = unshared
+    with pytest.raises(StateNotShared, match="servers \\(d\\)"):
+        server._load_state(1)
 
 
 def test_refusals_say_whether_the_server_moved_or_which_attempt_it_is_on() -> None:

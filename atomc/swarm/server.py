@@ -143,6 +143,10 @@ class ServeConfig:
                              "does not fit in memory once; choose one of the two")
 
 
+class StateNotShared(PeerError):
+    """Servers of the stage were there, and none shared its state in time."""
+
+
 class CallTime:
     """Time per sample of one kind of call, over about the last `window_s` seconds spent in
     such calls: time and samples each decay by exp(-t / window_s) as t seconds of calls pass.
@@ -387,29 +391,27 @@ class SwarmServer(SwarmNode):
 
     def _load_state(self, j: int) -> str:
         records = self.roster(self.cfg.prefix).read()
-        peers = self._sharers(j, records)
-        if peers:
+        unshared: StateNotShared | None = None
+        try:
             got = self._download(j, timeout=self.cfg.connect_timeout_s)
             if got is not None:
                 return got
+        except StateNotShared as e:  # a checkpoint may still hold the stage's state
+            unshared = e
         ckpt = self._checkpoint_path(j)
         if ckpt is not None and ckpt.is_file():
             from atomc.runtime.checkpoint import load_checkpoint
 
             self._adopt(dict(load_checkpoint(ckpt)))
             return f"checkpoint {ckpt}"
-        if self._sharers(j):
-            # one entered the stage since we looked (servers started together: a server
-            # announces itself once it holds its stage's state, so the first look found none
-            # and this one refused with no download tried, in a bench run)
-            got = self._download(j, timeout=self.cfg.connect_timeout_s)
-            if got is not None:
-                return got
-        peers = self._sharers(j)  # the download stops when the last of them is gone
-        if peers:
-            raise PeerError(f"stage {j} has servers ({', '.join(p.name or p.peer for p in peers)})"
-                            f" but none shared its state within {self.cfg.connect_timeout_s:.0f} "
-                            f"s; check that they are alive, or give --checkpoint-dir")
+        if unshared is not None:
+            raise unshared
+        # servers started together: one that has its state announces itself, so a first
+        # look may find none and a later one a server; asked again, it shares (the error
+        # came from another look at the stage than the one that decided, in a bench run)
+        got = self._download(j, timeout=self.cfg.connect_timeout_s)
+        if got is not None:
+            return got
         trained = max((r.step for r in records if r.peer != self.peer), default=0)
         if trained > 0:
             # the swarm has trained, and nothing holds this stage's state: starting it afresh
@@ -428,9 +430,11 @@ class SwarmServer(SwarmNode):
 
     def _download(self, j: int, timeout: float, past: int = -1) -> str | None:
         """Stage j's state from a server of it past step `past`, the one furthest ahead first
-        (None: none shared it within `timeout`, or none such is left)."""
+        (None: there is no such server, or none is left); StateNotShared if none shared it
+        within `timeout`."""
         deadline = time.monotonic() + timeout
         failed: dict[str, str] = {}  # sharer -> why its last try failed
+        sharers: list[ServerRecord] = []
         while time.monotonic() < deadline:
             sharers = sorted((r for r in self._sharers(j) if r.step > past),
                              key=lambda r: (-r.step, r.peer))
@@ -459,7 +463,10 @@ class SwarmServer(SwarmNode):
                 self._adopt(state)
                 return f"server {meta.get('name') or '?'} (step {meta['step']})"
             time.sleep(0.3)
-        return None
+        raise StateNotShared(f"stage {j} has servers "
+                             f"({', '.join(r.name or r.peer for r in sharers)}) but none shared "
+                             f"its state within {timeout:.0f} s; check that they are alive, or "
+                             f"give --checkpoint-dir")
 
     async def _ask_state(self, peer: str, j: int) -> Any:
         stub = SwarmServicer.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.cfg.prefix)
@@ -813,7 +820,11 @@ class SwarmServer(SwarmNode):
         """The stage moved on without us: take its state (and drop what we held of the step,
         `_adopt`)."""
         # from a server ahead of us only: one at our step has nothing to give
-        got = self._download(self.spec.index, self.cfg.averaging_timeout_s, past=self.step)
+        try:
+            got = self._download(self.spec.index, self.cfg.averaging_timeout_s, past=self.step)
+        except StateNotShared as e:  # the serving loop tries again at its next look
+            self.log(f"catching up: {e}")
+            return
         if got is not None:
             self.log(f"caught up to step {self.step} from {got}")
 
