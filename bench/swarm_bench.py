@@ -325,7 +325,9 @@ def churn_run(args: argparse.Namespace, pkg: Path, d: Path, churn: Churn, policy
         procs.atomc("trainer", [
             "swarm", "train", str(pkg), "--stages", str(args.stages), "--steps", "1000000",
             "--batch-size", str(args.batch), "--data", "random", "--initial-peers", first,
-            "--metrics", str(d / "trainer.jsonl"), "--request-timeout", "20"])
+            "--metrics", str(d / "trainer.jsonl"), "--request-timeout", "20",
+            # a static assignment may leave a stage empty for a phase: the trainer waits
+            "--servers-timeout", str(args.duration)])
         deadline = time.monotonic() + 180
         while not lines(d / "trainer.jsonl"):
             if procs.procs["trainer"].poll() is not None or time.monotonic() > deadline:

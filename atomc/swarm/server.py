@@ -170,14 +170,6 @@ class CallTime:
     def per_sample(self) -> float | None:
         return self.seconds / self.samples if self.samples else None
 
-    @property
-    def settled(self) -> bool:
-        """Whether the estimate rests on half a window of calls: a stage's rate kept for later
-        (`SwarmServer.served`) must. A server that moved after a few calls kept its warm-up's
-        rate for that stage, a third of its real one, and with it every later plan counted
-        it a slow server there: after a kill a run sat 60 s at 84% of the best assignment."""
-        return self.seconds >= self.window_s / 2
-
 
 class SwarmServicer(ServicerBase):
     """The p2p handlers; the work is the server's."""
@@ -318,7 +310,7 @@ class SwarmServer(SwarmNode):
         if self.stage is not None:  # moving: what it measured there before stands in, or
             # what it measured on its last stage at the new stage's cost
             old = self._measured_rate()
-            if old is not None and all(t.settled for t in self.call_time.values()):
+            if old is not None:
                 self.served[self.spec.index] = old
             old = old or self.carried_rate
             self.carried_rate = self.served.get(j) or (
