@@ -349,7 +349,8 @@ class SwarmTrainer(SwarmNode):
         while True:
             now = time.monotonic()
             peer = self.router.choose(j, samples, now, avoid, cfg.max_in_flight)
-            if peer == FULL:
+            if peer == FULL:  # the stage has servers, all busy: no "no server" time runs
+                deadline = time.monotonic() + cfg.servers_timeout_s
                 async with self._answered:
                     try:
                         await asyncio.wait_for(self._answered.wait(), ROUTES_S)
