@@ -90,15 +90,12 @@ def _backward_ms(gm: fx.GraphModule, node: fx.Node, values: dict[str, Any], stat
 
 
 def _grad_of_all(calls: list[OpCall]) -> Callable[[], Any]:
-    """One backward through the graphs of all `calls` (run once here), repeatable."""
+    """One backward through the graphs of all `calls` (run once here), repeatable: the
+    operator's `backward_fn`, over every copy's outputs and inputs together."""
     outputs = [t for c in calls for t in differentiable_outputs(c.fn())]
-    targets = [t for c in calls for t in c.grad_inputs if t.requires_grad]
-    grads = [torch.ones_like(t) for t in outputs]
-
-    def fn() -> Any:
-        return torch.autograd.grad(outputs, targets, grads, retain_graph=True, allow_unused=True)
-
-    return fn
+    together = OpCall(fn=calls[0].fn, grad_inputs=[t for c in calls for t in c.grad_inputs],
+                      params=[], input_bytes=0, param_bytes=0)
+    return backward_fn(together, outputs)
 
 
 _HARNESS_MS: dict[str, float] = {}
