@@ -34,7 +34,11 @@ SCHEMA_VERSION = 1
 def to_data(obj: Any) -> Any:
     """Plain JSON data for a dataclass tree (tuples become lists)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_data(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        # fields a class names OPTIONAL are written only when set, so that data without
+        # them (and data written before they existed) reads and hashes as before
+        skip = getattr(obj, "OPTIONAL", ())
+        return {f.name: to_data(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if not (f.name in skip and getattr(obj, f.name) is None)}
     if isinstance(obj, (list, tuple)):
         return [to_data(x) for x in obj]
     if isinstance(obj, dict):
@@ -109,15 +113,10 @@ class Document:
     """A top-level IR type written to its own JSON file."""
 
     KIND: ClassVar[str] = ""
-    # fields written only when not None, so that a document without them (and one written
-    # before they existed) reads and hashes as before
-    OPTIONAL: ClassVar[tuple[str, ...]] = ()
+    OPTIONAL: ClassVar[tuple[str, ...]] = ()  # written only when not None (see to_data)
 
     def to_json(self) -> dict[str, Any]:
         data = to_data(self)
-        for name in self.OPTIONAL:
-            if data.get(name) is None:
-                data.pop(name, None)
         return {"kind": self.KIND, "schema_version": SCHEMA_VERSION, **data}
 
     @classmethod
@@ -243,7 +242,25 @@ class HardwareProfile:
 
 
 @dataclass(frozen=True)
+class IssueTimes:
+    """A node's time on a device that runs behind the host (CUDA), its two sides apart.
+
+    The host issues work ahead of the device: a run of operators whose kernels are long lets
+    the host's issuing of the next ones hide behind them, and operators whose issuing is the
+    longer leave the device idle between kernels. `NodeCost.fwd_ms` is the longer of the two
+    alone; a range of nodes costs what the two sides take in a queue (partition.cost).
+    """
+
+    device_fwd_ms: float
+    device_bwd_ms: float
+    host_fwd_ms: float
+    host_bwd_ms: float
+
+
+@dataclass(frozen=True)
 class NodeCost:
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("issue",)
+
     name: str
     param_bytes: int  # bytes of parameters first used here (a tied weight counts once)
     output_bytes: int
@@ -257,6 +274,9 @@ class NodeCost:
     fwd_flops: int
     bwd_flops: int
     source: str  # "measured", "reused" (same signature measured elsewhere) or "estimated"
+    # measured on CUDA: device and host time apart (None: on the CPU, where the two are one,
+    # in estimates, and in calibrated profiles, whose times are fitted to whole sub-models)
+    issue: IssueTimes | None = None
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ from atomc.simulate import LANES
 from atomc.trace import trace_model
 
 MODEL = ROOT / "examples" / "gpt.py"
-PLANS = ((1, 8), (2, 12), (4, 20))  # (C, GPU memory in MiB): 10, 5 and 3 sub-models
+PLANS = ((1, 8), (2, 12), (4, 20))  # (C, GPU memory in MiB): 13-15 sub-models each (slot cap)
 
 
 def busy_cpu_s() -> float:

@@ -13,8 +13,9 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log
     || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c 'import torch; print("torch", torch.__version__)'
+# shellcheck disable=SC2086 # GPU_TESTS: several paths
 timeout "${GPU_TESTS_S:-240}" python3 -m pytest -m gpu -q -s -p no:cacheprovider \
-    tests/gpu tests/test_codegen.py tests/test_runtime_costs.py 2>&1 | tee "$OUT/gpu_tests.log" \
-    | grep -E "passed|failed|error|operators sum|FAILED|Error" | tail -40
+    ${GPU_TESTS:-tests/gpu tests/test_codegen.py tests/test_runtime_costs.py} 2>&1 | tee "$OUT/gpu_tests.log" \
+    | grep -E "passed|failed|error|operators sum|host AdamW|FAILED|Error" | tail -40
 timeout "${BENCH_S:-300}" python3 bench/swap_bench.py --out "$OUT/swap_bench.json" "$@" \
     2>&1 | tee "$OUT/swap_bench.log" | tail -60

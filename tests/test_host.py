@@ -35,8 +35,8 @@ def measured(monkeypatch):
     """Replace the benchmark with a counter; each call returns the next rate."""
     calls = []
 
-    def fake() -> float:
-        calls.append(1)
+    def fake(beside_copies: bool = False) -> float:
+        calls.append(beside_copies)
         return 5.0 + len(calls)
 
     monkeypatch.setattr(host, "measure_adam_gbps", fake)
@@ -61,7 +61,7 @@ def test_another_machine_identity_measures_again_and_both_are_kept(cache_dir, me
     real = host.machine_identity()
     other = {**real, "hostname": real["hostname"] + "-other", "torch_threads": 64}
     identity = [real]
-    monkeypatch.setattr(host, "machine_identity", lambda: identity[0])
+    monkeypatch.setattr(host, "machine_identity", lambda beside=False: identity[0])
     assert host_adam_gbps()[0] == 6.0
     identity[0] = other
     assert host_adam_gbps()[0] == 7.0

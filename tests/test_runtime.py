@@ -137,13 +137,19 @@ def gpt_model(dtype=torch.float32):
 
 
 CASES = [
-    # cut before these nodes, C, dtype, options
+    # cut before these nodes, C, dtype, options. On the CPU the updates run on the runtime's
+    # thread unless threaded_optimizer=True (the CUDA default): some cases run them threaded
     pytest.param(("add_1", "h_1_ln_1"), 2, torch.float32, {}, id="3sub-C2-fp32"),
+    pytest.param(("add_1", "h_1_ln_1"), 2, torch.float32, {"threaded_optimizer": True},
+                 id="3sub-C2-fp32-threaded"),
     pytest.param(("h_1_ln_1",), 3, torch.float64, {"activations": "keep"}, id="2sub-C3-fp64-keep"),
     pytest.param((), 2, torch.float32, {}, id="1sub-C2-fp32"),
-    pytest.param(("add", "add_1", "add_3"), 3, torch.float32, {"offload_activations": True},
-                 id="4sub-C3-fp32-offload"),
+    pytest.param(("add", "add_1", "add_3"), 3, torch.float32,
+                 {"offload_activations": True, "threaded_optimizer": True},
+                 id="4sub-C3-fp32-offload-threaded"),
     pytest.param(("add_1", "ln_f"), 2, torch.float64, {"clip": 0.5}, id="3sub-C2-fp64-clip"),
+    pytest.param(("add_1", "ln_f"), 2, torch.float64, {"clip": 0.5, "threaded_optimizer": True},
+                 id="3sub-C2-fp64-clip-threaded"),
     # with 3+ sub-models a slot is loaded with another sub-model between a kept forward graph
     # and its backward, and again with the sub-model's own weights before that backward
     pytest.param(("add_1", "h_1_ln_1"), 2, torch.float32, {"activations": "keep"},
@@ -309,7 +315,8 @@ def test_loss_scaling_is_exact_and_skips_overflowing_steps():
     torch.manual_seed(0)
     ref = mf.build_model()
     trainer = SwapTrainer.from_package(SKIP_MLP, device="cpu", seed=5, state_dict=ref.state_dict(),
-                                       loss_scale=True, tied_grads="exact", optimizer={"lr": 1e-2})
+                                       loss_scale=True, tied_grads="exact", optimizer={"lr": 1e-2},
+                                       threaded_optimizer=True)  # the scaler's wait, threaded
     g = torch.Generator().manual_seed(3)
     batches = [torch.randn(12, 8, generator=g) for _ in range(2)]
     assert swap_run(trainer, batches) == plain_run(ref, mf.loss_fn, batches, 3, seed=5)
@@ -665,3 +672,25 @@ def test_runtime_executes_the_schedule_the_simulator_times(gpt_traced, pkg_root)
     assert sorted(measured["optimizer"]) == sorted(x for x in planned if x[0] == "U")
     assert ("L", 2) not in measured["prefetch"][3:]  # P_2 stays in its slot into its backward
     trainer.close()
+
+
+def test_cpu_updates_run_on_the_runtime_thread_unless_asked(gpt_traced, pkg_root):
+    """On a CPU device the update runs at its place in the schedule on the runtime's thread:
+    a thread of its own took a core from the compute (bench/RESULTS.md, 2026-11-26). Asked
+    for (the CUDA default), the updates run on their thread and a step returns before they
+    end."""
+    pkg = gpt_package(gpt_traced, pkg_root, ("add_1", "h_1_ln_1"), 2)
+    inline = SwapTrainer.from_package(pkg, device="cpu", optimizer={"lr": 1e-2})
+    threaded = SwapTrainer.from_package(pkg, device="cpu", optimizer={"lr": 1e-2},
+                                        threaded_optimizer=True)
+    try:
+        assert inline.optimizer._pool is None and threaded.optimizer._pool is not None
+        for batch in gpt_batches(2, 2):
+            inline.step(batch)
+            threaded.step(batch)
+            assert all(f is None or f.done() for f in inline.optimizer.update_future)
+        threaded.wait()
+        assert_same(inline.export_state_dict(), threaded.export_state_dict())
+    finally:
+        inline.close()
+        threaded.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import itertools
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -152,3 +153,24 @@ def test_svg_escapes_text():
     sim = simulate_swap([stage(1, 2, 1)], accum=1, label="a <b> & c")
     root = ET.fromstring(render_timeline_svg(sim.timeline))
     assert root.find(f"{SVG}title").text == "a <b> & c"
+
+
+def test_on_a_cpu_device_one_thread_runs_every_job_updates_included():
+    """A CPU plan's runtime computes, copies and updates on one thread (no copy engines, and
+    no optimizer thread: atomc.runtime.config), so no two jobs overlap and a step is the sum
+    of its jobs and the thread's own time before each action."""
+    from atomc.actions import atom_order
+    from atomc.simulate.events import StageTimes, simulate_swap
+
+    stages = [StageTimes(fwd_ns=3000 + 100 * i, bwd_ns=7000, load_ns=500, checkpoint_ns=200,
+                         offload_ns=400, optimizer_ns=900 + 50 * i) for i in range(4)]
+    accum, gap = 2, 30
+    sim = simulate_swap(stages, accum, num_steps=2, host_copies=True, host_gap_ns=gap)
+    events = sorted(sim.timeline.events, key=lambda e: e.start_ms)
+    for a, b in itertools.pairwise(events):
+        assert b.start_ms >= a.end_ms - 1e-9, (a, b)
+    one_step = [e for e in events if e.step == 1]
+    actions = atom_order(len(stages), accum)
+    work_ms = sum(e.duration_ms for e in one_step)
+    assert sim.step_ns == round(work_ms * 1e6) + gap * len(actions)
+    assert any(e.lane == "optimizer" for e in one_step)

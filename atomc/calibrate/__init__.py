@@ -101,7 +101,8 @@ def calibrate(profile: Profile, plan: Plan, measurement: Measurement) -> Profile
             c = costs[j]
             costs[j] = dataclasses.replace(
                 c, fwd_ms=c.fwd_ms * f_scale + (fwd_add if extra else 0.0),
-                bwd_ms=c.bwd_ms * b_scale + (bwd_add if extra else 0.0))
+                bwd_ms=c.bwd_ms * b_scale + (bwd_add if extra else 0.0),
+                issue=None)  # fitted to whole sub-models: the two sides are one figure now
         scales.append(SubmodelCalibration(
             index=sm.index, start=sm.start, stop=sm.stop, fwd_scale=f_scale, bwd_scale=b_scale,
             measured_fwd_ms=m.fwd_ms, measured_bwd_ms=m.bwd_ms, measured_load_ms=m.load_ms,

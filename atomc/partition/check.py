@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass
 
 from atomc.ir import Plan, Profile
+from atomc.partition.cost import node_sides_ms
 from atomc.partition.precision import Precision, device_view, model_dtype
 
 NS_PER_MS = 1_000_000
@@ -92,6 +93,11 @@ class Checker:
         self.value_bytes = {n.name: sum(o.num_bytes for o in n.outputs) for n in g.nodes}
         self.params = g.params
         self.buffers = g.buffers
+        # a tied weight's master and optimizer state live in its first holder (runtime.store)
+        self.owner: dict[str, int] = {}
+        for i, n in enumerate(g.nodes):
+            for f in n.param_fqns:
+                self.owner.setdefault(f, i)
 
     def _update_ns(self, master_bytes: int, num_masters: int) -> int:
         """Bytes at the update rate, plus the runtime's fixed and per-tensor update costs."""
@@ -116,10 +122,13 @@ class Checker:
             fqns.update(n.buffer_fqns)
         param_bytes = sum((self.params.get(f) or self.buffers[f]).num_bytes for f in fqns)
         grad_bytes = sum(self.params[f].num_bytes for f in fqns if f in self.params)
-        master_bytes = sum(4 * math.prod(self.params[f].shape) for f in fqns if f in self.params)
-        num_masters = sum(1 for f in fqns if f in self.params)
-        fwd = sum(round(k.fwd_ms * NS_PER_MS) for k in costs)
-        bwd = sum(round(k.bwd_ms * NS_PER_MS) for k in costs)
+        owned = [f for f in fqns if f in self.params and start <= self.owner[f] < stop]
+        master_bytes = sum(4 * math.prod(self.params[f].shape) for f in owned)
+        num_masters = len(owned)
+        # the device's and the host's sides summed apart; the range takes the longer
+        sides = [sum(round(ms * NS_PER_MS) for ms in side)
+                 for side in zip(*(node_sides_ms(k) for k in costs))] or [0, 0, 0, 0]
+        fwd, bwd = max(sides[0], sides[2]), max(sides[1], sides[3])
         saved = sum(k.saved_bytes for k in costs)
         extra_fwd = extra_bwd = 0
         for n, k in zip(nodes, costs):

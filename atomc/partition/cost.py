@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from atomc.errors import IRError, UsageError
-from atomc.ir import Profile
+from atomc.ir import NodeCost, Profile
 
 NS_PER_MS = 1_000_000
 ACTIVATIONS = ("recompute", "keep")
@@ -81,8 +81,12 @@ class NodeFacts:
 
     names: tuple[str, ...]
     ops: tuple[str, ...]
+    # the device's time of each node, and the host's time to issue it: one figure for nodes
+    # timed synchronously (CPU, estimates, calibrated profiles), apart where measured so
     fwd_ns: np.ndarray
     bwd_ns: np.ndarray
+    host_fwd_ns: np.ndarray
+    host_bwd_ns: np.ndarray
     saved_bytes: np.ndarray
     extra_fwd_bytes: np.ndarray  # forward peak above the node's own parameters
     extra_bwd_bytes: np.ndarray  # backward peak above its own parameters and their gradients
@@ -96,6 +100,21 @@ class NodeFacts:
     @property
     def num_nodes(self) -> int:
         return len(self.names)
+
+
+def node_sides_ms(c: NodeCost) -> tuple[float, float, float, float]:
+    """A node's forward and backward time on the device, then the host's time to issue them.
+
+    Measured on CUDA the two are apart (NodeCost.issue): the host issues kernels ahead of the
+    device, so a range of nodes takes the longer of its two sums, not the sum of each node's
+    longer side. On an H200 (bench/RESULTS.md, 2026-11-26) that sum overstated GPT-3 large's
+    sub-models by 15-24%; the longer of the two sums came within 2% of their measured forward
+    and backward.
+    """
+    if c.issue is None:
+        return c.fwd_ms, c.bwd_ms, c.fwd_ms, c.bwd_ms
+    i = c.issue
+    return i.device_fwd_ms, i.device_bwd_ms, i.host_fwd_ms, i.host_bwd_ms
 
 
 def node_facts(profile: Profile) -> NodeFacts:
@@ -155,8 +174,9 @@ def node_facts(profile: Profile) -> NodeFacts:
     return NodeFacts(
         names=tuple(n.name for n in nodes),
         ops=tuple(n.op for n in nodes),
-        fwd_ns=np.array([ms_to_ns(c.fwd_ms) for c in costs], dtype=np.int64),
-        bwd_ns=np.array([ms_to_ns(c.bwd_ms) for c in costs], dtype=np.int64),
+        **{k: np.array([ms_to_ns(ms) for ms in v], dtype=np.int64)
+           for k, v in zip(("fwd_ns", "bwd_ns", "host_fwd_ns", "host_bwd_ns"),
+                           zip(*(node_sides_ms(c) for c in costs)))},
         saved_bytes=np.array([c.saved_bytes for c in costs], dtype=np.int64),
         # the profiler's peaks include the node's own parameters (and, backward, their
         # gradients); those are counted once per range as resident bytes instead
@@ -269,9 +289,11 @@ def build_tables(facts: NodeFacts, max_width: int) -> RangeTables:
         prefix = np.concatenate([[0], np.cumsum(per_node, dtype=np.int64)])
         return prefix[ends] - prefix[starts]
 
-    # unique state: a tensor counts in [a, a+w) when one of its uses lies there. Count it at
-    # its first use after a: the first use overall (prefix sums), or a later use whose
-    # previous use lies before a (a few correction rectangles, e.g. a tied LM head).
+    # unique state: a tensor's weights and gradients count in [a, a+w) when one of its uses
+    # lies there. Count it at its first use after a: the first use overall (prefix sums), or
+    # a later use whose previous use lies before a (a few correction rectangles, e.g. a tied
+    # LM head). Its master and optimizer state live in its first holder only (runtime.store):
+    # the range with its first use overall updates it.
     state_sums = []
     for attr in ("param_bytes", "grad_bytes", "master_bytes", "num_masters"):
         first = np.zeros(n, dtype=np.int64)
@@ -280,7 +302,7 @@ def build_tables(facts: NodeFacts, max_width: int) -> RangeTables:
         table = span(first)
         for s in facts.state:
             weight = getattr(s, attr)
-            if not weight:
+            if not weight or attr in ("master_bytes", "num_masters"):
                 continue
             for prev, use in zip(s.uses, s.uses[1:]):
                 lo = max(prev + 1, use - w_max + 1)
@@ -331,7 +353,9 @@ def build_tables(facts: NodeFacts, max_width: int) -> RangeTables:
     end_ok = (ends == n) | allowed[ends]
     return RangeTables(
         facts=facts, max_width=w_max, valid=valid,
-        fwd_ns=span(facts.fwd_ns), bwd_ns=span(facts.bwd_ns), saved_bytes=span(facts.saved_bytes),
+        fwd_ns=np.maximum(span(facts.fwd_ns), span(facts.host_fwd_ns)),
+        bwd_ns=np.maximum(span(facts.bwd_ns), span(facts.host_bwd_ns)),
+        saved_bytes=span(facts.saved_bytes),
         param_bytes=param_bytes, grad_bytes=grad_bytes, master_bytes=master_bytes,
         num_masters=num_masters, in_bytes=in_bytes, out_bytes=out_bytes, extra_fwd_bytes=extra_fwd,
         extra_bwd_bytes=extra_bwd,

@@ -34,7 +34,7 @@ from atomc.errors import ProfileError
 from atomc.ir import NodeCost, Profile
 from atomc.profile.estimate import estimate_ms, load_ms
 from atomc.profile.hardware import hardware_names, load_hardware
-from atomc.profile.measure import measure, size_peaks
+from atomc.profile.measure import Measured, measure, size_peaks
 from atomc.profile.ops import MetaStats, analyse, materialise
 from atomc.profile.runtime_costs import measure_runtime_costs
 from atomc.profile.timing import CopyTimer, time_ms
@@ -145,7 +145,7 @@ def profile_model(traced: TracedModel, *, device: str | None = None, target: str
     gm, values, graph = traced.gm, traced.values, traced.graph
     fx_nodes = list(gm.graph.nodes)
     stats_by_sig: dict[str, MetaStats] = {}
-    times_by_sig: dict[str, tuple[float, float, int, int]] = {}
+    measured: dict[str, Measured] = {}
     unique_sigs = list(dict.fromkeys(n.signature for n in graph.nodes if n.op in COMPUTE_OPS))
     copy_timer = CopyTimer(dev) if dev is not None else None
 
@@ -162,8 +162,7 @@ def profile_model(traced: TracedModel, *, device: str | None = None, target: str
         try:
             stats_by_sig[sig] = analyse(gm, node, values)
             if dev is not None:
-                m = measure(gm, node, values, stats_by_sig[sig], dev, repeats)
-                times_by_sig[sig] = (m.fwd_ms, m.bwd_ms, m.peak_fwd_bytes, m.peak_bwd_bytes)
+                measured[sig] = measure(gm, node, values, stats_by_sig[sig], dev, repeats)
         except Exception as e:
             raise ProfileError(f"profiling operator {node.name} ({node.op} {node.target}) failed: "
                                f"{type(e).__name__}: {e}") from e
@@ -188,8 +187,11 @@ def profile_model(traced: TracedModel, *, device: str | None = None, target: str
                                   node_load_ms, 0, 0, "estimated" if hw else "measured"))
             continue
         s = stats_by_sig[op.signature]
+        issue = None
         if dev is not None:
-            fwd_ms, bwd_ms, peak_fwd, peak_bwd = times_by_sig[op.signature]
+            m = measured[op.signature]
+            fwd_ms, bwd_ms, issue = m.fwd_ms, m.bwd_ms, m.issue
+            peak_fwd, peak_bwd = m.peak_fwd_bytes, m.peak_bwd_bytes
             source = "reused" if op.signature in counted else "measured"
         else:
             assert hw is not None and compute_dtype is not None
@@ -202,6 +204,7 @@ def profile_model(traced: TracedModel, *, device: str | None = None, target: str
             saved_bytes=s.saved_bytes,
             peak_fwd_bytes=peak_fwd, peak_bwd_bytes=peak_bwd, fwd_ms=fwd_ms, bwd_ms=bwd_ms,
             load_ms=node_load_ms, fwd_flops=s.fwd_flops, bwd_flops=s.bwd_flops, source=source,
+            issue=issue,
         ))
 
     loss_note = ""

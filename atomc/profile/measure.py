@@ -9,16 +9,20 @@ from typing import Any
 import torch
 from torch import fx
 
+from atomc.ir import IssueTimes
 from atomc.profile.ops import MetaStats, OpCall, backward_fn, build_call, differentiable_outputs
-from atomc.profile.timing import device_host_ms, time_ms
+from atomc.profile.timing import device_host_ms
 
 
 @dataclass
 class Measured:
-    fwd_ms: float
+    fwd_ms: float  # the longer of the device's and the host's time
     bwd_ms: float
     peak_fwd_bytes: int
     peak_bwd_bytes: int
+    issue: IssueTimes | None  # on CUDA, the two apart
+
+
 
 
 def measure(gm: fx.GraphModule, node: fx.Node, values: dict[str, Any], stats: MetaStats,
@@ -30,7 +34,7 @@ def measure(gm: fx.GraphModule, node: fx.Node, values: dict[str, Any], stats: Me
         base = torch.cuda.memory_allocated(device)
     call = build_call(gm, node, values, device)
     with torch.enable_grad():
-        fwd_ms = time_ms(call.fn, device, repeats=repeats)
+        fwd = device_host_ms(call.fn, device, repeats=repeats)
         if cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -39,9 +43,9 @@ def measure(gm: fx.GraphModule, node: fx.Node, values: dict[str, Any], stats: Me
             torch.cuda.synchronize(device)
             peak_fwd = torch.cuda.max_memory_allocated(device) - base
         bwd = backward_fn(call, differentiable_outputs(out))
-        bwd_ms = 0.0
+        back = (0.0, 0.0)
         if bwd is not None:
-            bwd_ms = _backward_ms(gm, node, values, stats, device, repeats, bwd)
+            back = _backward_ms(gm, node, values, stats, device, repeats, bwd)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
             if bwd is not None:
@@ -53,7 +57,8 @@ def measure(gm: fx.GraphModule, node: fx.Node, values: dict[str, Any], stats: Me
     del call, out, bwd
     if cuda:
         torch.cuda.empty_cache()
-    return Measured(fwd_ms, bwd_ms, int(peak_fwd), int(peak_bwd))
+    issue = IssueTimes(fwd[0], back[0], fwd[1], back[1]) if cuda else None
+    return Measured(max(fwd), max(back), int(peak_fwd), int(peak_bwd), issue)
 
 
 # One engine call runs the backward of copies of the operator until they hold about this
@@ -64,8 +69,9 @@ COPY_BYTES = 256 * 2**20
 
 
 def _backward_ms(gm: fx.GraphModule, node: fx.Node, values: dict[str, Any], stats: MetaStats,
-                 device: torch.device, repeats: int, bwd: Callable[[], Any]) -> float:
-    """Backward time of one operator, without the costs of timing it alone.
+                 device: torch.device, repeats: int,
+                 bwd: Callable[[], Any]) -> tuple[float, float]:
+    """Device and host time of one operator's backward, without the costs of timing it alone.
 
     Each `torch.autograd.grad` call pays a fixed cost (on CUDA, a hand-off to the engine's
     device thread and back) that a model's backward pays once for all its operators, and
@@ -76,9 +82,9 @@ def _backward_ms(gm: fx.GraphModule, node: fx.Node, values: dict[str, Any], stat
     CUDA the host's share is taken less what a copy of an operator without kernels (a view)
     costs it.
     """
-    one = time_ms(bwd, device, warmup=1, repeats=3)
+    one = device_host_ms(bwd, device, warmup=1, repeats=3)
     per_copy = stats.input_bytes + 2 * stats.param_bytes + stats.output_bytes + stats.saved_bytes
-    copies = min(MAX_COPIES, int(SAMPLE_MS / max(one, 1e-3)),
+    copies = min(MAX_COPIES, int(SAMPLE_MS / max(*one, 1e-3)),
                  COPY_BYTES // max(per_copy, 1))
     if copies < 2:
         return one
@@ -86,7 +92,7 @@ def _backward_ms(gm: fx.GraphModule, node: fx.Node, values: dict[str, Any], stat
     gpu, host = device_host_ms(_grad_of_all(calls), device, warmup=1, repeats=repeats)
     if device.type == "cuda":
         host = max(host - copies * _harness_ms(device), 0.0)
-    return max(gpu, host) / copies
+    return gpu / copies, host / copies
 
 
 def _grad_of_all(calls: list[OpCall]) -> Callable[[], Any]:

@@ -77,7 +77,8 @@ def _executor(device: torch.device):
                           requires_grad=False)
         store.refresh_images(i)
     tracer = Tracer(device, enabled=True, keep_last=STEPS + WARMUP + 1)
-    opt = CpuOptimizer(store, config, None, tracer)
+    # updates where the runtime runs them: on its thread on a CPU device (runtime.config)
+    opt = CpuOptimizer(store, config, None, tracer, threaded=device.type == "cuda")
     ex = SwapExecutor(pkg, store, opt, [{} for _ in modules], device=device, accum=1,
                       activations="recompute", offload_activations=True, autocast_dtype=None,
                       loss_fn=lambda out, batch: out.sum(), seed=0, tracer=tracer)

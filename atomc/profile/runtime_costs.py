@@ -10,16 +10,15 @@ No operator's time holds them, and a plan of many small sub-models pays them man
   actions pays 50 times.
 
 Both are measured with the runtime's code: the update with the optimizer the runtime builds
-(torch AdamW with AdamWConfig's settings over views of flat buffers, on a worker thread; on a
-CPU device while the main thread computes, as the runtime's updates overlap its backward
-there); the per-action time with the swap executor itself, on a package of tiny sub-models
-whose compute takes microseconds (atomc.profile.probe).
+(torch AdamW with AdamWConfig's settings over views of flat buffers) where the runtime runs
+it: on a worker thread beside a GPU's compute, on the runtime's own thread on a CPU device
+(atomc.runtime.config); the per-action time with the swap executor itself, on a package of
+tiny sub-models whose compute takes microseconds (atomc.profile.probe).
 """
 
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -57,27 +56,14 @@ def _step_ms(optimizer: torch.optim.Optimizer, repeats: int) -> float:
 
 
 def update_costs_ms(device: torch.device, repeats: int = 20) -> tuple[float, float]:
-    """(fixed, per tensor) ms of one sub-model's update, stepped on a worker thread as the
-    runtime does; on a CPU device with the main thread computing meanwhile."""
-    busy = threading.Event()
-    loaded = device.type == "cpu"
-
-    def load() -> None:
-        a = torch.randn(256, 256)
-        while busy.is_set():
-            torch.mm(a, a)  # the compute the runtime's thread does beside the updates
-
+    """(fixed, per tensor) ms of one sub-model's update, stepped where the runtime steps it:
+    on a worker thread for a CUDA device, on the calling thread for the CPU."""
     times = []
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomc-update-probe") as pool:
         for n in PROBE_TENSORS:
             optimizer = _optimizer(n, PROBE_NUMEL)
-            if loaded:
-                busy.set()
-                worker = threading.Thread(target=load, daemon=True)
-                worker.start()
-                times.append(pool.submit(_step_ms, optimizer, repeats).result())
-                busy.clear()
-                worker.join()
+            if device.type == "cpu":
+                times.append(_step_ms(optimizer, repeats))
             else:
                 times.append(pool.submit(_step_ms, optimizer, repeats).result())
     (n1, t1), (n2, t2) = zip(PROBE_TENSORS, times)

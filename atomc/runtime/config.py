@@ -42,7 +42,11 @@ class TrainerConfig:
     gpu_mem: int | None = None  # bytes; default: the plan's capacity
     trace: bool = False
     tied_grads: str = "fast"  # or "exact"
-    threaded_optimizer: bool = True
+    # None: a thread of its own on CUDA only. On a CPU device the compute already uses every
+    # core, and a second thread's torch work gave it a second OpenMP team: the compute's
+    # parallel regions then ran up to 2.4x slower (a 2-core box: a mini GPT's step 299 ms
+    # with the update threaded, 164 ms with it inline; bench/RESULTS.md)
+    threaded_optimizer: bool | None = None
     seed: int = 0
 
     @classmethod
@@ -105,13 +109,17 @@ class TrainerConfig:
         capacity = self.gpu_mem
         if capacity is None:
             capacity = plan.capacity_bytes if plan is not None else pkg.plan.capacity_bytes
+        device = parse_device(self.device)
+        threaded = self.threaded_optimizer
+        if threaded is None:
+            threaded = device.type == "cuda"
         return RunSettings(
-            device=parse_device(self.device), accum=accum, micro_batch=pkg.plan.batch_size,
+            device=device, accum=accum, micro_batch=pkg.plan.batch_size,
             activations=activations, offload_activations=bool(offload), master_dtype=master,
             transfer_dtype=transfer, autocast=autocast, loss_scale=bool(loss_scale),
             optimizer=AdamWConfig.coerce(self.optimizer), capacity_bytes=capacity,
             trace=self.trace, tied_grads=self.tied_grads,
-            threaded_optimizer=self.threaded_optimizer, seed=self.seed,
+            threaded_optimizer=threaded, seed=self.seed,
             early_prefetch=bool(plan is not None and plan.early_prefetch))
 
     def dtypes_for(self, master: torch.dtype,

@@ -100,6 +100,9 @@ class SwapTrainer:
         tied_grads: "fast" sums a tied weight's gradient per holder (one rounding away from the
             plain model); "exact" sums it micro-batch by micro-batch as the plain model does,
             bit for bit, keeping C copies of the tied weight's gradient on the device.
+        threaded_optimizer: run the CPU updates on a thread of their own, beside the compute
+            (default: on a CUDA device only; on the CPU the update runs on the runtime's
+            thread at its place in the schedule: see TrainerConfig).
         """
         cfg = TrainerConfig.of(config, options)
         pkg = load_swap_package(generated_dir)

@@ -25,11 +25,11 @@ latest offload, leaving through the same buffer (chunk k of the load waits for c
 offload), so it cannot end before that offload does.
 
 On a CPU device (`host_copies`; `copies_on_host` says which devices) there are no copy
-engines: the swap runtime's one thread computes and also loads, streams checkpoints and
-offloads, one job at a time in list order, a load after the update of its weights. Only the
-CPU optimizer runs beside it, on its own thread. The thread also spends time of its own
-between actions (the Python that drives them): `host_gap_ns` before each action, which a
-measured profile holds (atomc.profile.probe) and `atomc calibrate` fits (none otherwise).
+engines and no cores to spare: the swap runtime's one thread computes and also loads, streams
+checkpoints, offloads and updates (atomc.runtime.config: no optimizer thread on the CPU), one
+job at a time in list order. The thread also spends time of its own between actions (the
+Python that drives them): `host_gap_ns` before each action, which a measured profile holds
+(atomc.profile.probe) and `atomc calibrate` fits (none otherwise).
 
 A step lasts from the end of its first action, P_0's refresh in ATOM's order (every update has
 ended by then: the optimizer lane takes P_0 last), to the end of the next step's; steps are
@@ -249,10 +249,10 @@ def _simulate(program: tuple[list[tuple], int], stages: list[StageTimes], accum:
         todo = jobs[1:] if step == 0 else jobs[:1] if step == num_steps else jobs
         opening = step > 0
         for op, i, dur, waits, lane, kind, num_actions in todo:
-            if host_copies and op != "U":  # the thread's own time between actions comes first
+            if host_copies:  # the thread's own time between actions comes first
                 comp += host_gap_ns * num_actions
-            if host_copies and op in "LOK":  # on the computing thread, after what it did so far
-                h2d = d2h = max(h2d, d2h, comp)
+            if host_copies and op in "LOKU":  # on the computing thread, after what it did so far
+                h2d = d2h = cpu = max(h2d, d2h, cpu, comp)
             if op == "F" or op == "B":
                 start = max(comp, load_end[i])
                 end = start + dur
@@ -271,8 +271,8 @@ def _simulate(program: tuple[list[tuple], int], stages: list[StageTimes], accum:
             else:  # "K", checkpoints
                 start = max(h2d, comp)
                 end = h2d = ckpt_end[i] = start + dur
-            if host_copies and op in "LOK":  # ... and nothing else meanwhile
-                comp = h2d = d2h = end
+            if host_copies and op in "LOKU":  # ... and nothing else meanwhile
+                comp = h2d = d2h = cpu = end
             if opening:  # it belongs to the step it ends
                 starts.append(end)
             if record:
@@ -292,11 +292,10 @@ def fit_host_gap_ms(stages: list[StageTimes], accum: int, early_prefetch: bool,
     """On a CPU device: the runtime thread's time before each action it runs that makes the
     simulated step of `stages` the measured one (what the events leave unexplained: the
     Python between actions, and what copies take beyond their bytes over the bandwidth).
-    A few fixed-point rounds: the gaps can overlap waits for the optimizer thread."""
+    A few fixed-point rounds: a gap can overlap the wait of a forward for its load."""
     from atomc.actions import atom_order
 
-    num_actions = sum(1 for a in atom_order(len(stages), accum, early_prefetch=early_prefetch)
-                      if a.kind != "U")
+    num_actions = len(atom_order(len(stages), accum, early_prefetch=early_prefetch))
     target_ns = measured_step_ms * NS_PER_MS
     gap_ns = 0.0
     for _ in range(6):
