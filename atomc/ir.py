@@ -248,7 +248,7 @@ class IssueTimes:
     The host issues work ahead of the device: a run of operators whose kernels are long lets
     the host's issuing of the next ones hide behind them, and operators whose issuing is the
     longer leave the device idle between kernels. `NodeCost.fwd_ms` is the longer of the two
-    alone; a range of nodes costs what the two sides take in a queue (partition.cost).
+    alone; a range of nodes costs the longer of the two sides' sums (partition.cost).
     """
 
     device_fwd_ms: float

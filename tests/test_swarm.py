@@ -324,7 +324,7 @@ def test_a_server_takes_the_state_of_one_that_entered_its_stage_while_it_looked(
 
 def test_refusals_say_whether_the_server_moved_or_which_attempt_it_is_on() -> None:
     from atomc.errors import PeerError
-    from atomc.swarm.wire import NotHere, Refused, WrongAttempt, check_refusal, refusal
+    from atomc.swarm.wire import NotHere, Refused, StepTaken, WrongAttempt, check_refusal, refusal
 
     def said(error: Exception, held: bool = False) -> Refused:
         with pytest.raises(Refused) as e:
@@ -335,8 +335,48 @@ def test_refusals_say_whether_the_server_moved_or_which_attempt_it_is_on() -> No
     assert moved.elsewhere and moved.attempt is None and "NotHere: server b" in str(moved)
     stale = said(WrongAttempt("server b is on attempt 3", 3), held=True)
     assert stale.attempt == 3 and stale.held and not stale.elsewhere
-    other = said(PeerError("stage 0 has taken step 4 already"))
-    assert not other.elsewhere and other.attempt is None and not other.held
+    other = said(PeerError("stage 0 server a is at step 3, the call is for step 4"))
+    assert not other.elsewhere and other.attempt is None and not other.held and not other.taken
+    taken = said(StepTaken("stage 0 has taken step 4 already (at 5)"))
+    assert taken.taken and not taken.elsewhere and not taken.held
+
+
+def test_a_call_the_stage_took_the_step_without_answering_is_not_a_fault(monkeypatch) -> None:
+    """A backward sent again after its stage took the step (CI, 2026-11-26: the only server
+    of stage 0 was banned for a minute over and over for refusing step 69, which it had taken
+    with that micro-batch, and the trainer gave up): the call ends with StepTaken, the server
+    is neither banned nor excluded, and sending a lost micro-batch again stops there."""
+    from types import SimpleNamespace
+
+    from atomc.swarm import client
+    from atomc.swarm.client import StepStats, SwarmTrainer, TrainConfig
+    from atomc.swarm.wire import StepTaken, check_refusal, refusal
+
+    async def exchange(method, request):
+        return check_refusal(refusal(StepTaken("stage 0 has taken step 0 already (at 1)"),
+                                     False))
+
+    trainer = object.__new__(SwarmTrainer)
+    trainer.cfg = TrainConfig(package="x", num_stages=1, servers_timeout_s=0.0)
+    trainer.router = Router(1)
+    trainer.router.refresh([ServerRecord("a", "a", 0, 0, 0, 1.0, 0, "x", 1.0)])
+    trainer._stats, trainer._held, trainer.fingerprint, trainer.name = StepStats(0, 0), {}, "f", "t"
+    logged: list[str] = []
+    trainer.log, trainer.p2p = logged.append, None
+    trainer._exchange = exchange
+    excluded = []
+
+    async def exclude(k, j, peer, attempt):
+        excluded.append((peer, attempt))
+
+    trainer._exclude = exclude
+    monkeypatch.setattr(client.PeerID, "from_base58", lambda s: s)
+    monkeypatch.setattr(client.SwarmServicer, "get_stub", lambda p2p, peer, namespace:
+                        SimpleNamespace(rpc_backward=SimpleNamespace(peer=peer)))
+    trainer._answered = asyncio.Condition()
+    with pytest.raises(StepTaken):
+        asyncio.run(trainer._call(0, "backward", 0, 0, (torch.zeros(1),), 1, {}))
+    assert trainer.router.stages[0]["a"].failures == 0 and excluded == []
 
 
 def test_a_trainer_calls_again_with_the_servers_attempt_and_routes_around_a_move(

@@ -55,7 +55,7 @@ def measure_adam_gbps(num_params: int = BENCH_PARAMS, num_steps: int = BENCH_STE
 
     `beside_copies` (CUDA): while pinned copies run to and from the GPU, as the swap runtime's
     loads and gradient offloads do through the backward its updates overlap. Both read and
-    write host memory: on an H200's host the updates ran at 10-12.7 GB/s in training steps
+    write host memory: on an H200's host the updates ran at 8.7-12.7 GB/s in training steps
     against 14.5-19.6 measured alone, and plans from the lone figure came out 13% fast.
     """
     import torch

@@ -51,7 +51,16 @@ from atomc.swarm.codec import wire_bytes
 from atomc.swarm.node import SwarmNode
 from atomc.swarm.records import ServerRecord, read_excluded, read_servers, report_gone
 from atomc.swarm.server import BATCH, GRAD, SwarmServicer, exclude
-from atomc.swarm.wire import Refused, StreamClosed, check_refusal, decode, encode, join, split
+from atomc.swarm.wire import (
+    Refused,
+    StepTaken,
+    StreamClosed,
+    check_refusal,
+    decode,
+    encode,
+    join,
+    split,
+)
 
 GONE_TTL_S = 120.0  # a report that a server is unreachable outlives any record it names
 ROUTES_S = 1.0  # a step's calls re-read the servers this often
@@ -324,7 +333,18 @@ class SwarmTrainer(SwarmNode):
         grads: dict[str, torch.Tensor] | None = None
         loss = None
         for j in range(S - 1, -1, -1):
-            out, meta = await self._call(j, "backward", k, g, batch, total, inputs[j], grads)
+            try:
+                out, meta = await self._call(j, "backward", k, g, batch, total, inputs[j], grads)
+            except StepTaken:
+                if j == 0 and loss is not None:
+                    # a call sent again (the first answer was lost): the first stage counted
+                    # the micro-batch, and its answer carries nothing a stage needs
+                    self.log(f"stage 0 took step {k} before answering micro-batch {g}'s "
+                             f"backward again: it was counted")
+                    break
+                raise PeerError(f"stage {j} took step {k} before answering micro-batch {g}'s "
+                                f"backward (its first answer was lost); the gradients stage "
+                                f"{j - 1} needs are gone with it: start the step again") from None
             if j == S - 1:
                 loss = meta["loss"]
             grads = out
@@ -387,6 +407,10 @@ class SwarmTrainer(SwarmNode):
                         self._answered.notify_all()
             except Exception as e:  # noqa: BLE001 - any failure of a remote call: route elsewhere
                 self._stats.retries += 1
+                if isinstance(e, Refused) and e.taken:
+                    # the stage has taken the step: nothing of it is left to route (the
+                    # callers say what that means for this call)
+                    raise StepTaken(str(e)) from None
                 if isinstance(e, Refused) and e.elsewhere:
                     # it moved: not a fault, so no ban; no more calls to it for this stage
                     # until a record shows it here (`refresh`)
@@ -491,8 +515,13 @@ class SwarmTrainer(SwarmNode):
                          f"of step {k}; sending it again")
                 self._stats.resent += 1
                 m = g - self.cfg.first_micro
-                await self._call(j, "backward", k, g, micro[m], total, h.inputs, h.grads,
-                                 avoid={h.peer})
+                try:
+                    await self._call(j, "backward", k, g, micro[m], total, h.inputs, h.grads,
+                                     avoid={h.peer})
+                except StepTaken:
+                    # its server was alive after all (its record missed a read) and the stage
+                    # took the step with it: the next read shows the stage done
+                    self.log(f"stage {j} took step {k} meanwhile: micro-batch {g} was counted")
             if time.monotonic() > deadline:
                 raise PeerError(f"step {k} was not taken by stages "
                                 f"{sorted(set(range(self.cfg.num_stages)) - done)} within "

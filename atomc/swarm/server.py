@@ -76,6 +76,7 @@ from atomc.swarm.records import (
 )
 from atomc.swarm.wire import (
     NotHere,
+    StepTaken,
     WrongAttempt,
     check_refusal,
     decode,
@@ -558,7 +559,7 @@ class SwarmServer(SwarmNode):
             if self.spec.index != j:
                 raise NotHere(f"server {self.cfg.name} serves stage {self.spec.index}, not {j}")
             if self.step > step:
-                raise PeerError(f"stage {j} has taken step {step} already (at {self.step})")
+                raise StepTaken(f"stage {j} has taken step {step} already (at {self.step})")
             if kind == "backward":
                 # the serving loop reads the step's exclusions every tick: no DHT read per call
                 attempt = int(request.uid or -1)

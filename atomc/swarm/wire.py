@@ -135,16 +135,26 @@ class WrongAttempt(PeerError):
         self.attempt = attempt
 
 
+class StepTaken(PeerError):
+    """Raised by a server for a call of a step its stage has taken. A stage takes a step only
+    once its servers hold the step's whole batch, each micro-batch once: a backward call of
+    that step is one sent again (its answer was lost, or the trainer took the server for
+    gone), and its micro-batch was counted. Not a fault: nothing is left to route."""
+
+    taken = True
+
+
 class Refused(PeerError):
     """A server refused a call (or failed it) and said so; `held`: it holds the call's
     micro-batch among its gradients all the same (from an earlier call); `elsewhere`: it does
     not serve the call's stage now (`NotHere`); `attempt`: the server's attempt, when the call
-    named another (`WrongAttempt`)."""
+    named another (`WrongAttempt`); `taken`: its stage has taken the call's step (`StepTaken`)."""
 
     def __init__(self, said: str, held: bool, elsewhere: bool = False,
-                 attempt: int | None = None):
+                 attempt: int | None = None, taken: bool = False):
         super().__init__(said)
         self.held, self.elsewhere, self.attempt = held, elsewhere, attempt
+        self.taken = taken
 
 
 def refusal(error: BaseException, held: bool) -> Any:
@@ -153,7 +163,8 @@ def refusal(error: BaseException, held: bool) -> Any:
     said = " ".join(f"{type(error).__name__}: {error}".split())[:500]
     return runtime_pb2.ExpertResponse(metadata=json.dumps({
         "error": said, "held": held, "elsewhere": bool(getattr(error, "elsewhere", False)),
-        "attempt": getattr(error, "attempt", None)}).encode())
+        "attempt": getattr(error, "attempt", None),
+        "taken": bool(getattr(error, "taken", False))}).encode())
 
 
 def check_refusal(msg: Any) -> Any:
@@ -162,5 +173,5 @@ def check_refusal(msg: Any) -> Any:
         said = json.loads(msg.metadata.decode())
         attempt = said.get("attempt")
         raise Refused(str(said["error"]), bool(said.get("held")), bool(said.get("elsewhere")),
-                      attempt if isinstance(attempt, int) else None)
+                      attempt if isinstance(attempt, int) else None, bool(said.get("taken")))
     return msg
