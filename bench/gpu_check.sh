@@ -2,7 +2,8 @@
 # The GPU checks of issue 14 as one lease's command (see /work/.library/device/README.md):
 #   run: bash bench/gpu_check.sh [swap_bench args...]   with .whl carried (libcst for py3.12)
 # Installs atomc into the machine's own torch, runs `pytest -m gpu`, then bench/swap_bench.py.
-# Logs and the bench's JSON go to $OUT (or out/gpu_check here).
+# Logs, the bench's JSON and its profiles and plans go to $OUT (or out/gpu_check here), packed
+# into one gpu_check.tgz at the end.
 set -u
 OUT=${OUT:-out/gpu_check}
 mkdir -p "$OUT"
@@ -19,3 +20,5 @@ timeout "${GPU_TESTS_S:-240}" python3 -m pytest -m gpu -q -s -p no:cacheprovider
     | grep -E "passed|failed|error|operators sum|host AdamW|FAILED|Error" | tail -40
 timeout "${BENCH_S:-300}" python3 bench/swap_bench.py --out "$OUT/swap_bench.json" "$@" \
     2>&1 | tee "$OUT/swap_bench.log" | tail -60
+# one archive: the device tool brings back only a few files of $OUT (8 on 2026-11-26)
+( cd "$OUT" && tar czf ../gpu_check.tgz . && find . -mindepth 1 -delete && mv ../gpu_check.tgz . )

@@ -23,8 +23,6 @@ class Measured:
     issue: IssueTimes | None  # on CUDA, the two apart
 
 
-
-
 def measure(gm: fx.GraphModule, node: fx.Node, values: dict[str, Any], stats: MetaStats,
             device: torch.device, repeats: int) -> Measured:
     """Materialise the operator alone on `device`, time forward and backward, free it."""

@@ -59,13 +59,13 @@ def update_costs_ms(device: torch.device, repeats: int = 20) -> tuple[float, flo
     """(fixed, per tensor) ms of one sub-model's update, stepped where the runtime steps it:
     on a worker thread for a CUDA device, on the calling thread for the CPU."""
     times = []
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomc-update-probe") as pool:
-        for n in PROBE_TENSORS:
-            optimizer = _optimizer(n, PROBE_NUMEL)
-            if device.type == "cpu":
-                times.append(_step_ms(optimizer, repeats))
-            else:
-                times.append(pool.submit(_step_ms, optimizer, repeats).result())
+    for n in PROBE_TENSORS:
+        optimizer = _optimizer(n, PROBE_NUMEL)
+        if device.type == "cpu":
+            times.append(_step_ms(optimizer, repeats))
+            continue
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomc-update-probe") as pool:
+            times.append(pool.submit(_step_ms, optimizer, repeats).result())
     (n1, t1), (n2, t2) = zip(PROBE_TENSORS, times)
     per_tensor = max((t2 - t1) / (n2 - n1), 0.0)
     return max(t1 - n1 * per_tensor, 0.0), per_tensor
