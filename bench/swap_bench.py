@@ -237,7 +237,7 @@ def run_calibration(pkg: Path, profile, plan, batches, args):
                                   device="cuda", optimizer={"lr": 1e-4},
                                   batches=lambda s: batches[s % len(batches)])
     cal = calibrate(profile, plan, measured)
-    dump(f"{plan.config or 'model'}_measured", measured)
+    dump(args, f"{plan.config or 'model'}_measured", measured)
     after = recost(cal, plan, cpu_adam_gbps=cal.calibration.cpu_adam_gbps)
     c = cal.calibration
     return cal, {"accum": plan.accum, "submodels": len(plan.submodels),
@@ -249,16 +249,12 @@ def run_calibration(pkg: Path, profile, plan, batches, args):
                  "bwd_scales": [s.bwd_scale for s in c.submodels]}
 
 
-DUMP_DIR: Path | None = None
+def dump(args, name: str, document) -> None:
+    """A profile, plan or measurement beside the bench's JSON (--out), for reading them
+    afterwards (a lease's machine is gone by then)."""
+    from atomc.jsonio import write_json
 
-
-def dump(name: str, document) -> None:
-    """A profile, plan or measurement beside the bench's JSON, for reading them afterwards
-    (a lease's machine is gone by then)."""
-    if DUMP_DIR is not None:
-        from atomc.jsonio import write_json
-
-        write_json(DUMP_DIR / f"{name}.json", document.to_json())
+    write_json(Path(args.out).parent / f"{name}.json", document.to_json())
 
 
 def make_plan(profile, args):
@@ -284,8 +280,8 @@ def bench_config(config: str, args, workdir: Path) -> dict:
     traced = trace_model(GPT_PATH, config, args.micro_batch, options, runs_on="cuda")
     profile = profile_model(traced, device="cuda", repeats=5, progress=False)
     first = make_plan(profile, args)
-    dump(f"{config}_profile", profile)
-    dump(f"{config}_first_plan", first)
+    dump(args, f"{config}_profile", profile)
+    dump(args, f"{config}_first_plan", first)
     vocab = gpt.CONFIGS[config].vocab_size
     model_bytes = sum(s.num_bytes for s in traced.graph.params.values())
     print(f"-- {config}: {traced.graph.num_params() / 1e6:.0f}M parameters "
@@ -301,8 +297,8 @@ def bench_config(config: str, args, workdir: Path) -> dict:
                                     args.warmup + args.calibrate_steps + 1)
         calibrated, calibration = run_calibration(pkg, profile, first, cal_batches, args)
         plan = make_plan(calibrated, args)
-        dump(f"{config}_calibrated_profile", calibrated)
-        dump(f"{config}_plan", plan)
+        dump(args, f"{config}_calibrated_profile", calibrated)
+        dump(args, f"{config}_plan", plan)
         print(f"   calibrated ({calibration['measured_step_ms']:.1f} ms measured, "
               f"{calibration['predicted_step_ms']:.1f} predicted from the profile alone) and "
               f"re-planned: {len(plan.submodels)} sub-models, C = {plan.accum}, "
@@ -430,8 +426,6 @@ def main() -> int:
     rows = []
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    global DUMP_DIR
-    DUMP_DIR = out.parent
     with tempfile.TemporaryDirectory(prefix="atomc-swap-bench-") as tmp:
         for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
             rows.append(bench_config(config, args, Path(tmp)))

@@ -59,7 +59,7 @@ def _package():
 
 def _executor(device: torch.device):
     from atomc.runtime.executor import SwapExecutor, rebind_parameters
-    from atomc.runtime.optim import AdamWConfig, CpuOptimizer
+    from atomc.runtime.optim import AdamWConfig, CpuOptimizer, updates_on_a_thread
     from atomc.runtime.store import HostStore, plan_layouts
     from atomc.runtime.trace import Tracer
 
@@ -77,8 +77,7 @@ def _executor(device: torch.device):
                           requires_grad=False)
         store.refresh_images(i)
     tracer = Tracer(device, enabled=True, keep_last=STEPS + WARMUP + 1)
-    # updates where the runtime runs them: on its thread on a CPU device (runtime.config)
-    opt = CpuOptimizer(store, config, None, tracer, threaded=device.type == "cuda")
+    opt = CpuOptimizer(store, config, None, tracer, threaded=updates_on_a_thread(device))
     ex = SwapExecutor(pkg, store, opt, [{} for _ in modules], device=device, accum=1,
                       activations="recompute", offload_activations=True, autocast_dtype=None,
                       loss_fn=lambda out, batch: out.sum(), seed=0, tracer=tracer)

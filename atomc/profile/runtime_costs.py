@@ -12,8 +12,9 @@ No operator's time holds them, and a plan of many small sub-models pays them man
 Both are measured with the runtime's code: the update with the optimizer the runtime builds
 (torch AdamW with AdamWConfig's settings over views of flat buffers) where the runtime runs
 it: on a worker thread beside a GPU's compute, on the runtime's own thread on a CPU device
-(atomc.runtime.config); the per-action time with the swap executor itself, on a package of
-tiny sub-models whose compute takes microseconds (atomc.profile.probe).
+(atomc.runtime.optim.updates_on_a_thread); the per-action time with the swap executor
+itself, on a package of tiny sub-models whose compute takes microseconds
+(atomc.profile.probe).
 """
 
 from __future__ import annotations
@@ -57,11 +58,13 @@ def _step_ms(optimizer: torch.optim.Optimizer, repeats: int) -> float:
 
 def update_costs_ms(device: torch.device, repeats: int = 20) -> tuple[float, float]:
     """(fixed, per tensor) ms of one sub-model's update, stepped where the runtime steps it:
-    on a worker thread for a CUDA device, on the calling thread for the CPU."""
+    on a worker thread or the calling thread (atomc.runtime.optim.updates_on_a_thread)."""
+    from atomc.runtime.optim import updates_on_a_thread
+
     times = []
     for n in PROBE_TENSORS:
         optimizer = _optimizer(n, PROBE_NUMEL)
-        if device.type == "cpu":
+        if not updates_on_a_thread(device):
             times.append(_step_ms(optimizer, repeats))
             continue
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomc-update-probe") as pool:

@@ -20,7 +20,7 @@ from atomc.device import parse_device
 from atomc.dtypes import dtype_from_name, dtype_name, parse_dtype
 from atomc.errors import UsageError
 from atomc.ir import Plan
-from atomc.runtime.optim import AdamWConfig
+from atomc.runtime.optim import AdamWConfig, updates_on_a_thread
 from atomc.runtime.package import PackagePlan, SwapPackage
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -42,11 +42,7 @@ class TrainerConfig:
     gpu_mem: int | None = None  # bytes; default: the plan's capacity
     trace: bool = False
     tied_grads: str = "fast"  # or "exact"
-    # None: a thread of its own on CUDA only. On a CPU device the compute already uses every
-    # core, and a second thread's torch work gave it a second OpenMP team: the compute's
-    # parallel regions then ran up to 2.4x slower (a 2-core box: a mini GPT's step 299 ms
-    # with the update threaded, 164 ms with it inline; bench/RESULTS.md)
-    threaded_optimizer: bool | None = None
+    threaded_optimizer: bool | None = None  # None: optim.updates_on_a_thread(device)
     seed: int = 0
 
     @classmethod
@@ -112,7 +108,7 @@ class TrainerConfig:
         device = parse_device(self.device)
         threaded = self.threaded_optimizer
         if threaded is None:
-            threaded = device.type == "cuda"
+            threaded = updates_on_a_thread(device)
         return RunSettings(
             device=device, accum=accum, micro_batch=pkg.plan.batch_size,
             activations=activations, offload_activations=bool(offload), master_dtype=master,

@@ -163,6 +163,15 @@ class _StepState:
     skipped: bool = False
 
 
+def updates_on_a_thread(device: torch.device) -> bool:
+    """Whether the runtime updates on a thread of its own, beside the compute (its default):
+    on CUDA only. On a CPU device the compute already uses every core, and a second thread's
+    torch work gave it a second OpenMP team: the compute's parallel regions then ran up to
+    2.4x slower (a 2-core box: a mini GPT's step 299 ms with the update threaded, 164 ms with
+    it on the runtime's thread; bench/RESULTS.md)."""
+    return device.type == "cuda"
+
+
 class CpuOptimizer:
     """AdamW per sub-model on the host store, run on one worker thread (see module docstring)."""
 

@@ -102,7 +102,7 @@ class SwapTrainer:
             bit for bit, keeping C copies of the tied weight's gradient on the device.
         threaded_optimizer: run the CPU updates on a thread of their own, beside the compute
             (default: on a CUDA device only; on the CPU the update runs on the runtime's
-            thread at its place in the schedule: see TrainerConfig).
+            thread at its place in the schedule: see optim.updates_on_a_thread).
         """
         cfg = TrainerConfig.of(config, options)
         pkg = load_swap_package(generated_dir)

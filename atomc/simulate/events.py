@@ -26,8 +26,8 @@ offload), so it cannot end before that offload does.
 
 On a CPU device (`host_copies`; `copies_on_host` says which devices) there are no copy
 engines and no cores to spare: the swap runtime's one thread computes and also loads, streams
-checkpoints, offloads and updates (atomc.runtime.config: no optimizer thread on the CPU), one
-job at a time in list order. The thread also spends time of its own between actions (the
+checkpoints, offloads and updates (atomc.runtime.optim.updates_on_a_thread), one job at a
+time in list order. The thread also spends time of its own between actions (the
 Python that drives them): `host_gap_ns` before each action, which a measured profile holds
 (atomc.profile.probe) and `atomc calibrate` fits (none otherwise).
 

@@ -344,7 +344,7 @@ class SwarmTrainer(SwarmNode):
                     break
                 raise PeerError(f"stage {j} took step {k} before answering micro-batch {g}'s "
                                 f"backward (its first answer was lost); the gradients stage "
-                                f"{j - 1} needs are gone with it: start the step again") from None
+                                f"{j - 1} needs are gone with it: restart the trainer") from None
             if j == S - 1:
                 loss = meta["loss"]
             grads = out
