@@ -25,23 +25,22 @@ Part (a)'s setting: tiny-untied GPT cut after its first block (two sub-models, 2
 plan carries this machine's profile, so servers know stage 0 costs more per sample: it serves a
 forward call and a backward call that recomputes it, the last stage only the backward), global
 batch 64 in micro-batches of 2, one trainer; slowdowns 100 (fast) and 300 (slow): a call lasts
-that many times the least processor time such a call took in its server, so the servers mostly
-sleep at a steady speed while the 2 cores run ~20 processes (hivemind's DHT, averager and p2pd
-per server), and their compute, not the trainer's or the averaging's, bounds the pipeline. Churn
-(times as fractions of --duration): fast servers a (stage 0) and c (stage 1) are SIGKILLed at
-1/4 and 3/4, a fast server e joins at 1/2. Rates: what each server announces (samples/s of its
-stage's forward and backward work over its last --rate-window seconds of calls), per server and
-stage, the median over the first two runs; a stage a server never served gets its rate on the
-other times the stages' measured cost ratio. Optimal at a moment: the best assignment of the
+that many times what the plan's profile says it takes, so the servers mostly sleep at a steady
+speed from their first call while the 2 cores run ~20 processes (hivemind's DHT, averager and
+p2pd per server), and their compute, not the trainer's or the averaging's, bounds the pipeline.
+Churn (times as fractions of --duration): fast servers a (stage 0) and c (stage 1) are SIGKILLed
+at 1/4 and 3/4, a fast server e joins at 1/2. Rates: what each server announces (samples/s of
+its stage's forward and backward work over its last --rate-window seconds of calls), per server
+and stage, the median over the first two runs; a stage a server never served gets its rate on
+the other times the stages' measured cost ratio. Optimal at a moment: the best assignment of the
 servers alive then (exhaustive), as a flow model (the pipeline runs at its lowest stage's summed
-rate, no moving cost).
-Best static: one stage per server for its whole life, the best in hindsight over the churn
-script by that flow model (exhaustive search; `best_assignment` per moment is not static:
-after a kill the optimum wants someone to move). Reported per run: measured samples/s (whole
-steps of the trainer, from its first step's end to its last one's within the run; per phase,
-linear between step ends), as % of the best static run, as % of the optimum; and the
-assignment's flow throughput over time as % of the optimum (the number comparable to SWARM's
-Table 5 and part (b)).
+rate, no moving cost). Best static: one stage per server for its whole life, the best in
+hindsight over the churn script by that flow model (exhaustive search; `best_assignment` per
+moment is not static: after a kill the optimum wants someone to move). Reported per run:
+measured samples/s (whole steps of the trainer, from its first step's end to its last one's
+within the run; per phase, linear between step ends), as % of the best static run, as % of the
+optimum; and the assignment's flow throughput over time as % of the optimum (the number
+comparable to SWARM's Table 5 and part (b)).
 
 Part (b)'s setting and where each number comes from:
 - 4 stages and 32 hours: SWARM App. I (its rebalancing simulation); 400 peers at the start:

@@ -57,6 +57,18 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"dir": d, "pkg": d / "pkg", "tied": d / "tied", "other": d / "other"}
 
 
+@pytest.fixture(scope="module")
+def profiled(work: dict) -> Path:
+    """The package of `work["pkg"]`, its plan cut from this machine's profile (--slowdown
+    emulates a device from the profile's times)."""
+    from atomc.profile import profile_model
+
+    traced = trace_model(GPT, CONFIG, MICRO)
+    prof = profile_model(traced, device="cpu", repeats=1, progress=False)
+    generate(plan_from_cuts(prof, [9, 25, 39, 55]), work["dir"] / "profiled", traced=traced)
+    return work["dir"] / "profiled"
+
+
 class Swarm:
     """Processes started for one test; all killed (with their children) at the end."""
 
@@ -610,9 +622,14 @@ def test_stage_costs_count_the_forward_call_the_last_stage_does_not_get(work: di
     specs = stage_specs(pkg, 2)  # sub-models 0 | 1..4
     assert node.stage_costs(pkg, specs) == [1.0, 1.0]  # a plan without times: all alike
     sub = SimpleNamespace(fwd_ms=1.0, bwd_ms=2.0)
-    monkeypatch.setattr(node, "_package_plan", lambda _: SimpleNamespace(submodels=[sub] * 5))
+    monkeypatch.setattr(node, "_package_plan",
+                        lambda _: SimpleNamespace(submodels=[sub] * 5, batch_size=2))
     # stage 0: forward call + backward call (recomputes): 2 x 1 + 2; stage 1: 4 x (1 + 2)
     assert node.stage_costs(pkg, specs) == pytest.approx([4 / 8, 12 / 8])
+    # per sample, in seconds, as --slowdown emulates them (the profile's micro-batch was 2)
+    times = node.call_times(pkg, specs)
+    assert times[0] == pytest.approx({"forward": 0.5e-3, "backward": 1.5e-3})
+    assert times[1] == pytest.approx({"forward": 2e-3, "backward": 6e-3})
 
 
 def test_weights_tied_across_stages_are_refused(work: dict) -> None:
@@ -637,7 +654,7 @@ def _train_killing_after_step_1(sw: Swarm, victim: str, steps: int = 4) -> int:
 
 
 @pytest.mark.slow
-def test_swarm_equals_single_process_through_a_kill(swarm_of) -> None:
+def test_swarm_equals_single_process_through_a_kill(swarm_of, profiled: Path) -> None:
     """2 stages x 3 and 2 servers, float64: the weights of single-process training, although a
     server is SIGKILLed in the middle of a step (its micro-batches go elsewhere, none twice)."""
     # as step 2 begins: the router still lists s1b (its record outlives it), so some of the
@@ -646,10 +663,10 @@ def test_swarm_equals_single_process_through_a_kill(swarm_of) -> None:
     # router spread a step's few calls; 2 runs in 6 of the full suite on a loaded 2-core box
     # sent none): the scenario runs again, up to three times, until the kill hits a call.
     for attempt in range(3):
-        sw = swarm_of(sub=f"try{attempt}")
+        sw = swarm_of(profiled, sub=f"try{attempt}")
         # records outlive a dead server long enough that the trainers still route to it
         sw.serve_all([("s0a", 0), ("s0b", 0), ("s0c", 0), ("s1a", 1), ("s1b", 1)],
-                     "--slowdown", "2", "--expiration", "30")
+                     "--slowdown", "5", "--expiration", "30")
         steps = _train_killing_after_step_1(sw, "s1b")
         log = sw.log("trainer")
         if "failed" in log:
@@ -721,14 +738,17 @@ def test_8bit_links_train_as_well_as_exact_ones(swarm_of) -> None:
 
 
 @pytest.mark.slow
-def test_bad_addresses_are_one_line_each(work: dict, tmp_path: Path) -> None:
-    """A --host-maddrs this machine does not have (p2pd cannot start: its own words shown) and
-    an initial peer nobody answers at: exit 2, one line, no traceback."""
+def test_bad_serve_options_are_one_line_each(work: dict, tmp_path: Path) -> None:
+    """A --host-maddrs this machine does not have (p2pd cannot start: its own words shown), an
+    initial peer nobody answers at, and --slowdown with a package whose plan has no times to
+    emulate: exit 2, one line, no traceback."""
     base = ["swarm", "serve", str(work["pkg"]), "--stages", "2", "--stage", "0",
             "--target-batch-size", "8", "--connect-timeout", "5"]
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWFwCtKzUCEm5kX1ZvtNNYXT8sqTMG7d4srqqR5HrDECrb"
     for extra, said in ((["--host-maddrs", "/ip4/10.255.255.254/tcp/0"], "could not listen"),
-                        (["--initial-peers", dead], "could not join the peers through")):
+                        (["--initial-peers", dead], "could not join the peers through"),
+                        (["--slowdown", "3"], "has none"),
+                        (["--slowdown", "0"], "must be more than 0")):
         proc = subprocess.run([sys.executable, "-m", "atomc.cli", *base, *extra], env=child_env(),
                               cwd=tmp_path, capture_output=True, text=True, timeout=90,
                               start_new_session=True)

@@ -50,10 +50,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="delayed parameter updates: each step's calls use the weights before "
                         "the last step's update, which runs meanwhile (one more copy of the "
                         "stage's weights and optimizer state)")
-    s.add_argument("--slowdown", type=float, default=1.0,
-                   help="emulate a slower device: every call lasts this many times the least "
-                        "processor time such a call has taken here (a steady speed, whatever "
-                        "else the machine runs)")
+    s.add_argument("--slowdown", type=float, metavar="F",
+                   help="emulate a device F times slower than the one the plan was profiled "
+                        "on: every call lasts F times what the profile says it takes (or what "
+                        "it took, if longer); needs a package made from a profile")
     s.add_argument("--checkpoint-dir",
                    help="write the stage's state here after every step (a stage left without "
                         "servers resumes from it)")

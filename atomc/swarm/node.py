@@ -21,16 +21,27 @@ from atomc.runtime.package import SwapPackage, load_swap_package
 from atomc.swarm.records import Roster, ServerRecord
 
 
-def stage_costs(pkg: SwapPackage, specs: Sequence[StageSpec]) -> list[float]:
-    """Each stage's time per sample on one server, from the plan's profile, relative (mean 1):
-    a forward call and a backward call that recomputes the forward, or on the last stage the
-    backward call alone (its forward is in it). All 1 when the plan has no times."""
-    subs = _package_plan(pkg).submodels
-    costs = []
+def call_times(pkg: SwapPackage, specs: Sequence[StageSpec]) -> list[dict[str, float]]:
+    """Each stage's seconds per sample in a forward call and in a backward call, from the
+    plan's profile: a backward call recomputes the forward (the last stage gets no forward
+    call: its backward call is the micro-batch's forward too). All 0 when the plan has no
+    times (made from a graph, not a profile)."""
+    plan = _package_plan(pkg)
+    out = []
     for s in specs:
-        fwd = sum(subs[i].fwd_ms for i in range(s.start, s.stop))
-        bwd = sum(subs[i].bwd_ms for i in range(s.start, s.stop))
-        costs.append(fwd + bwd if s.holds_output else 2 * fwd + bwd)
+        subs = plan.submodels[s.start:s.stop]
+        fwd = sum(m.fwd_ms for m in subs) / 1e3 / plan.batch_size
+        bwd = sum(m.bwd_ms for m in subs) / 1e3 / plan.batch_size
+        out.append({"forward": fwd, "backward": fwd + bwd})
+    return out
+
+
+def stage_costs(pkg: SwapPackage, specs: Sequence[StageSpec]) -> list[float]:
+    """Each stage's time per sample on one server (`call_times`: a forward call and a
+    backward call, or on the last stage the backward call alone), relative (mean 1). All 1
+    when the plan has no times."""
+    costs = [t["backward"] + (0.0 if s.holds_output else t["forward"])
+             for s, t in zip(specs, call_times(pkg, specs))]
     if min(costs) <= 0:
         return [1.0] * len(specs)
     mean = sum(costs) / len(costs)
@@ -58,7 +69,8 @@ def stage_specs(pkg: SwapPackage, num_stages: int) -> list[StageSpec]:
 class SwarmNode:
     def __init__(self, package: str | Path, num_stages: int, initial_peers: Sequence[str],
                  host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
-                 connect_timeout_s: float, role: str):
+                 connect_timeout_s: float, role: str, times_for: str | None = None):
+        """`times_for`: the option that needs the plan's measured times (refused without)."""
         self.hm = _import_hivemind()
         self.role = role
         self.package_path = package
@@ -66,6 +78,12 @@ class SwarmNode:
         self.fingerprint = self.pkg.fingerprint()
         self.specs = stage_specs(self.pkg, num_stages)
         self.costs = stage_costs(self.pkg, self.specs)
+        self.call_times = call_times(self.pkg, self.specs)
+        if times_for and not all(t["backward"] > 0 for t in self.call_times):
+            raise UsageError(
+                f"{times_for} emulates a device from the times in the plan's profile, and the "
+                f"plan of {package} has none (it was cut from a traced graph, not a profile); "
+                f"generate the package from `atomc profile` and `atomc partition` output")
         self.dht = start_dht(self.hm, initial_peers, host_maddrs, announce_maddrs,
                              connect_timeout_s)
         self.peer = self.dht.peer_id.to_base58()
@@ -104,4 +122,4 @@ class SwarmNode:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-__all__ = ["SwarmNode", "stage_costs", "stage_specs"]
+__all__ = ["SwarmNode", "call_times", "stage_costs", "stage_specs"]

@@ -117,7 +117,7 @@ class ServeConfig:
     averaging_timeout_s: float = 20.0
     connect_timeout_s: float = 20.0
     request_wait_s: float = 30.0  # a call for a step this server has not reached waits this long
-    slowdown: float = 1.0  # emulate a slower device: `slowdown` x a call's least CPU time
+    slowdown: float | None = None  # emulate a device this many times slower than the profiled
     delayed_updates: bool = False  # DPU: the optimizer step overlaps the next step's calls
     checkpoint_dir: str | Path | None = None  # the stage's state after every step (shared dir)
     name: str = ""
@@ -132,8 +132,8 @@ class ServeConfig:
                              f"(0 to {self.num_stages - 1}); or give --stage auto")
         if self.target_batch_size < 1:
             raise UsageError(f"--target-batch-size {self.target_batch_size} must be at least 1")
-        if self.slowdown < 1:
-            raise UsageError(f"--slowdown {self.slowdown} must be 1 or more")
+        if self.slowdown is not None and not self.slowdown > 0:
+            raise UsageError(f"--slowdown {self.slowdown:g} must be more than 0")
         if self.min_gain < 0:
             raise UsageError(f"--min-gain {self.min_gain} must be 0 or more")
         if not self.rate_window_s > 0:
@@ -235,8 +235,9 @@ class SwarmServer(SwarmNode):
     def __init__(self, cfg: ServeConfig, *, loss_fn: Callable | None = None,
                  initial_state: dict[str, torch.Tensor] | None = None,
                  log: Callable[[str], None] = print):
+        emulating = None if cfg.slowdown is None else f"--slowdown {cfg.slowdown:g}"
         super().__init__(cfg.package, cfg.num_stages, cfg.initial_peers, cfg.host_maddrs,
-                         cfg.announce_maddrs, cfg.connect_timeout_s, "server")
+                         cfg.announce_maddrs, cfg.connect_timeout_s, "server", emulating)
         self.cfg = cfg
         self.log = log
         self.loss_fn = loss_fn or self.pkg.model_loss_fn()
@@ -251,7 +252,6 @@ class SwarmServer(SwarmNode):
         self.call_time: dict[str, CallTime] = {}  # call kind -> its time per sample
         self.carried_rate: float | None = None  # measured on the stage it served before
         self.served: dict[int, float] = {}  # stage -> its rate there when it last left it
-        self.fastest: dict[tuple[int, str, int], float] = {}  # --slowdown: least CPU seconds
         self.moving_to: int | None = None  # the stage it is moving to (announced as its stage)
         self.closing = False
         self.moving = False
@@ -572,7 +572,7 @@ class SwarmServer(SwarmNode):
                 if meta["id"] in self.ids:
                     raise PeerError(f"server {self.cfg.name} holds micro-batch {meta['id']} of "
                                     f"step {step} already")
-            t0, cpu0 = time.perf_counter(), time.process_time()
+            t0 = time.perf_counter()
             out, loss = self._run(kind, values, meta)
             if kind == "backward":
                 off = 0
@@ -585,23 +585,21 @@ class SwarmServer(SwarmNode):
                 self.announce_soon = True  # the stage may hold its batch now: say so
                 self.wake.set()
             took = time.perf_counter() - t0
-            if self.cfg.slowdown > 1:
-                took = self._emulated(kind, int(meta["samples"]), took,
-                                      time.process_time() - cpu0)
+            if self.cfg.slowdown is not None:
+                took = self._emulated(kind, int(meta["samples"]), took)
             self.call_time[kind].add(took, int(meta["samples"]))
         return encode(out, {"loss": loss, "server": self.cfg.name}, response=True,
                       compress=bool(meta.get("compress")))
 
-    def _emulated(self, kind: str, samples: int, took: float, cpu: float) -> float:
-        """--slowdown: the call lasts `slowdown` times the least processor time a call of its
-        kind and size has taken in this server on this stage (and no less than it took): a
-        device of one speed. Stretching a call's wall time instead stretched the machine's
-        load with it (on a shared CPU, waits for a core: a server's rate swung 2x from one
-        period to the next and rebalancing moved servers after the noise), and even a call's
-        processor time varies 10-30% with the contention for caches."""
-        key = (self.spec.index, kind, samples)
-        best = self.fastest[key] = min(cpu, self.fastest.get(key, cpu))
-        busy = self.cfg.slowdown * best
+    def _emulated(self, kind: str, samples: int, took: float) -> float:
+        """--slowdown: the call lasts `slowdown` times what the plan's profile says such a call
+        takes on this stage (and no less than it took): a device of one speed from its first
+        call. Earlier emulations drifted: a call's wall time carries the machine's other load
+        (a server's rate swung 2x between periods), and the least processor time a call had
+        taken so far fell over tens of calls (cold caches, then the tail of the noise), so a
+        server that had just joined or moved looked 20-40% slower than it was, and moves
+        planned on those rates undid themselves a period later."""
+        busy = self.cfg.slowdown * self.call_times[self.spec.index][kind] * samples
         if busy > took:
             time.sleep(busy - took)
         return max(busy, took)
