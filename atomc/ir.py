@@ -328,6 +328,8 @@ class RuntimeCosts:
     """The swap runtime's own costs on the profiled device, which no operator's time holds;
     measured with the runtime's code (atomc.profile.runtime_costs)."""
 
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("forward_ms", "backward_ms")
+
     # one sub-model's CPU AdamW update: a fixed part, and a part per parameter tensor (the
     # kernels run tensor by tensor); its bytes go at the plan's CPU update rate
     update_ms: float
@@ -335,6 +337,11 @@ class RuntimeCosts:
     # on a CPU device, the runtime thread's own time before each action it runs (the Python
     # that drives it); 0 where the device runs the actions on its own streams
     action_ms: float = 0.0
+    # on a CPU device, the runtime's own time inside one sub-model's forward and inside its
+    # backward (the recomputed forward included), one micro-batch, beyond its operators'
+    # (None: not measured; on a GPU the device's time is the kernels', which the profile holds)
+    forward_ms: float | None = None
+    backward_ms: float | None = None
 
 
 @dataclass(frozen=True)

@@ -116,7 +116,9 @@ def main() -> int:
     if rt is not None:
         print(f"  runtime costs: update {rt.update_ms * 1e3:.0f} us + "
               f"{rt.update_tensor_ms * 1e3:.0f} us a tensor, {rt.action_ms * 1e3:.0f} us of "
-              f"the runtime's thread an action")
+              f"the runtime's thread an action, {(rt.forward_ms or 0) * 1e3:.0f} us in a "
+              f"forward and {(rt.backward_ms or 0) * 1e3:.0f} us in a backward besides the "
+              f"operators'")
     # the profile alone is one sample of a noisy machine: profile again, and cost the same
     # plans on those profiles too, to show how far "profile alone" moves between profiles
     others_profiles = [profile_model(traced, device="cpu", repeats=args.repeats, progress=False)

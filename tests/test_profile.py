@@ -50,6 +50,37 @@ def test_measured_reuses_identical_blocks(measured):
                 first[node.signature] = cost
 
 
+def test_cpu_operators_are_measured_in_rounds_and_take_the_median(monkeypatch):
+    """Every operator once per round, all of them in turn, CPU_ROUNDS rounds: each takes the
+    median of its rounds, so a burst of the machine's other work slows one round of a few
+    operators, not all the repeats of one."""
+    import atomc.profile as prof
+    from atomc.ir import IssueTimes
+    from atomc.profile.measure import Measured
+
+    calls: list[str] = []
+    # round r of every operator: 1, 9, 2 ms (the second round in a burst)
+    slow = {0: 1.0, 1: 9.0, 2: 2.0}
+
+    def fake(gm, node, values, stats, dev, repeats):
+        r = sum(1 for c in calls if c == node.name)
+        calls.append(node.name)
+        return Measured(slow[r], 2 * slow[r], 0, 0, None)
+
+    monkeypatch.setattr(prof, "measure", fake)
+    monkeypatch.setattr(prof, "_warm_up", lambda *a: None)
+    p = profile_model(trace_model(EXAMPLES / "gpt.py", "mini", 2), device="cpu", repeats=1)
+    k = p.num_unique
+    assert prof.CPU_ROUNDS == 3 and len(calls) == 3 * k
+    assert calls[:k] == calls[k:2 * k]  # round by round over every operator
+    timed = [c for n, c in zip(p.graph.nodes, p.costs) if n.op in COMPUTE and n.op != "output"]
+    assert {c.fwd_ms for c in timed} == {2.0} and {c.bwd_ms for c in timed} == {4.0}
+    # on a GPU (one round unless asked) the two sides of each time take their medians too
+    sides = [Measured(t, t, 0, 0, IssueTimes(t, 2 * t, 3 * t, 4 * t)) for t in (1.0, 9.0, 2.0)]
+    med = prof._median_of_rounds(sides)
+    assert (med.fwd_ms, med.issue) == (2.0, IssueTimes(2.0, 4.0, 6.0, 8.0))
+
+
 def test_param_bytes_sum_to_unique_parameters(measured):
     assert sum(c.param_bytes for c in measured.costs) == unique_bytes(measured)
     by_name = dict(zip((n.name for n in measured.graph.nodes), measured.costs))

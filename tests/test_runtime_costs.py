@@ -4,6 +4,7 @@ charging them."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from atomc.ir import Profile, RuntimeCosts
 from atomc.partition import partition, profile_hash, recost
 from atomc.partition.check import check_plan
-from atomc.profile.probe import action_ms
+from atomc.profile.probe import runtime_ms
 from atomc.profile.runtime_costs import update_costs_ms
 
 from synthetic import block_profile
@@ -32,6 +33,12 @@ def test_runtime_costs_round_trip_and_older_profiles_read_and_hash_as_before():
     back = Profile.from_json(with_costs.to_json())
     assert back.runtime == RuntimeCosts(0.2, 0.05, 0.1)
     assert profile_hash(back) == back.content_hash() != plain.content_hash()
+    # the per-call times came later: costs without them are written (and hash) as before
+    assert "forward_ms" not in json.dumps(with_costs.to_json())
+    calls = dataclasses.replace(with_costs, runtime=RuntimeCosts(0.2, 0.05, 0.1, 0.07, 0.2))
+    back = Profile.from_json(calls.to_json())
+    assert back.runtime == RuntimeCosts(0.2, 0.05, 0.1, 0.07, 0.2)
+    assert profile_hash(back) == back.content_hash() != with_costs.content_hash()
 
 
 def test_update_charges_fixed_and_per_tensor_costs_besides_bytes():
@@ -88,8 +95,49 @@ def _calibration(host_gap_ms: float):
                        calibrated_step_ms=1.0, host_gap_ms=host_gap_ms)
 
 
+def test_cpu_plan_charges_the_runtimes_time_in_every_forward_and_backward():
+    """Each sub-model's forward and backward of a micro-batch cost the runtime's own time
+    once (the recomputed forward's included in the backward's), at every C; the checker
+    charges the same; calibration fits the nodes to what is left, so the calibrated profile
+    reproduces the measured sub-models and charges the same time on other cuts."""
+    from atomc.calibrate import MeasuredSubmodel, Measurement, calibrate
+
+    base = _on_cpu(block_profile(), update_ms=0.0, update_tensor_ms=0.0)
+    plan = partition(base, 56 * 2**20, reserve_bytes=0, accum=2, cpu_adam_gbps=4.0)
+    own = _on_cpu(block_profile(), update_ms=0.0, update_tensor_ms=0.0, forward_ms=0.07,
+                  backward_ms=0.2)
+    again = recost(own, plan)
+    for before, after in zip(plan.submodels, again.submodels):
+        assert after.fwd_ms == pytest.approx(before.fwd_ms + 0.07, abs=1e-6)
+        assert after.bwd_ms == pytest.approx(before.bwd_ms + 0.2, abs=1e-6)
+    assert again.predicted_step_ms > plan.predicted_step_ms
+    assert check_plan(own, again) == []
+    # measured: each sub-model 1.5x its operators, plus the runtime's own time
+    subs = tuple(MeasuredSubmodel(
+        index=s.index, fwd_ms=1.5 * (s.fwd_ms - 0.07) + 0.07,
+        bwd_ms=1.5 * (s.bwd_ms - 0.2) + 0.2, load_ms=s.load_ms, load_bytes=s.param_bytes,
+        checkpoint_ms=0.0, offload_ms=0.0, offload_bytes=0, optimizer_ms=0.0)
+        for s in again.submodels)
+    m = Measurement(package="", plan_hash=again.content_hash(), device=again.device,
+                    accum=again.accum, activations=again.activations, warmup_steps=0,
+                    step_ms=(again.predicted_step_ms,), lane_busy_ms={}, losses=(1.0,),
+                    submodels=subs, h2d_gbps=own.h2d_gbps, d2h_gbps=own.d2h_gbps)
+    cal = calibrate(own, again, m)
+    assert len(cal.calibration.submodels) == len(subs)
+    for rec in cal.calibration.submodels:
+        assert rec.fwd_scale == pytest.approx(1.5, rel=1e-6)
+        assert rec.bwd_scale == pytest.approx(1.5, rel=1e-6)
+    fitted = recost(cal, again)
+    for s, meas in zip(fitted.submodels, subs):
+        assert s.fwd_ms == pytest.approx(meas.fwd_ms, abs=1e-5)
+        assert s.bwd_ms == pytest.approx(meas.bwd_ms, abs=1e-5)
+
+
 def test_update_costs_and_time_per_action_are_measured_with_the_runtime():
     fixed, per_tensor = update_costs_ms(torch.device("cpu"), repeats=5)
     assert math.isfinite(fixed) and fixed >= 0 and per_tensor >= 0
-    gap = action_ms(torch.device("cpu"))
+    gap, forward, backward = runtime_ms(torch.device("cpu"))
     assert math.isfinite(gap) and 0 <= gap < 50
+    # a Linear on 8 numbers takes microseconds: the calls' time is mostly the runtime's own,
+    # and a backward (recomputation, autograd, gradients) costs more than a forward
+    assert 0 < forward < backward < 50

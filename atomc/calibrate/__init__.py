@@ -85,6 +85,12 @@ def calibrate(profile: Profile, plan: Plan, measurement: Measurement) -> Profile
 
     costs = list(profile.costs)
     recompute = plan.activations == "recompute"
+    # the runtime's own time per call stays the profile's (the cost model adds it to every
+    # sub-model's forward and backward): the nodes are fitted to the rest, so that other cuts
+    # of the calibrated profile pay it once per sub-model too
+    rt = profile.runtime
+    own_fwd = (rt.forward_ms or 0.0) if rt is not None else 0.0
+    own_bwd = (rt.backward_ms or 0.0) if rt is not None else 0.0
     scales = []
     for sm, m in zip(plan.submodels, measurement.submodels):
         nodes = range(sm.start, sm.stop)
@@ -92,10 +98,10 @@ def calibrate(profile: Profile, plan: Plan, measurement: Measurement) -> Profile
         fwd = sum(costs[j].fwd_ms for j in nodes)
         bwd = sum(costs[j].bwd_ms for j in nodes)
         ops = {j for j in nodes if profile.graph.nodes[j].op in COMPUTE_OPS} or set(nodes)
-        f_scale, fwd_add = _fit(m.fwd_ms, fwd, len(ops))
+        f_scale, fwd_add = _fit(m.fwd_ms - own_fwd, fwd, len(ops))
         new_fwd = f_scale * fwd + fwd_add * len(ops)
         redo = new_fwd if recompute and not last else 0.0
-        b_scale, bwd_add = _fit(m.bwd_ms - redo, bwd, len(ops))
+        b_scale, bwd_add = _fit(m.bwd_ms - own_bwd - redo, bwd, len(ops))
         for j in nodes:
             extra = j in ops
             c = costs[j]

@@ -44,6 +44,7 @@ from atomc.partition.cost import (
     plan_slacks,
     range_cost,
     range_stage_times,
+    runtime_params,
 )
 from atomc.partition.precision import Precision, device_view, model_dtype, resolve_precision
 from atomc.partition.search import SearchResult, block_period, prepare_folding, search
@@ -84,7 +85,7 @@ def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAUL
 
     def params_for(c: int, usable_bytes: int = usable, cap: int = 0) -> CostParams:
         return CostParams(c, usable_bytes, profile.h2d_gbps, profile.d2h_gbps, cpu_adam_gbps,
-                          activations, *update_costs_ns(profile), slot_cap_bytes=cap)
+                          activations, **runtime_params(profile), slot_cap_bytes=cap)
 
     first_c = accum or 1
     _check_operators_fit(view, facts, build_tables(facts, 1), params_for(first_c), reserve_bytes)
@@ -213,20 +214,12 @@ def recost(profile: Profile, plan: Plan, cpu_adam_gbps: float | None = None,
     tables = build_tables(facts, max(b - a for a, b in itertools.pairwise(bounds)))
     rate = plan.cpu_adam_gbps if cpu_adam_gbps is None else cpu_adam_gbps
     p = CostParams(plan.accum, plan.capacity_bytes - plan.reserve_bytes, profile.h2d_gbps,
-                   profile.d2h_gbps, rate, plan.activations, *update_costs_ns(profile))
+                   profile.d2h_gbps, rate, plan.activations, **runtime_params(profile))
     return build_plan(profile, tables, p, bounds[1:-1], capacity_bytes=plan.capacity_bytes,
                       reserve_bytes=plan.reserve_bytes, accum_fixed=plan.accum_fixed,
                       tier=plan.search_tier, notes=[f"the cuts of plan {plan.content_hash()}"],
                       early_prefetch=plan.early_prefetch, precision=precision, view=view,
                       cpu_adam_source=cpu_adam_source or plan.cpu_adam_source or "given")
-
-
-def update_costs_ns(profile: Profile) -> tuple[int, int]:
-    """The runtime's fixed and per-tensor cost of one sub-model's update (0 unmeasured)."""
-    rt = profile.runtime
-    if rt is None:
-        return 0, 0
-    return round(rt.update_ms * NS_PER_MS), round(rt.update_tensor_ms * NS_PER_MS)
 
 
 def host_gap_ms(profile: Profile) -> float:

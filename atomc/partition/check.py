@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass
 
 from atomc.ir import Plan, Profile
-from atomc.partition.cost import node_sides_ms
+from atomc.partition.cost import node_sides_ms, runtime_params
 from atomc.partition.precision import Precision, device_view, model_dtype
 
 NS_PER_MS = 1_000_000
@@ -129,6 +129,11 @@ class Checker:
         sides = [sum(round(ms * NS_PER_MS) for ms in side)
                  for side in zip(*(node_sides_ms(k) for k in costs))] or [0, 0, 0, 0]
         fwd, bwd = max(sides[0], sides[2]), max(sides[1], sides[3])
+        last = stop == len(self.nodes)
+        # the runtime's own time in each call: on a CPU device, where the profile measured it
+        own = runtime_params(self.profile)
+        one_fwd = fwd + own.get("call_fwd_ns", 0)
+        one_bwd = (bwd if self.keep or last else bwd + fwd) + own.get("call_bwd_ns", 0)
         saved = sum(k.saved_bytes for k in costs)
         extra_fwd = extra_bwd = 0
         for n, k in zip(nodes, costs):
@@ -147,11 +152,10 @@ class Checker:
         mem_fwd = param_bytes + boundary + extra_fwd + (c * saved if self.keep else 0)
         mem_bwd = (param_bytes + grad_bytes + boundary + (c * saved if self.keep else saved)
                    + extra_bwd)
-        last = stop == len(self.nodes)
         checkpoint = 0 if last else c * (in_bytes + (saved if self.keep else 0))
         return RangeFacts(
-            start=start, stop=stop, fwd_ns=c * fwd,
-            bwd_ns=c * (bwd if self.keep or last else bwd + fwd),  # the last one keeps its graph
+            start=start, stop=stop, fwd_ns=c * one_fwd,
+            bwd_ns=c * one_bwd,  # the last one keeps its graph: no recomputation
             load_ns=_copy_ns(param_bytes, self.profile.h2d_gbps),
             checkpoint_ns=_copy_ns(checkpoint, self.profile.h2d_gbps),
             offload_ns=_copy_ns(grad_bytes, self.profile.d2h_gbps),

@@ -378,6 +378,10 @@ class CostParams:
     # RuntimeCosts; 0 when not measured)
     update_ns: int = 0
     update_tensor_ns: int = 0
+    # on a CPU device, the runtime's own time inside each forward and each backward of a
+    # sub-model (one micro-batch), beyond its operators' (RuntimeCosts; 0 when not measured)
+    call_fwd_ns: int = 0
+    call_bwd_ns: int = 0
     # the runtime's slots are sized for the largest sub-model (slot_bytes): with a cap, every
     # range's parameters stay within it and its working memory fits beside 2 x 2 slots of it
     # (0: no cap; the search then checks neighbours in pairs only)
@@ -424,15 +428,33 @@ def optimizer_ns(p: CostParams, master_bytes, num_masters):
     return by_bytes + np.where(masters > 0, p.update_ns + p.update_tensor_ns * masters, 0)
 
 
+def runtime_params(profile: Profile) -> dict[str, int]:
+    """CostParams' fields for the runtime's own costs that `profile` measured (none: 0)."""
+    rt = profile.runtime
+    if rt is None:
+        return {}
+    return {"update_ns": ms_to_ns(rt.update_ms),
+            "update_tensor_ns": ms_to_ns(rt.update_tensor_ms),
+            "call_fwd_ns": ms_to_ns(rt.forward_ms or 0.0),
+            "call_bwd_ns": ms_to_ns(rt.backward_ms or 0.0)}
+
+
+def one_micro_batch(p: CostParams, fwd, bwd, is_last):
+    """A sub-model's forward and backward of one micro-batch from its operators' times: the
+    backward recomputes the forward, but where activations are kept and in the last
+    sub-model (it keeps each micro-batch's autograd graph from its forward to its backward:
+    F and B alternate there); each also costs the runtime's own time per call."""
+    back = bwd if p.activations == "keep" else np.where(is_last, bwd, bwd + fwd)
+    return fwd + p.call_fwd_ns, back + p.call_bwd_ns
+
+
 def derive_values(p: CostParams, *, fwd, bwd, saved, params, grads, master, masters, inb, outb,
                   extra_fwd, extra_bwd, cut_start, is_last) -> Derived:
     """The C-dependent formulas, shared by the whole-table and the single-range paths."""
     c = np.int64(p.accum)
     keep = p.activations == "keep"
-    fwd_c = c * fwd
-    # the last sub-model keeps each micro-batch's autograd graph from its forward to its
-    # backward (F and B alternate there): it recomputes nothing
-    bwd_c = c * (bwd if keep else np.where(is_last, bwd, bwd + fwd))
+    one_fwd, one_bwd = one_micro_batch(p, fwd, bwd, is_last)
+    fwd_c, bwd_c = c * one_fwd, c * one_bwd
     boundary = c * (cut_start + outb)
     mem_fwd = params + boundary + extra_fwd + (c * saved if keep else 0)
     mem_bwd = params + grads + boundary + (c * saved if keep else saved) + extra_bwd
@@ -474,8 +496,8 @@ class RangeCost:
 
     start: int
     stop: int
-    fwd_ns: int  # one micro-batch
-    bwd_ns: int  # one micro-batch, recomputation included
+    fwd_ns: int  # one micro-batch, the runtime's own time per call included
+    bwd_ns: int  # one micro-batch, recomputation and the runtime's own time included
     accum_fwd_ns: int  # C micro-batches
     accum_bwd_ns: int
     load_fwd_ns: int
@@ -505,8 +527,8 @@ def _gather(tables: RangeTables, p: CostParams, starts: np.ndarray,
         inb=t.in_bytes[starts, w], outb=t.out_bytes[starts, w],
         extra_fwd=t.extra_fwd_bytes[starts, w], extra_bwd=t.extra_bwd_bytes[starts, w],
         cut_start=t.cut_bytes[starts], is_last=stops == t.num_nodes)
-    one_bwd = bwd if p.activations == "keep" else np.where(stops == t.num_nodes, bwd, bwd + fwd)
-    cols = [starts, stops, fwd, one_bwd, d.fwd_ns, d.bwd_ns, d.load_fwd_ns, d.checkpoint_ns,
+    one_fwd, one_bwd = one_micro_batch(p, fwd, bwd, stops == t.num_nodes)
+    cols = [starts, stops, one_fwd, one_bwd, d.fwd_ns, d.bwd_ns, d.load_fwd_ns, d.checkpoint_ns,
             d.offload_ns, d.optimizer_ns, d.param_bytes, d.grad_bytes, d.mem_fwd_bytes,
             d.mem_bwd_bytes, t.in_bytes[starts, w], t.out_bytes[starts, w]]
     rows = zip(*(np.broadcast_to(np.asarray(c, dtype=np.int64), w.shape).tolist() for c in cols))

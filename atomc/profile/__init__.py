@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import platform
+import statistics
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from tqdm import tqdm
 from atomc import __version__
 from atomc.device import parse_device
 from atomc.errors import ProfileError
-from atomc.ir import NodeCost, Profile
+from atomc.ir import IssueTimes, NodeCost, Profile
 from atomc.profile.estimate import estimate_ms, load_ms
 from atomc.profile.hardware import hardware_names, load_hardware
 from atomc.profile.measure import Measured, measure, size_peaks
@@ -129,9 +130,35 @@ def _warm_up(gm: Any, values: Any, nodes: list, dev: torch.device) -> None:
             return
 
 
+# On a CPU, every operator is measured in this many rounds over all of them, and each takes the
+# median of its rounds: a shared CPU slows down in bursts longer than one operator's repeats
+# (one operator of the mini GPT read 1.8x in one profile of four), and an operator of a
+# repeated block is measured once for all its copies, so one burst moved a whole profile by
+# up to 40%. A GPU's times did not swing so: one round there.
+CPU_ROUNDS = 3
+
+
+def _median_of_rounds(rounds: list[Measured]) -> Measured:
+    """Each time the median of the rounds' (working memory: the first round's)."""
+    if len(rounds) == 1:
+        return rounds[0]
+
+    def median(get: Any) -> float:
+        return statistics.median(get(m) for m in rounds)
+
+    issue = rounds[0].issue
+    if issue is not None:
+        issue = IssueTimes(*(median(lambda m, f=f: getattr(m.issue, f.name))
+                             for f in dataclasses.fields(issue)))
+    return dataclasses.replace(rounds[0], fwd_ms=median(lambda m: m.fwd_ms),
+                               bwd_ms=median(lambda m: m.bwd_ms), issue=issue)
+
+
 def profile_model(traced: TracedModel, *, device: str | None = None, target: str | None = None,
                   compute_dtype: str | None = None, repeats: int = 5,
-                  progress: bool | None = None) -> Profile:
+                  progress: bool | None = None, rounds: int | None = None) -> Profile:
+    """A measured profile on `device` (`repeats` timed calls per operator, median; on a CPU in
+    CPU_ROUNDS rounds unless `rounds` says) or an estimated one for hardware `target`."""
     if device is not None and target is not None:
         raise ProfileError("give either --device (measure) or --target (estimate), not both")
     hw = load_hardware(target) if target is not None else None
@@ -157,15 +184,23 @@ def profile_model(traced: TracedModel, *, device: str | None = None, target: str
                disable=(not progress) if progress is not None else None, leave=False)
     if dev is not None:
         _warm_up(gm, values, [first_node[sig] for sig in unique_sigs], dev)
-    for sig in bar:
-        node = first_node[sig]
-        try:
-            stats_by_sig[sig] = analyse(gm, node, values)
-            if dev is not None:
-                measured[sig] = measure(gm, node, values, stats_by_sig[sig], dev, repeats)
-        except Exception as e:
-            raise ProfileError(f"profiling operator {node.name} ({node.op} {node.target}) failed: "
-                               f"{type(e).__name__}: {e}") from e
+    if rounds is None:
+        rounds = CPU_ROUNDS if dev is not None and dev.type == "cpu" else 1
+    by_round: dict[str, list[Measured]] = {sig: [] for sig in unique_sigs}
+    for r in range(rounds if dev is not None else 1):
+        for sig in bar if r == 0 else unique_sigs:
+            node = first_node[sig]
+            try:
+                if sig not in stats_by_sig:
+                    stats_by_sig[sig] = analyse(gm, node, values)
+                if dev is not None:
+                    by_round[sig].append(measure(gm, node, values, stats_by_sig[sig], dev,
+                                                 repeats))
+            except Exception as e:
+                raise ProfileError(f"profiling operator {node.name} ({node.op} {node.target}) "
+                                   f"failed: {type(e).__name__}: {e}") from e
+    if dev is not None:
+        measured = {sig: _median_of_rounds(ms) for sig, ms in by_round.items()}
 
     seen: set[str] = set()
     costs: list[NodeCost] = []
@@ -231,7 +266,8 @@ def profile_model(traced: TracedModel, *, device: str | None = None, target: str
         assert copy_timer is not None and dev is not None
         h2d, d2h = copy_timer.bandwidth_gbps(), copy_timer.d2h_gbps()
         where = describe_device(dev)
-        notes = (f"{repeats} timed repeats, median", *((loss_note,) if loss_note else ()))
+        notes = (f"{repeats} timed repeats in each of {rounds} rounds, median",
+                 *((loss_note,) if loss_note else ()))
     runtime = measure_runtime_costs(dev) if dev is not None else None
     return Profile(
         graph=graph, costs=tuple(costs), mode="estimated" if hw else "measured", device=where,

@@ -1,7 +1,9 @@
 """The swap runtime on a package of tiny sub-models: its own time per action on a CPU.
 
-Input: a device. Output: the runtime thread's time before each action it runs beyond what
-the action's own work takes, in ms (the `host_gap` the simulator charges on a CPU device).
+Input: a device. Output, in ms: the runtime thread's time before each action it runs beyond
+what the action's own work takes (the `host_gap` the simulator charges on a CPU device), and
+its time inside a sub-model's forward and inside its backward beyond the operators' (their
+arguments and outputs, the RNG rule, the autograd call, the gradients zeroed and summed).
 
 The package is built in memory: `NUM_SUBMODELS` sub-models, each a Linear on a few numbers,
 chained, with a sum as the loss, so that their compute, loads and copies take microseconds.
@@ -84,8 +86,11 @@ def _executor(device: torch.device):
     return ex, opt
 
 
-def action_ms(device: torch.device) -> float:
-    """The runtime thread's own time before each action, in ms (see the module docstring)."""
+def runtime_ms(device: torch.device) -> tuple[float, float, float]:
+    """The runtime's own time before each action, and inside a forward and a backward of one
+    micro-batch, in ms (see the module docstring). The tiny sub-models' forward and backward
+    calls are taken whole: their operators (a Linear on 8 numbers) take a few microseconds of
+    them, which the runtime's own time is then overstated by."""
     from atomc.calibrate.measure import summarise
     from atomc.simulate.events import StageTimes, fit_host_gap_ms
 
@@ -109,4 +114,8 @@ def action_ms(device: torch.device) -> float:
     stages = [StageTimes(fwd_ns=ns(s.fwd_ms), bwd_ns=ns(s.bwd_ms), load_ns=ns(s.load_ms),
                          checkpoint_ns=ns(s.checkpoint_ms), offload_ns=ns(s.offload_ms),
                          optimizer_ns=ns(s.optimizer_ms)) for s in m.submodels]
-    return fit_host_gap_ms(stages, 1, False, statistics.median(m.step_ms))
+    gap = fit_host_gap_ms(stages, 1, False, statistics.median(m.step_ms))
+    # the last sub-model's backward recomputes nothing (its forward kept its graph)
+    recomputing = m.submodels[:-1]
+    return (gap, statistics.median(s.fwd_ms for s in m.submodels),
+            statistics.median(s.bwd_ms for s in recomputing))

@@ -7,13 +7,16 @@ No operator's time holds them, and a plan of many small sub-models pays them man
   these were most of the update (1.2-1.6 ms against 0.03-0.23 ms at the bytes' rate);
 - on a CPU device the runtime's one thread drives every action in Python (atomc.runtime.
   interpret) and copies on it too: about 0.1 ms before each action, which a step of 50
-  actions pays 50 times.
+  actions pays 50 times; and inside each forward and backward it spends time of its own
+  beyond the operators' (arguments, the RNG rule, the autograd call, gradients zeroed and
+  summed): the mini GPT's 14 sub-models took 0.06-0.22 ms more per forward and 0.2-0.4 ms
+  more per backward than their operators' times, 12-16% of the step, on every plan.
 
 Both are measured with the runtime's code: the update with the optimizer the runtime builds
 (torch AdamW with AdamWConfig's settings over views of flat buffers) where the runtime runs
 it: on a worker thread beside a GPU's compute, on the runtime's own thread on a CPU device
-(atomc.runtime.optim.updates_on_a_thread); the per-action time with the swap executor
-itself, on a package of tiny sub-models whose compute takes microseconds
+(atomc.runtime.optim.updates_on_a_thread); the per-action and per-call times with the swap
+executor itself, on a package of tiny sub-models whose compute takes microseconds
 (atomc.profile.probe).
 """
 
@@ -80,12 +83,14 @@ _MEASURED: dict[tuple[str, int], RuntimeCosts] = {}
 def measure_runtime_costs(device: torch.device, repeats: int = 20) -> RuntimeCosts:
     """The runtime's costs on `device`, measured once per process (and torch thread count):
     they are the machine's and the runtime's, not the model's."""
-    from atomc.profile.probe import action_ms
+    from atomc.profile.probe import runtime_ms
 
     key = (str(device), torch.get_num_threads())
     if key not in _MEASURED:
         fixed, per_tensor = update_costs_ms(device, repeats)
-        _MEASURED[key] = RuntimeCosts(
-            update_ms=fixed, update_tensor_ms=per_tensor,
-            action_ms=action_ms(device) if device.type == "cpu" else 0.0)
+        if device.type == "cpu":
+            action, forward, backward = runtime_ms(device)
+            _MEASURED[key] = RuntimeCosts(fixed, per_tensor, action, forward, backward)
+        else:
+            _MEASURED[key] = RuntimeCosts(fixed, per_tensor)
     return _MEASURED[key]
