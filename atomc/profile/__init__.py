@@ -186,6 +186,8 @@ def profile_model(traced: TracedModel, *, device: str | None = None, target: str
         _warm_up(gm, values, [first_node[sig] for sig in unique_sigs], dev)
     if rounds is None:
         rounds = CPU_ROUNDS if dev is not None and dev.type == "cpu" else 1
+    if rounds < 1:
+        raise ProfileError(f"rounds {rounds} must be 1 or more")
     by_round: dict[str, list[Measured]] = {sig: [] for sig in unique_sigs}
     for r in range(rounds if dev is not None else 1):
         for sig in bar if r == 0 else unique_sigs:
