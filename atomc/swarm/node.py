@@ -23,7 +23,8 @@ from atomc.swarm.records import Roster, ServerRecord
 
 def call_times(pkg: SwapPackage, specs: Sequence[StageSpec]) -> list[dict[str, float]]:
     """Each stage's seconds per sample in a forward call and in a backward call, from the
-    plan's profile: a backward call recomputes the forward (the last stage gets no forward
+    plan's times: a backward call runs the stage's forward again and then its backward (the
+    plan's backward times hold the sub-models' recomputation; the last stage gets no forward
     call: its backward call is the micro-batch's forward too). All 0 when the plan has no
     times (made from a graph, not a profile)."""
     plan = _package_plan(pkg)
