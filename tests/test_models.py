@@ -27,6 +27,7 @@ Hugging Face's BART (LayerDrop) and Wav2Vec2 (raw audio).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -89,7 +90,26 @@ CASES = {
 
 
 def three_way_plan(profile, transfer_dtype=None):
-    """The partitioner's plan at (about) the smallest budget it can meet: 3+ sub-models."""
+    """The partitioner's plan at (about) the smallest budget it can meet, 3+ sub-models, and
+    the profile it was planned from.
+
+    On a CPU each sub-model's forward and backward also cost the runtime's own time per call
+    (RuntimeCosts.forward_ms, backward_ms), and for some tiny models (BigBird's, ConvBERT's)
+    that makes one sub-model the best plan even at the smallest budget: splitting them hides
+    loads worth less than the calls it adds. These checks are about 3+ sub-models, so such a
+    model is planned as for a device whose calls cost nothing of their own (a GPU profile
+    carries no such time)."""
+    plan = _smallest_plan(profile, transfer_dtype)
+    rt = profile.runtime
+    if len(plan.submodels) < 3 and rt is not None and (rt.forward_ms or rt.backward_ms):
+        profile = dataclasses.replace(profile, runtime=dataclasses.replace(
+            rt, forward_ms=None, backward_ms=None))
+        plan = _smallest_plan(profile, transfer_dtype)
+    assert len(plan.submodels) >= 3, f"{len(plan.submodels)} sub-models"
+    return plan, profile
+
+
+def _smallest_plan(profile, transfer_dtype):
     lo, hi = 1 << 10, 1 << 30  # infeasible, feasible
 
     def plan_for(budget: int):
@@ -103,9 +123,7 @@ def three_way_plan(profile, transfer_dtype=None):
             hi = mid
         except InfeasiblePlanError:
             lo = mid
-    plan = plan_for(hi)
-    assert len(plan.submodels) >= 3, f"{len(plan.submodels)} sub-models at {hi} bytes"
-    return plan
+    return plan_for(hi)
 
 
 _CHAINS: dict = {}
@@ -121,8 +139,7 @@ def chain(name: str, tmp_root: Path, transfer_dtype: str | None = None):
         if name not in _PROFILES:
             meta = trace_model(path, config, MICRO, device="meta")
             _PROFILES[name] = profile_model(meta, device="cpu", repeats=1, progress=False)
-        profile = _PROFILES[name]
-        plan = three_way_plan(profile, transfer_dtype)
+        plan, profile = three_way_plan(_PROFILES[name], transfer_dtype)
         tag = f"{name}-{transfer_dtype}" if transfer_dtype else name
         plan_path = tmp_root / f"{tag}.plan.json"
         plan.save(plan_path)
