@@ -82,6 +82,10 @@ class Checker:
         self.usable = usable_bytes
         self.keep = activations == "keep"
         self.cpu = cpu_adam_gbps
+        # the runtime's own time in each call: on a CPU device, where the profile measured it
+        own = runtime_params(profile)
+        self.call_fwd_ns = own.get("call_fwd_ns", 0)
+        self.call_bwd_ns = own.get("call_bwd_ns", 0)
         g = profile.graph
         self.nodes = g.nodes
         self.costs = profile.costs
@@ -130,10 +134,8 @@ class Checker:
                  for side in zip(*(node_sides_ms(k) for k in costs))] or [0, 0, 0, 0]
         fwd, bwd = max(sides[0], sides[2]), max(sides[1], sides[3])
         last = stop == len(self.nodes)
-        # the runtime's own time in each call: on a CPU device, where the profile measured it
-        own = runtime_params(self.profile)
-        one_fwd = fwd + own.get("call_fwd_ns", 0)
-        one_bwd = (bwd if self.keep or last else bwd + fwd) + own.get("call_bwd_ns", 0)
+        one_fwd = fwd + self.call_fwd_ns
+        one_bwd = (bwd if self.keep or last else bwd + fwd) + self.call_bwd_ns
         saved = sum(k.saved_bytes for k in costs)
         extra_fwd = extra_bwd = 0
         for n, k in zip(nodes, costs):
