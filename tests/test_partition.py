@@ -29,6 +29,7 @@ from atomc.partition.cost import (
     range_cost,
     range_stage_times,
 )
+from atomc.partition.precision import Precision, device_view
 from atomc.partition.search import block_period, prepare_folding, search
 from atomc.simulate.events import StageTimes, simulate_swap
 
@@ -497,6 +498,25 @@ def test_gpt_plan_is_exact_folded_and_checked(gpt_profile):
         assert plan.feasible == (not problems)
         placeholders = [i for i, n in enumerate(gpt_profile.graph.nodes) if n.op == "placeholder"]
         assert max(placeholders) < plan.submodels[0].stop
+
+
+def test_keep_plans_hold_every_earlier_sub_models_activations(gpt_profile):
+    """Keeping, the runtime holds each sub-model's graphs until its backward: a plan's memory
+    grows along the model, a budget that fits recomputation may not fit keeping, and the
+    error says why; a keep plan passes the checker's memory constraints."""
+    usable = 3 << 20
+    plan = partition(gpt_profile, usable, reserve_bytes=0, accum=4)
+    assert len(plan.submodels) >= 3
+    with pytest.raises(InfeasiblePlanError, match=r"with --activations keep, .* saved activations"):
+        partition(gpt_profile, usable, reserve_bytes=0, accum=4, activations="keep")
+    # the saved activations as the device holds them (this profile computes in half)
+    view = device_view(gpt_profile, Precision(plan.transfer_dtype or "float32", plan.autocast))
+    total = sum(c.saved_bytes for c in view.costs)
+    keep = partition(gpt_profile, usable + 4 * total, reserve_bytes=0, accum=4,
+                     activations="keep")
+    assert not [v for v in check_plan(gpt_profile, keep) if v.constraint == "memory"]
+    assert keep.submodels[-1].peak_bytes >= 4 * total
+    assert all(s.checkpoint_ms == 0 for s in keep.submodels)
 
 
 def test_build_plan_single_submodel(gpt_profile):

@@ -183,6 +183,60 @@ def test_swapped_equals_plain_training_bitwise(gpt_traced, pkg_root, cuts, C, dt
     trainer.close()
 
 
+def test_keep_plans_count_every_graph_the_runtime_holds(gpt_traced, pkg_root):
+    """With activations="keep" the runtime holds the autograd graphs of every sub-model from its
+    forward to its backward, so at the turn all C micro-batches' saved activations of the whole
+    model are on the device at once. The cost model must count them (a plan that counted one
+    sub-model's ran out of memory on an H200: bench/RESULTS.md, 2026-11-26)."""
+    import weakref
+
+    from atomc.partition.cost import CostParams, build_tables, node_facts, plan_costs
+    from atomc.profile import profile_model
+
+    cut_names, C = ("add", "add_1", "add_3"), 3
+    profile = profile_model(gpt_traced, target="v100-32gb", progress=False)
+    index = {n.name: i for i, n in enumerate(profile.graph.nodes)}
+    facts = node_facts(profile)
+    tables = build_tables(facts, facts.num_nodes)
+    costs = plan_costs(tables, CostParams(C, 1 << 40, 10.0, 10.0, activations="keep"),
+                       [index[n] for n in cut_names])
+
+    trainer = SwapTrainer.from_package(gpt_package(gpt_traced, pkg_root, cut_names, C),
+                                       device="cpu", activations="keep",
+                                       state_dict=gpt_model().state_dict())
+    slots = {t.untyped_storage().data_ptr()
+             for t in trainer.executor.slots.params + trainer.executor.slots.grads}
+    live = peak = 0
+
+    class Held:  # a saved tensor; its finaliser runs when autograd frees the graph holding it
+        def __init__(self, t):
+            nonlocal live, peak
+            self.t = t
+            if t.untyped_storage().data_ptr() in slots:  # a weight: a view of a slot
+                return
+            size = t.numel() * t.element_size()
+            live += size
+            peak = max(peak, live)
+
+            def freed():
+                nonlocal live
+                live -= size
+            weakref.finalize(self, freed)
+
+    with torch.autograd.graph.saved_tensors_hooks(Held, lambda h: h.t):
+        trainer.step(gpt_batches(1, C)[0])
+    trainer.close()
+    per_range = [C * int(tables.saved_bytes[c.start, c.stop - c.start]) for c in costs]
+    everything = C * int(tables.saved_prefix[-1])
+    # the runtime held more than any one sub-model's C micro-batches: every graph at the turn
+    assert peak > 1.5 * max(per_range)
+    assert peak == pytest.approx(everything, rel=0.25)
+    # and the plan's memory of the last sub-model counts them all
+    last = costs[-1]
+    assert last.mem_fwd_bytes - last.param_bytes >= peak
+    assert [c.checkpoint_ns for c in costs] == [0] * len(costs)  # nothing streams back in
+
+
 def test_fast_tie_summation_is_one_rounding_away(gpt_traced, pkg_root):
     """Default tie summation (per holder): float64 within 1e-12, float32 within 1e-6."""
     pkg = gpt_package(gpt_traced, pkg_root, ("add_1", "h_1_ln_1"), 2)

@@ -69,7 +69,9 @@ def plan_from_cuts(source: Profile | TracedModel, cuts: list[int], accum: int = 
         saved = sum(c.saved_bytes for c in cost[start:stop])
         working = max((max(c.peak_fwd_bytes, c.peak_bwd_bytes) for c in cost[start:stop]),
                       default=0)
-        kept = saved * (accum if activations == "keep" else 1)
+        # keeping, the runtime holds every sub-model's graphs up to this one until their backward
+        kept = (accum * sum(c.saved_bytes for c in cost[:stop]) if activations == "keep"
+                else saved)
         fwd = sum(c.fwd_ms for c in cost[start:stop])
         # the last sub-model keeps its autograd graph from forward to backward: no recomputation
         recompute = activations == "recompute" and stop < num_nodes

@@ -145,7 +145,8 @@ def _search_plan(view: Profile, facts: NodeFacts, usable: int, accum: int | None
     """The search at `usable` bytes: the outcome at the C chosen, its tables, notes."""
     tables = build_tables(facts, max_width_for(facts, usable))
     folding = None
-    if fold_blocks:
+    # kept activations make a range's memory depend on where it starts: no two starts repeat
+    if fold_blocks and params_for(1, usable).activations != "keep":
         g = view.graph
         folding = prepare_folding(tables, block_period(
             tables, g.blocks, tuple(n.block for n in g.nodes), tuple(n.signature for n in g.nodes)))
@@ -260,12 +261,20 @@ def _check_operators_fit(profile: Profile, facts: NodeFacts, tables: RangeTables
     budget = min_capacity_bytes(facts, p, reserve_bytes)
     node = profile.graph.nodes[j]
     where = f" ({node.module_fqn})" if node.module_fqn else ""
+    kept = ""
+    if p.activations == "keep":
+        kept_bytes = p.accum * int(tables.saved_prefix[j + 1])
+        kept = (f"; with --activations keep, {format_bytes(kept_bytes)} of it is the saved "
+                f"activations of C={p.accum} micro-batches of this operator and every one "
+                f"before it, which stay on the GPU until their backward: --activations "
+                f"recompute needs far less")
     raise InfeasiblePlanError(
         f"operator '{node.name}'{where} alone needs {format_bytes(need)} at C={p.accum} "
         f"(parameters {format_bytes(c.param_bytes)}, gradients {format_bytes(c.grad_bytes)}, "
         f"working memory {format_bytes(need - c.param_bytes - c.grad_bytes)}), but the GPU leaves "
         f"{format_bytes(p.usable_bytes)} after the reserve of {format_bytes(reserve_bytes)}; "
-        f"the smallest budget that works is {format_bytes(budget)} (--gpu-mem {budget // _MIB}MiB)")
+        f"the smallest budget that works is {format_bytes(budget)} (--gpu-mem {budget // _MIB}MiB)"
+        f"{kept}")
 
 
 def min_capacity_bytes(facts: NodeFacts, p: CostParams, reserve_bytes: int) -> int:

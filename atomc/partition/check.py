@@ -20,9 +20,11 @@ the constraints of DESIGN 4 as the search states them (see search.py's docstring
     optimizer  C*t_bwd(P_i) + t_offload(P_i) >= t_offload(P_{i+1}) + t_adam(P_{i+1})
 
 with mem_fwd = params + C*(values crossing its start cut + values it passes on) + largest
-single-node forward transient (+ C*saved when keeping activations), mem_bwd = params + grads +
-the same boundary + one micro-batch's saved activations (C*saved when keeping) + largest
-backward transient. It also checks the plan's structure and the numbers it records. Bytes
+single-node forward transient, mem_bwd = params + grads + the same boundary + one
+micro-batch's saved activations + largest backward transient. When keeping activations, both
+hold C micro-batches' saved activations of this sub-model and of every one before it instead
+(the runtime keeps their autograd graphs on the device until their backward), and no
+checkpoints stream in. It also checks the plan's structure and the numbers it records. Bytes
 are the device's at the plan's transfer and autocast dtypes
 (atomc.partition.precision.device_view, which the cost model reads too).
 """
@@ -137,6 +139,7 @@ class Checker:
         one_fwd = fwd + self.call_fwd_ns
         one_bwd = (bwd if self.keep or last else bwd + fwd) + self.call_bwd_ns
         saved = sum(k.saved_bytes for k in costs)
+        kept = c * (saved + sum(k.saved_bytes for k in self.costs[:start])) if self.keep else 0
         extra_fwd = extra_bwd = 0
         for n, k in zip(nodes, costs):
             own = sum((self.params.get(f) or self.buffers[f]).num_bytes
@@ -151,10 +154,9 @@ class Checker:
         produced_out = sum(self.value_bytes[n.name] for n in nodes
                            if any(r >= stop for r in self.readers[n.name]))
         boundary = c * (sum(self.value_bytes[name] for name in cross_in) + produced_out)
-        mem_fwd = param_bytes + boundary + extra_fwd + (c * saved if self.keep else 0)
-        mem_bwd = (param_bytes + grad_bytes + boundary + (c * saved if self.keep else saved)
-                   + extra_bwd)
-        checkpoint = 0 if last else c * (in_bytes + (saved if self.keep else 0))
+        mem_fwd = param_bytes + boundary + extra_fwd + kept
+        mem_bwd = param_bytes + grad_bytes + boundary + (kept if self.keep else saved) + extra_bwd
+        checkpoint = 0 if last or self.keep else c * in_bytes
         return RangeFacts(
             start=start, stop=stop, fwd_ns=c * one_fwd,
             bwd_ns=c * one_bwd,  # the last one keeps its graph: no recomputation

@@ -25,7 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-accum", type=int, default=DEFAULT_MAX_ACCUM, metavar="N",
                    help=f"largest C the search may choose (default {DEFAULT_MAX_ACCUM})")
     p.add_argument("--activations", choices=ACTIVATIONS, default="recompute",
-                   help="recompute each sub-model's internals in the backward, or keep them")
+                   help="recompute each sub-model's internals in the backward, or keep them "
+                        "(on the GPU, every sub-model's until its backward: the whole model's "
+                        "saved activations for C micro-batches at the turn)")
     p.add_argument("--cpu-adam-gbps", default="auto", metavar="GBPS",
                    help="CPU AdamW throughput in GB/s of fp32 masters, or auto (default): "
                         "measured on this host for a measured profile (cached), the hardware "

@@ -12,14 +12,16 @@ A sub-model is a node range [start, stop) of the profile's graph. For the swap s
 - working memory for C micro-batches: every value crossing the range's start cut (inputs and
   pass-through values) and every value it produces for later ranges, for all C micro-batches,
   plus one micro-batch's transient peak (and, when recomputing, one micro-batch's saved
-  activations during the backward; with activations="keep" all C micro-batches' saved
-  activations);
+  activations during the backward). With activations="keep" the runtime keeps every
+  sub-model's autograd graphs on the device from its forward to its backward, so a range's
+  forward and backward also hold all C micro-batches' saved activations of every range before
+  it and its own: the memory depends on where the range starts (`RangeTables.saved_prefix`);
 - transfer times: parameters host-to-device before its forward and again before its
-  backward; its C micro-batches' checkpoints (its inputs, or inputs and saved activations when
-  keeping) streamed in during its own backward, one micro-batch ahead (the last sub-model keeps
-  them: it never leaves); gradients device-to-host after its backward; the CPU optimizer over
-  fp32 masters. The forward's checkpoint copies to the host ride the otherwise idle
-  device-to-host lane and are not modelled.
+  backward; when recomputing, its C micro-batches' checkpoints (its inputs) streamed in during
+  its own backward, one micro-batch ahead (the last sub-model keeps them: it never leaves;
+  nothing streams when keeping); gradients device-to-host after its backward; the CPU
+  optimizer over fp32 masters. The forward's checkpoint copies to the host ride the otherwise
+  idle device-to-host lane and are not modelled.
 
 Everything is integer: times in nanoseconds, sizes in bytes, so that the search, the simulator
 and a brute-force enumeration add up the same numbers exactly.
@@ -242,6 +244,7 @@ class RangeTables:
     start_ok: np.ndarray  # the range may start at a (a == 0 or an allowed cut)
     end_ok: np.ndarray  # ... and end at a+w
     cut_bytes: np.ndarray  # [q]: bytes of values crossing the cut before node q, q = 0..N
+    saved_prefix: np.ndarray  # [q]: saved activations of the nodes before q (one micro-batch)
     allowed: np.ndarray  # [q]
 
     @property
@@ -249,7 +252,11 @@ class RangeTables:
         return self.facts.num_nodes
 
     def row_arrays(self) -> list[np.ndarray]:
-        """Every per-range array, for comparing two start positions (block folding)."""
+        """Every per-range array, for comparing two start positions (block folding).
+
+        With activations="keep" a range's memory also depends on `saved_prefix` at its start,
+        which differs between any two starts: the partitioner does not fold then.
+        """
         cut_start = np.broadcast_to(self.cut_bytes[:-1, None], self.valid.shape)
         return [self.valid, self.fwd_ns, self.bwd_ns, self.saved_bytes, self.param_bytes,
                 self.grad_bytes, self.master_bytes, self.num_masters, self.in_bytes, self.out_bytes,
@@ -360,6 +367,7 @@ def build_tables(facts: NodeFacts, max_width: int) -> RangeTables:
         num_masters=num_masters, in_bytes=in_bytes, out_bytes=out_bytes, extra_fwd_bytes=extra_fwd,
         extra_bwd_bytes=extra_bwd,
         start_ok=np.ascontiguousarray(start_ok), end_ok=end_ok & valid, cut_bytes=cut_bytes,
+        saved_prefix=np.concatenate([[0], np.cumsum(facts.saved_bytes, dtype=np.int64)]),
         allowed=allowed,
     )
 
@@ -407,6 +415,7 @@ class Derived:
     load_fwd_ns: np.ndarray  # parameters H2D (before its forward, and again before its backward
     # unless the next sub-model is the last)
     checkpoint_ns: np.ndarray  # its C micro-batches' checkpoints H2D, during its own backward
+    # (0 when keeping activations: the autograd graphs hold them on the device)
     offload_ns: np.ndarray  # gradients D2H
     optimizer_ns: np.ndarray  # CPU AdamW
     tail_ns: np.ndarray  # first sub-model only: offload + optimizer + refresh its parameters
@@ -449,16 +458,23 @@ def one_micro_batch(p: CostParams, fwd, bwd, is_last):
 
 
 def derive_values(p: CostParams, *, fwd, bwd, saved, params, grads, master, masters, inb, outb,
-                  extra_fwd, extra_bwd, cut_start, is_last) -> Derived:
+                  extra_fwd, extra_bwd, cut_start, saved_before, is_last) -> Derived:
     """The C-dependent formulas, shared by the whole-table and the single-range paths."""
     c = np.int64(p.accum)
-    keep = p.activations == "keep"
     one_fwd, one_bwd = one_micro_batch(p, fwd, bwd, is_last)
     fwd_c, bwd_c = c * one_fwd, c * one_bwd
     boundary = c * (cut_start + outb)
-    mem_fwd = params + boundary + extra_fwd + (c * saved if keep else 0)
-    mem_bwd = params + grads + boundary + (c * saved if keep else saved) + extra_bwd
-    checkpoint = np.where(is_last, 0, c * (inb + saved) if keep else c * inb)
+    if p.activations == "keep":
+        # the graphs of this range and of every range before it, C micro-batches each, stay
+        # on the device until their backward; nothing streams back in
+        kept = c * (saved_before + saved)
+        mem_fwd = params + boundary + extra_fwd + kept
+        mem_bwd = params + grads + boundary + kept + extra_bwd
+        checkpoint = np.zeros_like(np.asarray(inb))
+    else:
+        mem_fwd = params + boundary + extra_fwd
+        mem_bwd = params + grads + boundary + saved + extra_bwd
+        checkpoint = np.where(is_last, 0, c * inb)
     load_fwd = transfer_ns(params, p.h2d_gbps)
     offload = transfer_ns(grads, p.d2h_gbps)
     optimizer = optimizer_ns(p, master, masters)
@@ -478,6 +494,7 @@ def derive(tables: RangeTables, p: CostParams) -> Derived:
                       grads=t.grad_bytes, master=t.master_bytes, masters=t.num_masters,
                       inb=t.in_bytes, outb=t.out_bytes,
                       extra_fwd=t.extra_fwd_bytes, extra_bwd=t.extra_bwd_bytes, cut_start=cut_start,
+                      saved_before=t.saved_prefix[:-1, None],
                       is_last=(np.arange(t.num_nodes)[:, None] + np.arange(t.max_width + 1)[None, :]
                                == t.num_nodes))
     ok = (t.valid & t.start_ok & t.end_ok & (d.mem_fwd_bytes <= p.usable_bytes)
@@ -526,7 +543,8 @@ def _gather(tables: RangeTables, p: CostParams, starts: np.ndarray,
         masters=t.num_masters[starts, w],
         inb=t.in_bytes[starts, w], outb=t.out_bytes[starts, w],
         extra_fwd=t.extra_fwd_bytes[starts, w], extra_bwd=t.extra_bwd_bytes[starts, w],
-        cut_start=t.cut_bytes[starts], is_last=stops == t.num_nodes)
+        cut_start=t.cut_bytes[starts], saved_before=t.saved_prefix[starts],
+        is_last=stops == t.num_nodes)
     one_fwd, one_bwd = one_micro_batch(p, fwd, bwd, stops == t.num_nodes)
     cols = [starts, stops, one_fwd, one_bwd, d.fwd_ns, d.bwd_ns, d.load_fwd_ns, d.checkpoint_ns,
             d.offload_ns, d.optimizer_ns, d.param_bytes, d.grad_bytes, d.mem_fwd_bytes,

@@ -7,6 +7,9 @@ plain model on the same GPU under the same RNG rule.
 
 from __future__ import annotations
 
+import functools
+import gc
+import math
 import sys
 from pathlib import Path
 
@@ -139,3 +142,59 @@ def test_device_smaller_than_the_budget_is_refused(tmp_path):
     total = torch.cuda.get_device_properties(0).total_memory
     with pytest.raises(RuntimeMismatchError, match=r"sub-model \d+ needs .* will not fit"):
         SwapTrainer.from_package(pkg, device="cuda", gpu_mem=total + (1 << 30))
+
+
+@functools.cache
+def _small_gpt(seq: int):
+    """gpt3-small at `seq` tokens, traced and profiled on this GPU (once per test run)."""
+    from atomc.profile import profile_model
+
+    traced = trace_model(GPT_PATH, "gpt3-small", 1, options={"seq_len": seq}, device="cpu")
+    return traced, profile_model(traced, device="cuda", repeats=1, progress=False)
+
+
+@pytest.mark.parametrize("activations", ["recompute", "keep"])
+def test_plans_fit_the_memory_they_were_made_for(tmp_path, activations):
+    """The plan's memory model against the CUDA allocator: the package of the smallest budget
+    that plans trains under a cap at that budget (set_per_process_memory_fraction), and the
+    allocator's peak stays within it. A keep plan that counted one sub-model's saved
+    activations, not every graph the runtime holds at the turn, ran out on an H200."""
+    from atomc.errors import InfeasiblePlanError
+    from atomc.partition import partition
+
+    seq, C, reserve = 512, 4, 512 << 20
+    traced, profile = _small_gpt(seq)
+    weights = sum(s.num_bytes for s in traced.graph.params.values())
+    plan = None
+    for scale in (1.5, 2, 3, 4, 6, 8, 12):
+        try:
+            plan = partition(profile, reserve + int(scale * weights), reserve_bytes=reserve,
+                             accum=C, activations=activations, cpu_adam_gbps=8.0)
+            break
+        except InfeasiblePlanError:
+            continue
+    assert plan is not None and len(plan.submodels) >= 3, plan
+    pkg = generate(plan, tmp_path / "pkg", traced=traced)
+    torch.manual_seed(0)
+    state = gpt.build_model("gpt3-small", seq_len=seq).state_dict()
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()  # what earlier tests of this process still hold
+    torch.cuda.reset_peak_memory_stats()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (before + plan.capacity_bytes) / total))
+    try:
+        trainer = SwapTrainer.from_package(pkg, device="cuda", state_dict=state,
+                                           optimizer={"lr": 1e-4})
+        g = torch.Generator().manual_seed(0)
+        vocab = gpt.CONFIGS["gpt3-small"].vocab_size
+        for _ in range(2):
+            assert math.isfinite(trainer.step(torch.randint(0, vocab, (C, seq), generator=g)))
+        peak = torch.cuda.max_memory_allocated() - before
+        trainer.close()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    print(f"{activations}: {len(plan.submodels)} sub-models at C = {C}, budget "
+          f"{plan.capacity_bytes / 2**20:.0f} MiB (reserve {reserve >> 20}), allocator peak "
+          f"{peak / 2**20:.0f} MiB")
+    assert peak <= plan.capacity_bytes, (peak, plan.capacity_bytes)
