@@ -448,10 +448,11 @@ def real_processes(args: argparse.Namespace) -> None:
         for n in churn.names))
     pkg = _package(A_CONFIG, A_MICRO, A_CUTS, work / "pkg", profiled=True)
     from atomc.runtime.package import load_swap_package
-    from atomc.swarm.node import stage_costs, stage_specs
+    from atomc.swarm.node import call_times, stage_costs, stage_specs
 
     loaded = load_swap_package(pkg)
-    costs = stage_costs(loaded, stage_specs(loaded, args.stages))
+    specs = stage_specs(loaded, args.stages)
+    costs = stage_costs(specs, call_times(loaded, specs))
     print("stage costs per sample from the profiled plan (relative): "
           + " / ".join(f"{c:.2f}" for c in costs))
     runs = {"none": churn_run(args, pkg, work / "none", churn, "none", dict(churn.stage))}

@@ -620,14 +620,15 @@ def test_stage_costs_count_the_forward_call_the_last_stage_does_not_get(work: di
 
     pkg = load_swap_package(work["pkg"])
     specs = stage_specs(pkg, 2)  # sub-models 0 | 1..4
-    assert node.stage_costs(pkg, specs) == [1.0, 1.0]  # a plan without times: all alike
+    # a plan without times: all alike
+    assert node.stage_costs(specs, node.call_times(pkg, specs)) == [1.0, 1.0]
     sub = SimpleNamespace(fwd_ms=1.0, bwd_ms=2.0)
     monkeypatch.setattr(node, "_package_plan",
                         lambda _: SimpleNamespace(submodels=[sub] * 5, batch_size=2))
     # stage 0: forward call + backward call (recomputes): 2 x 1 + 2; stage 1: 4 x (1 + 2)
-    assert node.stage_costs(pkg, specs) == pytest.approx([4 / 8, 12 / 8])
-    # per sample, in seconds, as --slowdown emulates them (the profile's micro-batch was 2)
     times = node.call_times(pkg, specs)
+    assert node.stage_costs(specs, times) == pytest.approx([4 / 8, 12 / 8])
+    # per sample, in seconds, as --slowdown emulates them (the profile's micro-batch was 2)
     assert times[0] == pytest.approx({"forward": 0.5e-3, "backward": 1.5e-3})
     assert times[1] == pytest.approx({"forward": 2e-3, "backward": 6e-3})
 

@@ -37,12 +37,12 @@ def call_times(pkg: SwapPackage, specs: Sequence[StageSpec]) -> list[dict[str, f
     return out
 
 
-def stage_costs(pkg: SwapPackage, specs: Sequence[StageSpec]) -> list[float]:
-    """Each stage's time per sample on one server (`call_times`: a forward call and a
-    backward call, or on the last stage the backward call alone), relative (mean 1). All 1
+def stage_costs(specs: Sequence[StageSpec], times: Sequence[dict[str, float]]) -> list[float]:
+    """Each stage's time per sample on one server from its `call_times`: a forward call and a
+    backward call, or on the last stage the backward call alone; relative (mean 1). All 1
     when the plan has no times."""
     costs = [t["backward"] + (0.0 if s.holds_output else t["forward"])
-             for s, t in zip(specs, call_times(pkg, specs))]
+             for s, t in zip(specs, times)]
     if min(costs) <= 0:
         return [1.0] * len(specs)
     mean = sum(costs) / len(costs)
@@ -78,8 +78,8 @@ class SwarmNode:
         self.pkg = load_swap_package(package)
         self.fingerprint = self.pkg.fingerprint()
         self.specs = stage_specs(self.pkg, num_stages)
-        self.costs = stage_costs(self.pkg, self.specs)
         self.call_times = call_times(self.pkg, self.specs)
+        self.costs = stage_costs(self.specs, self.call_times)
         if times_for and not all(t["backward"] > 0 for t in self.call_times):
             raise UsageError(
                 f"{times_for} emulates a device from the times in the plan's profile, and the "
