@@ -21,7 +21,8 @@ families are (device-type branches, router statistics without gradients, `finfo(
 masks, residuals added in place), layers whose weight torch computes (weight norm and
 spectral norm, as parametrizations and as the older hooks, and parametrizations of the model's
 own), custom autograd Functions whose backward is not their forward's derivative, and
-Hugging Face's BART (LayerDrop) and Wav2Vec2 (raw audio).
+Hugging Face's BART (LayerDrop) and Wav2Vec2 (raw audio), and a VQ-VAE whose forward updates
+its codebook buffer in place (an EMA).
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ CASES = {
     "wav2vec2": (MODELS / "hf_families.py", "wav2vec2"),
     "timm-vit": (MODELS / "timm_vit.py", None),
     "gnn": (MODELS / "gnn.py", None),
+    "vq-ema": (MODELS / "vq_ema.py", None),
 }
 
 

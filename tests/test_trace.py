@@ -417,3 +417,34 @@ def test_cli_errors_exit_2(tmp_path, capsys):
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err
         assert len(err.strip().splitlines()) == 1
+
+
+def test_buffers_are_read_when_the_forward_runs_not_when_it_is_traced():
+    """fx, by default, runs what a forward does with a buffer at trace time: a value computed
+    from it became a constant of the trace-time buffer, and an in-place update chain lost its
+    first step. The traced graph must update and read the buffer as the model does."""
+    from torch import nn
+
+    from atomc.trace.frontends import trace
+
+    class Ema(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("ema", torch.ones(4))
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.ema.mul_(0.5).add_(x.mean(0), alpha=0.5)
+            return self.lin(x) * self.ema.pow(2).sum()
+
+    torch.manual_seed(0)
+    model, x = Ema(), torch.randn(3, 4)
+    gm, frontend = trace(model, (x,), (), Path("ema.py"))
+    assert frontend == "fx"
+    assert not [n for n in gm.graph.nodes if n.op == "get_attr" and "constant" in str(n.target)]
+    twin = Ema()
+    twin.load_state_dict(model.state_dict())
+    for _ in range(3):
+        assert torch.equal(gm(x), twin(x))
+    assert torch.equal(gm.ema, twin.ema)

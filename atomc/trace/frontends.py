@@ -62,6 +62,13 @@ class LeafTracer(fx.Tracer):
     """symbolic_trace's tracer with user-given module types kept whole, and torch.nn's own
     layers whole only when they have no sub-modules."""
 
+    # A buffer read as an attribute is a graph input, as a parameter is. fx's default runs
+    # what the forward does with it at trace time: `self.codebook.t()` became a constant of
+    # the trace-time values, and `self.ema.mul_(0.99).add_(x)` lost its mul_, so a buffer
+    # the forward updates (an EMA codebook, running statistics of the model's own) trained
+    # on stale values and updated wrongly.
+    proxy_buffer_attributes = True
+
     def __init__(self, leaf_types: tuple[type, ...] = ()):
         super().__init__()
         self.leaf_types = leaf_types
