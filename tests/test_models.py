@@ -21,8 +21,9 @@ families are (device-type branches, router statistics without gradients, `finfo(
 masks, residuals added in place), layers whose weight torch computes (weight norm and
 spectral norm, as parametrizations and as the older hooks, and parametrizations of the model's
 own), custom autograd Functions whose backward is not their forward's derivative, and
-Hugging Face's BART (LayerDrop) and Wav2Vec2 (raw audio), and a VQ-VAE whose forward updates
-its codebook buffer in place (an EMA).
+Hugging Face's BART (LayerDrop) and Wav2Vec2 (raw audio), a VQ-VAE whose forward updates
+its codebook buffer in place (an EMA), and hand-written running statistics and a step counter
+that the forward assigns to its buffers.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ CASES = {
     "timm-vit": (MODELS / "timm_vit.py", None),
     "gnn": (MODELS / "gnn.py", None),
     "vq-ema": (MODELS / "vq_ema.py", None),
+    "running-stats": (MODELS / "running_stats.py", None),
 }
 
 

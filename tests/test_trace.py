@@ -448,3 +448,34 @@ def test_buffers_are_read_when_the_forward_runs_not_when_it_is_traced():
     for _ in range(3):
         assert torch.equal(gm(x), twin(x))
     assert torch.equal(gm.ema, twin.ema)
+
+
+def test_a_buffer_the_forward_assigns_is_written_and_read_back():
+    """`self.steps += 1` and `self.mean = ...` in a forward: the graph writes the buffer, later
+    reads in the same forward see the new value, and the module keeps its tensor."""
+    from torch import nn
+
+    from atomc.trace.frontends import trace
+
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+            self.register_buffer("mean", torch.zeros(4))
+
+        def forward(self, x):
+            self.steps += 1
+            self.mean = 0.5 * self.mean + 0.5 * x.mean(0)
+            return self.lin(x) * self.steps + self.mean
+
+    torch.manual_seed(0)
+    model, x = Counter(), torch.randn(3, 4)
+    twin = Counter()
+    twin.load_state_dict(model.state_dict())
+    gm, frontend = trace(model, (x,), (), Path("counter.py"))
+    assert frontend == "fx" and isinstance(model.steps, torch.Tensor)
+    for _ in range(3):
+        assert torch.allclose(gm(x), twin(x))
+    assert int(gm.steps) == int(twin.steps) == 3
+    assert torch.allclose(gm.mean, twin.mean)

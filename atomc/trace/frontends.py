@@ -74,12 +74,43 @@ class LeafTracer(fx.Tracer):
         self.leaf_types = leaf_types
 
     def trace(self, root, concrete_args=None):
+        # buffer tensor -> the value the forward assigned to it, for the rest of this trace
+        self.assigned: dict[int, fx.Proxy] = {}
         with contextlib.ExitStack() as patches:
             patches.enter_context(functions_kept_whole())
             for name in _SIZED_FACTORIES:
                 patches.enter_context(mock.patch.object(torch, name, _sizes_as_tuple(
                     getattr(torch, name))))
+            if isinstance(root, nn.Module):
+                patches.enter_context(self._buffer_assignments(root))
             return super().trace(root, concrete_args)
+
+    def _buffer_assignments(self, root: nn.Module):
+        """`self.steps += 1` or `self.mean = m * self.mean + ...` in a forward: the graph
+        writes the value into the buffer (a copy_, as torch.export writes a buffer mutation)
+        and the rest of the forward reads the value itself, as the eager model does. Left to
+        nn.Module, the module would keep the trace's Proxy as its buffer."""
+        names = {id(m): name for name, m in root.named_modules()}
+        setattr_ = nn.Module.__setattr__
+
+        def assign(module: nn.Module, name: str, value: object) -> None:
+            buffers = module.__dict__.get("_buffers") or {}
+            if (isinstance(value, fx.Proxy) and buffers.get(name) is not None
+                    and id(module) in names):
+                prefix = names[id(module)]
+                stored = self.create_proxy("get_attr", f"{prefix}.{name}" if prefix else name,
+                                           (), {})
+                stored.copy_(value.detach())
+                self.assigned[id(buffers[name])] = value
+                return
+            setattr_(module, name, value)
+
+        return mock.patch.object(nn.Module, "__setattr__", assign)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        if id(attr_val) in self.assigned:
+            return self.assigned[id(attr_val)]
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if self.leaf_types and isinstance(m, self.leaf_types):
