@@ -188,6 +188,17 @@ def test_untraceable_code_of_a_library_is_named_beside_the_model_files_call(tmp_
     assert "mylib.py:2: if x.sum() > 0:" in text, text
 
 
+def test_a_forward_that_differentiates_itself_is_refused_with_a_reason(tmp_path):
+    """A gradient penalty (torch.autograd.grad inside forward) cannot be cut into sub-models;
+    the error says so, not that the graph failed on meta tensors."""
+    path = write_model(tmp_path, RESIDUAL.replace(
+        "return self.c(self.b(h) + x)",
+        "(g,) = torch.autograd.grad(h.sum(), x, create_graph=True)\n"
+        "        return self.c(self.b(h) + g)"))
+    with pytest.raises(TraceError, match=r"computes a gradient itself \(grad at graph node"):
+        trace_model(path, batch_size=2)
+
+
 LAYERDROP = """
 class Net(nn.Module):
     def __init__(self, layerdrop):

@@ -160,11 +160,30 @@ def _buffers_kept(*modules: nn.Module) -> Iterator[None]:
 def _trace_graph(model: nn.Module, inputs: tuple, leaf_types: tuple[type, ...], path: Path,
                  frontend: str) -> tuple[fx.GraphModule, str]:
     gm, used = trace(model, inputs, leaf_types, path, frontend)
+    _refuse_gradients_in_forward(gm, path)
     inline_modes(gm)
     register_constants(gm)
     drop_assertions(gm)
     normalise_get_attrs(gm)
     return gm, used
+
+
+_GRADIENT_CALLS = (torch.autograd.grad, torch.autograd.backward)
+
+
+def _refuse_gradients_in_forward(gm: fx.GraphModule, path: Path) -> None:
+    """A forward that differentiates itself (a gradient penalty's torch.autograd.grad) cannot be
+    cut: each sub-model's backward is the runtime's, one sub-model at a time."""
+    for node in gm.graph.nodes:
+        if ((node.op == "call_function" and node.target in _GRADIENT_CALLS)
+                or (node.op == "call_method" and node.target == "backward")):
+            what = getattr(node.target, "__qualname__", None) or str(node.target)
+            raise TraceError(
+                f"the forward of the model in {path} computes a gradient itself ({what} at "
+                f"graph node {node.name}, e.g. a gradient penalty); atomc cuts the forward into "
+                f"sub-models whose backward its runtime runs one at a time, and does not "
+                f"support a forward that differentiates itself (nor profiles one inside a leaf "
+                f"module): train this model without the in-forward gradient, or without atomc")
 
 
 def model_dtype(model: nn.Module) -> torch.dtype:
