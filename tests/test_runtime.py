@@ -673,6 +673,19 @@ def test_fixture_package_and_train_cli(tmp_path, capsys):
     assert "byte-level text" in capsys.readouterr().err
 
 
+def test_train_cli_names_a_vocabulary_smaller_than_bytes(tmp_path, capsys):
+    """`atomc train` feeds byte values; a model with 64 token ids says so, not a traceback."""
+    path = REPO / "tests" / "models" / "moe.py"
+    traced = trace_model(path, None, 2, device="cpu")
+    pkg = generate(plan_from_cuts(traced, []), tmp_path / "pkg", traced=traced)
+    text = tmp_path / "text.txt"
+    text.write_bytes(bytes(range(128, 256)) * 4)
+    assert atomc_main(["train", str(pkg), "--steps", "2", "--device", "cpu",
+                       "--data", str(text)]) == 2
+    err = capsys.readouterr().err
+    assert "failed on byte-level text at step 0 (IndexError" in err and "0-255" in err
+
+
 def test_norm_weights_stay_float32_in_a_bfloat16_image(gpt_traced, pkg_root):
     """Half-precision images keep the package's FULL_PRECISION weights (LayerNorms) in float32:
     wide entries at even offsets, bound on the device as float32, refreshed without rounding."""

@@ -72,7 +72,15 @@ def run_train(args: argparse.Namespace) -> int:
         bar = tqdm(range(start, args.steps), desc="training", unit="step", initial=start,
                    total=args.steps)
         for step in bar:
-            loss = trainer.step(data.batch(step))
+            try:
+                loss = trainer.step(data.batch(step))
+            except IndexError as e:  # an embedding smaller than the 256 byte values
+                raise UsageError(
+                    f"{args.package} failed on byte-level text at step {step} (IndexError: "
+                    f"{e}); `atomc train` feeds bytes, token ids 0-255, which a model whose "
+                    f"vocabulary has fewer than 256 entries cannot look up: train it on its "
+                    f"own data with atomc.runtime.SwapTrainer (--debug shows where it "
+                    f"failed)") from e
             bar.set_postfix(loss=f"{loss:.4f}")
             if args.checkpoint and args.every and (step + 1) % args.every == 0:
                 trainer.save_checkpoint(args.checkpoint)
