@@ -23,7 +23,7 @@ spectral norm, as parametrizations and as the older hooks, and parametrizations 
 own), custom autograd Functions whose backward is not their forward's derivative, and
 Hugging Face's BART (LayerDrop) and Wav2Vec2 (raw audio), a VQ-VAE whose forward updates
 its codebook buffer in place (an EMA), and hand-written running statistics and a step counter
-that the forward assigns to its buffers.
+that the forward assigns to its buffers, and a VAE that samples with torch.distributions.
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ CASES = {
     "gnn": (MODELS / "gnn.py", None),
     "vq-ema": (MODELS / "vq_ema.py", None),
     "running-stats": (MODELS / "running_stats.py", None),
+    "vae": (MODELS / "vae.py", None),
 }
 
 

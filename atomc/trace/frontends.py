@@ -27,6 +27,7 @@ from atomc.trace.dynamic import (
     FINAL,
     LayerDropDecided,
     conversions_that_change_nothing,
+    distributions_unvalidated,
     functions_checked,
     functions_kept_whole,
     is_internal,
@@ -194,7 +195,7 @@ def trace(model: nn.Module, inputs: tuple, leaf_types: tuple[type, ...], model_p
     defaults = _defaults_after(model, len(inputs))
     if frontend in ("auto", "fx"):
         try:
-            with LayerDropDecided():
+            with LayerDropDecided(), distributions_unvalidated():
                 return trace_fx(model, leaf_types, len(inputs), defaults), "fx"
         except FINAL as e:
             raise type(e)(f"cannot trace the model in {model_path}: {e}") from None
@@ -202,7 +203,7 @@ def trace(model: nn.Module, inputs: tuple, leaf_types: tuple[type, ...], model_p
             failures.append(f"torch.fx.symbolic_trace: {_describe(e, model_path)}")
     if frontend in ("auto", "export"):
         try:
-            with LayerDropDecided():
+            with LayerDropDecided(), distributions_unvalidated():
                 return trace_export(model, inputs), "export"
         except FINAL as e:
             raise type(e)(f"cannot trace the model in {model_path}: {e}") from None
