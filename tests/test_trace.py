@@ -199,6 +199,38 @@ def test_a_forward_that_differentiates_itself_is_refused_with_a_reason(tmp_path)
         trace_model(path, batch_size=2)
 
 
+MAX_NORM = """
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8, max_norm=1.0)
+        self.out = nn.Linear(8, 16)
+
+    def forward(self, ids):
+        return self.out(self.embed(ids))
+
+def build_model(config=None):
+    return Net()
+
+def example_inputs(model, batch_size):
+    return (torch.randint(0, 16, (batch_size, 4)),)
+
+def loss_fn(out, batch):
+    return F.cross_entropy(out.reshape(-1, 16), batch[0].reshape(-1))
+"""
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_a_forward_that_writes_a_weight_is_refused_with_a_reason(tmp_path, device):
+    """nn.Embedding(max_norm=...) renormalises weight rows in place in forward; the swap runtime
+    updates host masters, so the write would be lost: refused, naming the weight."""
+    path = write_model(tmp_path, MAX_NORM)
+    with pytest.raises(TraceError, match=r"changes parameter\(s\) embed.weight in place"):
+        trace_model(path, batch_size=2, device=device)
+    trace_model(write_model(tmp_path, MAX_NORM.replace(", max_norm=1.0", ""), "plain.py"),
+                batch_size=2, device=device)
+
+
 LAYERDROP = """
 class Net(nn.Module):
     def __init__(self, layerdrop):

@@ -121,6 +121,7 @@ def trace_model(path: str | Path, config: str | None = None, batch_size: int = 1
     with faked_on(model, inputs, runs_on) as faked:
         gm, used = _trace_graph(model, faked.inputs, leaf_types, p, frontend)
         recorder = ValueRecorder(gm)
+        versions = {name: w._version for name, w in gm.named_parameters(remove_duplicate=False)}
         try:
             with torch.no_grad(), faked.running(), _buffers_kept(model, gm):
                 recorder.run(*faked.inputs)
@@ -128,6 +129,7 @@ def trace_model(path: str | Path, config: str | None = None, batch_size: int = 1
             raise TraceError(f"the traced graph of {p} did not run on {device} tensors "
                              f"({type(e).__name__}: {e}); mark the failing module as a "
                              f"leaf") from e
+        _refuse_weights_changed_in_forward(gm, versions, p)
     faked.unfake(gm)
     values = faked.to_meta(recorder.values)
     graph = build_opgraph(gm, model, values, model_path=str(p), config=config,
@@ -166,6 +168,23 @@ def _trace_graph(model: nn.Module, inputs: tuple, leaf_types: tuple[type, ...], 
     drop_assertions(gm)
     normalise_get_attrs(gm)
     return gm, used
+
+
+def _refuse_weights_changed_in_forward(gm: fx.GraphModule, versions: dict[str, int],
+                                       path: Path) -> None:
+    """A forward that writes a parameter in place (nn.Embedding(max_norm=...) renormalises the
+    rows it looks up) would train apart from the model: the swap runtime keeps each weight's
+    master in host memory and updates it there, so the write to the device copy is lost."""
+    changed = [name for name, w in gm.named_parameters(remove_duplicate=False)
+               if w._version != versions.get(name, w._version)]
+    if changed:
+        raise TraceError(
+            f"the forward of the model in {path} changes parameter(s) {', '.join(changed)} in "
+            f"place (nn.Embedding's max_norm renormalises the rows it looks up, for one); the "
+            f"swap runtime keeps every weight's master copy in host memory and updates it "
+            f"there, so the change would be lost and training would drift from the model's "
+            f"own: drop the in-place change (max_norm=None), or renormalise the weights "
+            f"between optimizer steps")
 
 
 _GRADIENT_CALLS = (torch.autograd.grad, torch.autograd.backward)
