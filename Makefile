@@ -5,15 +5,20 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.atomc-installed
 # The CPU build of torch these machines carry; pinned first so nothing resolves another torch.
 TORCH  ?= torch==2.13.0
+# timm, for the model-zoo tests, is installed without its dependencies: the zoo extra has
+# them but torchvision, whose wheels for this torch are CUDA builds that do not import beside
+# the CPU one; the tests import timm through a stand-in (tests/shims/README.md)
+TIMM   ?= timm>=1.0.20,<1.1
 
-.PHONY: install demo test families lint golden bench clean
+.PHONY: install demo test families lint golden bench tables clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[dev,hf]" "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev,hf,zoo,data,peft]" "$(TORCH)"
 	$(BIN)/python -m pip install -q --only-binary=hivemind hivemind "$(TORCH)"
+	$(BIN)/python -m pip install -q --no-deps "$(TIMM)" "$(TORCH)"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -34,6 +39,10 @@ lint: install
 
 golden: install
 	$(BIN)/python tests/make_golden.py
+
+# docs/gpt3-plans.md: every GPT-3 table row planned by the real command (several minutes)
+tables: install
+	$(BIN)/python bench/gpt3_tables.py
 
 bench: install
 	$(BIN)/python bench/profile_bench.py

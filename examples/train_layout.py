@@ -80,10 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         config = plan.config
 
         def initial_state() -> dict[str, torch.Tensor]:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(args.seed)
-                model = call_with_options(module.build_model, (config,), options, model_path)
-            return model.state_dict()
+            return pkg.initial_state_dict(args.seed)
 
         with torch.device("meta"):
             shape_model = call_with_options(module.build_model, (config,), options, model_path)

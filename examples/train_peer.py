@@ -86,10 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         module = load_model_file(model_path)
         options = dict(plan.options)
         config = plan.config
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(args.seed)
+        with torch.device("meta"):  # shapes only: the trainer makes the initial weights
             model = call_with_options(module.build_model, (config,), options, model_path)
-        initial = model.state_dict()
         accum = args.accum or plan.accum
         local_batch = accum * (plan.batch_size or 1)
         vocab = int(getattr(getattr(model, "cfg", None), "vocab_size", 256))
@@ -117,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             matchmaking_time_s=args.matchmaking_time, averaging_timeout_s=args.averaging_timeout,
             connect_timeout_s=args.connect_timeout, max_seconds=args.max_seconds,
             metrics_path=args.metrics, final_path=args.final, maddr_path=args.maddr_file, name=name)
-        run_peer(cfg, batch_of, loss_fn=module.loss_fn, initial_state=initial, linger_s=args.linger,
+        # initial weights: the package's initial_state_dict(seed), as every peer makes them
+        run_peer(cfg, batch_of, loss_fn=module.loss_fn, linger_s=args.linger,
                  log=lambda s: print(f"[{name}] {s}", flush=True))
     except AtomcError as e:
         print(f"train_peer ({name}): error: {e}", file=sys.stderr, flush=True)

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 from atomc.cli import main as atomc_main
 from atomc.codegen import emit_plan, generate, load_package
 from atomc.codegen.manual import plan_from_cuts
-from atomc.errors import CodegenError, UsageError
+from atomc.errors import CodegenError, TraceError, UsageError
 from atomc.ir import Plan
 from atomc.profile import profile_model
 from atomc.trace import trace_model
@@ -310,6 +310,110 @@ def test_inputs_written_in_place_are_copied(tmp_path):
         assert leaf.grad is not None
 
 
+@pytest.mark.parametrize("model, cuts", [
+    ("moe.py", ("cumsum", "blocks_1_moe_experts_1_weight_1")),  # a router's float counts
+    ("vq_ema.py", ("sum_4", "dec1")),  # a no_grad region's product crosses a cut
+], ids=["router-counts", "no-grad-region"])
+def test_boundaries_say_which_values_take_gradients_as_the_model_does(tmp_path, model, cuts):
+    """BOUNDARIES' "grad" of every value crossing a cut is whether it requires gradients in the
+    model: the chained sub-models, run as one autograd graph, agree value by value (and the
+    float values a router computes from indices, or a no_grad region, take none)."""
+    t = traced(MODELS / model)
+    _, package = build_package(t, cuts_at(t, *cuts), tmp_path / "pkg")
+    source = "".join((tmp_path / "pkg" / f"submodel_{i}.py").read_text() for i in range(3))
+    assert (model != "vq_ema.py") or "with torch.no_grad():" in source  # fx's regions kept
+    subs = package.build_submodels()
+    package.load_original_state_dict(subs, t.model.state_dict())
+    flags, seen = {}, {}
+    values = t.inputs
+    for sub, boundary in zip(subs[:-1], package.BOUNDARIES):
+        values = sub(*values)
+        for name, value in zip(type(sub).OUTPUTS, values):
+            if isinstance(value, torch.Tensor):
+                flags[name], seen[name] = boundary["outputs"][name]["grad"], value.requires_grad
+    assert flags == seen
+    assert any(flags.values()) and not all(flags.values())
+
+
+def test_weight_cast_twice_is_the_same_graph_in_float64(tmp_path):
+    """A weight cast with `.float()` in two places and read as it is (Mamba's A_log): traced in
+    float32 the casts are no-ops and export records the later reads as reads of the first cast;
+    the float64 trace reads the weight each time. The graphs agree modulo those casts, the
+    reads are repaired, and the package computes the model in float64 and float32."""
+    path = MODELS / "cast_twice.py"
+    meta = trace_model(path, None, 2, device="meta")
+    assert meta.graph.frontend == "export"
+    _, package = build_package(meta, cuts_at(meta, "exp", "to_1", "select_6", "to_3"),
+                               tmp_path / "pkg")
+    reads = {n.name: [a.op for a in n.all_input_nodes] for n in meta.gm.graph.nodes}
+    assert reads["to_1"] == reads["select_6"] == ["get_attr"]  # the weight, not the first cast
+    assert "select.int(self.mixers_0_A_log, 1, 0)" in (tmp_path / "pkg" / "submodel_3.py"
+                                                       ).read_text()
+    cpu = traced(path)
+    assert_equivalent(cpu, package, torch.float64, 1e-10)
+    assert_equivalent(cpu, package, torch.float32, 1e-6)
+
+
+def test_a_branch_on_the_dtype_is_still_refused(tmp_path):
+    path = tmp_path / "branchy.py"
+    path.write_text((MODELS / "cast_twice.py").read_text().replace(
+        "        return self.out_proj(y)",
+        "        if self.A_log.dtype == torch.float32:\n            y = y * 2\n"
+        "        return self.out_proj(y)"))
+    meta = trace_model(path, None, 2, device="meta")
+    with pytest.raises(TraceError, match=r"traces to a different graph in torch\.float64"):
+        generate(plan_from_cuts(meta, []), tmp_path / "pkg", traced=meta)
+
+
+def test_buffer_built_on_a_weights_device_is_stored_with_its_values(tmp_path):
+    """A constructor that computes a buffer on the device of a weight (a shifted-window
+    attention mask, `device=self.qkv.weight.device`) makes it on meta when atomc builds the
+    model on meta, and again when it rebuilds the model with meta weights to read buffers: its
+    values come from a CPU build, and the package computes what the model computes."""
+    path = MODELS / "window_mask.py"
+    meta = trace_model(path, None, 2, device="meta")  # as `atomc codegen` retraces the model
+    assert meta.model.attn.mask.device.type == "meta"
+    _, package = build_package(meta, cuts_at(meta, "view_1", "norm"), tmp_path / "pkg")
+    stored = torch.load(tmp_path / "pkg" / "constants.pt")
+    assert torch.equal(stored["attn.mask"], traced(path).model.attn.mask)
+    assert_equivalent(traced(path), package, torch.float64, 1e-10)
+
+
+def test_buffer_without_values_on_any_build_is_one_line(tmp_path):
+    path = tmp_path / "fixed_meta.py"
+    path.write_text((MODELS / "window_mask.py").read_text().replace(
+        "device=self.qkv.weight.device", 'device="meta"'))
+    meta = trace_model(path, None, 2, device="meta")
+    plan = plan_from_cuts(meta, cuts_at(meta, "view_1"))
+    with pytest.raises(TraceError) as e:
+        generate(plan, tmp_path / "pkg", traced=meta)
+    message = str(e.value)
+    assert "\n" not in message and "buffer attn.mask" in message and "CPU" in message
+    assert not (tmp_path / "pkg").exists()
+
+
+def test_inputs_written_through_modules_that_return_them_are_copied(tmp_path):
+    """An activation built with inplace=True behind a module that returns its input (nn.Identity,
+    Dropout(0.0)) or a view of it (nn.Flatten) writes the sub-model's input through it: the
+    input is copied first, so the runtime's leaves that take gradients stay as they were."""
+    t = traced(MODELS / "identity_inplace.py")
+    _, package = build_package(t, cuts_at(t, "attn", "drop"), tmp_path / "pkg")
+    for i in (1, 2):
+        assert ".clone()  # written in place below" in (
+            tmp_path / "pkg" / f"submodel_{i}.py").read_text()
+    assert_equivalent(t, package, torch.float64, 1e-10)
+    subs = [s.double() for s in package.build_submodels()]
+    package.load_original_state_dict(subs, copy.deepcopy(t.model).double().state_dict())
+    values, leaves = tuple(x.double() for x in t.inputs), []
+    for sub in subs:
+        values = tuple(v.detach().requires_grad_(True) for v in values) if leaves else values
+        leaves.append((values, [v.detach().clone() for v in values]))
+        values = sub(*values)
+    t.module.loss_fn(values, t.inputs).backward()  # autograd refused a write of a leaf
+    for given, before in leaves[1:]:
+        assert all(torch.equal(v.detach(), b) for v, b in zip(given, before))
+
+
 # ---------------------------------------------------------------------------------------------
 # the package contract
 
@@ -324,7 +428,8 @@ def test_contract_chain_boundaries_and_state_dict(tmp_path):
     for i, cls in enumerate(subs):
         assert tuple(package.BOUNDARIES[i]["inputs"]) == cls.INPUTS
         assert tuple(package.BOUNDARIES[i]["outputs"]) == cls.OUTPUTS
-    assert package.BOUNDARIES[1]["inputs"]["h_0_ln_1"] == {"shape": [2, 16, 32], "dtype": "float32"}
+    assert package.BOUNDARIES[1]["inputs"]["h_0_ln_1"] == {"shape": [2, 16, 32], "dtype": "float32",
+                                                           "grad": True}
     assert package.BOUNDARIES[1]["inputs"]["getitem_1"] == {"kind": "int"}  # a size, not a tensor
     plan_info = package.PLAN
     for key in ("plan_hash", "graph_hash", "profile_hash", "model_path", "config", "batch_size",

@@ -216,3 +216,50 @@ def test_a_layouts_final_state_carries_the_weights_no_stage_holds(tmp_path: Path
     for k in ("pooler.weight", "mask_token", "spare_stats"):  # no stage holds these
         torch.testing.assert_close(params[k], initial[k], rtol=0, atol=0)
     model.load_state_dict({**params, **buffers}, strict=True)
+
+
+@pytest.mark.parametrize("swapped", [False, True], ids=["resident", "swapped"])
+def test_stage_inputs_take_gradients_exactly_when_the_model_gives_them_one(
+        tmp_path: Path, swapped: bool) -> None:
+    """A layout stage (and a SWARM server's call, which runs one) receives a mixture-of-experts
+    router's expert counts (float, no gradient in the model) from the stage before: they stay
+    without a gradient, so its int32 cumsum of them runs, and the gradients it sends back are
+    those of one autograd graph over the model. The layout's wire says which values carry one."""
+    from atomc.distributed.pipeline import describe
+    from atomc.distributed.stage import cut_stages, make_stage
+    from atomc.runtime.optim import AdamWConfig
+    from atomc.runtime.package import load_swap_package
+    from atomc.swarm.server import BATCH, serve_call
+
+    path = Path(__file__).parent / "models" / "moe.py"
+    traced = trace_model(path, None, 2, device="cpu")
+    index = {n.name: i for i, n in enumerate(traced.graph.nodes)}
+    out = generate(plan_from_cuts(traced, [index["cumsum"]]), tmp_path / "pkg", traced=traced)
+    pkg = load_swap_package(out)
+    _, second = cut_stages(pkg, ((0, 1), (1, 2)))
+    assert "histc" in second.recv and not pkg.carries_grad("histc")
+    subs = pkg.build_submodels()
+    pkg.load_original_state_dict(subs, traced.model.state_dict())
+    (ids,) = traced.inputs
+    with torch.no_grad():
+        values = dict(zip(pkg.outputs[0], subs[0](ids)))
+    wire = {e.name: e.grad for e in describe(values, second.recv, pkg.grad_names)}
+    assert wire["add_"] and not wire["histc"] and not wire["getitem_4"]  # int64 indices
+
+    leaves = {n: v.detach().requires_grad_(pkg.carries_grad(n)) for n, v in values.items()}
+    traced.module.loss_fn(subs[1](*(leaves[n] for n in pkg.inputs[1])), (ids,)).backward()
+    stage = make_stage(swapped, pkg, second, torch.device("cpu"), traced.module.loss_fn,
+                       AdamWConfig.coerce({"lr": 1e-2}))
+    stage.load_original(traced.model.state_dict())
+    call = {n: v.clone() for n, v in values.items()}
+    call[f"{BATCH}0"] = ids
+    grads, loss = serve_call(stage, "backward", call, {"batch_len": 1, "num_micro": 1,
+                                                       "micro": 0}, 0)
+    assert loss is not None
+    for n, g in grads.items():
+        if pkg.carries_grad(n):
+            torch.testing.assert_close(g, leaves[n].grad, rtol=1e-6, atol=1e-7, msg=n)
+        else:  # a stage may answer zeros for a value that takes no gradient
+            assert not g.any(), n
+    assert {n for n in second.recv if pkg.carries_grad(n)} <= set(grads)
+    stage.close()

@@ -174,6 +174,57 @@ def test_untraceable_names_both_frontends(tmp_path):
     assert "model.py:" in text  # the source line
 
 
+GATED = """
+class Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.a(x)
+        return x
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = Gate()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.gate(x))
+
+LEAF_MODULES = (LEAVES)
+
+def build_model(config=None):
+    return Net()
+
+def example_inputs(model, batch_size):
+    return (torch.randn(batch_size, 8),)
+"""
+
+
+@pytest.mark.parametrize("runs_on", ["cpu", None], ids=["fake-cpu", "meta"])
+def test_leaf_advice_does_not_loop(tmp_path, runs_on):
+    """A forward that branches on a tensor's value is untraceable; marking its module as a leaf
+    does not help (atomc runs leaves on meta tensors too), so neither error advises it: the
+    second names the leaf module and the line, in one line, and says what would work."""
+    path = write_model(tmp_path, GATED.replace("(LEAVES)", "()"))
+    with pytest.raises(TraceError) as untraceable:
+        trace_model(path, batch_size=2, runs_on=runs_on)
+    first = str(untraceable.value)
+    assert "model.py:11: if x.sum() > 0:" in first and "torch.where" in first
+    assert "LEAF_MODULES" not in first and "\n" not in first
+    path = write_model(tmp_path, GATED.replace("(LEAVES)", "(Gate,)"))
+    with pytest.raises(TraceError) as as_leaf:
+        trace_model(path, batch_size=2, runs_on=runs_on)
+    second = str(as_leaf.value)
+    assert "\n" not in second, second
+    assert "at graph node gate (Gate, a leaf module)" in second
+    assert "(at model.py:11: if x.sum() > 0:)" in second and "torch.where" in second
+    assert "mark" not in second and "LEAF_MODULES" not in second
+
+
 def test_untraceable_code_of_a_library_is_named_beside_the_model_files_call(tmp_path):
     """A model that fails inside a library's code (a Hugging Face forward): the error names
     the model file's line that calls it and the library's line that failed."""

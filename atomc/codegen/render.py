@@ -44,7 +44,7 @@ from atomc.dtypes import dtype_name
 from atomc.errors import CodegenError
 from atomc.ir import OpGraph, Plan
 from atomc.profile.ops import is_inplace, written_in_place
-from atomc.trace import TracedModel, dtype_args, model_dtype
+from atomc.trace import TracedModel, dtype_args, grad_values, model_dtype
 from atomc.trace.dynamic import autograd_function_of
 from atomc.trace.frontends import layer_class
 from atomc.trace.normalise import MODES
@@ -392,9 +392,12 @@ def describe_value(value: Any) -> str:
     return type(value).__name__
 
 
-def boundary_spec(value: Any) -> dict[str, Any]:
+def boundary_spec(value: Any, grad: bool = False) -> dict[str, Any]:
+    """A boundary value's entry in BOUNDARIES; `grad`: whether it requires gradients when the
+    model trains (atomc.trace.grad_values), so a runtime's leaf for it takes one."""
     if isinstance(value, torch.Tensor):
-        return {"shape": [int(d) for d in value.shape], "dtype": dtype_name(value.dtype)}
+        return {"shape": [int(d) for d in value.shape], "dtype": dtype_name(value.dtype),
+                "grad": bool(grad)}
     if isinstance(value, int) and not isinstance(value, bool):
         return {"kind": "int"}
     return {"kind": "other"}
@@ -1049,8 +1052,11 @@ def render_submodel(piece: Piece, traced: TracedModel, plan: Plan, plan_hash: st
         renderer.imports.add(f"from ._helpers import {', '.join(helpers)}")
     num = len(plan.submodels)
     values = traced.values
-    inputs = {name: boundary_spec(values.get(name)) for name in piece.inputs}
-    outputs = {name: boundary_spec(values.get(name)) for name in piece.outputs}
+    grads = grad_values(traced)
+    inputs = {name: boundary_spec(values.get(name), grads.get(name, False))
+              for name in piece.inputs}
+    outputs = {name: boundary_spec(values.get(name), grads.get(name, False))
+               for name in piece.outputs}
     text = env.get_template("submodel.py.jinja").render(
         index=piece.index,
         num_submodels=num,

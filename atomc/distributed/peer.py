@@ -22,7 +22,6 @@ Every wait is bounded: DHT start-up (an initial peer that never answers is an er
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import threading
@@ -170,10 +169,9 @@ def start_dht(hm: Any, initial_peers: Sequence[str], host_maddrs: Sequence[str],
 
 
 def weights_digest(trainer: Any) -> str:
-    h = hashlib.sha256()
-    for m in trainer.store.master:
-        h.update(m.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
+    from atomc.runtime.checkpoint import digest
+
+    return digest(list(trainer.store.master))
 
 
 class PeerTrainer:

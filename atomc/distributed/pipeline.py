@@ -32,6 +32,7 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Collection
 from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -151,15 +152,19 @@ def laid_out(flat: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...
     return flat.view(shape) if not strides else flat.as_strided(shape, strides)
 
 
-def describe(values: dict[str, Any], names: tuple[str, ...]) -> tuple[Entry, ...]:
+def describe(values: dict[str, Any], names: tuple[str, ...],
+             grads: Collection[str] | None = None) -> tuple[Entry, ...]:
+    """Entries of `values`; a floating tensor carries a gradient back when its name is in
+    `grads` (the package's: atomc.runtime.package.SwapPackage.carries_grad), or, with no
+    `grads`, always. requires_grad says nothing here: a swapped stage computes its forward
+    without autograd and recomputes it."""
     out = []
     for n in names:
         v = values[n]
         if isinstance(v, torch.Tensor):
-            # every floating-point tensor carries a gradient back: a swapped stage computes its
-            # forward without autograd and recomputes it, so requires_grad says nothing there
             out.append(Entry(n, "tensor", tuple(v.shape), dtype_name(v.dtype),
-                             bool(v.is_floating_point() or v.is_complex()),
+                             bool(v.is_floating_point() or v.is_complex())
+                             and (grads is None or n in grads),
                              strides=layout(v)))
         else:
             out.append(Entry(n, "value", value=_encode(v)))
@@ -381,10 +386,11 @@ class Link:
     """
 
     def __init__(self, transport: Transport, peer: int, names: tuple[str, ...], *, window: int = 2,
-                 where: str = ""):
+                 where: str = "", grads: Collection[str] | None = None):
         self.t = transport
         self.peer = peer
         self.names = names
+        self.grads = grads  # the names that carry a gradient back (None: every floating one)
         self.window = max(1, window)
         self.where = where
         self.entries: tuple[Entry, ...] | None = None
@@ -415,7 +421,7 @@ class Link:
     # ---- sender side ---------------------------------------------------------------------------
 
     def send(self, values: dict[str, Any]) -> None:
-        entries = describe(values, self.names)
+        entries = describe(values, self.names, self.grads)
         if self.entries is None:
             self.entries = entries
             raw = header_bytes(entries)

@@ -48,8 +48,8 @@ from atomc.distributed.groups import (
     layout_view,
     with_ranges,
 )
-from atomc.distributed.pipeline import Link, Transport, stage_boundaries
-from atomc.distributed.stage import ResidentStage, StageSpec
+from atomc.distributed.pipeline import Link, Transport
+from atomc.distributed.stage import LayoutStage, StageSpec, cut_stages, make_stage
 from atomc.dtypes import parse_dtype
 from atomc.errors import AtomcError, LayoutError, RuntimeMismatchError, UsageError
 from atomc.runtime.optim import AdamWConfig
@@ -155,24 +155,15 @@ class LayoutTrainer:
         self.place: Placement = assign(self.layout, world_size, world_rank, claims)
         self._agree_on_package()
 
-        a, b = self.place.submodels
-        sends = stage_boundaries(self.pkg.inputs, self.pkg.outputs, self.pkg.model_inputs,
-                                 self.layout.stage_ranges)
         j = self.place.stage
-        self.spec = StageSpec(j, self.layout.pp, a, b, sends[j - 1] if j > 0 else (),
-                              sends[j] if j < self.layout.pp - 1 else (), j == self.layout.pp - 1,
-                              self.pkg.num_submodels)
+        self.spec = cut_stages(self.pkg, self.layout.stage_ranges)[j]
         tied_sets = self._tied_stage_sets()
         self.groups: Groups = build_groups(self.place, list(tied_sets.values()))
         self.tied_sets = tied_sets  # FQN -> stages holding it
 
         swapped = self._decide_swap()
-        if swapped:
-            from atomc.distributed.swapstage import SwappedStage as stage_class
-        else:
-            stage_class = ResidentStage
-        self.stage = stage_class(self.pkg, self.spec, self.device, loss_fn, self.opt_cfg,
-                                 dtype=self.dtype, seed=cfg.seed)
+        self.stage: LayoutStage = make_stage(swapped, self.pkg, self.spec, self.device, loss_fn,
+                                             self.opt_cfg, dtype=self.dtype, seed=cfg.seed)
         flags: list[Any] = [None] * world_size
         dist.all_gather_object(flags, swapped)
         self.schedule_name = cfg.schedule
@@ -193,10 +184,12 @@ class LayoutTrainer:
         self.transport = Transport(self.device, delays, links=self.groups.links, rank=world_rank)
         where = f"replica {self.place.replica} stage {j}"
         # every link carries the micro-batch's RNG state besides the boundary values
+        # and says which values carry a gradient back (those the model computes with them)
+        grads = self.pkg.grad_names
         self.link_in = Link(self.transport, self.place.prev, self.spec.recv + (RNG_VALUE,),
-                            window=cfg.window, where=where) if j > 0 else None
+                            window=cfg.window, where=where, grads=grads) if j > 0 else None
         self.link_out = (Link(self.transport, self.place.next, self.spec.send + (RNG_VALUE,),
-                              window=cfg.window, where=where)
+                              window=cfg.window, where=where, grads=grads)
                          if self.place.next is not None else None)
         self.step_count = 0
         self.step_ms: list[float] = []
@@ -378,7 +371,7 @@ class LayoutTrainer:
             self._sum(self._grads(params), self.groups.dp, ranks, TAG_DP, average=True)
         # 5. clipping and the update
         coef = self._clip_coefficient(params) if self.opt_cfg.max_grad_norm is not None else None
-        st.update(coef)
+        st.optimizer_step(coef)
         # buffers (running statistics) follow replica 0, as DDP's broadcast_buffers does
         if self.layout.dp > 1:
             for b in st.buffers().values():

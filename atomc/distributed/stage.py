@@ -3,37 +3,42 @@
 input:  the generated package (runtime's `SwapPackage`), this stage's sub-model range [a, b),
         the names it receives from the previous stage and sends to the next, the device, the
         optimizer settings
-output: a `Stage`: `begin_step`, `run(actions, micro_batches, io)` (the stage's part of the
-        step's action list; the losses on the last stage), `named_parameters` (original FQNs,
-        their gradients after `run`), `update(coef)`, `state_dict`/`load_state_dict`, `export`
+output: a `LayoutStage` (`make_stage`): `begin_step`, `run(actions, micro_batches, io)` (the
+        stage's part of the step's action list; the losses on the last stage),
+        `named_parameters` (original FQNs, their gradients after `run`), `optimizer_step(coef)`,
+        `state_dict`/`load_state_dict`, `export`
 
 Two implementations keep this one interface, as torch.distributed.pipelining splits a stage
-from its schedule:
+from its schedule; both run their lists with the one interpreter of the action IR
+(atomc.runtime.interpret.run_actions), which owns the sends and receives, the RNG state that
+travels with a micro-batch (atomc.runtime.rng: micro-batch m's stream is seeded by its index in
+the global batch) and the buffer rule:
 - `ResidentStage` keeps the stage's sub-models on the device and the autograd graph of every
   micro-batch in flight (when the stage fits the device's memory budget), with torch's AdamW;
+  it is itself the runtime's `Stage` (atomc.runtime.stage), one index: the stage;
 - `SwappedStage` (in `atomc.distributed.swapstage`) runs the stage with the swap runtime's
-  executor: sub-models loaded one after another from the host store, internals recomputed in
-  the backward, the CPU optimizer over flat buffers.
-Both follow the runtime's RNG rule (atomc.runtime.rng): micro-batch m's stream is seeded by its
-index in the global batch, and its state travels to the next stage with the activations.
+  executor, the `Stage` its lists run on: sub-models loaded one after another from the host
+  store, internals recomputed in the backward, the CPU optimizer over flat buffers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from atomc.actions import Action, pipeline_order
+from atomc.distributed.pipeline import stage_boundaries
 from atomc.dtypes import cast_floating
 from atomc.errors import RuntimeMismatchError
-from atomc.runtime.interpret import directions
+from atomc.runtime.interpret import run_actions
 from atomc.runtime.optim import AdamWConfig
 from atomc.runtime.package import SwapPackage
-from atomc.runtime.rng import RNG_VALUE, StepRng
+from atomc.runtime.stage import Links, boundary_leaf
 
 
 def tensor_attr(module: nn.Module, name: str) -> torch.Tensor:
@@ -74,6 +79,60 @@ class StageSpec:
     @property
     def holds_output(self) -> bool:
         return self.stop == self.num_submodels
+
+
+def cut_stages(pkg: SwapPackage, ranges: tuple[tuple[int, int], ...]) -> list[StageSpec]:
+    """The stages of `pkg` cut at `ranges` (stage j: sub-models [a, b)), with what each
+    receives from the one before and sends to the one after."""
+    sends = stage_boundaries(pkg.inputs, pkg.outputs, pkg.model_inputs, ranges)
+    n = len(ranges)
+    return [StageSpec(j, n, a, b, sends[j - 1] if j > 0 else (), sends[j] if j < n - 1 else (),
+                      j == n - 1, pkg.num_submodels) for j, (a, b) in enumerate(ranges)]
+
+
+class LayoutStage(Protocol):
+    """What a layout rank and a SWARM server hold: one stage's weights, optimizer and steps."""
+
+    kind: str  # "resident" or "swapped" (checkpoints record it)
+    spec: StageSpec
+
+    def begin_step(self, step: int, num_micro: int, first_micro: int = 0) -> None: ...
+
+    def order(self, schedule: str, num_micro: int) -> list[Action]: ...
+
+    def forward_order(self, num_micro: int) -> list[Action]: ...
+
+    def run(self, actions: list[Action], micro: list[tuple], io: Links | None, *,
+            recomputing: bool = False) -> list[torch.Tensor]: ...
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]: ...
+
+    def buffers(self) -> dict[str, torch.Tensor]: ...
+
+    def optimizer_step(self, coef: float | None) -> None: ...
+
+    def load_original(self, state_dict: dict[str, torch.Tensor]) -> None: ...
+
+    def export(self) -> dict[str, torch.Tensor]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def make_stage(swapped: bool, pkg: SwapPackage, spec: StageSpec, device: torch.device,
+               loss_fn: Callable[[Any, tuple], torch.Tensor] | None, opt_cfg: AdamWConfig,
+               dtype: torch.dtype | None = None, seed: int = 0) -> LayoutStage:
+    """The stage `spec` of `pkg`: swapped (the swap runtime's executor) or resident. A stage
+    that does not hold the model output gets no loss function."""
+    loss = loss_fn if spec.holds_output else None
+    if swapped:
+        from atomc.distributed.swapstage import SwappedStage  # it builds on this module
+
+        return SwappedStage(pkg, spec, device, loss, opt_cfg, dtype=dtype, seed=seed)
+    return ResidentStage(pkg, spec, device, loss, opt_cfg, dtype=dtype, seed=seed)
 
 
 def param_fqns(pkg: SwapPackage, modules: dict[int, nn.Module]) -> list[tuple[str, nn.Parameter]]:
@@ -127,6 +186,8 @@ class ResidentStage:
                 mod = cast_floating(mod, dtype)
             self.modules[i] = mod.train()
         self._tie_within()
+        # received values that carry a gradient back: those the model computes with them
+        self.grad_inputs = {n for n in spec.recv if pkg.carries_grad(n)}
         self._params = param_fqns(pkg, self.modules)
         self.optimizer = self._make_optimizer()
         self.step = 0
@@ -211,44 +272,91 @@ class ResidentStage:
     def order(self, schedule: str, num_micro: int) -> list[Action]:
         return pipeline_order(schedule, num_micro, self.spec.index, self.spec.num_stages)
 
-    def run(self, actions: list[Action], micro: list[tuple], io: Any) -> list[torch.Tensor]:
+    def forward_order(self, num_micro: int) -> list[Action]:
+        """Values in, values out: each micro-batch's receive, forward and send."""
+        j = self.spec.index
+        return [a for m in range(num_micro) for a in (
+            *([Action("R", j, m)] if j > 0 else []), Action("F", j, m),
+            *([Action("S", j, m)] if not self.spec.holds_output else []))]
+
+    def run(self, actions: list[Action], micro: list[tuple], io: Links | None, *,
+            recomputing: bool = False) -> list[torch.Tensor]:
         """Execute the stage's F, B, S and R actions (indices: stages); returns the losses of
-        the last stage's micro-batches."""
-        rng = StepRng(self.device, self.seed, self.step, len(micro), self.first_micro)
-        flight: dict[int, tuple[dict[str, Any], Any]] = {}  # m -> (received leaves, outputs)
-        received: dict[int, dict[str, Any]] = {}
-        grads: dict[int, dict[str, torch.Tensor]] = {}
-        losses: dict[int, torch.Tensor] = {}
-        try:
-            for a, way in zip(actions, directions(actions)):
-                m = a.micro
-                if a.kind == "R" and way == "values":
-                    got = dict(io.recv(m))
-                    state = got.pop(RNG_VALUE, None)
-                    if state is not None:
-                        rng.resume(m, state)
-                    received[m] = got
-                elif a.kind == "R":
-                    grads[m] = io.recv_grads(m) or {}
-                elif a.kind == "F":
-                    with rng.forward(m):
-                        flight[m] = (received.get(m, {}),
-                                     self._forward(received.get(m, {}), micro[m]))
-                    if self.spec.holds_output:
-                        losses[m] = flight[m][1].detach()
-                elif a.kind == "S" and way == "values":
-                    values = dict(flight[m][1])
-                    values[RNG_VALUE] = rng.state(m)
-                    io.send(m, values)
-                elif a.kind == "B":
-                    grads[m] = self._backward(*flight.pop(m), grads.pop(m, None))
-                elif a.kind == "S":
-                    io.send_grads(m, grads.pop(m), received.pop(m))
-                else:
-                    raise ValueError(f"a resident stage runs F, B, S and R actions, not {a}")
-        finally:
-            rng.restore()
-        return [losses[m] for m in sorted(losses)]
+        the last stage's micro-batches. `recomputing`: the list's forwards repeat ones that ran
+        before (atomc.runtime.interpret)."""
+        return run_actions(self, actions, micro, io, seed=self.seed, step=self.step,
+                           first_micro=self.first_micro, recomputing=recomputing)
+
+    def optimizer_step(self, coef: float | None) -> None:
+        if coef is not None:
+            for _, p in self._params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        self.opt_cfg.set_lr(self.optimizer, self.step)
+        self.optimizer.step()
+
+    def close(self) -> None:
+        pass
+
+    # ---- the runtime's Stage (atomc.runtime.stage): one index, the stage -----------------------
+
+    @contextmanager
+    def session(self, micro_batches: list[tuple], step: int) -> Iterator[None]:
+        self._micro = micro_batches
+        self._inputs: dict[int, dict[str, Any]] = {}  # m -> received values, as leaves
+        self._flight: dict[int, Any] = {}  # m -> what its forward returned (values or loss)
+        self._grads_in: dict[int, dict[str, torch.Tensor]] = {}
+        self._grads_back: dict[int, dict[str, torch.Tensor | None]] = {}
+        self._losses: dict[int, torch.Tensor] = {}
+        yield
+
+    def exchange(self) -> Any:
+        return nullcontext()
+
+    def recomputes(self, index: int) -> bool:
+        return False  # the graph of every micro-batch in flight is kept
+
+    def forward_modules(self, index: int) -> list[nn.Module]:
+        return [self.modules[i] for i in range(self.spec.start, self.spec.stop)]
+
+    def forward(self, index: int, micro: int, *, last: bool) -> None:
+        out = self._forward(self._inputs.get(micro, {}), self._micro[micro])
+        self._flight[micro] = out
+        if self.spec.holds_output:
+            self._losses[micro] = out.detach()
+
+    def backward(self, index: int, micro: int, *, first: bool, last: bool) -> None:
+        self._grads_back[micro] = self._backward(self._inputs.pop(micro, {}),
+                                                 self._flight.pop(micro),
+                                                 self._grads_in.pop(micro, None))
+
+    def _not_here(self, kind: str, index: int) -> None:
+        raise ValueError(f"a resident stage runs F, B, S and R actions, not {index}{kind}")
+
+    def load(self, index: int, *, next_first_backward: int | None, trailing: bool) -> None:
+        self._not_here("L", index)
+
+    def offload(self, index: int) -> None:
+        self._not_here("O", index)
+
+    def update(self, index: int) -> None:
+        self._not_here("U", index)
+
+    def take_values(self, micro: int, values: dict[str, Any]) -> None:
+        self._inputs[micro] = {n: boundary_leaf(v, n in self.grad_inputs)
+                               for n, v in values.items()}
+
+    def take_grads(self, micro: int, grads: dict[str, torch.Tensor]) -> None:
+        self._grads_in[micro] = grads
+
+    def values_out(self, micro: int) -> dict[str, Any]:
+        return dict(self._flight[micro])
+
+    def grads_out(self, micro: int) -> dict[str, torch.Tensor | None]:
+        return self._grads_back.pop(micro)
+
+    def losses(self) -> list[torch.Tensor]:
+        return [self._losses[m] for m in sorted(self._losses)]
 
     def _forward(self, received: dict[str, Any], batch: tuple) -> Any:
         """One micro-batch through the stage: the values to send, or (last stage) the loss."""
@@ -278,14 +386,3 @@ class ResidentStage:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         return {n: v.grad for n, v in received.items()
                 if isinstance(v, torch.Tensor) and v.requires_grad}
-
-    def update(self, coef: float | None) -> None:
-        if coef is not None:
-            for _, p in self._params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        self.opt_cfg.set_lr(self.optimizer, self.step)
-        self.optimizer.step()
-
-    def close(self) -> None:
-        pass

@@ -2,15 +2,16 @@
 
 input:  the generated package, the stage's range [a, b) and boundary names, the device, the
         optimizer settings
-output: a `Stage` (see atomc.distributed.stage) whose `run` executes the stage's action list
-        with the executor that the swap trainer uses (atomc.runtime.interpret: loads, forward,
-        recomputation with the forward's RNG state and buffers, gradients to the host)
+output: a `LayoutStage` (see atomc.distributed.stage) whose `run` executes the stage's action
+        list on the executor that the swap trainer uses, the runtime's `Stage` for a swapped
+        stage (atomc.runtime.interpret.run_actions: loads, forward, recomputation with the
+        forward's RNG state and buffers, gradients to the host)
 
 What differs from the swap trainer: the stage's inputs come from the previous stage and carry
 gradients back to it; a stage that does not hold the model output ends on received output
 gradients; gradients stay in the host store until the runner has summed tied weights across
 stages and averaged over the data-parallel group, so the action list has no U: `update` runs
-the optimizer afterwards.
+the optimizer afterwards (`optimizer_step`).
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from atomc.actions import Action
 from atomc.actions.orders import swapped_stage_order
 from atomc.distributed.stage import StageSpec, named_buffers, original_tensor, tensor_attr
 from atomc.errors import RuntimeMismatchError
-from atomc.runtime.executor import SwapExecutor, rebind_parameters
-from atomc.runtime.optim import AdamWConfig, CpuOptimizer
+from atomc.runtime.executor import SwapExecutor
+from atomc.runtime.interpret import run_actions
+from atomc.runtime.optim import AdamWConfig
 from atomc.runtime.package import SwapPackage
-from atomc.runtime.rng import StepRng
-from atomc.runtime.store import HostStore, plan_layouts
+from atomc.runtime.stage import Links
 from atomc.runtime.trace import Tracer
 
 
@@ -78,18 +79,13 @@ class SwappedStage:
         self.host_modules = [m.to(self.master_dtype) for m in self.sub.build_submodels()]
         # the runner clips globally and reduces first; the optimizer here only applies updates
         self.opt_cfg = replace(opt_cfg, max_grad_norm=None)
-        layouts = plan_layouts(self.sub, self.host_modules, opt_cfg.decays)
-        self.store = HostStore(layouts, self.master_dtype, self.master_dtype,
-                               pin=device.type == "cuda")
-        self._bind_host()
-        tracer = Tracer(device, enabled=False)
-        self.opt = CpuOptimizer(self.store, self.opt_cfg, None, tracer, threaded=False)
-        self.ex = SwapExecutor(self.sub, self.store, self.opt,
-                               [dict(m.named_buffers()) for m in self.host_modules], device=device,
-                               accum=1, activations="recompute", offload_activations=False,
-                               autocast_dtype=None, loss_fn=loss_fn or (lambda o, b: o), seed=seed,
-                               tracer=tracer, holds_output=spec.holds_output, recv_names=spec.recv,
-                               send_names=spec.send)
+        self.ex = SwapExecutor.assemble(
+            self.sub, self.host_modules, self.opt_cfg, device=device,
+            master_dtype=self.master_dtype, tracer=Tracer(device, enabled=False), threaded=False,
+            accum=1, activations="recompute", offload_activations=False, autocast_dtype=None,
+            loss_fn=loss_fn or (lambda o, b: o), seed=seed, holds_output=spec.holds_output,
+            recv_names=spec.recv, send_names=spec.send)
+        self.store, self.opt = self.ex.store, self.ex.opt
         self.seed = seed
         self.first_micro = 0
         self.k = self.sub.num_submodels
@@ -99,19 +95,6 @@ class SwappedStage:
 
     # ---- weights -------------------------------------------------------------------------------
 
-    def _bind_host(self) -> None:
-        """Host modules whose parameters are views of the masters (export and loads read them)."""
-        for i, (mod, L) in enumerate(zip(self.host_modules, self.store.layouts)):
-            params = dict(mod.named_parameters())
-            with torch.no_grad():
-                for e in L.entries:
-                    if e.owned:
-                        self.store.master_param(i, e).copy_(params[e.local])
-            rebind_parameters(mod, {e.local: self.store.master_param(i, e) for e in L.entries},
-                              requires_grad=False)
-        for i in range(len(self.store.layouts)):
-            self.store.refresh_images(i)
-
     def _make_grad_views(self) -> list[tuple[str, nn.Parameter]]:
         """(FQN, parameter over the master with .grad over the master gradient) per owned weight."""
         out = []
@@ -120,8 +103,9 @@ class SwappedStage:
                 if not e.owned:
                     continue
                 p = nn.Parameter(self.store.master_param(i, e), requires_grad=False)
-                grad = self.store.grad_master[i][e.owner_offset:e.owner_offset + e.numel]
-                p.grad = grad.view(e.shape)
+                if e.trainable:  # a frozen weight has no gradient buffer
+                    grad = self.store.grad_master[i][e.owner_offset:e.owner_offset + e.numel]
+                    p.grad = grad.view(e.shape)
                 out.append((e.key, p))
         return out
 
@@ -192,26 +176,24 @@ class SwappedStage:
         self.num_micro = num_micro
         self.step = step
         self.first_micro = first_micro
+        self.ex.loss_divisor = num_micro  # the mean over the step's micro-batches, all calls
         for g in self.store.grad:
             g.zero_()
         for g in self.store.grad_master:
             g.zero_()
 
-    def run(self, actions: list[Action], micro: list[tuple], io: Any) -> list[torch.Tensor]:
-        """Execute the stage's actions (sub-model indices local to the stage); returns the
-        micro-batch losses on the last stage. The gradients are on the host afterwards."""
-        rng = StepRng(self.device, self.seed, self.step, len(micro), self.first_micro)
-        try:
-            result = self.ex.run_actions(actions, micro, self.step, rng, io=io)
-        finally:
-            rng.restore()
-        for ev in result.offloads:
-            if ev is not None:
-                ev.synchronize()  # this copy only, not the device
+    def run(self, actions: list[Action], micro: list[tuple], io: Links | None, *,
+            recomputing: bool = False) -> list[torch.Tensor]:
+        """Execute the stage's actions (sub-model indices local to the stage) on the executor;
+        returns the micro-batch losses on the last stage. The gradients are on the host
+        afterwards. `recomputing`: the list's forwards repeat ones that ran before."""
+        losses = run_actions(self.ex, actions, micro, io, seed=self.seed, step=self.step,
+                             first_micro=self.first_micro, recomputing=recomputing)
+        self.ex.wait_offloads()
         for i in range(self.k):
             # replicas of tied weights inside the stage into their master
             self.store.reduce_grads(i)
-        return result.losses
+        return losses
 
     def order(self, schedule: str, num_micro: int) -> list[Action]:
         """ATOM's order inside the stage, between the pipeline's receives and sends: every
@@ -219,7 +201,18 @@ class SwappedStage:
         return swapped_stage_order(self.k, num_micro, self.spec.index,
                                    self.spec.holds_output)
 
-    def update(self, coef: float | None) -> None:
+    def forward_order(self, num_micro: int) -> list[Action]:
+        """Values in, values out: every receive, ATOM's forward over the stage's sub-models
+        (the last one's loss too, when it holds the output), every send."""
+        j, M = self.spec.index, range(num_micro)
+        order = [] if j == 0 else [Action("R", j, m) for m in M]
+        for i in range(self.k):
+            order += [Action("L", i)] if i == 0 else []
+            order += [Action("L", i + 1)] if i + 1 < self.k else []
+            order += [Action("F", i, m) for m in M]
+        return order + ([] if self.spec.holds_output else [Action("S", j, m) for m in M])
+
+    def optimizer_step(self, coef: float | None) -> None:
         """The optimizer on the (reduced) master gradients, then fresh images for the next loads
         (each sub-model's slot loads again before its next use)."""
         for i in range(self.k):

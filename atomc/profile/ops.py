@@ -19,7 +19,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from atomc.trace.graph import VIEW_NAMES, tensors_in
+from atomc.trace.graph import ALIASES, VIEW_NAMES, tensors_in
 from atomc.trace.normalise import MODES
 
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.iand,
@@ -85,6 +85,11 @@ def _first_input(node: fx.Node) -> Any:
 
 
 def _is_view_of(node: fx.Node, value: fx.Node) -> bool:
+    """Whether `node`'s result may be `value`'s storage: the recorded run saw it so (see
+    atomc.trace.graph.ALIASES: nn.Identity, Dropout(p=0), nn.Flatten), or its operator returns
+    a view of its first argument."""
+    if value.name in node.meta.get(ALIASES, ()):
+        return True
     if not node.args or node.args[0] is not value:
         return False
     if isinstance(node.target, torch._ops.OpOverload):
@@ -92,7 +97,12 @@ def _is_view_of(node: fx.Node, value: fx.Node) -> bool:
         return bool(returns) and returns[0].alias_info is not None \
             and not returns[0].alias_info.is_write
     name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
-    return node.op in ("call_method", "call_function") and name in VIEW_NAMES
+    return node.op in ("call_method", "call_function") and name in VIEW_NAMES | _CASTS
+
+
+# conversions return their input itself when it already has the dtype: the traced dtype's run
+# may see a copy where a run in another dtype gets the input back
+_CASTS = {"to", "type", "type_as", "float", "double", "half", "bfloat16"}
 
 
 def written_in_place(node: fx.Node) -> bool:

@@ -60,30 +60,18 @@ def _package():
 
 
 def _executor(device: torch.device):
-    from atomc.runtime.executor import SwapExecutor, rebind_parameters
-    from atomc.runtime.optim import AdamWConfig, CpuOptimizer, updates_on_a_thread
-    from atomc.runtime.store import HostStore, plan_layouts
+    from atomc.runtime.executor import SwapExecutor
+    from atomc.runtime.optim import AdamWConfig, updates_on_a_thread
     from atomc.runtime.trace import Tracer
 
     pkg = _package()
-    modules = pkg.build_submodels()
-    config = AdamWConfig()
-    layouts = plan_layouts(pkg, modules, config.decays, transfer_dtype=torch.float32)
-    store = HostStore(layouts, torch.float32, torch.float32, pin=device.type == "cuda")
-    for i, (mod, layout) in enumerate(zip(modules, layouts)):
-        params = dict(mod.named_parameters())
-        with torch.no_grad():
-            for e in layout.entries:
-                store.master_param(i, e).copy_(params[e.local])
-        rebind_parameters(mod, {e.local: store.master_param(i, e) for e in layout.entries},
-                          requires_grad=False)
-        store.refresh_images(i)
-    tracer = Tracer(device, enabled=True, keep_last=STEPS + WARMUP + 1)
-    opt = CpuOptimizer(store, config, None, tracer, threaded=updates_on_a_thread(device))
-    ex = SwapExecutor(pkg, store, opt, [{} for _ in modules], device=device, accum=1,
-                      activations="recompute", offload_activations=True, autocast_dtype=None,
-                      loss_fn=lambda out, batch: out.sum(), seed=0, tracer=tracer)
-    return ex, opt
+    ex = SwapExecutor.assemble(
+        pkg, pkg.build_submodels(), AdamWConfig(), device=device, master_dtype=torch.float32,
+        tracer=Tracer(device, enabled=True, keep_last=STEPS + WARMUP + 1),
+        threaded=updates_on_a_thread(device), accum=1, activations="recompute",
+        offload_activations=True, autocast_dtype=None, loss_fn=lambda out, batch: out.sum(),
+        seed=0)
+    return ex, ex.opt
 
 
 def runtime_ms(device: torch.device) -> tuple[float, float, float]:
@@ -92,6 +80,7 @@ def runtime_ms(device: torch.device) -> tuple[float, float, float]:
     calls are taken whole: their operators (a Linear on 8 numbers) take a few microseconds of
     them, which the runtime's own time is then overstated by."""
     from atomc.calibrate.measure import summarise
+    from atomc.partition.cost import ms_to_ns
     from atomc.simulate.events import StageTimes, fit_host_gap_ms
 
     ex, opt = _executor(device)
@@ -108,12 +97,10 @@ def runtime_ms(device: torch.device) -> tuple[float, float, float]:
     m = summarise(traces, num_submodels=NUM_SUBMODELS, accum=1, activations="recompute",
                   device=str(device), plan_hash="")
 
-    def ns(ms: float) -> int:
-        return round(ms * 1e6)
-
-    stages = [StageTimes(fwd_ns=ns(s.fwd_ms), bwd_ns=ns(s.bwd_ms), load_ns=ns(s.load_ms),
-                         checkpoint_ns=ns(s.checkpoint_ms), offload_ns=ns(s.offload_ms),
-                         optimizer_ns=ns(s.optimizer_ms)) for s in m.submodels]
+    stages = [StageTimes(fwd_ns=ms_to_ns(s.fwd_ms), bwd_ns=ms_to_ns(s.bwd_ms),
+                         load_ns=ms_to_ns(s.load_ms), checkpoint_ns=ms_to_ns(s.checkpoint_ms),
+                         offload_ns=ms_to_ns(s.offload_ms), optimizer_ns=ms_to_ns(s.optimizer_ms))
+              for s in m.submodels]
     gap = fit_host_gap_ms(stages, 1, False, statistics.median(m.step_ms))
     # the last sub-model's backward recomputes nothing (its forward kept its graph)
     recomputing = m.submodels[:-1]

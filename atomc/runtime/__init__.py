@@ -12,9 +12,10 @@ Public:
 Parts: `package` (the generated package, checked), `config` (choices and defaults), `store`
 (flat pinned host buffers), `executor` (the swap loop on streams and events) with the pieces it
 holds (`slots`: the two device weight slots; `stash`: boundary activations in host memory;
-`ties`: tied weights' gradients), `interpret` (runs a list of actions on it), `rng` (the
-dropout rule), `optim` (CPU AdamW on a worker thread), `trace` (event records), `checkpoint`
-(atomic files).
+`ties`: tied weights' gradients), `stage` (the `Stage` protocol the executor and a layout's
+resident stage implement), `interpret` (the one interpreter of action lists, on any `Stage`),
+`rng` (the dropout rule), `optim` (CPU AdamW on a worker thread), `trace` (event records),
+`checkpoint` (atomic files).
 """
 
 from atomc.runtime.config import RunSettings, TrainerConfig

@@ -32,6 +32,12 @@ def checksum(obj: Any) -> str:
     return h.hexdigest()
 
 
+def digest(obj: Any) -> str:
+    """A short name for the exact bits of `obj` (weights, say): `checksum`'s first 16 hex
+    digits, for logs and metrics that compare copies."""
+    return checksum(obj)[:16]
+
+
 def _feed(h: Any, obj: Any) -> None:
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
@@ -66,8 +72,8 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise RuntimeMismatchError(f"checkpoint {p} does not exist; give a file written by "
                                    f"SwapTrainer.save_checkpoint (or `atomc train --checkpoint`)")
-    try:
-        payload = torch.load(p, map_location="cpu", weights_only=True)
+    try:  # memory-mapped: the masters and optimizer states are copied from the file's pages
+        payload = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure: re-raised as a user error
         raise RuntimeMismatchError(
             f"checkpoint {p} is corrupt or not a torch file ({type(e).__name__}: {str(e)[:200]}); "

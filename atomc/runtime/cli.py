@@ -1,24 +1,36 @@
-"""`atomc train PACKAGE_DIR --steps N`: swapped training of a generated package on byte-level text.
+"""`atomc train [PACKAGE_DIR] --steps N`: swapped training of a generated package on token data.
 
-The data is text fed as bytes (a byte-level language model: one int64 input of shape
-[micro-batch, sequence]): the Python standard library's sources by default, or a file. Models
-with other inputs are trained through the Python API (atomc.runtime.SwapTrainer).
+The model takes one integer input of shape [micro-batch, sequence] (a language model's token
+ids); `--data` gives them: a token-id binary or .npy array, text or JSONL with a tokenizer
+from a local directory, a `datasets` dataset saved to disk, or text as bytes (the Python
+standard library's sources by default). Models with other inputs are trained through the
+Python API (atomc.runtime.SwapTrainer). `--config run.toml` holds any of the options
+(`key = value`, the option's name without its dashes); the command line overrides the file.
+`--eval-data` gives a held-out loss, `--log-dir` a record of the run (JSONL, and TensorBoard
+with `--tensorboard`). docs/data.md describes each.
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from atomc.errors import UsageError
+
+_UNSET = object()
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a generated package with the swap runtime",
                        description="Train the sub-models of PACKAGE_DIR (written by "
-                                   "`atomc codegen`) with the swap runtime on byte-level text.")
-    p.add_argument("package", help="generated package directory")
-    p.add_argument("--steps", type=int, required=True,
-                   help="optimizer steps to run (in total, with --resume)")
+                                   "`atomc codegen`) with the swap runtime on token data.")
+    p.add_argument("package", nargs="?",
+                   help="generated package directory (or package = \"DIR\" in --config)")
+    p.add_argument("--config", metavar="TOML",
+                   help="read options from this TOML file (`lr = 3e-4`, one option a line, "
+                        "named as the flags without their dashes); flags given here override it")
+    p.add_argument("--steps", type=int,
+                   help="optimizer steps to run (in total, with --resume); required")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--accum", type=int, help="micro-batches per step, C (default: the plan's)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
@@ -32,28 +44,165 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="compute dtype under torch.autocast (default: the plan's)")
     p.add_argument("--activations", choices=["recompute", "keep"], help="default: the plan's")
     p.add_argument("--data", default="stdlib",
-                   help="'stdlib' (the Python standard library's sources) or a text file "
-                        "(default stdlib)")
+                   help="training data: a token-id file (.bin with --data-dtype or a PATH.json "
+                        "sidecar, .npy), a text or JSONL file (with --tokenizer; text without "
+                        "one is read as bytes), a dataset directory (save_to_disk), or "
+                        "'stdlib' (the Python standard library's sources as bytes; default)")
+    p.add_argument("--data-format", choices=["tokens", "text", "jsonl", "dataset"],
+                   help="how to read --data and --eval-data (default: from the path: a "
+                        "directory is a dataset, .bin/.npy token ids, .jsonl JSONL, else text)")
+    p.add_argument("--data-dtype", choices=["uint8", "uint16", "int16", "uint32", "int32",
+                                            "int64"],
+                   help="integer type of a .bin token file (default: its PATH.json sidecar)")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="tokenize text, JSONL and dataset text with the transformers tokenizer "
+                        "saved in this local directory (or a tokenizer.json file)")
+    p.add_argument("--text-field", default="text",
+                   help="the text field of JSONL records and dataset rows (default text)")
+    p.add_argument("--eval-data", metavar="PATH",
+                   help="held-out data, read as --data is: its loss is reported")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="evaluate every N steps (default 0: at the end only)")
+    p.add_argument("--eval-batches", type=int, default=4,
+                   help="batches of --eval-data per evaluation, the same each time (default 4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint",
                    help="write a checkpoint here at the end (and every --every steps)")
     p.add_argument("--every", type=int, default=0,
                    help="checkpoint interval in steps (0: only at the end)")
-    p.add_argument("--resume", help="continue from this checkpoint")
+    p.add_argument("--resume", help="continue from this checkpoint (and where its data stood)")
+    _weights_options(p)
+    p.add_argument("--log-dir", metavar="DIR",
+                   help="record loss, learning rate, gradient norm, tokens/s and device busy "
+                        "time per step in DIR/metrics.jsonl")
+    p.add_argument("--log-every", type=int, default=1,
+                   help="record every N steps (default 1); a recorded step waits for its "
+                        "optimizer updates")
+    p.add_argument("--tensorboard", action="store_true",
+                   help="also write the record as TensorBoard scalars in --log-dir (needs the "
+                        "tensorboard package)")
     p.add_argument("--trace", help="write the measured event trace of the last steps (JSON)")
     p.add_argument("--timeline", help="draw the measured timeline of the last steps (SVG)")
     p.set_defaults(func=run_train)
+    _note_command_line(p)
+    register_export(sub)
+
+
+def _note_command_line(parser: argparse.ArgumentParser) -> None:
+    """Have `parser` record which options its command line gave (`args.given_options`) and
+    what its options are (`args.option_actions`, read when it parses, so an option added to
+    the parser anywhere is a key of the settings file too): a --config file fills in the
+    others. A second parse, into a namespace where every option is unset, tells them apart."""
+    parse = parser.parse_known_args
+
+    def parse_known_args(args: Any = None, namespace: Any = None) -> Any:
+        ns, rest = parse(args, namespace)
+        actions = {a.dest: a for a in parser._actions if a.dest != argparse.SUPPRESS}
+        probe = argparse.Namespace(**dict.fromkeys(actions, _UNSET))
+        parse(args, probe)
+        # a positional that may be left out is set to its default when it is
+        ns.given_options = frozenset(
+            d for d, v in vars(probe).items()
+            if d in actions and v is not _UNSET
+            and (actions[d].option_strings or v != actions[d].default))
+        ns.option_actions = actions
+        return ns, rest
+
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
+
+
+def apply_settings_file(args: argparse.Namespace) -> None:
+    """Options from --config for those the command line did not give."""
+    if args.config is None:
+        return
+    from atomc.runtime.config import read_settings_file
+    actions = {d: a for d, a in args.option_actions.items() if d not in ("help", "config")}
+    for dest, value in read_settings_file(args.config, actions).items():
+        if dest not in args.given_options:
+            setattr(args, dest, value)
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    if not args.package:
+        raise UsageError("give the package directory: atomc train PACKAGE_DIR (or package = "
+                         "\"DIR\" in the --config file)")
+    if args.steps is None:
+        raise UsageError("give the number of steps: --steps N (or steps = N in the --config "
+                         "file)")
+    if args.steps < 1:
+        raise UsageError(f"--steps {args.steps} must be 1 or more")
+    for name in ("eval_every", "every"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be 0 or "
+                             f"more")
+    for name in ("eval_batches", "log_every"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be 1 or "
+                             f"more")
+    if args.eval_every and not args.eval_data:
+        raise UsageError("--eval-every evaluates on --eval-data: give the held-out data")
+    if args.tensorboard and not args.log_dir:
+        raise UsageError("--tensorboard writes into --log-dir: give the directory")
+
+
+def _weights_options(p: argparse.ArgumentParser | Any) -> None:
+    p.add_argument("--weights", metavar="PATH",
+                   help="pretrained weights: a checkpoint directory or file (safetensors, "
+                        "sharded with its index, or a .bin/.pt state dict), read tensor by "
+                        "tensor into host memory (docs/checkpoints.md)")
+    p.add_argument("--adapter", metavar="PATH",
+                   help="with --weights: a peft adapter's weights (adapter_model.safetensors "
+                        "or its directory); without it a peft model's adapter starts as the "
+                        "model file builds it")
+
+
+def _weights_paths(args: argparse.Namespace) -> list[str] | None:
+    if args.adapter and not args.weights:
+        raise UsageError("--adapter adds a peft adapter to the base weights: give them with "
+                         "--weights")
+    return [p for p in (args.weights, args.adapter) if p] or None
+
+
+def _initial_weights(args: argparse.Namespace) -> list[str] | None:
+    """--weights (and --adapter), unless --resume continues a run: its checkpoint has the
+    weights it trained (the command that started the run may be given again with --resume)."""
+    paths = _weights_paths(args)
+    if paths and args.resume:
+        print(f"resuming from {args.resume}: its weights replace {' and '.join(paths)}")
+        return None
+    return paths
 
 
 def run_train(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from atomc.data import (
+        PackedBatches,
+        held_out,
+        load_tokenizer,
+        model_vocabulary,
+        open_source,
+        token_input,
+    )
     from atomc.runtime import SwapTrainer, warmup_cosine
-    from atomc.runtime.data import text_batches
+    from atomc.runtime.evaluate import eval_loss
+    from atomc.runtime.record import RunRecord, summary_writer_class
     from atomc.runtime.trace import to_timeline
 
-    if args.steps < 1:
-        raise UsageError(f"--steps {args.steps} must be 1 or more")
+    apply_settings_file(args)
+    _check_options(args)
+    if args.tensorboard:
+        summary_writer_class()  # refused before anything is built when tensorboard is absent
+    # the data first: a bad path, tokenizer or token file is refused before the model is built
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+
+    def source(path: str, role: str) -> Any:
+        return open_source(path, fmt=args.data_format, dtype=args.data_dtype,
+                           tokenizer=tokenizer, text_field=args.text_field, role=role)
+
+    train_source = source(args.data, "train")
+    eval_source = source(args.eval_data, "eval") if args.eval_data else None
+
     schedule = warmup_cosine(args.warmup, args.steps) if args.warmup else None
     trainer = SwapTrainer.from_package(
         args.package, device=args.device, accum=args.accum, seed=args.seed,
@@ -61,33 +210,80 @@ def run_train(args: argparse.Namespace) -> int:
         optimizer={"lr": args.lr, "weight_decay": args.weight_decay,
                    "max_grad_norm": args.max_grad_norm, "lr_schedule": schedule},
         transfer_dtype=args.transfer_dtype, autocast=args.autocast, checkpoint=args.resume,
-        trace=bool(args.trace or args.timeline))
+        weights=_initial_weights(args), trace=bool(args.trace or args.timeline or args.log_dir))
+    record = None
     try:
-        data = text_batches(trainer, args.data, args.seed)
+        _, (micro, seq_len), dtype = token_input(trainer.package)
+        rows = trainer.accum * micro
+        vocab = model_vocabulary(trainer.package, trainer.executor.loss_fn)
+        shape = {"dtype": dtype, "vocab": vocab, "model": str(args.package)}
+        data = PackedBatches(train_source, rows, seq_len, **shape)
+        held = (held_out(eval_source, rows, seq_len, args.eval_batches, **shape)
+                if eval_source is not None else [])
         print(trainer.describe())
+        print(f"data: {train_source.description}, {rows} sequences of {seq_len} tokens a step"
+              + (f"; held out: {len(held)} batches of {eval_source.description}"
+                 if eval_source is not None else ""))
         start = trainer.step_count
+        if args.resume:
+            print(data.resume(trainer.data_position))
         if start >= args.steps:
             print(f"the checkpoint is at step {start}, --steps is {args.steps}: nothing to do")
             return 0
+        if args.log_dir:
+            record = RunRecord(args.log_dir, tensorboard=args.tensorboard, start_step=start)
+            record.run(package=str(args.package), device=str(trainer.device),
+                       accum=trainer.accum, micro_batch=micro, seq_len=seq_len,
+                       tokens_per_step=rows * seq_len, data=train_source.description,
+                       eval_data=eval_source.description if eval_source else None,
+                       start_step=start, steps=args.steps)
+            record.start(data.stream.tokens)
+
+        def evaluate(done: int) -> None:
+            loss = sum(eval_loss(trainer, b) for b in held) / len(held)
+            bar.write(f"step {done}: eval loss {loss:.4f}")
+            if record is not None:
+                record.eval(done, loss)
+
         bar = tqdm(range(start, args.steps), desc="training", unit="step", initial=start,
                    total=args.steps)
         for step in bar:
+            batch = data.next()
             try:
-                loss = trainer.step(data.batch(step))
-            except IndexError as e:  # an embedding smaller than the 256 byte values
+                loss = trainer.step(batch)
+            except IndexError as e:
+                if vocab is not None:
+                    raise  # the ids were checked against the vocabulary: not the data's fault
                 raise UsageError(
-                    f"{args.package} failed on byte-level text at step {step} (IndexError: "
-                    f"{e}); `atomc train` feeds bytes, token ids 0-255, which a model whose "
-                    f"vocabulary has fewer than 256 entries cannot look up: train it on its "
-                    f"own data with atomc.runtime.SwapTrainer (--debug shows where it "
-                    f"failed)") from e
+                    f"{args.package} failed on {train_source.description} at step {step} "
+                    f"(IndexError: {e}); its vocabulary could not be read from the model, and "
+                    f"an id beyond it is the usual cause: give data tokenized for this model "
+                    f"(--debug shows where it failed)") from e
+            trainer.data_position = data.position()
+            done = step + 1
             bar.set_postfix(loss=f"{loss:.4f}")
-            if args.checkpoint and args.every and (step + 1) % args.every == 0:
+            if record is not None and (done % args.log_every == 0 or done == args.steps):
+                trace = trainer.last_trace()
+                record.train(done, loss=loss, lr=trainer.optimizer.config.lr_at(step),
+                             grad_norm=trainer.optimizer.step_grad_norm(),
+                             tokens=data.stream.tokens,
+                             device_busy=trace.busy_fraction() if trace else None,
+                             step_ms=trace.wall_ms if trace else None)
+            paused = False  # tokens/s counts training time: not evaluations, not checkpoints
+            if held and (done == args.steps or (args.eval_every and done % args.eval_every == 0)):
+                evaluate(done)
+                paused = True
+            if args.checkpoint and args.every and done % args.every == 0:
                 trainer.save_checkpoint(args.checkpoint)
+                paused = True
+            if paused and record is not None:
+                record.start(data.stream.tokens)
         bar.close()
         print(f"step {trainer.step_count}: loss {trainer.last_loss:.4f}")
         if args.checkpoint:
             print(f"wrote {trainer.save_checkpoint(args.checkpoint)}")
+        if args.log_dir:
+            print(f"wrote the record in {args.log_dir}")
         if args.trace or args.timeline:
             traces = list(trainer.traces.values())
             if args.trace:
@@ -102,8 +298,58 @@ def run_train(args: argparse.Namespace) -> int:
                 write_timeline_svg(timeline, args.timeline)
                 print(f"wrote {args.timeline}")
     finally:
+        if record is not None:
+            record.close()
         trainer.close()
     return 0
 
 
-__all__ = ["register", "run_train"]
+def register_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export", help="write a package's trained weights as transformers/peft/safetensors load "
+                       "them",
+        description="Write the weights of a training checkpoint of PACKAGE_DIR (atomc train "
+                    "--checkpoint) to DIR: safetensors shards with their index under the "
+                    "model's own names, with config.json for a model built from a "
+                    "transformers config (AutoModelForCausalLM.from_pretrained(DIR) loads it), "
+                    "a peft model's adapter in peft's format (docs/checkpoints.md).")
+    p.add_argument("package", help="generated package directory")
+    p.add_argument("--checkpoint", help="a checkpoint atomc train --checkpoint wrote")
+    _weights_options(p)  # instead of --checkpoint: weights written again in the model's format
+    p.add_argument("-o", "--output", required=True, metavar="DIR",
+                   help="directory to write (new, empty, or an earlier export: replaced whole)")
+    p.add_argument("--max-shard-size", default="2GB",
+                   help="largest safetensors shard (default 2GB; the export holds one shard in "
+                        "memory as it writes it)")
+    p.add_argument("--dtype", metavar="DTYPE",
+                   help="write floating-point weights as float32, bfloat16 or float16 "
+                        "(default: the masters' dtype)")
+    p.set_defaults(func=run_export)
+
+
+def _no_loss(outputs: Any, batch: tuple) -> Any:
+    raise UsageError("atomc export does not train: no loss is computed")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from atomc.runtime import SwapTrainer
+
+    weights = _weights_paths(args)
+    if (args.checkpoint is None) == (weights is None):
+        raise UsageError("give what to export: --checkpoint FILE (atomc train --checkpoint) or "
+                         "--weights PATH, one of them")
+    # on the CPU: the weights are in host memory, no device is needed to write them
+    trainer = SwapTrainer.from_package(args.package, device="cpu", checkpoint=args.checkpoint,
+                                       weights=weights, loss_fn=_no_loss,
+                                       threaded_optimizer=False)
+    try:
+        out = trainer.save_pretrained(args.output, max_shard_size=args.max_shard_size,
+                                      dtype=args.dtype)
+    finally:
+        trainer.close()
+    files = sorted(f.name for f in out.iterdir())
+    print(f"wrote {out} (step {trainer.step_count}): {', '.join(files)}")
+    return 0
+
+
+__all__ = ["apply_settings_file", "register", "register_export", "run_export", "run_train"]

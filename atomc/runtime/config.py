@@ -6,19 +6,24 @@ fills every None from the plan the package was generated for, the package's PLAN
 being resumed and the initial weights, checks the combination, and returns `RunSettings`,
 where nothing is left open. SwapTrainer.from_package, peers and the CLI build the same config,
 so a default is decided in one place.
+
+`read_settings_file(path, options)` reads a command's options from a TOML file (`atomc train
+--config run.toml`), each checked as the command line checks it.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from atomc.device import parse_device
 from atomc.dtypes import dtype_from_name, dtype_name, parse_dtype
-from atomc.errors import UsageError
+from atomc.errors import AtomcError, UsageError
 from atomc.ir import Plan
 from atomc.runtime.optim import AdamWConfig, updates_on_a_thread
 from atomc.runtime.package import PackagePlan, SwapPackage
@@ -175,3 +180,89 @@ class RunSettings:
     threaded_optimizer: bool
     seed: int
     early_prefetch: bool
+
+
+# ---- a settings file for a command ---------------------------------------------------------------
+
+
+def _toml_module() -> Any:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: the same parser, as the tomli package
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise UsageError("reading a TOML settings file on Python 3.10 needs the tomli "
+                             "package: pip install tomli") from None
+    return tomllib
+
+
+def _setting(path: str, key: str, value: Any, action: argparse.Action) -> Any:
+    """`value` from the file as the option's own parser would turn its text into a value."""
+    flag = action.nargs == 0  # store_true / store_false / store_const
+    many = (action.nargs in ("+", "*") or isinstance(action.nargs, int)
+            or isinstance(action, argparse._AppendAction))
+    what = ("true or false" if flag else
+            f"one of {', '.join(map(str, action.choices))}" if action.choices else
+            "a list" if many else
+            getattr(action.type, "__name__", "a string") if action.type else "a string")
+
+    def bad(reason: str = "") -> UsageError:
+        return UsageError(f"{path}: {key} = {value!r}{f' ({reason})' if reason else ''}; "
+                          f"expected {what}")
+
+    if flag:
+        if not isinstance(value, bool):
+            raise bad()
+        return value
+    if isinstance(value, dict):
+        raise bad("a table: the file is flat, one `key = value` per option")
+    if isinstance(action, argparse._AppendAction) and not isinstance(value, list):
+        value = [value]  # given once, as on the command line
+    items = value if many else [value]
+    if not isinstance(items, list) or (not many and isinstance(value, list)):
+        raise bad()
+    out = []
+    for item in items:
+        if isinstance(item, bool) or isinstance(item, (dict, list)):
+            raise bad()
+        if action.type is None:
+            if not isinstance(item, str):
+                raise bad()
+            converted = item
+        else:
+            try:
+                converted = action.type(item if isinstance(item, str) else str(item))
+            except (TypeError, ValueError, argparse.ArgumentTypeError, AtomcError) as e:
+                raise bad(str(e)) from None
+        if action.choices is not None and converted not in action.choices:
+            raise bad()
+        out.append(converted)
+    return out if many else out[0]
+
+
+def read_settings_file(path: str | Path, options: dict[str, argparse.Action]) -> dict[str, Any]:
+    """The settings in a TOML file, `key = value` for each option a command has (`options`:
+    the option's dest -> its argparse action; a key may spell `-` for `_`), each value checked
+    and converted by the option's own type and choices. UsageError for a file that is not
+    TOML, an unknown key (with the list of known ones) or a bad value."""
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            data = _toml_module().load(f)
+    except FileNotFoundError:
+        raise UsageError(f"settings file {p} does not exist; give a TOML file of "
+                         f"`option = value` lines") from None
+    except OSError as e:
+        raise UsageError(f"cannot read settings file {p} ({e.strerror or e})") from None
+    except ValueError as e:  # tomllib.TOMLDecodeError
+        raise UsageError(f"settings file {p} is not TOML ({e}); write one `option = value` "
+                         f"a line, e.g. lr = 3e-4") from None
+    settings: dict[str, Any] = {}
+    for key, value in data.items():
+        dest = key.replace("-", "_")
+        if dest not in options:
+            raise UsageError(f"{p}: unknown key {key!r}; the keys are "
+                             f"{', '.join(sorted(options))}")
+        settings[dest] = _setting(str(p), key, value, options[dest])
+    return settings

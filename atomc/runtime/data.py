@@ -1,4 +1,7 @@
-"""Runtime stage, training data for byte-level language models: text -> token batches.
+"""Runtime stage, byte-level text batches by step (the demo, benchmarks, `atomc calibrate`).
+
+`atomc train` reads its data through atomc.data (token files, tokenized text and JSONL,
+datasets, and bytes), streaming and resumable.
 
 `stdlib_text()` reads the Python standard library's own source files (every Python
 installation ships them), so the demo and `atomc train --data stdlib` train on real text
@@ -74,15 +77,8 @@ def text_batches(trainer: Any, data: str = "stdlib", seed: int = 0) -> ByteBatch
     """Byte-level batches of C micro-batches for `trainer`'s package (one integer input of
     shape [batch, sequence]): the standard library's sources ("stdlib") or a text file.
     UsageError for a package with other inputs (train it through the Python API)."""
-    names = trainer.package.model_inputs
-    spec = trainer.package.input_specs().get(names[0], {}) if len(names) == 1 else {}
-    shape = spec.get("shape")
-    if (len(names) != 1 or not shape or len(shape) != 2
-            or "int" not in str(spec.get("dtype", ""))):
-        raise UsageError(f"byte-level text feeds a model with one integer input of shape "
-                         f"[batch, sequence]; {trainer.package.path} takes {', '.join(names)} "
-                         f"({spec or 'unknown shapes'}): train it with "
-                         f"atomc.runtime.SwapTrainer")
+    from atomc.data.model import token_input
+    _, shape, _ = token_input(trainer.package)
     if data == "stdlib":
         text = stdlib_text()
     else:

@@ -25,10 +25,16 @@ host), ordered with events only; tensors that cross streams are marked with reco
 CPU (`device="cpu"`): the same code with no streams; a "load" is a copy from the host image
 into the slot buffer, as on the GPU.
 
-The step is a list of actions (atomc.actions; ATOM's order by default): `run_actions` hands
-it to atomc.runtime.interpret, which drives the slots through `use`, `prefetch`, `release`,
-`zero_grads`, `grads_to_host` and the optimizer; a layout's swapped stage runs its own list
-(with sends and receives) through the same code. The RNG rule is atomc.runtime.rng's.
+The step is a list of actions (atomc.actions; ATOM's order by default), run by the one
+interpreter (atomc.runtime.interpret.run_actions), which owns the sends and receives, the RNG
+stream of each micro-batch and the buffer rule: the executor is a `Stage`
+(atomc.runtime.stage) whose verbs are the actions, `forward`, `backward`, `load`, `offload` and
+`update`, so a layout's or a SWARM server's swapped stage runs its lists on it the same way.
+What the verbs do beyond the action's own work, from the flags the interpreter reads off the
+list: a load whose weights are still being updated is retried before each later compute and
+forced at its sub-model's first use; before a sub-model's first backward the previous step's
+updates are waited for and its stashed boundary values come back; its gradient slot is zeroed
+then; values no later forward (or backward) reads are dropped or stashed after the last one.
 
 Parts the executor holds, one each: `WeightSlots` (atomc.runtime.slots: the slot buffers and
 what they hold), `ActivationStash` (atomc.runtime.stash: boundary values in host memory) and
@@ -40,20 +46,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from atomc.actions import Action, atom_order
-from atomc.runtime.interpret import StepResult, _Step
-from atomc.runtime.optim import CpuOptimizer
+from atomc.runtime.interpret import run_actions
+from atomc.runtime.optim import AdamWConfig, CpuOptimizer, LossScaler
 from atomc.runtime.package import SwapPackage
-from atomc.runtime.rng import StepRng
 from atomc.runtime.slots import WeightSlots
+from atomc.runtime.stage import boundary_leaf
 from atomc.runtime.stash import ActivationStash, Stashed
-from atomc.runtime.store import HostStore, SubLayout
+from atomc.runtime.store import HostStore, SubLayout, plan_layouts, rebind_parameters
 from atomc.runtime.ties import TiedGrads
 from atomc.runtime.trace import StepTrace, Tracer
 
@@ -61,24 +68,62 @@ from atomc.runtime.trace import StepTrace, Tracer
 # helpers
 
 
-def rebind_parameters(module: nn.Module, tensors: dict[str, torch.Tensor], requires_grad: bool,
-                      grads: dict[str, torch.Tensor] | None = None) -> None:
-    """Make each parameter of `module` a Parameter over the given tensor (a view of a flat buffer).
+def _as_tuple(out: Any) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
 
-    A Parameter registered under several names in the module stays one Parameter; one the
-    module has frozen (requires_grad=False) stays frozen.
-    """
-    new_of: dict[int, nn.Parameter] = {}
-    for name, p in list(module.named_parameters(remove_duplicate=False)):
-        if id(p) not in new_of:
-            if name not in tensors:
-                raise KeyError(name)
-            new = nn.Parameter(tensors[name], requires_grad=requires_grad and p.requires_grad)
-            if grads is not None:
-                new.grad = grads[name]
-            new_of[id(p)] = new
-        owner, _, leaf = name.rpartition(".")
-        setattr(module.get_submodule(owner) if owner else module, leaf, new_of[id(p)])
+
+def _storages(module: nn.Module) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+
+
+def _handed_on(v: Any, weights: set[int]) -> Any:
+    """A sub-model's output as later sub-models read it. An output that is a view of the
+    sub-model's own weights (Perceiver's `latents.expand(batch, -1, -1)` crossing a cut) is
+    copied: those weights live in a slot that the next load into it overwrites."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    v = v.detach()
+    return v.clone() if v.untyped_storage().data_ptr() in weights else v
+
+
+@dataclass
+class StepResult:
+    loss_sum: torch.Tensor  # sum of the micro-batch losses (float64; a loss-holding stage only)
+    losses: list[torch.Tensor]  # per micro-batch, detached, in micro-batch order
+    offloads: list[Any]  # events of gradient copies to the host (CUDA), to wait for
+
+
+class _Run:
+    """One list's state on the executor: the micro-batches' values and gradients, and where
+    the list stands (the slot the compute reads, the loads waiting for an update, the open
+    compute span)."""
+
+    def __init__(self, ex: SwapExecutor, micro_batches: list[tuple], step: int, caller: Any):
+        self.step = step
+        self.caller = caller  # the caller's CUDA stream (None on the CPU)
+        self.C = len(micro_batches)
+        self.batches = [tuple(ex._to_device(t) for t in mb) for mb in micro_batches]
+        self.envs: list[dict[str, Any]] = [dict(zip(ex.pkg.model_inputs, b))
+                                           for b in self.batches]
+        self.kept: dict[tuple[int, int], Any] = {}
+        self.pending_loss: dict[int, tuple[torch.Tensor, list[Any]]] = {}
+        self.grads: list[dict[str, torch.Tensor]] = [{} for _ in range(self.C)]
+        self.received: dict[int, tuple[str, ...]] = {}
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=ex.device)
+        self.losses: dict[int, torch.Tensor] = {}
+        self.offloads: dict[int, Any] = {}
+        self.all_offloads: list[Any] = []
+        self.unstashed: set[int] = set()
+        self.backwarded: set[int] = set()  # sub-models whose backward began
+        self.deferred: set[int] = set()  # loads waiting for an update of their weights
+        self.active: int | None = None  # sub-model whose slot the compute stream reads
+        self.waited = False
+        self.spans = ExitStack()
+        self.span: tuple[int, str] | None = None  # (sub-model, kind) of the open compute span
+
+    def result(self) -> StepResult:
+        return StepResult(self.loss_sum, [self.losses[m] for m in sorted(self.losses)],
+                          self.all_offloads)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,6 +135,7 @@ class SwapExecutor:
 
     Owns the streams, the device sub-models, and the order of loads, compute and copies; holds
     the weight slots (`slots`), the activation stash (`stash`) and the exact ties (`ties`).
+    A `Stage` (atomc.runtime.stage) whose indices are its sub-models.
     """
 
     def __init__(self, package: SwapPackage, store: HostStore, optimizer: CpuOptimizer,
@@ -120,8 +166,15 @@ class SwapExecutor:
         self.holds_output = holds_output
         self.recv_names = recv_names
         self.send_names = send_names
-        self.grad_inputs = {n for n, p in self.producer.items() if p >= 0} | set(recv_names)
+        # boundary values that take gradients: those the model computes with them (the
+        # package's BOUNDARIES say which), never the model's own inputs
+        self.grad_inputs = {n for n in ({n for n, p in self.producer.items() if p >= 0}
+                                        | set(recv_names)) if package.carries_grad(n)}
         self.early_prefetch = early_prefetch and self.k > 1
+        # the loss's backward: divided by the step's micro-batches (None: the list's), then
+        # multiplied by the loss scale of the step
+        self.loss_divisor: int | None = None
+        self.loss_scale = 1.0
 
         self.slots = WeightSlots(self.layouts, store.load_deps, store.transfer_dtype, device)
         self.modules = self._bind_modules(host_buffers)
@@ -135,12 +188,37 @@ class SwapExecutor:
             self.compute_stream = self.prefetch_stream = self.offload_stream = None
         self.stash = ActivationStash(device, tracer, self.compute_stream, self.prefetch_stream,
                                      self.offload_stream)
-        self._has_buffers = [any(True for _ in m.buffers()) for m in self.modules]
+        # what the buffer rule swaps per sub-model: nothing for one without buffers
+        self._with_buffers = [[m] if any(True for _ in m.buffers()) else [] for m in self.modules]
         self.ties = TiedGrads(self.modules, self.layouts, exact=tied_grads == "exact")
         if tied_grads == "exact":  # summed on the device: the store leaves them out of its sums
             store.exact_keys = set(self.ties.ties)
         self._loss_host = torch.zeros((), dtype=torch.float64, pin_memory=self.cuda)
         self._loss_ready: Any = None
+        self._run: _Run | None = None
+
+    @classmethod
+    def assemble(cls, package: SwapPackage, host_modules: list[nn.Module], config: AdamWConfig,
+                 *, device: torch.device, master_dtype: torch.dtype,
+                 transfer_dtype: torch.dtype | None = None, tracer: Tracer,
+                 scaler: LossScaler | None = None, threaded: bool,
+                 param_order: list[str] | None = None,
+                 check_store: Callable[[HostStore], None] | None = None,
+                 **options: Any) -> SwapExecutor:
+        """Host store -> CPU optimizer -> executor over `host_modules` (one copy of the
+        package's sub-models with the initial weights): the masters take their weights and
+        they become views of the masters (`HostStore.bind`). `check_store` sees the store
+        before anything is allocated on the device; `options` are the executor's."""
+        transfer = transfer_dtype or master_dtype
+        layouts = plan_layouts(package, host_modules, config.decays, transfer_dtype=transfer)
+        store = HostStore(layouts, master_dtype, transfer, pin=device.type == "cuda")
+        store.bind(host_modules)
+        if check_store is not None:
+            check_store(store)
+        opt = CpuOptimizer(store, config, scaler, tracer, threaded=threaded,
+                           param_order=param_order)
+        return cls(package, store, opt, [dict(m.named_buffers()) for m in host_modules],
+                   device=device, tracer=tracer, **options)
 
     # ---- set-up --------------------------------------------------------------------------------
 
@@ -163,41 +241,28 @@ class SwapExecutor:
             for st in (self.compute_stream, self.prefetch_stream, self.offload_stream):
                 st.synchronize()
 
-    def _buffer_slots(self, i: int) -> tuple[list[nn.Module], list[str], list[torch.Tensor]]:
-        owners, names, tensors = [], [], []
-        for module in self.modules[i].modules():
-            for name, buf in module._buffers.items():
-                if buf is not None:
-                    owners.append(module)
-                    names.append(name)
-                    tensors.append(buf)
-        return owners, names, tensors
-
-    @contextmanager
-    def _buffers_as_in_forward(self, i: int, saved: list[torch.Tensor] | None) -> Iterator[None]:
-        """Recompute with the buffers as they were before this micro-batch's forward.
-
-        A module that updates a buffer (running statistics) would otherwise update it a second
-        time, and one that reads a buffer would see the later value; the recomputation runs on
-        copies of the values saved before the forward, and the real buffers stay as they are.
-        """
-        if saved is None:
-            yield
-            return
-        owners, names, tensors = self._buffer_slots(i)
-        for owner, name, value in zip(owners, names, saved):
-            owner._buffers[name] = value
-        try:
-            yield
-        finally:
-            for owner, name, value in zip(owners, names, tensors):
-                owner._buffers[name] = value
-
     def invalidate_slots(self) -> None:
         """Forget what the slots hold (the weights were replaced): every sub-model loads again."""
         self.slots.invalidate()
 
-    # ---- loads ---------------------------------------------------------------------------------
+    def module(self, i: int) -> nn.Module:
+        """The device sub-model i: its parameters are views of its slot (valid while it
+        computes), its buffers its own device tensors."""
+        return self.modules[i]
+
+    def pinned_bytes(self) -> int:
+        """Pinned host memory of the activation stash (0 before the first offloading step)."""
+        return self.stash.pinned_bytes()
+
+    # ---- slots and streams ---------------------------------------------------------------------
+    #
+    # Stream contract (CUDA): a list runs on the compute stream (`session`), which first waits
+    # for what the caller's stream did (the batch, received values); loads run on the prefetch
+    # stream, each after the compute that last read its slot (`_release` records that), and
+    # the compute waits for a load before its sub-model computes (`_use`); gradient copies run
+    # on the offload stream after the backward, and the slot's next zeroing waits for them.
+    # S and R run on the caller's stream, ordered with the compute by `exchange`. On the CPU
+    # there are no streams or events: every method acts at once.
 
     def _load(self, i: int, wait: bool = True) -> bool:
         """Have sub-model i's current weights in slot i % 2 (issued, not necessarily done).
@@ -220,7 +285,7 @@ class SwapExecutor:
         # shares with the parameter views. With activations="keep", the autograd graph of a
         # sub-model kept from its forward saves those views; a load of another sub-model into
         # the same slot in between would otherwise fail its backward ("modified by an inplace
-        # operation"). It stays correct: before sub-model i's backward, use(i) has the slot
+        # operation"). It stays correct: before sub-model i's backward, _use(i) has the slot
         # hold i's weights again, and they are the ones its forward used: its content (its own
         # epoch and those of the owners of its tied replicas) only changes when one of them is
         # updated, and in this step those updates come after i's backward (its own, and owners
@@ -241,20 +306,16 @@ class SwapExecutor:
         slots.loaded_now(i)
         return True
 
-    def use(self, i: int) -> None:
-        """Before computing sub-model i: have its current weights in its slot (load them when the
-        slot holds anything else, waiting for a pending optimizer update of them first).
-
-        Stream contract (CUDA): the compute stream waits for the load; the caller then issues
-        every computation that reads sub-model i's weights (or writes its gradients) on the
-        compute stream (inside `compute()`), and calls `release(i)` after the last of them.
-        """
+    def _use(self, i: int) -> None:
+        """Before computing sub-model i: its current weights in its slot (loaded when the slot
+        holds anything else, after a pending optimizer update of them); the compute stream
+        waits for the load."""
         self._load(i)
         loaded = self.slots.loaded[self.slots.slot(i)]
         if self.cuda and loaded is not None:
             self.compute_stream.wait_event(loaded)
 
-    def release(self, i: int) -> None:
+    def _release(self, i: int) -> None:
         """After the last computation reading sub-model i's slot was issued on the compute
         stream: the next load into that slot (on the prefetch stream) waits for it."""
         if self.cuda:
@@ -262,38 +323,7 @@ class SwapExecutor:
             ev.record(self.compute_stream)
             self.slots.free[self.slots.slot(i)] = ev
 
-    # ---- public API: driving the slots from outside run_step ----------------------------------
-    #
-    # The interpreter (atomc.runtime.interpret) drives the slots with these methods and `use`,
-    # `release`, `zero_grads`; the stream contract, in the order of a step:
-    #
-    #   with ex.compute():                  # the compute stream, ordered after the caller's
-    #       ex.adopt(x)                      # x made on the caller's stream, freed in here
-    #       ex.use(i); ex.prefetch(i + 1)    # weights in the slot; the next load overlaps
-    #       ... ex.module(i)(...) ...        # forward / backward on the compute stream
-    #       ex.release(i)                    # loads into this slot wait for that compute
-    #       ev = ex.grads_to_host(i)         # after a backward: gradients to store.grad[i]
-    #   ex.update_submodel(i, step)          # after ev: AdamW on i, fresh images, reload next use
-    #
-    # On the CPU (device="cpu") there are no streams or events: every method acts at once.
-
-    def compute(self) -> Any:
-        """Context: run the block on the compute stream, after everything the caller's current
-        stream did before it (values it made: received tensors, batches), and make the caller's
-        stream wait for the block's work after it (before it hands results on). A no-op on CPU."""
-        return self._compute_ctx() if self.cuda else nullcontext()
-
-    @contextmanager
-    def _compute_ctx(self) -> Iterator[None]:
-        caller = torch.cuda.current_stream(self.device)
-        self.compute_stream.wait_stream(caller)
-        try:
-            with torch.cuda.stream(self.compute_stream):
-                yield
-        finally:
-            caller.wait_stream(self.compute_stream)
-
-    def adopt(self, value: Any) -> Any:
+    def _adopt(self, value: Any) -> Any:
         """Mark a device tensor made on another stream (the caller's: a received value, a batch)
         as read on the compute stream, so that the caching allocator does not hand its memory
         out again, once it is freed, before the compute stream's uses of it are done. Returns
@@ -302,24 +332,12 @@ class SwapExecutor:
             value.record_stream(self.compute_stream)
         return value
 
-    def module(self, i: int) -> nn.Module:
-        """The device sub-model i: its parameters are views of its slot (valid between use(i) and
-        release(i)), its buffers its own device tensors."""
-        return self.modules[i]
-
-    def prefetch(self, i: int) -> bool:
-        """Issue the load of sub-model i into its slot on the prefetch stream, after the last
-        compute released that slot (asynchronous; use(i) waits for it). Returns False, loading
-        nothing, when an optimizer update of its weights is still running."""
-        return self._load(i, wait=False)
-
-    def grads_to_host(self, i: int) -> Any:
-        """Copy sub-model i's gradient slot into the host store (store.grad[i]), after the compute
-        issued so far (call it after release(i), on the caller's thread). CUDA: on the offload
-        stream; returns the event after which the host copy is complete (synchronize it before the
-        host reads store.grad[i]); zero_grads of that slot waits for it too. CPU: done, None."""
+    def _grads_to_host(self, i: int) -> Any:
+        """Copy sub-model i's gradient slot into the host store (store.grad[i]), after the
+        compute issued so far. CUDA: on the offload stream; returns the event after which the
+        host copy is complete; the slot's next zeroing waits for it too. CPU: done, None."""
         s = self.slots.slot(i)
-        grads = self.slots.grads[s][:self.layouts[i].numel]
+        grads = self.slots.grads[s][:self.layouts[i].grad_numel]
         host = self.store.grad[i]
         nbytes = grads.numel() * host.element_size()
         if self.cuda:
@@ -337,6 +355,19 @@ class SwapExecutor:
             host.copy_(grads)
         return None
 
+    def _wait_grad_slot(self, i: int) -> None:
+        """Make the compute stream wait until the previous copy of sub-model i's gradient slot
+        to the host is done (CUDA; nothing to wait for on the CPU)."""
+        s = self.slots.slot(i)
+        if self.cuda and self.slots.grad_free[s] is not None:
+            self.compute_stream.wait_event(self.slots.grad_free[s])
+
+    def _zero_grads(self, i: int) -> None:
+        """Zero sub-model i's gradient slot before its backward (on the compute stream, once the
+        previous copy of that slot to the host is done)."""
+        self._wait_grad_slot(i)
+        self.slots.grads[self.slots.slot(i)][:self.layouts[i].grad_numel].zero_()
+
     def wait_loads(self) -> None:
         """Block the host until every weight load issued so far has finished reading its host
         image, so that the images may be rewritten (refresh_images). One prefetch stream issues
@@ -346,33 +377,33 @@ class SwapExecutor:
                 if ev is not None:
                     ev.synchronize()
 
+    def wait_offloads(self) -> None:
+        """Block the host until the last list's gradient copies are on the host (each copy's
+        event, not the device)."""
+        for ev in self._run.all_offloads if self._run is not None else ():
+            if ev is not None:
+                ev.synchronize()
+
     def update_submodel(self, i: int, step: int) -> None:
         """AdamW on sub-model i's masters now, on the calling thread, with the gradients as they
         are in store.grad_master[i] (the caller gathered, reduced and clipped them; they must be
-        on the host: synchronize grads_to_host's event first), at step `step`'s learning rate;
-        then fresh images of its weights (after wait_loads: no load still reads them), and every
-        slot whose content depends on them loads again before its next use."""
+        on the host: `wait_offloads` first), at step `step`'s learning rate; then fresh images
+        of its weights (after wait_loads: no load still reads them), and every slot whose
+        content depends on them loads again before its next use."""
         self.wait_loads()
         opt = self.opt.optims[i]
         if opt is not None:
             self.opt.config.set_lr(opt, step)
             opt.step()
-        self.store.refresh_images(i)
+        self.store.refresh_trained(i)
         self.slots.bump(i)
 
-    def pinned_bytes(self) -> int:
-        """Pinned host memory of the activation stash (0 before the first offloading step)."""
-        return self.stash.pinned_bytes()
-
-    # ---- the step ----------------------------------------------------------------------------
+    # ---- the step ------------------------------------------------------------------------------
 
     def _autocast(self) -> Any:
         if self.autocast_dtype is None:
             return nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
-
-    def _stream(self) -> Any:
-        return torch.cuda.stream(self.compute_stream) if self.cuda else nullcontext()
 
     def run_step(self, micro_batches: list[tuple], step: int,
                  actions: list[Action] | None = None) -> tuple[float, StepTrace | None]:
@@ -383,45 +414,256 @@ class SwapExecutor:
         if actions is None:
             actions = atom_order(self.k, C, early_prefetch=self.early_prefetch)
         self.tracer.begin_step(step, self.compute_stream)
-        scale = self.opt.begin_step(step)
-        rng = StepRng(self.device, self.seed, step, C)
-        try:
-            result = self.run_actions(actions, micro_batches, step, rng, scale)
-        finally:
-            rng.restore()
+        self.loss_scale = self.opt.begin_step(step)
+        run_actions(self, actions, micro_batches, seed=self.seed, step=step)
         if self.cuda:
             self._loss_ready.synchronize()  # this step's loss: one event, not the device
             loss = float(self._loss_host) / C
         else:
-            loss = float(result.loss_sum) / C
+            loss = float(self._run.loss_sum) / C
         trace = self.tracer.end_step((time.perf_counter() - t_start) * 1e3)
         return loss, trace
 
-    def run_actions(self, actions: list[Action], micro_batches: list[tuple], step: int,
-                    rng: StepRng, scale: float = 1.0, io: Any = None) -> StepResult:
-        """Execute a list of actions (atomc.actions) on the compute stream: F, B, L, O, U of
-        this executor's sub-models, and S, R through `io` (a pipeline stage's links: `recv`,
-        `send`, `recv_grads`, `send_grads`, each per micro-batch; see `StageIO`).
+    def result(self) -> StepResult:
+        """What the last list left: its loss sum, losses and gradient copies."""
+        assert self._run is not None, "no list has run on this executor"
+        return self._run.result()
 
-        The caller's stream: the compute stream waits for what it made before (the batch,
-        received values), and it waits for the compute stream before anything is sent.
-        """
+    # ---- the Stage (atomc.runtime.stage): the verbs of the actions -----------------------------
+
+    @contextmanager
+    def session(self, micro_batches: list[tuple], step: int) -> Iterator[None]:
         caller = torch.cuda.current_stream(self.device) if self.cuda else None
+        # the batches go to the device on the caller's stream, which the compute stream then
+        # waits for (with what else the caller made before: received values)
+        run = _Run(self, micro_batches, step, caller)
         if self.cuda:
             self.compute_stream.wait_stream(caller)
-        st = _Step(self, actions, micro_batches, step, rng, scale, io, caller)
-        with self._stream():
-            st.run()
+        self._run = run
+        try:
+            with torch.cuda.stream(self.compute_stream) if self.cuda else nullcontext():
+                yield
+                self._between_compute()
+        finally:
+            run.spans.close()
         self.stash.end_step()
-        return st.result()
+
+    @contextmanager
+    def exchange(self) -> Iterator[None]:
+        self._between_compute()
+        caller = self._run.caller
+        if caller is None:
+            yield
+            return
+        caller.wait_stream(self.compute_stream)
+        with torch.cuda.stream(caller):
+            yield
+        self.compute_stream.wait_stream(caller)
+
+    def recomputes(self, index: int) -> bool:
+        return not self.keep and not self._is_loss(index)
+
+    def forward_modules(self, index: int) -> list[nn.Module]:
+        return self._with_buffers[index]
+
+    def forward(self, index: int, micro: int, *, last: bool) -> None:
+        """Forward of micro-batch `micro` through sub-model `index` (the loss too, with
+        autograd, for the model's last sub-model); after `index`'s last forward, values no
+        later forward reads are dropped or stashed (unless its backward came first)."""
+        run = self._run
+        self._before_compute(index, "forward")
+        self._forward(index, micro)
+        if last:
+            self._end_span()  # its boundary values may be stashed: a copy, not compute
+            if index not in run.backwarded:
+                self._free_after_forward(run.envs, index)
+
+    def backward(self, index: int, micro: int, *, first: bool, last: bool) -> None:
+        """Backward of micro-batch `micro` through sub-model `index` (recomputed from its
+        boundary inputs, or the graph kept from its forward, or the loss's); the gradients of
+        its inputs go to their producers. Its first zeroes the gradient slot; after its last,
+        the values whose first reader it is are dropped."""
+        run = self._run
+        self._before_compute(index, "backward", first_backward=first)
+        if first:
+            self._zero_grads(index)  # on the compute stream, after the slot's last copy
+        self._backward(index, micro)
+        if last:
+            self._free_after_backward(run.envs, index)
+
+    def load(self, index: int, *, next_first_backward: int | None, trailing: bool) -> None:
+        """Issue the load of sub-model `index` (prefetch stream). While an optimizer update of
+        its weights runs, it is retried before each later compute and forced at its first
+        use; a trailing load (the next step's early prefetch) waits for that update. Ahead of
+        a load issued for a first backward, that sub-model's stashed values stream in first."""
+        self._between_compute()
+        if trailing:
+            self._load(index)
+            return
+        if next_first_backward is not None:
+            self._unstash(next_first_backward)
+        if not self._load(index, wait=False):
+            self._run.deferred.add(index)
+
+    def offload(self, index: int) -> None:
+        """Sub-model `index`'s gradients to the host store (offload stream)."""
+        self._between_compute()
+        ready = self._grads_to_host(index)
+        self._run.offloads[index] = ready
+        self._run.all_offloads.append(ready)
+
+    def update(self, index: int) -> None:
+        """Hand sub-model `index`'s offloaded gradients to the CPU optimizer; its slot loads
+        again before its next use."""
+        self._between_compute()
+        self.slots.bump(index)
+        self.opt.submit(index, self._run.offloads.pop(index, None))
+
+    def take_values(self, micro: int, values: dict[str, Any]) -> None:
+        run = self._run
+        for v in values.values():
+            self._adopt(v)  # made on the caller's stream, read (and freed) on the compute stream
+        run.received[micro] = tuple(values)
+        run.envs[micro].update(values)
+
+    def take_grads(self, micro: int, grads: dict[str, torch.Tensor]) -> None:
+        for n, g in grads.items():
+            self._run.grads[micro][n] = self._adopt(g)
+
+    def values_out(self, micro: int) -> dict[str, Any]:
+        return {n: self._run.envs[micro][n] for n in self.send_names}
+
+    def grads_out(self, micro: int) -> dict[str, torch.Tensor | None]:
+        run = self._run
+        return {n: run.grads[micro].get(n) for n in run.received.get(micro, ())}
+
+    def losses(self) -> list[torch.Tensor]:
+        return self.result().losses
+
+    # ---- around the compute --------------------------------------------------------------------
+
+    def _before_compute(self, i: int, kind: str, first_backward: bool = False) -> None:
+        """Retry deferred loads, have sub-model i's weights in the slot, before its first
+        backward wait for the previous step's updates and bring its stashed values back; then
+        the compute span (one per run of a sub-model's forwards or backwards: what may load or
+        wait first runs outside it)."""
+        run = self._run
+        if run.span != (i, kind) or run.deferred:
+            self._end_span()
+        for j in sorted(run.deferred):
+            if self._load(j, wait=False):
+                run.deferred.discard(j)
+        if run.active != i:
+            if run.active is not None:
+                self._release(run.active)
+            self._use(i)
+            run.deferred.discard(i)
+            run.active = i
+        if first_backward:
+            run.backwarded.add(i)
+            if not run.waited:
+                self.opt.wait_step(run.step - 1)  # those updates read the host gradients
+                run.waited = True
+            self._unstash(i)
+            self._wait_grad_slot(i)  # so that the compute span starts after that wait (CUDA)
+        if run.span is None:
+            run.spans.enter_context(self.tracer.span("compute", i, kind, self.compute_stream))
+            run.span = (i, kind)
+
+    def _end_span(self) -> None:
+        self._run.spans.close()
+        self._run.span = None
+
+    def _between_compute(self) -> None:
+        """Before anything but compute: the span ends, and the compute issued so far is what a
+        load into the active slot (or a copy of its gradients) must wait for."""
+        run = self._run
+        self._end_span()
+        if run.active is not None:
+            self._release(run.active)
+            run.active = None
+
+    def _unstash(self, i: int) -> None:
+        run = self._run
+        if i not in run.unstashed:
+            run.unstashed.add(i)
+            self.stash.unstash(run.envs, i, self.pkg.inputs[i])
+
+    # ---- F and B -------------------------------------------------------------------------------
+
+    def _is_loss(self, i: int) -> bool:
+        return self.holds_output and i == self.k - 1
+
+    def _args(self, i: int, m: int, leaves: bool) -> list[Any]:
+        names = self.pkg.inputs[i]
+        args = [self._value(self._run.envs[m], n) for n in names]
+        if leaves:
+            args = [boundary_leaf(v, n in self.grad_inputs) for v, n in zip(args, names)]
+        return args
+
+    def _forward(self, i: int, m: int) -> None:
+        run = self._run
+        mod = self.modules[i]
+        if self._is_loss(i):
+            args = self._args(i, m, leaves=True)
+            with self._autocast():
+                loss = self.loss_fn(mod(*args), run.batches[m])
+            run.pending_loss[m] = (loss, args)
+            return
+        args = self._args(i, m, leaves=self.keep)
+        with self._autocast(), torch.set_grad_enabled(self.keep):
+            outs = _as_tuple(mod(*args))
+        if self.keep:
+            run.kept[(i, m)] = (args, outs)
+        env = run.envs[m]
+        weights = _storages(mod)
+        for n, v in zip(self.pkg.outputs[i], outs):
+            env[n] = _handed_on(v, weights)
+
+    def _backward(self, i: int, m: int) -> None:
+        run = self._run
+        self.ties.mb = m  # read by the tie hooks
+        if self._is_loss(i):
+            loss, args = run.pending_loss.pop(m)
+            scaled = loss / (self.loss_divisor or run.C)
+            if self.loss_scale != 1.0:
+                scaled = scaled * self.loss_scale
+            scaled.backward()
+            self.ties.finish(i)
+            self._collect_input_grads(run.grads[m], i, args)
+            run.loss_sum += loss.detach().to(torch.float64)
+            run.losses[m] = loss.detach()
+            if self.cuda and len(run.losses) == run.C:  # copied out while the backward goes on
+                self._loss_host.copy_(run.loss_sum, non_blocking=True)
+                self._loss_ready = torch.cuda.Event()
+                self._loss_ready.record(self.compute_stream)
+            return
+        if self.cuda:
+            self.stash.inputs_ready(i, m)
+        out_grads = [run.grads[m].pop(n, None) for n in self.pkg.outputs[i]]
+        kept = run.kept.pop((i, m), None)
+        if all(g is None for g in out_grads):
+            return  # nothing this sub-model computed reaches the loss
+        if self.keep:
+            args, outs = kept
+        else:  # the interpreter set the forward's RNG state and buffers
+            args = self._args(i, m, leaves=True)
+            with self._autocast(), torch.enable_grad():
+                outs = _as_tuple(self.modules[i](*args))
+        pairs = [(o, g) for o, g in zip(outs, out_grads)
+                 if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        self.ties.finish(i)
+        self._collect_input_grads(run.grads[m], i, args)
 
     def _to_device(self, t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
         if t.device == self.device:
             if self.cuda:
-                # Made by the caller on its stream (run_step's compute stream waits for it) and
-                # read on the compute stream until P_0's backward, which is still queued when
+                # Made by the caller on its stream (the compute stream waits for it) and read
+                # on the compute stream until P_0's backward, which is still queued when
                 # run_step returns: the caller freeing it must not let its memory be reused before.
                 t.record_stream(self.compute_stream)
             return t
@@ -429,7 +671,7 @@ class SwapExecutor:
             return t.to(self.device, non_blocking=True)
         if self.cuda:
             src = t if t.is_pinned() else t.pin_memory()
-            return src.to(self.device, non_blocking=True)  # on the compute stream
+            return src.to(self.device, non_blocking=True)  # on the caller's stream
         return t
 
     def _value(self, env: dict[str, Any], name: str) -> Any:
@@ -444,19 +686,6 @@ class SwapExecutor:
             if n not in self.grad_inputs or not isinstance(a, torch.Tensor) or a.grad is None:
                 continue
             grads[n] = a.grad if n not in grads else grads[n] + a.grad
-
-    def wait_grad_slot(self, i: int) -> None:
-        """Make the compute stream wait until the previous copy of sub-model i's gradient slot
-        to the host is done (CUDA; nothing to wait for on the CPU)."""
-        s = self.slots.slot(i)
-        if self.cuda and self.slots.grad_free[s] is not None:
-            self.compute_stream.wait_event(self.slots.grad_free[s])
-
-    def zero_grads(self, i: int) -> None:
-        """Zero sub-model i's gradient slot before its backward (on the compute stream, once the
-        previous copy of that slot to the host is done)."""
-        self.wait_grad_slot(i)
-        self.slots.grads[self.slots.slot(i)][:self.layouts[i].numel].zero_()
 
     def _free_after_forward(self, envs: list[dict[str, Any]], i: int) -> None:
         """Drop or stash values whose last forward reader was sub-model i."""

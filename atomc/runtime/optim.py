@@ -183,9 +183,10 @@ class CpuOptimizer:
         self.tracer = tracer
         self.k = len(store.layouts)
         self.deferred = config.max_grad_norm is not None or scaler is not None
-        # (owner, offset, numel, shape) of every master, in the original model's parameter order
+        # (owner, offset, numel, shape) of every trainable master, in the original model's
+        # parameter order (clip_grad_norm_ skips a frozen weight: it has no gradient)
         masters = {e.key: (L.index, e.owner_offset, e.numel, e.shape) for L in store.layouts
-                   for e in L.entries if e.owned}
+                   for e in L.entries if e.owned and e.trainable}
         order = [k for k in dict.fromkeys(param_order or []) if k in masters]
         order += [k for k in masters if k not in set(order)]
         self.norm_order = [masters[k] for k in order]
@@ -338,9 +339,7 @@ class CpuOptimizer:
         clipping gives the same bits as on the unpartitioned model.
         """
         t0 = time.perf_counter()
-        norms = [torch.linalg.vector_norm(self.store.grad_master[o][off:off + n].view(shape), 2)
-                 for o, off, n, shape in self.norm_order]
-        total_t = torch.linalg.vector_norm(torch.stack(norms), 2) if norms else torch.zeros(())
+        total_t = self.grad_norm()
         total = float(total_t)
         st.grad_norm = total
         self.last_grad_norm = total
@@ -354,6 +353,23 @@ class CpuOptimizer:
             for i in range(self.k):
                 self.store.grad_master[i].mul_(coef)
         self.tracer.host_event(st.step, "optimizer", -1, "grad_norm", t0, time.perf_counter())
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global norm of the gradients in the host store (one norm per original
+        parameter, in the original model's order, then the norm of those: as
+        torch.nn.utils.clip_grad_norm_ computes it)."""
+        norms = [torch.linalg.vector_norm(self.store.grad_master[o][off:off + n].view(shape), 2)
+                 for o, off, n, shape in self.norm_order]
+        return torch.linalg.vector_norm(torch.stack(norms), 2) if norms else torch.zeros(())
+
+    def step_grad_norm(self) -> float:
+        """The last step's global gradient norm, before clipping; waits for the step's updates.
+        Clipping and loss scaling take it anyway; otherwise it is computed here, from the
+        gradients the updates left in the host store."""
+        self.wait_all()
+        if self.deferred and self.last_grad_norm is not None:
+            return self.last_grad_norm
+        return float(self.grad_norm())
 
     def _update(self, st: _StepState, i: int) -> None:
         if st.skipped:
@@ -369,7 +385,7 @@ class CpuOptimizer:
         if opt is not None:
             self.config.set_lr(opt, st.step)
             opt.step()
-        self.store.refresh_images(i)
+        self.store.refresh_trained(i)  # frozen weights never change
 
     # ---- state -----------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ sub-model's output, and every tied holder exists.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -98,6 +99,25 @@ class SwapPackage:
     export_state_dict: Callable[..., dict]
     original_names: tuple[str, ...] = ()  # the original state-dict names, in the model's order
     full_precision: tuple[str, ...] = ()  # weights kept float32 in half-precision runs (norms)
+
+    @functools.cached_property
+    def grad_names(self) -> frozenset[str]:
+        """The boundary values that require gradients when the model trains (BOUNDARIES'
+        "grad", from atomc.trace.grad_values): the only ones a runtime makes leaves that take
+        gradients. A package from before atomc recorded it: every floating tensor, as then."""
+        names = set()
+        for boundary in self.boundaries:
+            for name, spec in (*boundary.get("inputs", {}).items(),
+                               *boundary.get("outputs", {}).items()):
+                if spec.get("grad", str(spec.get("dtype", "")).startswith(
+                        ("float", "bfloat", "complex"))):
+                    names.add(name)
+        return frozenset(names)
+
+    def carries_grad(self, name: str) -> bool:
+        """Whether the boundary value `name` takes a gradient (the one rule of every runtime
+        that receives boundary values as autograd leaves)."""
+        return name in self.grad_names
 
     def unread_names(self, state_dict: dict[str, Any]) -> list[str]:
         """Names in an original state dict that no sub-model holds (weights the traced graph

@@ -30,8 +30,10 @@ class WeightSlots:
         self.load_deps = load_deps  # sub-models whose updates change what sub-model i loads
         self.num = min(2, len(layouts))
         numel = max(L.numel for L in layouts)
+        grad_numel = max(L.grad_numel for L in layouts)  # trainable weights only
         self.params = [torch.zeros(numel, dtype=dtype, device=device) for _ in range(self.num)]
-        self.grads = [torch.zeros(numel, dtype=dtype, device=device) for _ in range(self.num)]
+        self.grads = [torch.zeros(grad_numel, dtype=dtype, device=device)
+                      for _ in range(self.num)]
         # slot s holds (sub-model, weight epochs of what it was loaded from), or None
         self.holds: list[tuple[int, tuple[int, ...]] | None] = [None] * self.num
         self.epoch = [0] * len(layouts)  # bumped whenever an update of sub-model i is scheduled
@@ -46,11 +48,12 @@ class WeightSlots:
         return i % self.num
 
     def views(self, i: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Sub-model i's parameters and their gradients by local name: views of its slots."""
+        """Sub-model i's parameters and their gradients by local name: views of its slots (a
+        frozen parameter has no gradient)."""
         s = self.slot(i)
         entries = self.layouts[i].entries
         return ({e.local: e.image_view(self.params[s]) for e in entries},
-                {e.local: e.image_view(self.grads[s]) for e in entries})
+                {e.local: e.grad_view(self.grads[s]) for e in entries if e.trainable})
 
     def content(self, i: int) -> tuple[int, tuple[int, ...]]:
         """What sub-model i's slot holds once its current weights are loaded."""

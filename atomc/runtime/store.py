@@ -10,8 +10,10 @@ Output: a `HostStore` with, per sub-model i,
   view of `image[i]` when the two dtypes agree; otherwise a separate buffer that is cast into
   the image after each optimizer update.
 - `grad[i]`: the flat buffer the device's gradients come back into in ONE copy (pinned), and
-  `grad_master[i]`, the owned region in the master dtype, where tied replicas' gradients are
-  summed into their owner's before the optimizer runs.
+  `grad_master[i]`, the owned trainable region in the master dtype, where tied replicas'
+  gradients are summed into their owner's before the optimizer runs. Both hold the trainable
+  weights only: a frozen weight (a LoRA model's base) has no gradient buffer on the host or
+  the device, is not copied back, has no optimizer state and is never updated or re-cast.
 
 A tied parameter has one master and one optimizer state (in its first holder, the lowest
 sub-model index); each holder's image carries a replica refreshed from that master after
@@ -61,10 +63,19 @@ class ParamEntry:
     span: int = 0  # image elements it takes: numel, or more for a wide entry
     wide: bool = False  # kept in WIDE_DTYPE (float32) in a half-precision image
     trainable: bool = True  # False: frozen in the model (requires_grad=False), never updated
+    grad_offset: int = -1  # in this sub-model's gradient buffer; -1: frozen, it has no gradient
 
     def image_view(self, flat: torch.Tensor) -> torch.Tensor:
-        """This entry's tensor inside a flat image (or gradient) buffer of the transfer dtype."""
-        part = flat[self.offset:self.offset + (self.span or self.numel)]
+        """This entry's tensor inside a flat image buffer of the transfer dtype."""
+        return self._view(flat, self.offset)
+
+    def grad_view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This entry's gradient inside a flat gradient buffer (a trainable entry only)."""
+        assert self.grad_offset >= 0, f"{self.key} is frozen: it has no gradient"
+        return self._view(flat, self.grad_offset)
+
+    def _view(self, flat: torch.Tensor, start: int) -> torch.Tensor:
+        part = flat[start:start + (self.span or self.numel)]
         return (part.view(WIDE_DTYPE) if self.wide else part).view(self.shape)
 
 
@@ -74,17 +85,22 @@ class SubLayout:
     entries: tuple[ParamEntry, ...]  # image order
     numel: int  # image elements
     owned_numel: int  # master elements (with no wide entries also [0, owned_numel) of the image)
-    decay_numel: int  # [0, decay_numel) are decayed; [decay_numel, owned_numel) are not
+    # master elements [0, decay_numel) are trainable and decayed, [decay_numel,
+    # trainable_numel) trainable and not decayed, [trainable_numel, owned_numel) frozen
+    decay_numel: int
+    trainable_numel: int
+    grad_numel: int  # gradient buffer elements: the trainable entries only
 
     def signature(self) -> list[tuple[str, list[int], int, bool]]:
         return [(e.key, list(e.shape), e.owner, e.decay) for e in self.entries]
 
-    def runs(self) -> list[tuple[int, int, int, int, bool]]:
-        """(image offset, image span, master offset, numel, wide) of the owned entries, with
-        neighbours of one kind merged: what one copy between master and image moves."""
+    def runs(self, trainable_only: bool = False) -> list[tuple[int, int, int, int, bool]]:
+        """(image offset, image span, master offset, numel, wide) of the owned entries (the
+        trainable ones only: also their places in the gradient buffer), with neighbours of one
+        kind merged: what one copy between master and image moves."""
         out: list[list] = []
         for e in self.entries:
-            if not e.owned:
+            if not e.owned or (trainable_only and not e.trainable):
                 continue
             last = out[-1] if out else None
             if (last is not None and last[4] == e.wide and last[0] + last[1] == e.offset
@@ -105,6 +121,11 @@ def plan_layouts(package: SwapPackage, modules: list[nn.Module],
     normalisation layers) are wide entries: float32 inside the half-precision image, as FSDP's
     MixedPrecision keeps BatchNorm in full precision. A wide entry takes two image elements per
     weight and starts at an even element, so the image is still one buffer and one copy.
+
+    A frozen weight (requires_grad=False in the model: a LoRA model's base weights) is placed
+    after the trainable ones, owned and replicas alike, so that the gradient buffer holds the
+    trainable entries only: the owned ones at their image offsets, then the replicas. A frozen
+    weight has no gradient buffer, no gradient copy, no optimizer state and no update.
     """
     half = transfer_dtype is not None and transfer_dtype.itemsize < WIDE_DTYPE.itemsize
     ratio = WIDE_DTYPE.itemsize // transfer_dtype.itemsize if half else 1
@@ -136,15 +157,19 @@ def plan_layouts(package: SwapPackage, modules: list[nn.Module],
 
     layouts: list[SubLayout] = []
     owner_offsets: dict[str, int] = {}
+    trainable_of: dict[str, bool] = {}  # a tied weight's holders follow its owner
     for i, names in enumerate(param_names):
-        owned_decay, owned_plain, replicas = [], [], []
+        owned_decay, owned_plain, owned_frozen, replicas = [], [], [], []
         seen_here: set[str] = set()
         for local, fqn in names.items():
             key = tie_key.get((i, local), fqn)
             shape = shapes[i][local]
             decay = True if decay_filter is None else bool(decay_filter(key, shape))
             if owner_of[key] == i and key not in seen_here:
-                (owned_decay if decay else owned_plain).append((local, key, shape, decay))
+                group = (owned_frozen if not trains[i][local]
+                         else owned_decay if decay else owned_plain)
+                group.append((local, key, shape, decay))
+                trainable_of[key] = trains[i][local]
                 seen_here.add(key)
             else:
                 replicas.append((local, key, shape, decay))
@@ -160,15 +185,20 @@ def plan_layouts(package: SwapPackage, modules: list[nn.Module],
             offset += span
             return start, span, wide
 
-        for local, key, shape, decay in owned_decay + owned_plain:
+        grad_end = 0
+        for local, key, shape, decay in owned_decay + owned_plain + owned_frozen:
             n = math.prod(shape)
             owner_offsets[key] = master_offset
             start, span, wide = place(key, n)
+            trainable = trainable_of[key]
             entries.append(ParamEntry(local, key, shape, n, start, i, master_offset, decay, True,
-                                      span, wide, trains[i][local]))
+                                      span, wide, trainable, start if trainable else -1))
+            grad_end = offset if trainable else grad_end
             master_offset += n
         owned = master_offset
         decay_numel = sum(math.prod(s) for _, _, s, _ in owned_decay)
+        trainable_numel = decay_numel + sum(math.prod(s) for _, _, s, _ in owned_plain)
+        replicas.sort(key=lambda r: not trainable_of[r[1]])  # trainable first, order kept
         for local, key, shape, decay in replicas:
             n = math.prod(shape)
             o = owner_of[key]
@@ -185,9 +215,15 @@ def plan_layouts(package: SwapPackage, modules: list[nn.Module],
                     f"{list(shape)} in sub-model {i} ({local}); the package is damaged, "
                     f"regenerate it")
             start, span, wide = place(key, n)
+            trainable, g_start = trainable_of[key], -1
+            if trainable:
+                if wide:
+                    grad_end = -(-grad_end // ratio) * ratio
+                g_start, grad_end = grad_end, grad_end + span
             entries.append(ParamEntry(local, key, shape, n, start, o, o_off, decay, False,
-                                      span, wide, trains[i][local]))
-        layouts.append(SubLayout(i, tuple(entries), offset, owned, decay_numel))
+                                      span, wide, trainable, g_start))
+        layouts.append(SubLayout(i, tuple(entries), offset, owned, decay_numel, trainable_numel,
+                                 grad_end))
     return layouts
 
 
@@ -251,9 +287,8 @@ class HostStore:
         self.pin = pin
         self.separate_master = master_dtype != transfer_dtype
         # one flat buffer per sub-model and direction (one copy each), all of a kind in one arena
-        flat = [((L.numel,), transfer_dtype) for L in layouts]
-        self.image_arena = HostArena(flat, pin)
-        self.grad_arena = HostArena(flat, pin)
+        self.image_arena = HostArena([((L.numel,), transfer_dtype) for L in layouts], pin)
+        self.grad_arena = HostArena([((L.grad_numel,), transfer_dtype) for L in layouts], pin)
         self.image: list[torch.Tensor] = self.image_arena.buffers
         self.grad: list[torch.Tensor] = self.grad_arena.buffers
         self.master: list[torch.Tensor] = []
@@ -261,10 +296,10 @@ class HostStore:
         for L, image, grad in zip(layouts, self.image, self.grad):
             if self.separate_master:
                 self.master.append(torch.zeros(L.owned_numel, dtype=master_dtype))
-                self.grad_master.append(torch.zeros(L.owned_numel, dtype=master_dtype))
+                self.grad_master.append(torch.zeros(L.trainable_numel, dtype=master_dtype))
             else:
                 self.master.append(image[:L.owned_numel])
-                self.grad_master.append(grad[:L.owned_numel])
+                self.grad_master.append(grad[:L.trainable_numel])
         # owner -> [(holder, entry)] for every replica
         self.replicas_of: list[list[tuple[int, ParamEntry]]] = [[] for _ in layouts]
         for L in layouts:
@@ -272,6 +307,7 @@ class HostStore:
                 if not e.owned:
                     self.replicas_of[e.owner].append((L.index, e))
         self.runs = [L.runs() for L in layouts]
+        self.trained_runs = [L.runs(trainable_only=True) for L in layouts]
         # ties the executor sums on the device (tied_grads="exact")
         self.exact_keys: set[str] = set()
         # sub-models whose updates change what sub-model i loads
@@ -285,6 +321,23 @@ class HostStore:
         m = self.master[entry.owner]
         return m[entry.owner_offset:entry.owner_offset + entry.numel].view(entry.shape)
 
+    def bind(self, host_modules: list[nn.Module]) -> None:
+        """The masters take the weights of `host_modules` (one copy of the package's
+        sub-models), whose parameters then become views of the masters (what export and state
+        dicts read); the images are made from the masters. A parameter on the meta device
+        has no value to take: its master stays zero until the caller fills it (weights read
+        from files straight into the masters, or a resumed checkpoint)."""
+        for i, (mod, L) in enumerate(zip(host_modules, self.layouts)):
+            params = dict(mod.named_parameters())
+            with torch.no_grad():
+                for e in L.entries:
+                    if e.owned and not params[e.local].is_meta:
+                        self.master_param(i, e).copy_(params[e.local])
+            rebind_parameters(mod, {e.local: self.master_param(i, e) for e in L.entries},
+                              requires_grad=False)
+        for i in range(len(self.layouts)):
+            self.refresh_images(i)
+
     # ---- after an optimizer update / before one -----------------------------------------------
 
     def refresh_images(self, i: int) -> None:
@@ -297,6 +350,18 @@ class HostStore:
             master = self.master[i][e.owner_offset:e.owner_offset + e.numel]
             e.image_view(self.image[j]).view(-1).copy_(master)
 
+    def refresh_trained(self, i: int) -> None:
+        """`refresh_images` after an optimizer update of sub-model i: its trainable weights only
+        (frozen ones never change, so their images are not cast again)."""
+        if self.separate_master:
+            for start, span, m_off, n, wide in self.trained_runs[i]:
+                image = self._image_run(self.image[i], start, span, wide)
+                image.copy_(self.master[i][m_off:m_off + n])
+        for j, e in self.replicas_of[i]:
+            if e.trainable:
+                master = self.master[i][e.owner_offset:e.owner_offset + e.numel]
+                e.image_view(self.image[j]).view(-1).copy_(master)
+
     def reduce_grads(self, i: int) -> None:
         """Gradients of sub-model i's masters: its own plus those of every replica of them.
 
@@ -304,13 +369,13 @@ class HostStore:
         backward (and gradient copy) came before i's.
         """
         if self.separate_master:
-            for start, span, m_off, n, wide in self.runs[i]:
+            for start, span, m_off, n, wide in self.trained_runs[i]:
                 grad = self._image_run(self.grad[i], start, span, wide)
                 self.grad_master[i][m_off:m_off + n].copy_(grad)
         for j, e in self.replicas_of[i]:
-            if e.key not in self.exact_keys:
+            if e.trainable and e.key not in self.exact_keys:
                 self.grad_master[i][e.owner_offset:e.owner_offset + e.numel] += \
-                    e.image_view(self.grad[j]).view(-1)
+                    e.grad_view(self.grad[j]).view(-1)
 
     @staticmethod
     def _image_run(flat: torch.Tensor, start: int, span: int, wide: bool) -> torch.Tensor:
@@ -331,3 +396,23 @@ class HostStore:
         if self.separate_master:
             total += sum(t.numel() * t.element_size() for t in self.master + self.grad_master)
         return total
+
+
+def rebind_parameters(module: nn.Module, tensors: dict[str, torch.Tensor], requires_grad: bool,
+                      grads: dict[str, torch.Tensor] | None = None) -> None:
+    """Make each parameter of `module` a Parameter over the given tensor (a view of a flat buffer).
+
+    A Parameter registered under several names in the module stays one Parameter; one the
+    module has frozen (requires_grad=False) stays frozen.
+    """
+    new_of: dict[int, nn.Parameter] = {}
+    for name, p in list(module.named_parameters(remove_duplicate=False)):
+        if id(p) not in new_of:
+            if name not in tensors:
+                raise KeyError(name)
+            new = nn.Parameter(tensors[name], requires_grad=requires_grad and p.requires_grad)
+            if grads is not None and new.requires_grad:  # a frozen one has no gradient buffer
+                new.grad = grads[name]
+            new_of[id(p)] = new
+        owner, _, leaf = name.rpartition(".")
+        setattr(module.get_submodule(owner) if owner else module, leaf, new_of[id(p)])

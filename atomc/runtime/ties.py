@@ -39,7 +39,8 @@ class TiedGrads:
         by_key: dict[str, list[tuple[int, str]]] = {}
         for L in layouts:
             for e in L.entries:
-                by_key.setdefault(e.key, []).append((L.index, e.local))
+                if e.trainable:  # a frozen weight has no gradient to sum
+                    by_key.setdefault(e.key, []).append((L.index, e.local))
         ties: dict[str, tuple[tuple[int, str], ...]] = {}
         for key, holders in by_key.items():
             if len({i for i, _ in holders}) < 2:  # one sub-model: one parameter (codegen ties)

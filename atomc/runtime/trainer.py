@@ -18,6 +18,7 @@ was made for (PLAN["batch_size"]): memory was planned for them.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +26,17 @@ import torch
 from torch import nn
 
 from atomc.dtypes import cast_floating
-from atomc.errors import RuntimeMismatchError
+from atomc.errors import RuntimeMismatchError, UsageError
 from atomc.ir import Plan
 from atomc.jsonio import canonical_hash, read_json
 from atomc.runtime.checkpoint import load_checkpoint, save_checkpoint
 from atomc.runtime.config import TrainerConfig
-from atomc.runtime.executor import SwapExecutor, rebind_parameters
+from atomc.runtime.executor import SwapExecutor
 from atomc.runtime.optim import CpuOptimizer, LossScaler
 from atomc.runtime.package import SwapPackage, load_swap_package
-from atomc.runtime.store import HostStore, plan_layouts
+from atomc.runtime.store import HostStore
 from atomc.runtime.trace import StepTrace, Tracer
+from atomc.trace import _parameters_on_meta
 
 
 def _spec_dtype(spec: dict[str, Any]) -> str:
@@ -59,6 +61,9 @@ class SwapTrainer:
         self.plan = plan  # the plan the package was generated for, when it is known
         self.step_count = 0
         self.last_loss: float | None = None
+        # where the training data stands (atomc.data's PackedBatches.position()), kept in
+        # checkpoints so that a resumed run reads on from there; None: not tracked
+        self.data_position: dict[str, Any] | None = None
         # weights of the original model that its traced graph never reads (a classifier's
         # unused pooler, a mask token for inputs it is not given): carried through untouched,
         # on the CPU, so that export_state_dict() loads back into the model with strict=True
@@ -71,13 +76,17 @@ class SwapTrainer:
                      config: TrainerConfig | dict[str, Any] | None = None,
                      *, loss_fn: Callable[[Any, tuple], torch.Tensor] | None = None,
                      state_dict: dict[str, torch.Tensor] | None = None,
+                     weights: str | Path | Sequence[str | Path] | None = None,
                      checkpoint: str | Path | None = None, plan: Any = None,
                      **options: Any) -> SwapTrainer:
         """Build a trainer for the package in `generated_dir`.
 
         What to train with: loss_fn(outputs, micro_batch) (default: the model file's);
         state_dict, the initial weights by original names (default: the model file's
-        build_model() under torch.manual_seed(seed)); checkpoint, a file to resume from; plan,
+        build_model() under torch.manual_seed(seed)); weights, the initial weights from
+        checkpoint files instead (a directory or file, or several: safetensors, sharded with
+        its index, or .bin/.pt state dicts; read tensor by tensor into the host store, see
+        atomc.weights.read); checkpoint, a file to resume from; plan,
         the Plan (or its JSON path) the package must have been generated for (default: the
         package's plan.json).
 
@@ -111,12 +120,21 @@ class SwapTrainer:
         if loss_fn is None:
             loss_fn = pkg.model_loss_fn()
         resume = load_checkpoint(checkpoint) if checkpoint is not None else None  # verified first
-        if state_dict is None and resume is None:
+        files = _open_weights(pkg, weights, state_dict, resume, cfg.seed)  # checked, unread
+        if state_dict is None and resume is None and files is None:
             state_dict = pkg.initial_state_dict(cfg.seed)
-        run = cfg.resolve(pkg, typed_plan, resume=resume, initial=state_dict)
+        run = cfg.resolve(pkg, typed_plan, resume=resume,
+                          initial=files.dtypes() if files is not None else state_dict)
         dev = run.device
 
-        host_modules = [cast_floating(m, run.master_dtype) for m in pkg.build_submodels()]
+        # weights from files or a checkpoint go straight into the masters: until the store
+        # binds them, the sub-models' parameters stay on meta (no second copy of the model)
+        on_meta = state_dict is None and (files is not None or resume is not None)
+        with _parameters_on_meta() if on_meta else nullcontext():
+            built = pkg.build_submodels()
+        host_modules = [cast_floating(m, run.master_dtype) for m in built]
+        if files is not None:
+            files.load_buffers(pkg, host_modules)
         unread: list[str] = []
         if state_dict is not None:
             try:
@@ -126,37 +144,24 @@ class SwapTrainer:
                 raise RuntimeMismatchError(
                     f"the initial state dict lacks {e}, which {pkg.path} needs; give the original "
                     f"model's state_dict()") from None
-        layouts = plan_layouts(pkg, host_modules, run.optimizer.decays,
-                               transfer_dtype=run.transfer_dtype)
-        store = HostStore(layouts, run.master_dtype, run.transfer_dtype, pin=dev.type == "cuda")
-        # the masters take the initial weights; the host modules are re-pointed at the masters
-        for i, (mod, L) in enumerate(zip(host_modules, layouts)):
-            params = dict(mod.named_parameters())
-            with torch.no_grad():
-                for e in L.entries:
-                    if e.owned:
-                        store.master_param(i, e).copy_(params[e.local])
-            rebind_parameters(mod, {e.local: store.master_param(i, e) for e in L.entries},
-                              requires_grad=False)
-        for i in range(len(layouts)):
-            store.refresh_images(i)
-        host_buffers = [dict(m.named_buffers()) for m in host_modules]
-
-        _check_device_memory(dev, store, typed_plan, run.capacity_bytes)
-        tracer = Tracer(dev, enabled=run.trace)
-        scaler = LossScaler() if run.loss_scale else None
-        opt = CpuOptimizer(store, run.optimizer, scaler, tracer, threaded=run.threaded_optimizer,
-                           param_order=_original_order(pkg))
-        executor = SwapExecutor(pkg, store, opt, host_buffers, device=dev, accum=run.accum,
-                                activations=run.activations,
-                                offload_activations=run.offload_activations,
-                                autocast_dtype=run.autocast, loss_fn=loss_fn, seed=run.seed,
-                                tracer=tracer, tied_grads=run.tied_grads,
-                                early_prefetch=run.early_prefetch)
-        trainer = cls(pkg, executor, store, opt, host_modules, device=dev, accum=run.accum,
-                      micro_batch_size=run.micro_batch, seed=run.seed, plan=typed_plan)
+        executor = SwapExecutor.assemble(
+            pkg, host_modules, run.optimizer, device=dev, master_dtype=run.master_dtype,
+            transfer_dtype=run.transfer_dtype, tracer=Tracer(dev, enabled=run.trace),
+            scaler=LossScaler() if run.loss_scale else None, threaded=run.threaded_optimizer,
+            param_order=_original_order(pkg),
+            check_store=lambda store: _check_device_memory(dev, store, typed_plan,
+                                                           run.capacity_bytes),
+            accum=run.accum, activations=run.activations,
+            offload_activations=run.offload_activations, autocast_dtype=run.autocast,
+            loss_fn=loss_fn, seed=run.seed, tied_grads=run.tied_grads,
+            early_prefetch=run.early_prefetch)
+        trainer = cls(pkg, executor, executor.store, executor.opt, host_modules, device=dev,
+                      accum=run.accum, micro_batch_size=run.micro_batch, seed=run.seed,
+                      plan=typed_plan)
         trainer.unread = {k: state_dict[k].detach().cpu().clone() for k in unread
                           if isinstance(state_dict.get(k), torch.Tensor)}
+        if files is not None:
+            trainer.unread = files.load_masters(executor.store)
         if resume is not None:
             trainer.load_state_dict(resume, source=f"checkpoint {checkpoint}")
         return trainer
@@ -286,6 +291,7 @@ class SwapTrainer:
                        else None),
             "buffers": [{n: c(b) for n, b in m.named_buffers()} for m in self.host_modules],
             "unread": {k: c(v) for k, v in self.unread.items()},
+            "data_position": self.data_position,
         }
 
     def load_state_dict(self, state: dict[str, Any], source: str = "state dict") -> None:
@@ -307,6 +313,7 @@ class SwapTrainer:
             self.optimizer.scaler.load_state_dict(state["scaler"])
         self.step_count = int(state["step"])
         self.seed = int(state["seed"])
+        self.data_position = state.get("data_position")
         if "unread" in state:  # absent from checkpoints written before it was kept
             self.unread = {k: v.detach().cpu().clone() for k, v in state["unread"].items()}
         self.executor.seed = self.seed
@@ -346,6 +353,15 @@ class SwapTrainer:
     def save_checkpoint(self, path: str | Path) -> Path:
         """Write the state to `path` atomically (temporary file, fsync, rename)."""
         return save_checkpoint(path, self._state(copy=False))
+
+    def save_pretrained(self, directory: str | Path, *, max_shard_size: int | str = "2GB",
+                        dtype: str | torch.dtype | None = None) -> Path:
+        """Write the weights to `directory` as transformers, peft or safetensors load them:
+        safetensors shards (with their index) under the model's own names and, for a model
+        built from a transformers config, its config.json; a peft model's adapter in peft's
+        format (atomc.weights.write). Atomic; `dtype` casts floating-point weights."""
+        from atomc.weights import save_pretrained
+        return save_pretrained(self, directory, max_shard_size=max_shard_size, dtype=dtype)
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Resume from `path`; a corrupt or foreign checkpoint is refused and nothing changes."""
@@ -412,6 +428,24 @@ def _original_order(pkg: SwapPackage) -> list[str]:
             group.setdefault(fqn, fqn)
     names = pkg.original_names or tuple(fqn for names in pkg.param_names for fqn in names.values())
     return [group[k] for k in names if k in group]
+
+
+def _open_weights(pkg: SwapPackage, weights: Any, state_dict: Any, resume: Any,
+                  seed: int) -> Any:
+    """The checkpoint files of weights= opened and checked against the package (headers
+    only), with the initial values of adapter weights they lack; None without weights=."""
+    if weights is None:
+        return None
+    if state_dict is not None:
+        raise UsageError("give the initial weights as state_dict= or as weights= (checkpoint "
+                         "files), not both")
+    if resume is not None:
+        raise UsageError("weights= gives the initial weights, checkpoint= resumes a run with "
+                         "the weights it had; give one of them")
+    from atomc.weights import open_weights
+    files = open_weights(pkg, weights)
+    files.take_initial(pkg, seed)
+    return files
 
 
 def check_plan(pkg: SwapPackage, plan: Any) -> dict[str, Any] | None:

@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from atomc.distributed.peer import _import_hivemind, start_dht
-from atomc.distributed.pipeline import stage_boundaries
 from atomc.distributed.runner import _package_plan
-from atomc.distributed.stage import StageSpec
+from atomc.distributed.stage import StageSpec, cut_stages
 from atomc.errors import PeerError, UsageError
 from atomc.place.cost import stage_ranges
 from atomc.runtime.package import SwapPackage, load_swap_package
@@ -51,11 +50,7 @@ def stage_costs(specs: Sequence[StageSpec], times: Sequence[dict[str, float]]) -
 
 def stage_specs(pkg: SwapPackage, num_stages: int) -> list[StageSpec]:
     """The package's sub-models in `num_stages` consecutive stages of balanced compute."""
-    ranges = stage_ranges(_package_plan(pkg), num_stages)
-    sends = stage_boundaries(pkg.inputs, pkg.outputs, pkg.model_inputs, ranges)
-    specs = [StageSpec(j, num_stages, a, b, sends[j - 1] if j > 0 else (),
-                       sends[j] if j < num_stages - 1 else (), j == num_stages - 1,
-                       pkg.num_submodels) for j, (a, b) in enumerate(ranges)]
+    specs = cut_stages(pkg, stage_ranges(_package_plan(pkg), num_stages))
     where = {i: j for j, s in enumerate(specs) for i in range(s.start, s.stop)}
     for fqn, holders in pkg.tied.items():
         stages = sorted({where[i] for i, _ in holders})

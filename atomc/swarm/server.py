@@ -29,15 +29,14 @@ moves to the stage. It asks the servers its roster holds, by name: the averager'
 sharing found them through records its process declared every second, and twice on a loaded
 CI box a joining server found none within 20 s while its stage's server was up and serving.
 BatchNorm statistics are updated by the forward call only (the backward's recomputation
-restores them) and averaged at the commit. With delayed parameter updates, a
-copy of the stage takes each update on another thread while the calls of the next step
-compute with the weights before it.
+runs on copies of them: the interpreter's buffer rule) and averaged at the commit. With
+delayed parameter updates, a copy of the stage takes each update on another thread while the
+calls of the next step compute with the weights before it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import math
 import threading
@@ -59,10 +58,10 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from atomc.distributed.peer import state_bytes, state_from_bytes
 from atomc.distributed.runner import _dtype
-from atomc.distributed.stage import ResidentStage
+from atomc.distributed.stage import LayoutStage, make_stage
 from atomc.errors import PeerError, UsageError
+from atomc.runtime.checkpoint import digest
 from atomc.runtime.optim import AdamWConfig
-from atomc.runtime.rng import RNG_VALUE
 from atomc.swarm import balance
 from atomc.swarm.node import SwarmNode, stage_specs
 from atomc.swarm.records import (
@@ -229,6 +228,27 @@ class _OneMicro:
                            for n, g in grads.items()}
 
 
+def serve_call(stage: LayoutStage, kind: str, values: dict[str, Any], meta: dict[str, Any],
+               step: int) -> tuple[dict[str, Any], float | None]:
+    """One call on `stage` at `step`: a forward of its micro-batch, or (kind "backward") its
+    forward again and its backward; returns what goes back to the trainer and, on the last
+    stage, the loss. Both are one micro-batch's actions on the stage, run by the interpreter
+    (atomc.runtime.interpret). A backward call's forward repeats the forward call's, so the
+    buffers stay as that call left them; the last stage gets no forward call, and its backward
+    call's forward is the micro-batch's only one."""
+    batch = tuple(values.pop(f"{BATCH}{i}") for i in range(int(meta["batch_len"])))
+    grads = {n[len(GRAD):]: values.pop(n) for n in list(values) if n.startswith(GRAD)}
+    stage.begin_step(step, int(meta["num_micro"]), int(meta["micro"]))
+    io = _OneMicro(values, grads)
+    if kind == "forward":
+        with torch.no_grad():
+            stage.run(stage.forward_order(1), [batch], io)
+        return io.sent, None
+    losses = stage.run(stage.order("gpipe", 1), [batch], io,
+                       recomputing=not stage.spec.holds_output)
+    return io.sent_grads, (float(losses[0]) if losses else None)
+
+
 class SwarmServer(SwarmNode):
     """One server (see the module docstring)."""
 
@@ -263,8 +283,9 @@ class SwarmServer(SwarmNode):
         self.attempt = 0
         self.measured_since: float | None = None  # when this server first saw a measured rate
         self.move_to: int | None = None  # the stage rebalancing decided we move to
-        self.stage: Any = None
-        self.master: Any = None  # the stage whose optimizer steps (the stage itself, or DPU's copy)
+        self.stage: LayoutStage | None = None
+        # the stage whose optimizer steps (the stage itself, or DPU's copy)
+        self.master: LayoutStage | None = None
         self.pending: Any = None  # DPU: the update in flight
         self.updater = ThreadPoolExecutor(1, thread_name_prefix="swarm-update")
         self.averager: Any = None
@@ -294,15 +315,9 @@ class SwarmServer(SwarmNode):
                    if r.peer != self.peer]  # one moving counts where it goes
         return balance.choose_join_stage(servers, self.cfg.num_stages)
 
-    def _build_stage(self, j: int) -> Any:
-        spec = self.specs[j]
-        if self.cfg.swap:
-            from atomc.distributed.swapstage import SwappedStage as stage_class
-        else:
-            stage_class = ResidentStage
-        return stage_class(self.pkg, spec, self.device,
-                           self.loss_fn if spec.holds_output else None, self.opt_cfg,
-                           dtype=self.dtype, seed=self.cfg.seed)
+    def _build_stage(self, j: int) -> LayoutStage:
+        return make_stage(self.cfg.swap, self.pkg, self.specs[j], self.device, self.loss_fn,
+                          self.opt_cfg, dtype=self.dtype, seed=self.cfg.seed)
 
     def _enter(self, j: int) -> None:
         """Serve stage j: build it, join its averaging group, take its latest state from a
@@ -606,30 +621,9 @@ class SwarmServer(SwarmNode):
 
     def _run(self, kind: str, values: dict[str, Any], meta: dict[str, Any]
              ) -> tuple[dict[str, Any], float | None]:
-        batch = tuple(values.pop(f"{BATCH}{i}") for i in range(int(meta["batch_len"])))
-        grads = {n[len(GRAD):]: values.pop(n) for n in list(values) if n.startswith(GRAD)}
-        for n, v in values.items():
-            if isinstance(v, torch.Tensor) and n != RNG_VALUE and v.is_floating_point():
-                v.requires_grad_(kind == "backward")
-        stage = self.stage
-        stage.begin_step(self.step, int(meta["num_micro"]), int(meta["micro"]))
-        full = stage.order("gpipe", 1)
-        io = _OneMicro(values, grads)
-        if kind == "forward":
-            cut = next(i for i, a in enumerate(full) if a.kind == "S")
-            with torch.no_grad():
-                stage.run(full[:cut + 1], [batch], io)
-            return io.sent, None
-        saved = [b.detach().clone() for b in self.float_buffers]
-        losses = stage.run(full, [batch], io)
-        if not self.spec.holds_output:
-            # a forward call updated the statistics; the recomputation must not again (the
-            # last stage gets no forward call: its backward call is the micro-batch's forward)
-            with torch.no_grad():
-                for b, s in zip(self.float_buffers, saved):
-                    b.copy_(s)
-        loss = float(losses[0]) if losses else None
-        return io.sent_grads, loss
+        """One call: the stage's forward of its micro-batch, or its forward again and its
+        backward, as one micro-batch's actions on the stage (atomc.runtime.interpret)."""
+        return serve_call(self.stage, kind, values, meta, self.step)
 
     # ---- the step ------------------------------------------------------------------------------
 
@@ -784,7 +778,7 @@ class SwarmServer(SwarmNode):
                 in_use = self.stage.state_dict() if ckpt is not None else None
                 self.pending = self.updater.submit(self._update, self.step, in_use)
             else:
-                self.master.update(None)
+                self.master.optimizer_step(None)
                 if self.cfg.checkpoint_dir is not None:
                     self._save_checkpoint({**self._state(), "step": self.step})
             self.acc.zero_()
@@ -794,16 +788,13 @@ class SwarmServer(SwarmNode):
         names = sorted(str(v.get("peer", "?"))[-6:] for v in group.values())
         self.log(f"stage {self.spec.index} step {self.step}: took the step with {names}")
         if self.cfg.metrics_path is not None:
-            digest = hashlib.sha256()
-            for _, p in self.params:
-                digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
             self._metric({"event": "step", "stage": self.spec.index, "step": self.step,
-                          "group": len(group), "digest": digest.hexdigest()[:16]})
+                          "group": len(group), "digest": digest([p for _, p in self.params])})
 
     def _update(self, step: int, in_use: dict[str, Any] | None) -> None:
         """DPU, on the update thread: the optimizer step, then the checkpoint of `step` (the
         weights in use as they were at the commit, and the updated copy)."""
-        self.master.update(None)
+        self.master.optimizer_step(None)
         if in_use is not None:
             self._save_checkpoint({**in_use, "master": self.master.state_dict(), "step": step})
 

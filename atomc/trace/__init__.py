@@ -21,11 +21,18 @@ from atomc.device import names_cpu
 from atomc.dtypes import cast_floating
 from atomc.errors import ModelFileError, TraceError
 from atomc.ir import OpGraph
-from atomc.trace.fake import faked_on
-from atomc.trace.frontends import trace
-from atomc.trace.graph import ValueRecorder, build_opgraph, normalise_get_attrs, tensors_in
+from atomc.trace.fake import all_faked, faked_on
+from atomc.trace.frontends import VALUE_ADVICE, describe_failure, reads_values, trace
+from atomc.trace.graph import (
+    ValueRecorder,
+    build_opgraph,
+    normalise_get_attrs,
+    owner_of,
+    tensors_in,
+)
 from atomc.trace.load import call_with_options, load_model_file
 from atomc.trace.normalise import (
+    MODES,
     drop_assertions,
     inline_modes,
     mark_dtype_args,
@@ -38,6 +45,7 @@ __all__ = [
     "build_and_inputs",
     "constant_values",
     "dtype_args",
+    "grad_values",
     "load_model_file",
     "model_dtype",
     "runs_on_for",
@@ -61,6 +69,7 @@ class TracedModel:
     runs_on: str | None = "cpu"  # the device type a meta-device model's code saw (atomc.trace.fake)
     # node name -> argument paths whose dtype follows the model's (see `dtype_args`)
     _dtype_args: dict[str, tuple[tuple, ...]] | None = field(default=None, repr=False)
+    _grad_values: dict[str, bool] | None = field(default=None, repr=False)  # see `grad_values`
 
 
 def build_and_inputs(path: str | Path, config: str | None, batch_size: int, options: dict[str, int],
@@ -126,9 +135,7 @@ def trace_model(path: str | Path, config: str | None = None, batch_size: int = 1
             with torch.no_grad(), faked.running(), _buffers_kept(model, gm):
                 recorder.run(*faked.inputs)
         except Exception as e:
-            raise TraceError(f"the traced graph of {p} did not run on {device} tensors "
-                             f"({type(e).__name__}: {e}); mark the failing module as a "
-                             f"leaf") from e
+            raise TraceError(_run_failure(e, recorder.current, gm, leaf_types, p, device)) from e
         _refuse_weights_changed_in_forward(gm, versions, p)
     faked.unfake(gm)
     values = faked.to_meta(recorder.values)
@@ -137,6 +144,37 @@ def trace_model(path: str | Path, config: str | None = None, batch_size: int = 1
     where = torch.device(device)
     return TracedModel(graph, gm, model, inputs, values, module, where, leaf_types, train,
                        runs_on if where.type == "meta" else where.type)
+
+
+def _run_failure(exc: Exception, node: fx.Node | None, gm: fx.GraphModule,
+                 leaf_types: tuple[type, ...], path: Path, device: str | torch.device,
+                 how: str = "") -> str:
+    """One line for a traced graph that did not run: the operator, what failed where, and
+    advice that fits: marking a module as a leaf does not help when it reads tensor values, nor
+    when the module already is one."""
+    what = describe_failure(exc, path)
+    name, leaf = "", False
+    if node is not None and node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        name, leaf = type(module).__name__, bool(leaf_types) and isinstance(module, leaf_types)
+    elif node is not None:
+        name = owner_of(node)[1]  # the module whose forward the failing line is in
+    at = f" at graph node {node.name}" if node is not None else ""
+    if name:
+        at += f" ({name}, a leaf module)" if leaf else f" (in {name})"
+    kind = torch.device(device).type
+    head = f"the traced graph of {path} did not run {how}on {kind} tensors{at}: {what}"
+    if reads_values(exc):
+        return (f"{head}; it reads a tensor's value, which meta tensors (atomc traces and "
+                f"profiles on them, leaf modules included) do not have: {VALUE_ADVICE}")
+    if leaf:
+        return (f"{head}; a leaf module still runs on {kind} tensors: make "
+                f"its forward run on them (every operator it calls needs a meta kernel), or "
+                f"leave it out of LEAF_MODULES to trace through it")
+    if name:
+        return (f"{head}; mark {name} as a leaf (LEAF_MODULES in the model "
+                f"file) to run it whole, or make the failing line run on meta tensors")
+    return f"{head}; make the failing line run on meta tensors"
 
 
 def runs_on_for(device: str | None) -> str:
@@ -261,6 +299,66 @@ def dtype_args(traced: TracedModel) -> dict[str, tuple[tuple, ...]]:
     return traced._dtype_args
 
 
+class _GradRecorder(fx.Interpreter):
+    """Runs the graph with autograd on, each node under the grad mode of its region (MODES),
+    and notes which nodes' values require gradients. `device`: what a meta device named in
+    the graph stands for (the device type the trace ran its fakes on: strides, and so which
+    views work, follow that device's kernels)."""
+
+    def __init__(self, gm: fx.GraphModule, device: torch.device):
+        super().__init__(gm)
+        self.device = device
+        self.requires_grad: dict[str, bool] = {}
+        self.current: fx.Node | None = None
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.current = n
+        grad = [m[1] for m in n.meta.get(MODES, ()) if m[0] == "grad"]
+        with torch.set_grad_enabled(grad[-1] if grad else True):
+            result = super().run_node(n)
+        self.requires_grad[n.name] = any(t.requires_grad for t in tensors_in(result))
+        return result
+
+    def fetch_args_kwargs_from_env(self, n: fx.Node) -> tuple[tuple, dict]:
+        args, kwargs = super().fetch_args_kwargs_from_env(n)
+
+        def on_device(a: Any) -> Any:
+            return self.device if isinstance(a, torch.device) and a.type == "meta" else a
+
+        return fx.node.map_aggregate(args, on_device), fx.node.map_aggregate(kwargs, on_device)
+
+
+def grad_values(traced: TracedModel) -> dict[str, bool]:
+    """Node name -> whether its value requires gradients when the model trains: what autograd
+    itself says when the traced graph runs once with gradients on (each node under its
+    region's grad mode, the parameters trainable as the model's are, the inputs as the model
+    file gives them), on fake tensors, so that no weight is allocated or written.
+
+    A runtime makes a value that crosses a cut an autograd leaf; it takes a gradient exactly
+    when this says so. A router's expert counts (`histc` of the chosen experts, float, computed
+    from integers), what a no_grad region or `detach` computes, comparisons and `zeros_like`
+    carry none, and a leaf that required one would be refused by the integer `cumsum` that
+    reads it (autograd has no integer gradients). Asking autograd, not a list of operators,
+    keeps the answer right for every operator and custom Function.
+    """
+    if traced._grad_values is not None:
+        return traced._grad_values
+    gm = traced.gm
+    path = Path(getattr(traced.module, "__file__", None) or traced.graph.model_path)
+    recorder = None
+    try:
+        with torch.random.fork_rng(devices=[]), \
+                all_faked(gm, traced.inputs, traced.runs_on) as (mode, device, inputs), mode:
+            recorder = _GradRecorder(gm, device)
+            recorder.run(*inputs)
+    except Exception as e:
+        node = recorder.current if recorder is not None else None
+        raise TraceError(_run_failure(e, node, gm, traced.leaf_types, path, traced.device,
+                                      "with autograd ")) from e
+    traced._grad_values = recorder.requires_grad
+    return traced._grad_values
+
+
 @contextlib.contextmanager
 def _parameters_on_meta() -> Iterator[None]:
     """Modules built inside keep their parameters on the meta device and their buffers real.
@@ -285,20 +383,44 @@ def _parameters_on_meta() -> Iterator[None]:
 
 
 def buffer_values(traced: TracedModel, fqns: list[str]) -> dict[str, torch.Tensor]:
-    """Real values (on the CPU) of the model's buffers `fqns`, also for a model traced on meta."""
+    """Real values (on the CPU) of the model's buffers `fqns`, also for a model traced on meta.
+
+    The model is built again on the CPU with its parameters on meta, which gives the buffers
+    its constructor computes from the configuration. A constructor that computes a buffer on
+    the device of a weight it built before (a shifted-window attention mask made with
+    `device=self.qkv.weight.device`) makes it on meta again; such buffers are taken from a
+    build with real weights on the CPU (the host holds the weights when training anyway).
+    """
     buffers = dict(traced.model.named_buffers(remove_duplicate=False))
     if all(buffers[f].device.type != "meta" for f in fqns):
         return {f: buffers[f].detach().cpu() for f in fqns}
+    model, _ = _built_on_cpu(traced, weights=False)
+    built = dict(model.named_buffers(remove_duplicate=False))
+    if any(built[f].device.type == "meta" for f in fqns):
+        model, _ = _built_on_cpu(traced, weights=True)
+        built = dict(model.named_buffers(remove_duplicate=False))
+    return {f: _with_values(built[f], f"buffer {f}", traced) for f in fqns}
+
+
+def _built_on_cpu(traced: TracedModel, weights: bool) -> tuple[nn.Module, tuple]:
+    """The traced model and its inputs built again on the CPU, under the RNG state it found;
+    `weights=False` keeps every parameter on meta (see _parameters_on_meta)."""
     g = traced.graph
     path = Path(getattr(traced.module, "__file__", None) or g.model_path)
-    rng = torch.get_rng_state()
-    try:
-        with _parameters_on_meta():
-            _, model, _ = build_and_inputs(path, g.config, g.batch_size, dict(g.options), "cpu")
-    finally:
-        torch.set_rng_state(rng)
-    built = dict(model.named_buffers(remove_duplicate=False))
-    return {f: built[f].detach() for f in fqns}
+    with torch.random.fork_rng(devices=[]), (
+            contextlib.nullcontext() if weights else _parameters_on_meta()):
+        _, model, inputs = build_and_inputs(path, g.config, g.batch_size, dict(g.options), "cpu")
+    return model, inputs
+
+
+def _with_values(t: torch.Tensor, what: str, traced: TracedModel) -> torch.Tensor:
+    if t.device.type == "meta":
+        path = getattr(traced.module, "__file__", None) or traced.graph.model_path
+        raise TraceError(f"{what} of the model in {path} is on the meta device even when the "
+                         f"model is built on the CPU with real weights, so atomc cannot store "
+                         f"its values; compute it in the constructor on the CPU or on the "
+                         f"device of a weight, not on a fixed 'meta' device")
+    return t.detach()
 
 
 def constant_values(traced: TracedModel, names: list[str]) -> dict[str, torch.Tensor]:
@@ -308,32 +430,33 @@ def constant_values(traced: TracedModel, names: list[str]) -> dict[str, torch.Te
     on the CPU with its parameters on meta (tensors its constructor computes, such as Meta
     llama's complex rotary frequencies kept as a plain attribute, get their values) and
     exported with uninitialised weights: export reads only their shapes, so their pages are
-    reserved but never written.
+    reserved but never written. A tensor the constructor computes on the device of a weight
+    is meta in that build too; it is taken from a build with real weights.
     """
     values = {n: _fetch_attr(traced.gm, n) for n in names}
     if all(v.device.type != "meta" for v in values.values()):
         return {n: v.detach() for n, v in values.items()}
-    g = traced.graph
-    path = Path(getattr(traced.module, "__file__", None) or g.model_path)
-    rng = torch.get_rng_state()
-    try:
-        with _parameters_on_meta():
-            _, model, inputs = build_and_inputs(path, g.config, g.batch_size, dict(g.options),
-                                                "cpu")
-        model.to_empty(device="cpu").train(traced.train)
+    path = Path(getattr(traced.module, "__file__", None) or traced.graph.model_path)
+    found: dict[str, torch.Tensor] = {}
+    for weights in (False, True):
+        model, inputs = _built_on_cpu(traced, weights)
+        if not weights:
+            model.to_empty(device="cpu")
+        model.train(traced.train)
         inputs = tuple(torch.zeros_like(x, device="cpu") if isinstance(x, torch.Tensor) else x
                        for x in inputs)
-        gm, _ = _trace_graph(model, inputs, traced.leaf_types, path, "export")
-    finally:
-        torch.set_rng_state(rng)
-    found = {}
-    for n in names:
-        try:
-            found[n] = _fetch_attr(gm, n).detach()
-        except AttributeError:
-            raise TraceError(f"{path}: the constant {n} of the meta-device trace is not in a CPU "
-                             f"trace of the model; register it as a buffer of the model") from None
-    return found
+        with torch.random.fork_rng(devices=[]):
+            gm, _ = _trace_graph(model, inputs, traced.leaf_types, path, "export")
+        for n in names:
+            try:
+                found[n] = _fetch_attr(gm, n).detach()
+            except AttributeError:
+                raise TraceError(f"{path}: the constant {n} of the meta-device trace is not in a "
+                                 f"CPU trace of the model; register it as a buffer of the "
+                                 f"model") from None
+        if all(v.device.type != "meta" for v in found.values()):
+            break
+    return {n: _with_values(v, f"the constant {n}", traced) for n, v in found.items()}
 
 
 def _fetch_attr(root: Any, target: str) -> Any:

@@ -125,3 +125,44 @@ def faked_on(model: nn.Module, inputs: tuple, device_type: str | None) -> Iterat
     finally:
         for table, name, t in undo:
             table[name] = t
+
+
+@contextlib.contextmanager
+def all_faked(model: nn.Module, inputs: tuple, device_type: str | None
+              ) -> Iterator[tuple[FakeTensorMode, torch.device, tuple]]:
+    """Inside: every parameter and buffer of `model` is a fake tensor (meta ones reporting
+    `device_type`, as `faked_on` makes them; real ones on their own device), and so are the
+    inputs yielded, with the mode to run in and the device the meta device stands for (a
+    traced graph names it where the model named its device, see Faked.unfake). What runs
+    there writes only the fakes: the model's own tensors, their values and their autograd
+    state, stay as they were."""
+    if device_type == "cuda" and not torch.backends.cuda.is_built():
+        device_type = None  # as in faked_on
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    device = torch.device(device_type) if device_type is not None else META
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "meta":
+            f = FakeTensor(mode, t.detach(), device)
+        else:
+            f = mode.from_tensor(t.detach())
+        return nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
+            else f.requires_grad_(t.requires_grad)
+
+    made: dict[int, torch.Tensor] = {}  # one fake per tensor object: tied weights stay tied
+    undo = []
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None:
+                    continue
+                if id(t) not in made:
+                    made[id(t)] = fake(t)
+                undo.append((table, name, t))
+                table[name] = made[id(t)]
+    try:
+        yield mode, device, tuple(fake(x) if isinstance(x, torch.Tensor) else x
+                                  for x in inputs)
+    finally:
+        for table, name, t in undo:
+            table[name] = t

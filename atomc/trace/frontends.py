@@ -32,6 +32,7 @@ from atomc.trace.dynamic import (
     functions_kept_whole,
     is_internal,
 )
+from atomc.trace.normalise import MODES
 
 
 def layer_class(module: nn.Module) -> type:
@@ -78,6 +79,9 @@ class LeafTracer(fx.Tracer):
         # buffer tensor -> the value the forward assigned to it, for the rest of this trace
         self.assigned: dict[int, fx.Proxy] = {}
         with contextlib.ExitStack() as patches:
+            # the forward's own no_grad regions switch gradients off while it is traced (see
+            # create_node); from a caller's no_grad, the whole graph would look like one
+            patches.enter_context(torch.enable_grad())
             patches.enter_context(functions_kept_whole())
             for name in _SIZED_FACTORIES:
                 patches.enter_context(mock.patch.object(torch, name, _sizes_as_tuple(
@@ -107,6 +111,16 @@ class LeafTracer(fx.Tracer):
             setattr_(module, name, value)
 
         return mock.patch.object(nn.Module, "__setattr__", assign)
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        """A node made inside the forward's `torch.no_grad()` region is tagged with it, as
+        torch.export's regions are once inlined (atomc.trace.normalise.MODES): symbolic tracing
+        runs the region's `with` but records nothing of it, and the generated code, the
+        profile and which values carry gradients must know."""
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if not torch.is_grad_enabled() and kind not in ("placeholder", "output"):
+            node.meta[MODES] = (("grad", False),)
+        return node
 
     def getattr(self, attr, attr_val, parameter_proxy_cache):
         if id(attr_val) in self.assigned:
@@ -192,6 +206,7 @@ def trace(model: nn.Module, inputs: tuple, leaf_types: tuple[type, ...], model_p
           frontend: str = "auto") -> tuple[fx.GraphModule, str]:
     """(GraphModule, frontend name). `frontend` is "auto", "fx" or "export"."""
     failures: list[str] = []
+    value_read = False
     defaults = _defaults_after(model, len(inputs))
     if frontend in ("auto", "fx"):
         try:
@@ -200,7 +215,7 @@ def trace(model: nn.Module, inputs: tuple, leaf_types: tuple[type, ...], model_p
         except FINAL as e:
             raise type(e)(f"cannot trace the model in {model_path}: {e}") from None
         except Exception as e:  # noqa: BLE001 - fx raises many kinds; all mean "try the next"
-            failures.append(f"torch.fx.symbolic_trace: {_describe(e, model_path)}")
+            failures.append(f"torch.fx.symbolic_trace: {describe_failure(e, model_path)}")
     if frontend in ("auto", "export"):
         try:
             with LayerDropDecided(), distributions_unvalidated():
@@ -208,15 +223,41 @@ def trace(model: nn.Module, inputs: tuple, leaf_types: tuple[type, ...], model_p
         except FINAL as e:
             raise type(e)(f"cannot trace the model in {model_path}: {e}") from None
         except Exception as e:  # noqa: BLE001 - export raises many kinds; all are reported below
-            failures.append(f"torch.export: {_describe(e, model_path)}")
-    raise TraceError(
-        f"cannot trace the model in {model_path}: " + "; ".join(failures)
-        + ". Make the failing line traceable (e.g. avoid Python control flow on tensor values), "
-        "or mark the module that contains it as a leaf (LEAF_MODULES in the model file)"
+            failures.append(f"torch.export: {describe_failure(e, model_path)}")
+            value_read = reads_values(e)
+    if value_read:
+        # a leaf module would not help: atomc still runs it, on meta tensors, which have no values
+        advice = (f". {VALUE_ADVICE[0].upper()}{VALUE_ADVICE[1:]}, in the model and in any "
+                  f"module marked as a leaf: meta tensors have no values to read")
+    else:
+        advice = (". Make the failing line traceable, or mark the module that contains it as a "
+                  "leaf (LEAF_MODULES in the model file)")
+    raise TraceError(f"cannot trace the model in {model_path}: " + "; ".join(failures) + advice)
+
+
+VALUE_ADVICE = ("compute without reading tensor values in forward (torch.where or a mask in place "
+                "of `if` on a tensor; no .item() or .tolist())")
+
+_VALUE_MESSAGES = ("cannot be called on meta tensors", "Cannot copy out of meta tensor",
+                   "data-dependent", "data dependent")
+
+
+def reads_values(exc: BaseException) -> bool:
+    """Whether `exc` says the code read a tensor's value (`if x.sum() > 0`, `.item()`): a trace
+    cannot follow that, and meta and fake tensors have no values to give."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
     )
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    if isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException,
+                        GuardOnDataDependentSymNode)):
+        return True
+    return any(m in str(exc) for m in _VALUE_MESSAGES)
 
 
-def _describe(exc: BaseException, model_path: Path) -> str:
+def describe_failure(exc: BaseException, model_path: Path) -> str:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     message = f"{type(exc).__name__}: {first}"[:300]
     if "in output, which is not a known type" in first:

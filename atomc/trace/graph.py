@@ -40,16 +40,40 @@ def target_name(node: fx.Node) -> str:
     return str(node.target)
 
 
+# node.meta key: names of the node's inputs whose storage its result shares, as the recorded run
+# saw it (views, and modules or functions that return their input: nn.Identity, Dropout(p=0),
+# nn.Flatten), so that an in-place write through the result is seen as a write of the input
+ALIASES = "atomc_aliases"
+
+
+def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return torch._C._is_alias_of(a, b)
+    except RuntimeError:  # a tensor without storage (sparse, nested): nothing to share
+        return False
+
+
 class ValueRecorder(fx.Interpreter):
-    """Runs the graph (on meta tensors for big models) and keeps every node's value."""
+    """Runs the graph (on meta tensors for big models) and keeps every node's value; marks in
+    `node.meta[ALIASES]` the inputs each result shares storage with."""
 
     def __init__(self, gm: fx.GraphModule):
         super().__init__(gm, garbage_collect_values=False)
         self.values: dict[str, Any] = {}
+        self.current: fx.Node | None = None  # the node running (or that failed)
 
     def run_node(self, n: fx.Node) -> Any:
+        self.current = n
         result = super().run_node(n)
         self.values[n.name] = result
+        n.meta.pop(ALIASES, None)
+        if n.op in ("call_module", "call_function", "call_method"):
+            outs = tensors_in(result)
+            shared = tuple(a.name for a in n.all_input_nodes
+                           if any(shares_storage(o, t) for t in tensors_in(self.env.get(a))
+                                  for o in outs))
+            if shared:
+                n.meta[ALIASES] = shared
         return result
 
 
@@ -143,7 +167,7 @@ def build_opgraph(gm: fx.GraphModule, model: nn.Module, values: dict[str, Any], 
             buffer_fqns = [buffer_ids[id(b)] for b in mod.buffers() if id(b) in buffer_ids]
             standardized.update(canonical[id(p)] for p in normalised_weights(mod))
         else:
-            module_fqn, module_type = _owner(node)
+            module_fqn, module_type = owner_of(node)
             if node.op == "get_attr":
                 attr = _fetch(gm, str(node.target))
                 if isinstance(attr, nn.Parameter) or id(attr) in canonical:
@@ -251,7 +275,7 @@ def _fetch(gm: fx.GraphModule, target: str) -> Any:
     return obj
 
 
-def _owner(node: fx.Node) -> tuple[str, str]:
+def owner_of(node: fx.Node) -> tuple[str, str]:
     """Innermost module a non-module node was traced inside (from nn_module_stack)."""
     stack = node.meta.get("nn_module_stack")
     if not stack:

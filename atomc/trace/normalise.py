@@ -167,9 +167,10 @@ def mark_dtype_args(gm: fx.GraphModule, values: dict[str, Any], model_dtype: tor
     Returns {} when no argument names `model_dtype` (nothing to tell apart). Raises ValueError
     when the second trace is a different graph: the model takes other paths in other dtypes.
 
-    Also repairs the data flow around casts that were no-ops when traced: `y = x.to(float32)`
+    The two graphs are compared modulo casts that were no-ops when traced: `y = x.to(float32)`
     returns `x` itself for a float32 `x`, and torch.export then records later reads of `x` as
-    reads of `y`. In the other dtype the cast is real and the reads are right; `gm` takes them.
+    reads of `y` (a weight cast twice, `w.float()` here and there, reads the weight once). In
+    the other dtype the cast is real and the reads are right; `gm` takes them.
     """
     candidates = {n.name: s for n in gm.graph.nodes
                   if (s := {p: d for p, d in _dtype_slots(n).items() if d == model_dtype})}
@@ -177,7 +178,10 @@ def mark_dtype_args(gm: fx.GraphModule, values: dict[str, Any], model_dtype: tor
         return {}
     other = torch.float64 if model_dtype != torch.float64 else torch.float32
     second = retrace(other)
-    mine, theirs = list(gm.graph.nodes), list(second.graph.nodes)
+    # weights are compared by what they name where they are read (see _repair_aliased_reads):
+    # a read through a no-op cast is one get_attr fewer
+    mine = [n for n in gm.graph.nodes if n.op != "get_attr"]
+    theirs = [n for n in second.graph.nodes if n.op != "get_attr"]
     if len(mine) != len(theirs) or any(
             a.op != b.op or str(a.target) != str(b.target) for a, b in zip(mine, theirs)):
         raise ValueError(f"the model traces to a different graph in {other}")
@@ -198,39 +202,47 @@ _CASTS = {"aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten.to.ot
 
 def _repair_aliased_reads(gm: fx.GraphModule, values: dict[str, Any], mine: list[fx.Node],
                           theirs: list[fx.Node]) -> None:
-    """Where the traces disagree on what a node reads, undo reads through no-op casts."""
-    position = {b: i for i, b in enumerate(theirs)}
+    """Where the traces disagree on what a node reads, undo reads through no-op casts.
+
+    `mine` and `theirs` are the two graphs' nodes other than get_attr, in step; a get_attr
+    read is the same read when it names the same weight."""
+    twin = dict(zip(theirs, mine))
     # what each no-op cast read when traced (the repairs below change that): `x.float()` twice
     # on a float32 x records the second cast as reading the first, and a later read of x as
     # reading the second
-    source = {n: n.args[0] for n in mine if _is_noop_cast(n, values)}
+    source = {n: n.args[0] for n in gm.graph.nodes if _is_noop_cast(n, values)}
 
-    def aliases(x: fx.Node, truth: fx.Node) -> bool:
+    def same(x: fx.Node, y: fx.Node) -> bool:
+        if y.op == "get_attr":
+            return x.op == "get_attr" and x.target == y.target
+        return x is twin.get(y)
+
+    def through_casts(x: fx.Node, y: fx.Node) -> fx.Node | None:
+        """The node `x` is a no-op cast (of a no-op cast...) of that `y` names, if any."""
         while x in source and isinstance(source[x], fx.Node):
             x = source[x]
-            if x is truth:
-                return True
-        return False
+            if same(x, y):
+                return x
+        return None
 
     changed = False
     for a, b in zip(mine, theirs):
         reads_a, reads_b = a.all_input_nodes, b.all_input_nodes
-        if [n.name for n in reads_a] == [mine[position[n]].name for n in reads_b]:
-            continue
-        swaps: dict[fx.Node, fx.Node] = {}
-        for x, y in zip(reads_a, reads_b):
-            truth = mine[position[y]]
-            if x is truth:
-                continue
-            if not aliases(x, truth):
-                raise ValueError(f"node {a.name} reads {x.name} in one dtype and {truth.name} in "
-                                 f"another")
-            swaps[x] = truth
         if len(reads_a) != len(reads_b):
             raise ValueError(f"node {a.name} has other inputs in another dtype")
-        a.args = fx.node.map_arg(a.args, lambda n, swaps=swaps: swaps.get(n, n))
-        a.kwargs = fx.node.map_arg(a.kwargs, lambda n, swaps=swaps: swaps.get(n, n))
-        changed = True
+        swaps: dict[fx.Node, fx.Node] = {}
+        for x, y in zip(reads_a, reads_b):
+            if same(x, y):
+                continue
+            truth = through_casts(x, y)
+            if truth is None:
+                raise ValueError(f"node {a.name} reads {x.name} in one dtype and {y.name} in "
+                                 f"another")
+            swaps[x] = truth
+        if swaps:
+            a.args = fx.node.map_arg(a.args, lambda n, swaps=swaps: swaps.get(n, n))
+            a.kwargs = fx.node.map_arg(a.kwargs, lambda n, swaps=swaps: swaps.get(n, n))
+            changed = True
     if changed:
         gm.graph.lint()
         gm.recompile()

@@ -11,8 +11,11 @@ its INPUTS order returns a tuple in its OUTPUTS order. A value read further on (
 connection, an output computed early) is passed through the sub-models in between. The last
 sub-model returns the original model's output (tensor, tuple, dict...); its OUTPUTS name that
 output's tensors in flattened order. BOUNDARIES gives each sub-model's inputs and outputs:
-{"shape": [...], "dtype": ...} for tensors, {"kind": "int"} or {"kind": "other"} for Python
-values such as sizes, which carry no gradient.
+{"shape": [...], "dtype": ..., "grad": ...} for tensors, {"kind": "int"} or {"kind": "other"}
+for Python values such as sizes, which carry no gradient. "grad" says whether the value
+requires gradients when the original model trains: a runtime that receives it as an autograd
+leaf makes the leaf require one exactly then (a router's float counts of chosen experts do
+not, nor what a no_grad region computes).
 
 Weights
 -------
@@ -47,18 +50,18 @@ SUBMODELS = [Submodel0, Submodel1]
 
 MODEL_INPUTS = ('idx',)
 
-BOUNDARIES = [{'inputs': {'idx': {'shape': [2, 16], 'dtype': 'int64'}},
-  'outputs': {'drop': {'shape': [2, 16, 32], 'dtype': 'float32'},
-              'h_0_ln_1': {'shape': [2, 16, 32], 'dtype': 'float32'},
+BOUNDARIES = [{'inputs': {'idx': {'shape': [2, 16], 'dtype': 'int64', 'grad': False}},
+  'outputs': {'drop': {'shape': [2, 16, 32], 'dtype': 'float32', 'grad': True},
+              'h_0_ln_1': {'shape': [2, 16, 32], 'dtype': 'float32', 'grad': True},
               'getitem_1': {'kind': 'int'},
               'getitem_2': {'kind': 'int'},
               'getitem_3': {'kind': 'int'}}},
- {'inputs': {'drop': {'shape': [2, 16, 32], 'dtype': 'float32'},
-             'h_0_ln_1': {'shape': [2, 16, 32], 'dtype': 'float32'},
+ {'inputs': {'drop': {'shape': [2, 16, 32], 'dtype': 'float32', 'grad': True},
+             'h_0_ln_1': {'shape': [2, 16, 32], 'dtype': 'float32', 'grad': True},
              'getitem_1': {'kind': 'int'},
              'getitem_2': {'kind': 'int'},
              'getitem_3': {'kind': 'int'}},
-  'outputs': {'lm_head': {'shape': [2, 16, 256], 'dtype': 'float32'}}}]
+  'outputs': {'lm_head': {'shape': [2, 16, 256], 'dtype': 'float32', 'grad': True}}}]
 
 PLAN = {'plan_hash': 'd7ec4dccc55b6346',
  'graph_hash': 'abf7f780709b83a6',

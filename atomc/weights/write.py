@@ -1,0 +1,193 @@
+"""Weights out: a trainer's weights -> a directory that transformers, peft or safetensors load.
+
+What `save_pretrained(trainer, DIR)` writes:
+
+- a model built from a transformers config (examples/hf.py): the weights under the
+  transformers model's own names (atomc.weights.names, convention "transformers") in
+  safetensors shards with `model.safetensors.index.json` (one `model.safetensors` when they
+  fit one shard), its `config.json` (and `generation_config.json` when it generates), so that
+  `AutoModelForCausalLM.from_pretrained(DIR)` loads it;
+- a peft model: its adapter in peft's own format (adapter_model.safetensors and
+  adapter_config.json, written by peft's `save_pretrained`), which
+  `PeftModel.from_pretrained(base, DIR)` loads; the base weights stay those of the checkpoint
+  the training started from (when weights outside the adapter were trained too, every weight
+  is also written in shards under the original names);
+- any other model, and a model with weights outside its transformers model (a head of its
+  own): the weights under the original model's state-dict names in the same shards, which
+  `safetensors.torch.load_file` reads back into a state dict.
+
+Every name of a tied weight is written (each a copy on disk), so the files load with
+`load_state_dict(strict=True)`. `atomc-export.json` records what was exported.
+
+Memory: the shards are written from the host masters directly (no copy of the model); the
+safetensors writer holds one shard's bytes at a time, so the peak is the trainer's memory
+plus one shard (`max_shard_size`, 2 GB by default). The directory is written beside the
+target under a temporary name and renamed into place; an existing directory is replaced only
+when atomc exported it (it holds atomc-export.json).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from atomc.dtypes import parse_dtype
+from atomc.errors import RuntimeMismatchError, UsageError
+from atomc.jsonio import _fsync_dir as fsync_dir
+from atomc.jsonio import umask
+from atomc.weights.names import ORIGINAL, TRANSFORMERS, ModelNames, package_names
+from atomc.weights.read import require
+
+MARKER = "atomc-export.json"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+DEFAULT_SHARD = "2GB"
+
+
+def save_pretrained(trainer: Any, directory: str | Path, *,
+                    max_shard_size: int | str = DEFAULT_SHARD,
+                    dtype: str | torch.dtype | None = None) -> Path:
+    """Write the trainer's current weights to `directory` (see the module docstring); returns
+    the directory. `dtype` casts floating-point weights as they are written (default: the
+    masters' dtype)."""
+    out = Path(directory)
+    _check_target(out)
+    cast = parse_dtype(dtype, "dtype")
+    names = package_names(trainer.package, trainer.host_modules)
+    trainer.persistent_buffers()  # waits for pending updates; buffers as of the last step
+    state = {**trainer.unread, **trainer.package.export_state_dict(trainer.host_modules)}
+    state = {n: state[n] for n in _model_order(names, state)}
+    written_dtype = cast or trainer.store.master_dtype
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    external = names.external(TRANSFORMERS)
+    trained = {e.key for L in trainer.store.layouts for e in L.entries if e.trainable}
+    try:
+        if names.peft_model is not None:
+            kind = "peft adapter"
+            _write_adapter(names, state, tmp, cast)
+            if trained - names.adapter:  # trained weights outside the adapter: all of them too
+                kind += f" and {ORIGINAL} names"
+                _write_shards(state, tmp, max_shard_size, cast)
+        elif names.hf_model is not None and all(n in external for n in state):
+            kind = TRANSFORMERS
+            _write_shards({external[n]: t for n, t in state.items()}, tmp, max_shard_size, cast)
+            _write_hf_config(names, tmp, written_dtype)
+        else:  # (a model with weights outside its transformers model: all of them, as named)
+            kind = ORIGINAL
+            _write_shards(state, tmp, max_shard_size, cast)
+        record = {"kind": "atomc.export", "names": kind, "package": str(trainer.package.path),
+                  "plan_hash": trainer.package.plan_hash, "step": trainer.step_count,
+                  "dtype": str(written_dtype).replace("torch.", "")}
+        (tmp / MARKER).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        _install(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _model_order(names: ModelNames, state: dict[str, torch.Tensor]) -> list[str]:
+    first = [n for n in names.model_names if n in state]
+    placed = set(first)
+    return first + [n for n in state if n not in placed]
+
+
+def _write_shards(state: dict[str, torch.Tensor], out: Path, max_shard_size: int | str,
+                  cast: torch.dtype | None) -> None:
+    """safetensors shards as huggingface_hub splits them, and their index when there are
+    several."""
+    split = require("huggingface_hub").split_torch_state_dict_into_shards
+    save_file = require("safetensors.torch").save_file
+
+    def dtype_of(t: torch.Tensor) -> torch.dtype:
+        return cast if cast is not None and t.is_floating_point() else t.dtype
+
+    # the split sees stand-ins: the masters are views of one buffer, which it would take for
+    # one tensor shared by all
+    stand_ins = {k: torch.empty(t.shape, dtype=dtype_of(t), device="meta")
+                 for k, t in state.items()}
+    try:
+        shards = split(stand_ins, max_shard_size=max_shard_size,
+                       filename_pattern="model{suffix}.safetensors")
+    except ValueError as e:
+        raise UsageError(f"max shard size {max_shard_size!r}: {e}; give a size such as 2GB or "
+                         f"500MB") from None
+    for filename, keys in shards.filename_to_tensors.items():
+        shard: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for k in keys:
+            t = state[k].detach().to(dtype_of(state[k])).contiguous()
+            if id(t) in seen:  # another name of a tied weight: a copy of its own on disk
+                t = t.clone()
+            seen.add(id(t))
+            shard[k] = t
+        save_file(shard, str(out / filename), metadata={"format": "pt"})
+    if shards.is_sharded:
+        index = {"metadata": dict(shards.metadata), "weight_map": dict(shards.tensor_to_filename)}
+        (out / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n",
+                                             encoding="utf-8")
+
+
+def _write_hf_config(names: ModelNames, out: Path, dtype: torch.dtype) -> None:
+    """The transformers model's config.json (and generation_config.json), as its own
+    save_pretrained writes them."""
+    model = names.hf_model
+    assert model is not None
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    config.dtype = dtype
+    config.save_pretrained(str(out))
+    generation = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", None)
+    if generation is not None and callable(can_generate) and can_generate():
+        generation.save_pretrained(str(out))
+
+
+def _write_adapter(names: ModelNames, state: dict[str, torch.Tensor], out: Path,
+                   cast: torch.dtype | None) -> None:
+    """The peft adapter, written by peft itself from the trained values."""
+    model = names.peft_model
+    assert model is not None
+    prefix = names.peft_prefix
+    relative = {n[len(prefix):]: (t.to(cast) if cast is not None and t.is_floating_point()
+                                  else t)
+                for n, t in state.items() if n.startswith(prefix) and n in names.adapter}
+    model.save_pretrained(str(out), state_dict=relative)
+
+
+def _check_target(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise RuntimeMismatchError(f"{out} is a file; give a directory to export into")
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise RuntimeMismatchError(f"{out} exists and is not a directory atomc exported (no "
+                                   f"{MARKER}); give a new or empty directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _install(tmp: Path, out: Path) -> None:
+    """Rename the finished directory into place; an earlier export there is replaced whole."""
+    os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    if not out.exists():
+        os.rename(tmp, out)
+    else:
+        backup = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+        os.rmdir(backup)
+        os.rename(out, backup)
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            os.rename(backup, out)
+            raise
+        shutil.rmtree(backup, ignore_errors=True)
+    fsync_dir(out.parent)
