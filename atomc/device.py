@@ -3,6 +3,8 @@ what the device names that profiles and plans record stand for."""
 
 from __future__ import annotations
 
+import platform
+
 import torch
 
 from atomc.errors import AtomcError, UsageError
@@ -34,3 +36,10 @@ def names_cpu(device: str) -> bool:
     """Whether a profile's or a plan's device name ("cpu (x86_64, 2 threads)", "cuda:0 (NVIDIA
     H100 ...)", a hardware profile's name: a GPU) is the CPU."""
     return device.startswith("cpu")
+
+
+def describe_device(device: torch.device) -> str:
+    """How profiles, plans and measurements name the device they ran on."""
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"

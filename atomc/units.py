@@ -1,4 +1,4 @@
-"""Parsing and printing of memory sizes, bandwidths and times.
+"""Parsing and printing of memory sizes, bandwidths and times; ms <-> ns.
 
 Sizes accept binary (KiB, MiB, GiB, TiB) and decimal (KB, MB, GB, TB) units, or a plain
 number of bytes: `11GiB`, `512MiB`, `8GB`, `1.5GiB`, `4096`.
@@ -53,6 +53,19 @@ def format_bytes(num_bytes: float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+NS_PER_MS = 1_000_000
+
+
+def ms_to_ns(ms: float) -> int:
+    """Whole nanoseconds in `ms` milliseconds: the simulator and the partition's cost model
+    count time in integer ns, so that sums over thousands of actions do not drift."""
+    return round(ms * NS_PER_MS)
+
+
+def ns_to_ms(ns: float) -> float:
+    return ns / NS_PER_MS
 
 
 def format_ms(ms: float) -> str:

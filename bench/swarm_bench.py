@@ -13,7 +13,7 @@ Parts (each its own flag value; run several with --part a --part b ...):
     runs: no rebalancing (newcomers on a stage drawn with seed 0), rebalancing (--rebalance-period
     T --min-gain 0.03, newcomers --stage auto) and the best static assignment (computed);
 (b) simulated: the rebalancing policy (atomc.swarm.balance) in the swarm simulator
-    (atomc.simulate.swarm) over 32-hour churn traces, as % of the optimal throughput,
+    (atomc.swarm.simulate) over 32-hour churn traces, as % of the optimal throughput,
     against SWARM's Table 5 (Ryabinin et al. 2023, App. I: no rebalancing 82.7%, T = 300 s
     95.8%, T = 60 s 97.6%). Target: T = 60 s >= 97%;
 (c) bytes on the wire per micro-batch and the step time over an emulated 100 Mbit/s link,
@@ -86,8 +86,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from atomc.simulate.swarm import HOUR_S, SwarmSimConfig, simulate_swarm, simulate_wiring
 from atomc.swarm.balance import assignment_bound, best_assignment, min_stage_throughput
+from atomc.swarm.simulate import HOUR_S, SwarmSimConfig, simulate_swarm, simulate_wiring
 from bench._swarm_procs import Procs, lines
 
 # ---------------------------------------------------------------------------------------------

@@ -23,10 +23,11 @@ import torch
 from atomc.actions import gpipe, max_in_flight, one_f_one_b
 from atomc.codegen import generate
 from atomc.codegen.manual import plan_from_cuts
+from atomc.distributed.checkpoints import final_state
 from atomc.distributed.groups import assign, check_world, load_layout
 from atomc.distributed.launch import build_command
 from atomc.distributed.pipeline import stage_boundaries
-from atomc.distributed.runner import check_package, final_state
+from atomc.distributed.runner import check_package
 from atomc.errors import LayoutError
 from atomc.place import place
 from atomc.place.network import network_from_data

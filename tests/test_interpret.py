@@ -263,7 +263,8 @@ def bn_pkg(tmp_path_factory: pytest.TempPathFactory):
 def _stages(pkg, j: int) -> dict:
     """Stage j of two (sub-models [0, 2) and [2, 3)), resident and swapped, float64, with the
     model's initial weights; their forward and backward calls recorded."""
-    from atomc.distributed.stage import cut_stages, make_stage
+    from atomc.distributed.stage import cut_stages
+    from atomc.distributed.swapstage import make_stage
     from atomc.runtime.optim import AdamWConfig
     from atomc.trace.load import load_model_file
 
@@ -291,7 +292,7 @@ def _stages(pkg, j: int) -> dict:
 
 
 def _call(st, kind: str, values: dict, step: int = 1, micro: int = 2):
-    from atomc.swarm.server import serve_call
+    from atomc.swarm.calls import serve_call
 
     st.calls.clear()
     meta = {"batch_len": 1, "num_micro": MICRO, "micro": micro}
@@ -308,7 +309,7 @@ def _same(a: dict, b: dict) -> None:
 
 
 def test_swarm_calls_are_one_micro_batch_stage_operations(bn_pkg) -> None:
-    from atomc.swarm.server import BATCH, GRAD
+    from atomc.swarm.calls import BATCH, GRAD
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(MICRO, 6, generator=g, dtype=torch.float64)

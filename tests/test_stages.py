@@ -17,7 +17,7 @@ import torch
 
 from atomc.codegen import generate
 from atomc.codegen.manual import plan_from_cuts
-from atomc.distributed.runner import final_state
+from atomc.distributed.checkpoints import final_state
 from atomc.place import place
 from atomc.place.network import network_from_data
 from atomc.runtime import micro_batch_rng
@@ -226,10 +226,11 @@ def test_stage_inputs_take_gradients_exactly_when_the_model_gives_them_one(
     without a gradient, so its int32 cumsum of them runs, and the gradients it sends back are
     those of one autograd graph over the model. The layout's wire says which values carry one."""
     from atomc.distributed.pipeline import describe
-    from atomc.distributed.stage import cut_stages, make_stage
+    from atomc.distributed.stage import cut_stages
+    from atomc.distributed.swapstage import make_stage
     from atomc.runtime.optim import AdamWConfig
     from atomc.runtime.package import load_swap_package
-    from atomc.swarm.server import BATCH, serve_call
+    from atomc.swarm.calls import BATCH, serve_call
 
     path = Path(__file__).parent / "models" / "moe.py"
     traced = trace_model(path, None, 2, device="cpu")

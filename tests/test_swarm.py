@@ -29,9 +29,10 @@ from atomc.errors import UsageError
 from atomc.runtime.checkpoint import load_checkpoint
 from atomc.runtime.package import load_swap_package
 from atomc.runtime.rng import micro_batch_rng
+from atomc.swarm.calls import CallTime
 from atomc.swarm.client import Router
+from atomc.swarm.node import stage_specs
 from atomc.swarm.records import ServerRecord
-from atomc.swarm.server import CallTime, stage_specs
 from atomc.trace import trace_model
 from atomc.trace.load import load_model_file
 
@@ -316,7 +317,8 @@ def test_a_server_takes_the_state_of_one_that_entered_its_stage_while_it_looked(
     and got nothing in time refuses."""
     from types import SimpleNamespace
 
-    from atomc.swarm.server import StateNotShared, SwarmServer
+    from atomc.swarm.server import SwarmServer
+    from atomc.swarm.state import StateNotShared
 
     server = object.__new__(SwarmServer)
     server.peer = "pc"
@@ -510,7 +512,7 @@ def test_every_reader_drops_a_reported_server_at_the_same_dht_time(monkeypatch) 
 
 
 def test_decisions_fall_on_the_same_ticks_whatever_the_period() -> None:
-    from atomc.swarm.server import period_of
+    from atomc.swarm.rebalance import period_of
 
     def first_ticks(ticks: list[float], period: float) -> list[float]:
         out, then = [], period_of(0.0, period)
@@ -623,7 +625,7 @@ def test_stage_costs_count_the_forward_call_the_last_stage_does_not_get(work: di
     # a plan without times: all alike
     assert node.stage_costs(specs, node.call_times(pkg, specs)) == [1.0, 1.0]
     sub = SimpleNamespace(fwd_ms=1.0, bwd_ms=2.0)
-    monkeypatch.setattr(node, "_package_plan",
+    monkeypatch.setattr(node, "package_plan",
                         lambda _: SimpleNamespace(submodels=[sub] * 5, batch_size=2))
     # stage 0: forward call + backward call (recomputes): 2 x 1 + 2; stage 1: 4 x (1 + 2)
     times = node.call_times(pkg, specs)

@@ -1,4 +1,4 @@
-"""SWARM rebalancing (atomc.swarm.balance) and the swarm simulator (atomc.simulate.swarm):
+"""SWARM rebalancing (atomc.swarm.balance) and the swarm simulator (atomc.swarm.simulate):
 Algorithm 2's choices by hand, the no-flap rule as an invariant, the best assignment against
 brute force, stochastic wiring against the flow model, and the simulated swarm against
 SWARM's Table 5."""
@@ -13,13 +13,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from atomc.simulate import (
-    ChurnTrace,
-    SwarmSimConfig,
-    simulate_swarm,
-    simulate_wiring,
-    synthetic_churn_trace,
-)
 from atomc.swarm.balance import (
     Move,
     ServerLoad,
@@ -32,6 +25,13 @@ from atomc.swarm.balance import (
     rate_on,
     stage_loads,
     stage_throughputs,
+)
+from atomc.swarm.simulate import (
+    ChurnTrace,
+    SwarmSimConfig,
+    simulate_swarm,
+    simulate_wiring,
+    synthetic_churn_trace,
 )
 
 

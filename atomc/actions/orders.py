@@ -8,7 +8,7 @@ a runtime executes them front to back, and the simulator times them in that orde
 
 from __future__ import annotations
 
-from atomc.actions import Action, Run
+from atomc.actions.action import Action, Run
 from atomc.errors import UsageError
 
 PIPELINE_ORDERS = ("gpipe", "1f1b")

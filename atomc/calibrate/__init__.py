@@ -40,8 +40,6 @@ from atomc.errors import CalibrationError
 from atomc.ir import Calibration, Plan, Profile, SubmodelCalibration
 from atomc.simulate.events import copies_on_host, fit_host_gap_ms
 
-NS_PER_MS = 1_000_000
-
 __all__ = ["MeasuredSubmodel", "Measurement", "calibrate", "device_matches", "measure_package",
            "summarise"]
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from atomc.device import describe_device
 from atomc.errors import AtomcError, CalibrationError, UsageError
 from atomc.ir import Document
 from atomc.runtime.trace import LANES, StepTrace
@@ -63,7 +64,7 @@ class Measurement(Document):
 
     package: str
     plan_hash: str  # the plan the package was generated from
-    device: str  # as profiles name devices (atomc.profile.describe_device)
+    device: str  # as profiles name devices (atomc.device.describe_device)
     accum: int
     activations: str
     warmup_steps: int
@@ -238,7 +239,6 @@ def measure_package(package: str | Path, *, steps: int = 20, warmup: int = 3,
     Batches are made before the first step, so that the steps time training alone. Returns
     the measurement and the measured steps' traces (with the one that ends the last).
     """
-    from atomc.profile import describe_device
     from atomc.runtime import SwapTrainer
     from atomc.runtime.data import text_batches
 

@@ -22,17 +22,16 @@ Every wait is bounded: DHT start-up (an initial peer that never answers is an er
 
 from __future__ import annotations
 
-import io
 import json
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from atomc.distributed.hive import import_hivemind, start_dht, state_bytes, state_from_bytes
 from atomc.errors import PeerError, UsageError
 
 
@@ -73,25 +72,6 @@ class PeerConfig:
                                 f"printed, e.g. /ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID")
 
 
-def _import_hivemind() -> Any:
-    try:
-        import hivemind
-    except ImportError as e:  # pragma: no cover - installed with atomc's peers extra
-        raise PeerError(f"hivemind is not installed ({e}); install it from its wheel: "
-                        f"pip install --only-binary=hivemind hivemind") from None
-    return hivemind
-
-
-def state_bytes(state: dict[str, Any]) -> torch.Tensor:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-
-
-def state_from_bytes(t: torch.Tensor) -> dict[str, Any]:
-    return torch.load(io.BytesIO(t.numpy().tobytes()), map_location="cpu", weights_only=True)
-
-
 def round_vector(trainer: Any) -> torch.Tensor:
     """What a round averages, as one vector in the master dtype (float64 runs average in
     float64): every master weight, then every persistent buffer, so that BatchNorm's running
@@ -122,52 +102,6 @@ def set_round_vector(trainer: Any, flat: torch.Tensor) -> None:
     trainer.load_state_dict(state, source="averaged weights")
 
 
-def start_dht(hm: Any, initial_peers: Sequence[str], host_maddrs: Sequence[str],
-              announce_maddrs: Sequence[str], timeout_s: float) -> Any:
-    """A hivemind DHT node joined through `initial_peers` (none: a new network), with every wait
-    bounded: an initial peer that never answers is a PeerError after `timeout_s`."""
-    for a in initial_peers:
-        if not a.startswith("/"):
-            raise PeerError(f"initial peer {a!r} is not a multiaddress; give one another peer "
-                            f"printed, e.g. /ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID")
-    # loopback-friendly and private: no IPFS bootstrap, no relays, no NAT traversal or UPnP
-    kwargs: dict[str, Any] = {
-        "initial_peers": list(initial_peers), "host_maddrs": list(host_maddrs),
-        "start": True, "use_ipfs": False, "use_relay": False, "use_auto_relay": False,
-        "auto_nat": False, "nat_port_map": False, "client_mode": False,
-        "startup_timeout": timeout_s}
-    if announce_maddrs:
-        kwargs["announce_maddrs"] = list(announce_maddrs)
-    box: dict[str, Any] = {}
-
-    def start() -> None:
-        try:
-            box["dht"] = hm.DHT(**kwargs)
-        except BaseException as e:  # noqa: BLE001 - surfaced below as a PeerError
-            box["error"] = e
-
-    th = threading.Thread(target=start, daemon=True)
-    th.start()
-    th.join(timeout_s + 15.0)
-    where = ", ".join(initial_peers) or "(none: first peer)"
-    if th.is_alive():
-        raise PeerError(f"the peer network did not start within {timeout_s + 15:.0f} s (initial "
-                        f"peers {where}); check that they are alive and reachable")
-    if "error" in box:
-        e = box["error"]
-        said = " ".join(str(e).split())[:300]  # p2pd's last line of output, for a daemon error
-        if "failed to listen" in said:
-            raise PeerError(f"the p2p daemon could not listen on {', '.join(host_maddrs)}: "
-                            f"{said}; give --host-maddrs an address of this machine (e.g. "
-                            f"/ip4/0.0.0.0/tcp/PORT) and a free port") from None
-        if "bootstrap" in said or initial_peers:
-            raise PeerError(f"could not join the peers through {where}: {type(e).__name__}: "
-                            f"{said}; give the address of a live peer (it prints it at start) "
-                            f"and check that its port is reachable") from None
-        raise PeerError(f"the p2p daemon failed to start: {type(e).__name__}: {said}") from None
-    return box["dht"]
-
-
 def weights_digest(trainer: Any) -> str:
     from atomc.runtime.checkpoint import digest
 
@@ -183,7 +117,7 @@ class PeerTrainer:
         self.cfg = cfg
         self.log = log
         self.t_start = time.monotonic()
-        self.hm = _import_hivemind()
+        self.hm = import_hivemind()
         from atomc.runtime import SwapTrainer
 
         self.trainer = SwapTrainer.from_package(

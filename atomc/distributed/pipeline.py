@@ -84,7 +84,7 @@ class Entry:
     shape: tuple[int, ...] = ()
     dtype: str = ""
     grad: bool = False  # the receiver sends a gradient back for it
-    value: Any = None  # a non-tensor, JSON-encoded (see _encode)
+    value: Any = None  # a non-tensor, JSON-encoded (see encode_value)
     # a tensor's layout when it is not row-major (a transposed view), as strides: dropout draws
     # its mask in memory order, so a stage that received a row-major copy drew other masks
     # than the unpartitioned model
@@ -101,7 +101,7 @@ def _boundary_dtype(name: str) -> torch.dtype:
     return dtype_from_name(name, "boundary dtype", RuntimeMismatchError)
 
 
-def _encode(v: Any) -> Any:
+def encode_value(v: Any) -> Any:
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     if isinstance(v, torch.Size):
@@ -111,13 +111,13 @@ def _encode(v: Any) -> Any:
     if isinstance(v, torch.device):
         return {"device": v.type}  # the receiver's own device of that type
     if isinstance(v, (list, tuple)):
-        return {"tuple" if isinstance(v, tuple) else "list": [_encode(x) for x in v]}
+        return {"tuple" if isinstance(v, tuple) else "list": [encode_value(x) for x in v]}
     raise RuntimeMismatchError(
         f"a boundary value of type {type(v).__name__} cannot cross a pipeline stage; cut the model "
         f"elsewhere (a stage boundary may carry tensors, numbers, sizes, dtypes and devices)")
 
 
-def _decode(v: Any, device: torch.device) -> Any:
+def decode_value(v: Any, device: torch.device) -> Any:
     if not isinstance(v, dict):
         return v
     if "size" in v:
@@ -127,8 +127,8 @@ def _decode(v: Any, device: torch.device) -> Any:
     if "device" in v:
         return device if device.type == v["device"] else torch.device(v["device"])
     if "tuple" in v:
-        return tuple(_decode(x, device) for x in v["tuple"])
-    return [_decode(x, device) for x in v["list"]]
+        return tuple(decode_value(x, device) for x in v["tuple"])
+    return [decode_value(x, device) for x in v["list"]]
 
 
 def layout(t: torch.Tensor) -> tuple[int, ...]:
@@ -167,7 +167,7 @@ def describe(values: dict[str, Any], names: tuple[str, ...],
                              and (grads is None or n in grads),
                              strides=layout(v)))
         else:
-            out.append(Entry(n, "value", value=_encode(v)))
+            out.append(Entry(n, "value", value=encode_value(v)))
     return tuple(out)
 
 
@@ -511,7 +511,7 @@ class Link:
                 t = next(it)
                 out[e.name] = t.requires_grad_(True) if e.grad else t
             else:
-                out[e.name] = _decode(e.value, self.t.device)
+                out[e.name] = decode_value(e.value, self.t.device)
         return out
 
     def send_grads(self, grads: dict[str, torch.Tensor | None], values: dict[str, Any]) -> None:

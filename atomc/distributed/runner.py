@@ -27,7 +27,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +36,8 @@ from typing import Any
 import torch
 
 from atomc.actions import PIPELINE_ORDERS, max_in_flight, pipeline_order
+from atomc.distributed.checkpoints import TaskletCheckpoints
+from atomc.distributed.collectives import Collectives
 from atomc.distributed.groups import (
     Groups,
     LayoutView,
@@ -49,8 +50,14 @@ from atomc.distributed.groups import (
     with_ranges,
 )
 from atomc.distributed.pipeline import Link, Transport
-from atomc.distributed.stage import LayoutStage, StageSpec, cut_stages, make_stage
-from atomc.dtypes import parse_dtype
+from atomc.distributed.stage import (
+    LayoutStage,
+    StageSpec,
+    cut_stages,
+    package_plan,
+    stage_dtype,
+)
+from atomc.distributed.swapstage import make_stage
 from atomc.errors import AtomcError, LayoutError, RuntimeMismatchError, UsageError
 from atomc.runtime.optim import AdamWConfig
 from atomc.runtime.package import SwapPackage, load_swap_package
@@ -92,13 +99,6 @@ class LayoutConfig:
             raise UsageError(f"dp_reduce {self.dp_reduce!r}: choose auto, allreduce or p2p")
 
 
-def _dtype(name: str | None) -> torch.dtype | None:
-    dtype = parse_dtype(name, "dtype")
-    if dtype not in (None, torch.float32, torch.float64):
-        raise UsageError(f"dtype {name!r}: the layout runner trains in float32 or float64")
-    return dtype
-
-
 def check_package(pkg: SwapPackage, layout: LayoutView) -> LayoutView:
     """The package must be the one the layout's plan was cut into; returns the layout with its
     stage ranges (computed from the package's plan when the layout was scheduled without one)."""
@@ -109,21 +109,11 @@ def check_package(pkg: SwapPackage, layout: LayoutView) -> LayoutView:
             f"the layout's plan (atomc codegen PLAN.json) or schedule again with --plan for this "
             f"package's plan")
     if not layout.stage_ranges:
-        layout = with_ranges(layout, _package_plan(pkg))
+        layout = with_ranges(layout, package_plan(pkg))
     return layout.check(pkg.num_submodels)
 
 
-def _package_plan(pkg: SwapPackage) -> Any:
-    from atomc.ir import Plan
-
-    path = Path(pkg.path) / "plan.json"
-    if not path.is_file():
-        raise RuntimeMismatchError(f"{pkg.path} has no plan.json; regenerate the package with "
-                                   f"`atomc codegen`")
-    return Plan.load(path)
-
-
-class LayoutTrainer:
+class LayoutTrainer(TaskletCheckpoints):
     """One rank of a layout run (see the module docstring)."""
 
     def __init__(self, cfg: LayoutConfig, loss_fn: Callable[[Any, tuple], torch.Tensor],
@@ -143,7 +133,7 @@ class LayoutTrainer:
         self.pkg = load_swap_package(cfg.package)
         self.layout = check_package(self.pkg, self.layout)
         self.opt_cfg = AdamWConfig.coerce(cfg.optimizer)
-        self.dtype = _dtype(cfg.dtype)
+        self.dtype = stage_dtype(cfg.dtype)
 
         self.device = self._device()
         if not dist.is_initialized():
@@ -182,6 +172,7 @@ class LayoutTrainer:
                         else ("p2p" if cfg.emulate_delay else "allreduce"))
         # one process group per link direction (groups.link_groups): see pipeline.py, Ordering
         self.transport = Transport(self.device, delays, links=self.groups.links, rank=world_rank)
+        self.collectives = Collectives(dist, self.device, self.dp_mode, self.transport)
         where = f"replica {self.place.replica} stage {j}"
         # every link carries the micro-batch's RNG state besides the boundary values
         # and says which values carry a gradient back (those the model computes with them)
@@ -364,11 +355,12 @@ class LayoutTrainer:
         for stages, fqns in sorted(by_set.items()):
             grads = self._grads([(f, named[f]) for f in fqns])
             ranks = [self.place.world(self.place.replica, s) for s in stages]
-            self._sum(grads, self.groups.tied[stages], ranks, TAG_TIED, average=False, direct=True)
+            self.collectives.sum(grads, self.groups.tied[stages], ranks, TAG_TIED, average=False,
+                                 direct=True)
         # 4. data parallelism: average over the replicas of this stage
         if self.layout.dp > 1:
             ranks = [self.place.world(i, self.place.stage) for i in range(self.layout.dp)]
-            self._sum(self._grads(params), self.groups.dp, ranks, TAG_DP, average=True)
+            self.collectives.sum(self._grads(params), self.groups.dp, ranks, TAG_DP, average=True)
         # 5. clipping and the update
         coef = self._clip_coefficient(params) if self.opt_cfg.max_grad_norm is not None else None
         st.optimizer_step(coef)
@@ -379,90 +371,6 @@ class LayoutTrainer:
                 self.dist.broadcast(flat, src=self.place.world(0, self.place.stage),
                                     group=self.groups.dp)
                 b.copy_(flat)
-
-    def _sum(self, grads: list[torch.Tensor], group: Any, ranks: list[int], tag: int, average: bool,
-             direct: bool = False) -> None:
-        """Sum (or average) gradients over `ranks` in one flat buffer per dtype. Over point-to-point
-        sends, `direct` swaps whole buffers in one round (one link delay; for the few stages that
-        share a tied weight), otherwise DT-FM's sharded exchange (two rounds, 1/n of the bytes
-        each). The buffer is on this rank's device (a swapped stage's gradients live in host
-        memory, which NCCL cannot send)."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for gs in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in gs]).to(self.device)
-            if self.dp_mode == "p2p":
-                flat = self._direct_sum(flat, ranks, group, tag) if direct else \
-                    self._sharded_sum(flat, ranks, group, tag)
-            else:
-                self.dist.all_reduce(flat, group=group)
-            if average:
-                flat /= len(ranks)
-            off = 0
-            for g in gs:
-                n = g.numel()
-                g.copy_(flat[off:off + n].view_as(g))
-                off += n
-
-    def _exchange(self, group: Any, sends: list[tuple[torch.Tensor, int]],
-                  recvs: list[tuple[torch.Tensor, int]], tag: int) -> None:
-        """One symmetric round of point-to-point messages inside `group`, all posted together with
-        dist.batch_isend_irecv (NCCL runs them as one group call: every rank sending before it
-        receives cannot block), then waited for. With emulated link delays the round is posted
-        after the largest delay to its peers, when the slowest message would have arrived."""
-        dist = self.dist
-        delay = self.transport.delay_s([r for _, r in sends])
-        if delay > 0:
-            time.sleep(delay)
-        ops = [dist.P2POp(dist.isend, t, r, group, tag) for t, r in sends]
-        ops += [dist.P2POp(dist.irecv, t, r, group, tag) for t, r in recvs]
-        self.transport.bytes_sent += sum(t.numel() * t.element_size() for t, _ in sends)
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-
-    def _sharded_sum(self, flat: torch.Tensor, ranks: list[int], group: Any,
-                     tag: int) -> torch.Tensor:
-        """DT-FM's sharded parameter server (eq. 2) over point-to-point sends: rank k owns shard
-        k, sums it from every peer (in group order, so all ranks end with identical bits) and
-        sends the sum back. Emulated link delays apply to each of the two rounds."""
-        me = ranks.index(self.dist.get_rank())
-        n = len(ranks)
-        bounds = [flat.numel() * k // n for k in range(n + 1)]
-
-        def shard(k: int) -> torch.Tensor:
-            return flat[bounds[k]:bounds[k + 1]]
-
-        peers = [k for k in range(n) if k != me]
-        parts = {k: torch.empty_like(shard(me)) for k in peers}
-        self._exchange(group, [(shard(k).contiguous(), ranks[k]) for k in peers],
-                       [(parts[k], ranks[k]) for k in peers], tag)
-        total = None
-        for k in range(n):
-            part = shard(me) if k == me else parts[k]
-            total = part.clone() if total is None else total + part
-        out = torch.empty_like(flat)
-        out[bounds[me]:bounds[me + 1]] = total
-        # contiguous views, received in place
-        back = {k: out[bounds[k]:bounds[k + 1]] for k in peers}
-        self._exchange(group, [(total, ranks[k]) for k in peers],
-                       [(back[k], ranks[k]) for k in peers], tag + 1)
-        return out
-
-    def _direct_sum(self, flat: torch.Tensor, ranks: list[int], group: Any,
-                    tag: int) -> torch.Tensor:
-        """Every rank sends its whole buffer to every other and sums all of them in group order."""
-        me = ranks.index(self.dist.get_rank())
-        peers = [k for k in range(len(ranks)) if k != me]
-        parts = {k: torch.empty_like(flat) for k in peers}
-        self._exchange(group, [(flat, ranks[k]) for k in peers],
-                       [(parts[k], ranks[k]) for k in peers], tag)
-        total = None
-        for k in range(len(ranks)):
-            part = flat if k == me else parts[k]
-            total = part.clone() if total is None else total + part
-        return total
 
     def _clip_coefficient(self, params: list[tuple[str, Any]]) -> float:
         """torch.nn.utils.clip_grad_norm_'s coefficient for the whole model: squared norms summed
@@ -493,127 +401,9 @@ class LayoutTrainer:
         with open(self.cfg.metrics_path, "a") as f:
             f.write(json.dumps(line) + "\n")
 
-    # ---- checkpoints -----------------------------------------------------------------------------
-
-    def _ckpt_name(self) -> str:
-        return f"replica_{self.place.replica}.stage_{self.place.stage}.pt"
-
-    def _tasklet_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {
-            "kind": "atomc.layout-tasklet",
-            "step": self.step_count,
-            "replica": self.place.replica,
-            "stage": self.place.stage,
-            "submodels": list(self.place.submodels),
-            "plan_hash": self.pkg.plan_hash,
-            "package": self.pkg.fingerprint(),
-            "layout": [self.layout.pp, self.layout.dp, [list(r) for r in self.layout.stage_ranges]],
-            "executor": self.stage.kind,
-            "losses": {str(k): v for k, v in self.losses.items()},
-        }
-        state["stage_state"] = self.stage.state_dict()
-        state["unread"] = self.unread
-        return state
-
-    def save_checkpoint(self) -> Path:
-        from atomc.runtime.checkpoint import save_checkpoint
-
-        root = Path(self.cfg.checkpoint_dir)
-        path = root / f"step_{self.step_count:08d}" / self._ckpt_name()
-        save_checkpoint(path, self._tasklet_state())
-        self.dist.barrier()  # nobody runs ahead by more than one checkpoint: two kept are enough
-        mine = sorted(_own_steps(root, self._ckpt_name()))
-        for s in mine[:-max(1, self.cfg.keep_checkpoints)]:
-            f = root / f"step_{s:08d}" / self._ckpt_name()
-            f.unlink(missing_ok=True)
-            _remove_if_empty(f.parent)
-        return path
-
-    def resume(self) -> int | None:
-        """Load the newest checkpoint every rank has; returns its step (None: nothing to resume)."""
-        if not self.cfg.checkpoint_dir:
-            return None
-        from atomc.runtime.checkpoint import load_checkpoint
-
-        root = Path(self.cfg.checkpoint_dir)
-        mine = _own_steps(root, self._ckpt_name())
-        newest = torch.tensor([max(mine) if mine else -1], dtype=torch.int64, device=self.device)
-        self.dist.all_reduce(newest, op=self.dist.ReduceOp.MIN)
-        step = int(newest.item())
-        if step < 0:
-            return None
-        path = root / f"step_{step:08d}" / self._ckpt_name()
-        state = load_checkpoint(path)
-        self._check_tasklet_state(state, path)
-        self.stage.load_state_dict(state["stage_state"])
-        self.unread = dict(state.get("unread", {}))  # absent from older checkpoints
-        self.step_count = int(state["step"])
-        self.losses = {int(k): float(v) for k, v in state.get("losses", {}).items()}
-        self.resumed_from = step
-        if self.cfg.metrics_path is not None and self.place.replica == 0 and self.spec.holds_output:
-            _truncate_metrics(Path(self.cfg.metrics_path), step)
-        return step
-
-    def _check_tasklet_state(self, state: Any, path: Path) -> None:
-        if not isinstance(state, dict) or state.get("kind") != "atomc.layout-tasklet":
-            raise RuntimeMismatchError(f"{path} is not a layout checkpoint; give the checkpoint "
-                                       f"directory a layout run wrote")
-        want = (self.pkg.plan_hash, self.pkg.fingerprint(), self.place.replica, self.place.stage,
-                list(self.place.submodels))
-        got = (state.get("plan_hash"), state.get("package"), state.get("replica"),
-               state.get("stage"), list(state.get("submodels", [])))
-        if got != want:
-            raise RuntimeMismatchError(
-                f"{path} holds plan {got[0]} (package {got[1]}), replica {got[2]} stage {got[3]} "
-                f"sub-models {got[4]}, but this rank runs plan {want[0]} (package {want[1]}), "
-                f"replica {want[2]} stage {want[3]} sub-models {want[4]}; resume with the package "
-                f"and layout that wrote it, or use a new --checkpoint-dir")
-        if state.get("executor") != self.stage.kind:
-            raise RuntimeMismatchError(
-                f"{path} was written by a {state.get('executor')} stage but this stage runs "
-                f"{self.stage.kind}; resume with the same --swap-stages and memory budget")
-
     def close(self) -> None:
         self.transport.close()
         self.stage.close()
-
-
-def _own_steps(root: Path, name: str) -> list[int]:
-    steps = []
-    if not root.is_dir():
-        return steps
-    for d in root.glob("step_*"):
-        try:
-            s = int(d.name[5:])
-        except ValueError:
-            continue
-        if (d / name).is_file():
-            steps.append(s)
-    return steps
-
-
-def _remove_if_empty(d: Path) -> None:
-    try:
-        leftovers = [p for p in d.iterdir() if not p.name.startswith(".")]
-        if not leftovers:
-            shutil.rmtree(d, ignore_errors=True)
-    except FileNotFoundError:
-        pass
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    if not path.is_file():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] < step:
-                keep.append(line)
-        except (ValueError, KeyError):
-            continue
-    from atomc.jsonio import write_atomic
-
-    write_atomic(path, "".join(k + "\n" for k in keep))
 
 
 def _loopback_for_gloo() -> None:
@@ -652,7 +442,7 @@ def stage_resident_bytes(pkg: SwapPackage, spec: StageSpec, cfg: LayoutConfig,
                          in_flight: int) -> int:
     """Device bytes a resident stage needs: weights, gradients and two AdamW moments of its
     sub-models, plus the activations of the micro-batches in flight (the plan's peaks)."""
-    plan = _package_plan(pkg)
+    plan = package_plan(pkg)
     subs = plan.submodels[spec.start:spec.stop]
     weights = sum(s.param_bytes for s in subs)
     acts = sum(max(s.peak_bytes - s.param_bytes, 0) for s in subs) // max(plan.accum, 1)
@@ -694,31 +484,11 @@ def run_layout(cfg: LayoutConfig, loss_fn: Callable, initial_state: Any,
     return trainer
 
 
-def final_state(final_dir: str | Path, num_stages: int, buffers: dict | None = None
-                ) -> tuple[dict[str, torch.Tensor], dict[int, float]]:
-    """Merge the stages' final weights (and the last stage's losses) written by `run_layout`;
-    `buffers`, a dict, receives the stages' buffers by FQN."""
-    from atomc.runtime.checkpoint import load_checkpoint
-
-    params: dict[str, torch.Tensor] = {}
-    losses: dict[int, float] = {}
-    for j in range(num_stages):
-        st = load_checkpoint(Path(final_dir) / f"final_stage_{j}.pt")
-        for k, v in {**st.get("unread", {}), **st["params"]}.items():
-            params.setdefault(k, v)
-        if buffers is not None:
-            buffers.update(st.get("buffers", {}))
-        if st["losses"]:
-            losses = {int(k): float(v) for k, v in st["losses"].items()}
-    return params, losses
-
-
 __all__ = [
     "AtomcError",
     "LayoutConfig",
     "LayoutTrainer",
     "StageIO",
     "check_package",
-    "final_state",
     "run_layout",
 ]

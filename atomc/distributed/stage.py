@@ -3,7 +3,8 @@
 input:  the generated package (runtime's `SwapPackage`), this stage's sub-model range [a, b),
         the names it receives from the previous stage and sends to the next, the device, the
         optimizer settings
-output: a `LayoutStage` (`make_stage`): `begin_step`, `run(actions, micro_batches, io)` (the
+output: a `LayoutStage` (made by `atomc.distributed.swapstage.make_stage`): `begin_step`,
+        `run(actions, micro_batches, io)` (the
         stage's part of the step's action list; the losses on the last stage),
         `named_parameters` (original FQNs, their gradients after `run`), `optimizer_step(coef)`,
         `state_dict`/`load_state_dict`, `export`
@@ -26,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -33,8 +35,9 @@ from torch import nn
 
 from atomc.actions import Action, pipeline_order
 from atomc.distributed.pipeline import stage_boundaries
-from atomc.dtypes import cast_floating
-from atomc.errors import RuntimeMismatchError
+from atomc.dtypes import cast_floating, parse_dtype
+from atomc.errors import RuntimeMismatchError, UsageError
+from atomc.ir import Plan
 from atomc.runtime.interpret import run_actions
 from atomc.runtime.optim import AdamWConfig
 from atomc.runtime.package import SwapPackage
@@ -61,6 +64,23 @@ def original_tensor(pkg: SwapPackage, state_dict: dict[str, torch.Tensor],
             return state_dict[alias]
     raise RuntimeMismatchError(f"the initial state dict has no {fqn!r}, which the package's "
                                f"sub-models hold; give the original model's state_dict()")
+
+
+def stage_dtype(name: str | None) -> torch.dtype | None:
+    """The master dtype a stage trains in (None: float32)."""
+    dtype = parse_dtype(name, "dtype")
+    if dtype not in (None, torch.float32, torch.float64):
+        raise UsageError(f"dtype {name!r}: a pipeline stage trains in float32 or float64")
+    return dtype
+
+
+def package_plan(pkg: SwapPackage) -> Plan:
+    """The Plan the package was generated from (its plan.json)."""
+    path = Path(pkg.path) / "plan.json"
+    if not path.is_file():
+        raise RuntimeMismatchError(f"{pkg.path} has no plan.json; regenerate the package with "
+                                   f"`atomc codegen`")
+    return Plan.load(path)
 
 
 @dataclass
@@ -120,19 +140,6 @@ class LayoutStage(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
     def close(self) -> None: ...
-
-
-def make_stage(swapped: bool, pkg: SwapPackage, spec: StageSpec, device: torch.device,
-               loss_fn: Callable[[Any, tuple], torch.Tensor] | None, opt_cfg: AdamWConfig,
-               dtype: torch.dtype | None = None, seed: int = 0) -> LayoutStage:
-    """The stage `spec` of `pkg`: swapped (the swap runtime's executor) or resident. A stage
-    that does not hold the model output gets no loss function."""
-    loss = loss_fn if spec.holds_output else None
-    if swapped:
-        from atomc.distributed.swapstage import SwappedStage  # it builds on this module
-
-        return SwappedStage(pkg, spec, device, loss, opt_cfg, dtype=dtype, seed=seed)
-    return ResidentStage(pkg, spec, device, loss, opt_cfg, dtype=dtype, seed=seed)
 
 
 def param_fqns(pkg: SwapPackage, modules: dict[int, nn.Module]) -> list[tuple[str, nn.Parameter]]:

@@ -25,7 +25,14 @@ from torch import nn
 
 from atomc.actions import Action
 from atomc.actions.orders import swapped_stage_order
-from atomc.distributed.stage import StageSpec, named_buffers, original_tensor, tensor_attr
+from atomc.distributed.stage import (
+    LayoutStage,
+    ResidentStage,
+    StageSpec,
+    named_buffers,
+    original_tensor,
+    tensor_attr,
+)
 from atomc.errors import RuntimeMismatchError
 from atomc.runtime.executor import SwapExecutor
 from atomc.runtime.interpret import run_actions
@@ -222,3 +229,14 @@ class SwappedStage:
 
     def close(self) -> None:
         self.opt.close()
+
+
+def make_stage(swapped: bool, pkg: SwapPackage, spec: StageSpec, device: torch.device,
+               loss_fn: Callable[[Any, tuple], torch.Tensor] | None, opt_cfg: AdamWConfig,
+               dtype: torch.dtype | None = None, seed: int = 0) -> LayoutStage:
+    """The stage `spec` of `pkg`: swapped (the swap runtime's executor) or resident. A stage
+    that does not hold the model output gets no loss function."""
+    loss = loss_fn if spec.holds_output else None
+    if swapped:
+        return SwappedStage(pkg, spec, device, loss, opt_cfg, dtype=dtype, seed=seed)
+    return ResidentStage(pkg, spec, device, loss, opt_cfg, dtype=dtype, seed=seed)

@@ -21,7 +21,6 @@ Operators with equal signatures (target, hyperparameters, shapes, dtypes) are me
 from __future__ import annotations
 
 import dataclasses
-import platform
 import statistics
 from typing import Any
 
@@ -30,7 +29,7 @@ from torch import fx
 from tqdm import tqdm
 
 from atomc import __version__
-from atomc.device import parse_device
+from atomc.device import describe_device, parse_device
 from atomc.errors import ProfileError
 from atomc.ir import IssueTimes, NodeCost, Profile
 from atomc.profile.estimate import estimate_ms, load_ms
@@ -46,12 +45,6 @@ from atomc.units import format_bytes
 __all__ = ["hardware_names", "load_hardware", "profile_model"]
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
-
-
-def describe_device(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{device} ({torch.cuda.get_device_name(device)})"
-    return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
 
 
 def _loss_costs(traced: TracedModel, dev: torch.device,

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from atomc.units import ms_to_ns
+
 NUM_SUBMODELS = 6
 WIDTH = 8
 STEPS = 30
@@ -80,7 +82,6 @@ def runtime_ms(device: torch.device) -> tuple[float, float, float]:
     calls are taken whole: their operators (a Linear on 8 numbers) take a few microseconds of
     them, which the runtime's own time is then overstated by."""
     from atomc.calibrate.measure import summarise
-    from atomc.partition.cost import ms_to_ns
     from atomc.simulate.events import StageTimes, fit_host_gap_ms
 
     ex, opt = _executor(device)

@@ -47,10 +47,10 @@ from typing import ClassVar
 from atomc.actions import Action, Run, atom_runs, runs
 from atomc.device import names_cpu
 from atomc.ir import Document
+from atomc.units import NS_PER_MS
 
 LANES = ("compute", "prefetch", "offload", "optimizer")
 KINDS = ("forward", "backward", "load", "checkpoint", "offload", "optimizer", "refresh")
-NS_PER_MS = 1_000_000
 
 
 @dataclass(frozen=True)

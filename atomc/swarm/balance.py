@@ -2,7 +2,7 @@
 takes, and the best static assignment (SWARM, Ryabinin et al. 2023, Sec. 3.2 and Algorithm 2).
 
 Pure Python with numpy, shared by the SWARM servers (atomc.swarm) and the swarm simulator
-(atomc.simulate.swarm). Every function is deterministic in its inputs (ties go to the lower
+(atomc.swarm.simulate). Every function is deterministic in its inputs (ties go to the lower
 stage index, then the lower peer id), so every peer that evaluates it on the same snapshot of
 the DHT reaches the same decision, as Algorithm 2 needs: each peer decides alone whether it
 is the one that moves.

@@ -124,7 +124,8 @@ def _addresses(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from atomc.swarm.server import ServeConfig, SwarmServer
+    from atomc.swarm.config import ServeConfig
+    from atomc.swarm.server import SwarmServer
 
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
     if args.stage == "auto":

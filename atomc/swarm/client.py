@@ -47,10 +47,12 @@ from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.utils.asyncio import iter_as_aiter
 
 from atomc.errors import PeerError, UsageError
+from atomc.swarm.calls import BATCH, GRAD
 from atomc.swarm.codec import wire_bytes
+from atomc.swarm.commit import exclude
 from atomc.swarm.node import SwarmNode
 from atomc.swarm.records import ServerRecord, read_excluded, read_servers, report_gone
-from atomc.swarm.server import BATCH, GRAD, SwarmServicer, exclude
+from atomc.swarm.servicer import SwarmServicer
 from atomc.swarm.wire import (
     Refused,
     StepTaken,

@@ -11,9 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from atomc.distributed.peer import _import_hivemind, start_dht
-from atomc.distributed.runner import _package_plan
-from atomc.distributed.stage import StageSpec, cut_stages
+from atomc.distributed.hive import import_hivemind, start_dht
+from atomc.distributed.stage import StageSpec, cut_stages, package_plan
 from atomc.errors import PeerError, UsageError
 from atomc.place.cost import stage_ranges
 from atomc.runtime.package import SwapPackage, load_swap_package
@@ -26,7 +25,7 @@ def call_times(pkg: SwapPackage, specs: Sequence[StageSpec]) -> list[dict[str, f
     plan's backward times hold the sub-models' recomputation; the last stage gets no forward
     call: its backward call is the micro-batch's forward too). All 0 when the plan has no
     times (made from a graph, not a profile)."""
-    plan = _package_plan(pkg)
+    plan = package_plan(pkg)
     out = []
     for s in specs:
         subs = plan.submodels[s.start:s.stop]
@@ -50,7 +49,7 @@ def stage_costs(specs: Sequence[StageSpec], times: Sequence[dict[str, float]]) -
 
 def stage_specs(pkg: SwapPackage, num_stages: int) -> list[StageSpec]:
     """The package's sub-models in `num_stages` consecutive stages of balanced compute."""
-    specs = cut_stages(pkg, stage_ranges(_package_plan(pkg), num_stages))
+    specs = cut_stages(pkg, stage_ranges(package_plan(pkg), num_stages))
     where = {i: j for j, s in enumerate(specs) for i in range(s.start, s.stop)}
     for fqn, holders in pkg.tied.items():
         stages = sorted({where[i] for i, _ in holders})
@@ -67,7 +66,7 @@ class SwarmNode:
                  host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
                  connect_timeout_s: float, role: str, times_for: str | None = None):
         """`times_for`: the option that needs the plan's measured times (refused without)."""
-        self.hm = _import_hivemind()
+        self.hm = import_hivemind()
         self.role = role
         self.package_path = package
         self.pkg = load_swap_package(package)

@@ -24,7 +24,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from atomc.distributed.pipeline import (
-    _decode,
+    decode_value,
     describe,
     entry_of,
     entry_row,
@@ -72,7 +72,7 @@ def decode(msg: Any, device: torch.device) -> tuple[dict[str, Any], dict[str, An
             values[e.name] = laid_out(t.detach().reshape(-1), e.shape, e.strides
                                       ).requires_grad_(t.requires_grad)
         else:
-            values[e.name] = _decode(e.value, device)
+            values[e.name] = decode_value(e.value, device)
     return values, header["meta"]
 
 

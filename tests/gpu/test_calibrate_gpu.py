@@ -11,8 +11,9 @@ import torch
 
 from atomc.calibrate import calibrate, measure_package
 from atomc.codegen import generate
+from atomc.device import describe_device
 from atomc.partition import partition, recost
-from atomc.profile import describe_device, profile_model
+from atomc.profile import profile_model
 from atomc.trace import trace_model
 
 pytestmark = pytest.mark.gpu
