@@ -42,10 +42,10 @@ sys.path.insert(0, str(ROOT))
 from atomc.calibrate import calibrate, measure_package, summarise
 from atomc.calibrate.report import compare, predicted_busy
 from atomc.codegen import generate
+from atomc.data.text import ByteBatches, stdlib_text
 from atomc.partition import partition, recost
 from atomc.partition.host import resolve_cpu_adam
 from atomc.profile import profile_model
-from atomc.runtime.data import ByteBatches, stdlib_text
 from atomc.simulate import LANES
 from atomc.trace import trace_model
 

@@ -29,11 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from atomc.codegen import generate
+from atomc.data.text import ByteBatches, stdlib_text
 from atomc.errors import InfeasiblePlanError
 from atomc.partition import partition
 from atomc.profile import profile_model
 from atomc.runtime import SwapTrainer, warmup_cosine
-from atomc.runtime.data import ByteBatches, stdlib_text
 from atomc.runtime.trace import to_timeline
 from atomc.simulate import simulate_plan, write_timeline_svg
 from atomc.trace import trace_model

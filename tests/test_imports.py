@@ -3,7 +3,7 @@ functions alike): no module imports itself round a cycle, and each package impor
 layers below it, in the order of the pipeline (DESIGN 1):
 
     errors < jsonio, units, dtypes, device < ir < actions < trace < profile < simulate
-      < partition < codegen < runtime < data, weights < calibrate < place < distributed < swarm
+      < partition < codegen < data < runtime < weights < calibrate < place < distributed < swarm
       < cli
 
 Where the order was decided rather than read off the pipeline:
@@ -11,8 +11,8 @@ Where the order was decided rather than read off the pipeline:
   `runtime` (a measured trace becomes the simulator's Timeline): it needs only actions, ir and
   device.
 - `codegen` sits below `runtime`: the runtime loads the packages codegen writes.
-- `data` and `weights` sit above `runtime`: they read into and write out of a SwapPackage and a
-  trainer.
+- `data` sits below `runtime`: it reads files into id streams and batches and needs only errors.
+- `weights` sits above `runtime`: it reads into and writes out of a SwapPackage and a trainer.
 - `place` sits above `calibrate` as in DESIGN's list, though it needs neither.
 - every stage's entry point, `atomc/<package>/cli.py`, belongs to the `cli` layer: it composes
   its stage with the ones before it (`atomc partition --codegen` writes the package too).
@@ -41,8 +41,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("simulate",),
     ("partition",),
     ("codegen",),
+    ("data",),
     ("runtime",),
-    ("data", "weights"),
+    ("weights",),
     ("calibrate",),
     ("place",),
     ("distributed",),
@@ -66,9 +67,10 @@ KNOWN = {
                                                             "runtime",
     # partition (owned elsewhere at the time of writing): the CPU optimizer's host cost
     ("atomc.partition.host", "atomc.runtime.optim"): "AdamW's settings below the runtime",
-    # the trainer exports to the original model's weight files; byte-level text batches
-    ("atomc.runtime.trainer", "atomc.weights"): "export called from the entry point",
-    ("atomc.runtime.data", "atomc.data.model"): "text batches move into atomc.data",
+    # the trainer's weights= and save_pretrained open and write checkpoint files through
+    # atomc.weights, which reads a SwapPackage and a trainer's store: the entry points (atomc
+    # train/export, a script) should open and export, the trainer take what was opened
+    ("atomc.runtime.trainer", "atomc.weights"): "weights opened and exported by the caller",
 }
 
 

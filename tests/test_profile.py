@@ -54,7 +54,7 @@ def test_cpu_operators_are_measured_in_rounds_and_take_the_median(monkeypatch):
     """Every operator once per round, all of them in turn, CPU_ROUNDS rounds: each takes the
     median of its rounds, so a burst of the machine's other work slows one round of a few
     operators, not all the repeats of one."""
-    import atomc.profile as prof
+    import atomc.profile.model as prof
     from atomc.ir import IssueTimes
     from atomc.profile.measure import Measured
 
@@ -228,7 +228,7 @@ def test_loss_working_memory_rides_on_the_output_node_and_nothing_leaks():
     assert 0.9 * logits < out.peak_fwd_bytes < 1.1 * logits
     assert out.peak_bwd_bytes >= 1.9 * logits  # and the logits' gradient
     assert any("working memory" in n for n in p.notes)
-    from atomc.profile import _loss_costs
+    from atomc.profile.model import _loss_costs
 
     before = live_bytes()
     assert _loss_costs(traced, torch.device("cpu"), 1)[2:] == (out.peak_fwd_bytes,

@@ -239,8 +239,8 @@ def measure_package(package: str | Path, *, steps: int = 20, warmup: int = 3,
     Batches are made before the first step, so that the steps time training alone. Returns
     the measurement and the measured steps' traces (with the one that ends the last).
     """
+    from atomc.data.text import text_batches
     from atomc.runtime import SwapTrainer
-    from atomc.runtime.data import text_batches
 
     if steps < 1:
         raise UsageError(f"--steps {steps}: measure 1 or more steps")

@@ -5,11 +5,13 @@ out_dir)` (generate and print one line; the latter is what `atomc partition --em
 `load_package(dir) -> module`.
 
 Steps (each its own module): `split` cuts the traced graph with torch.fx `split_module` by the
-plan's node ranges; `render` writes each piece with Jinja2 templates; `check` parses every file
-with libcst, tidies imports, refuses undefined names, and copies the model file's helper
-functions and classes into `_helpers.py`. The package is written to a temporary directory
-beside the target, imported and run once on meta tensors, and only then renamed into place:
-a failed run leaves no half package. Output bytes depend only on the plan and the model file.
+plan's node ranges; `render` writes each piece with Jinja2 templates (names resolved by
+`resolve`, constants by `literals`, leaf modules by `constructors`, `__init__` bodies and
+`forward` by `statements`); `check` parses every file with libcst, tidies imports, refuses
+undefined names, and copies the model file's helper functions and classes into `_helpers.py`.
+The package is written to a temporary directory beside the target, imported and run once on
+meta tensors, and only then renamed into place: a failed run leaves no half package. Output
+bytes depend only on the plan and the model file.
 
 The package contract (what the runtime reads) is documented in the generated `__init__.py`.
 """
@@ -96,14 +98,9 @@ def generate(plan: Plan, out_dir: str | Path, *, traced: Any = None, profile: Pr
     `profile`, when given, must be the profile the plan was made from.
     """
     from atomc.codegen.check import check_source, copy_helpers
-    from atomc.codegen.render import (
-        Resolver,
-        _environment,
-        is_installed,
-        py_literal,
-        render_package_init,
-        render_submodel,
-    )
+    from atomc.codegen.literals import py_literal
+    from atomc.codegen.render import _environment, render_package_init, render_submodel
+    from atomc.codegen.resolve import Resolver, is_installed
     from atomc.codegen.split import split_plan
     from atomc.trace import dtype_args
 
@@ -293,7 +290,7 @@ def _self_check(directory: Path, traced: Any, pieces: list) -> None:
     """Import the package, build it on meta tensors, compare weights, run it once on meta."""
     from torch.utils._pytree import tree_flatten
 
-    from atomc.codegen.render import describe_value
+    from atomc.codegen.literals import describe_value
     from atomc.trace.normalise import MODES
 
     package = load_package(directory)

@@ -7,6 +7,8 @@
   its position for a checkpoint; `held_out` reads an evaluation set once; `check_ids` refuses
   ids the model cannot look up.
 - `model`: `token_input(package)` (the integer input fed) and `model_vocabulary(package)`.
+- `text`: byte-level text (`stdlib_text()`, the standard library's sources) cut into random
+  windows by step (`ByteBatches`, `text_batches(trainer)`): the demo, benchmarks, calibration.
 
 See docs/data.md.
 """

@@ -134,8 +134,8 @@ def byte_text(path: str | os.PathLike) -> Source:
 
 
 def stdlib_bytes() -> Source:
-    """The Python standard library's sources as bytes (atomc.runtime.data.stdlib_text)."""
-    from atomc.runtime.data import stdlib_text
+    """The Python standard library's sources as bytes (atomc.data.text.stdlib_text)."""
+    from atomc.data.text import stdlib_text
     text = stdlib_text()
     ids = np.frombuffer(text, dtype=np.uint8)
     return Source("the Python standard library's sources (bytes)",

@@ -1,7 +1,7 @@
-"""Runtime stage, byte-level text batches by step (the demo, benchmarks, `atomc calibrate`).
+"""Data, byte-level text batches by step (the demo, benchmarks, `atomc calibrate`).
 
-`atomc train` reads its data through atomc.data (token files, tokenized text and JSONL,
-datasets, and bytes), streaming and resumable.
+`atomc train` reads its data through the streaming, resumable readers beside this module
+(`sources`, `stream`); these batches are drawn at random by step instead.
 
 `stdlib_text()` reads the Python standard library's own source files (every Python
 installation ships them), so the demo and `atomc train --data stdlib` train on real text
@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from atomc.data.model import token_input
 from atomc.errors import UsageError
 
 
@@ -77,7 +78,6 @@ def text_batches(trainer: Any, data: str = "stdlib", seed: int = 0) -> ByteBatch
     """Byte-level batches of C micro-batches for `trainer`'s package (one integer input of
     shape [batch, sequence]): the standard library's sources ("stdlib") or a text file.
     UsageError for a package with other inputs (train it through the Python API)."""
-    from atomc.data.model import token_input
     _, shape, _ = token_input(trainer.package)
     if data == "stdlib":
         text = stdlib_text()
