@@ -18,8 +18,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def installed(tmp_path_factory):
     """The wheel built from this checkout, installed into a fresh target folder."""
     tmp = tmp_path_factory.mktemp("wheel")
+    # built from a copy: setuptools reuses the checkout's build/ folder, where a module deleted
+    # since the last build would still be found and shipped
+    source = tmp / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "__pycache__", "out"))
     wheels = tmp / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps",
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps",
                     "--no-build-isolation", "-q", "-w", str(wheels)],
                    check=True, capture_output=True)
     site = tmp / "site"
