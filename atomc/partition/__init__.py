@@ -11,8 +11,6 @@ programme with block folding), accum.py (choice of C), check.py (an independent 
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import itertools
 
 import numpy as np
@@ -32,11 +30,14 @@ from atomc.partition.cost import (
     NS_PER_MS,
     OPTIMIZER,
     CostParams,
+    Derived,
     NodeFacts,
     RangeCost,
     RangeTables,
+    allowed_cuts,
     build_tables,
     derive,
+    first_tail,
     live_sets,
     max_width_for,
     node_facts,
@@ -45,9 +46,17 @@ from atomc.partition.cost import (
     range_cost,
     range_stage_times,
     runtime_params,
+    slot_fits,
+    with_slot_cap,
 )
 from atomc.partition.precision import Precision, device_view, model_dtype, resolve_precision
-from atomc.partition.search import SearchResult, block_period, prepare_folding, search
+from atomc.partition.search import (
+    Folding,
+    SearchResult,
+    block_period,
+    prepare_folding,
+    search,
+)
 from atomc.simulate.events import copies_on_host, simulate_swap
 from atomc.units import format_bytes
 
@@ -56,7 +65,9 @@ __all__ = ["DEFAULT_MAX_ACCUM", "DEFAULT_RESERVE_BYTES", "build_plan", "partitio
 DEFAULT_RESERVE_BYTES = 1 << 30  # CUDA context, allocator fragmentation, the loss
 DEFAULT_MAX_ACCUM = 64
 _MIB = 1 << 20
-_CAP_FRACTIONS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
+# caps on the largest sub-model tried at one C: each at most this fraction of the one before
+# (snapped down to a range's size), then the smallest that can hold the largest operator
+_CAP_STEP = 0.85
 
 
 def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAULT_RESERVE_BYTES,
@@ -67,7 +78,13 @@ def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAUL
     """The best plan for a GPU of `capacity_bytes`; InfeasiblePlanError when nothing fits.
 
     `transfer_dtype` is the dtype of the device copies of weights and gradients and `autocast`
-    the compute dtype (atomc.partition.precision.resolve_precision gives the defaults)."""
+    the compute dtype (atomc.partition.precision.resolve_precision gives the defaults).
+
+    C is the smallest that has a plan meeting every constraint (accum.choose_accum). The
+    runtime's two weight and two gradient slots are sized for the largest sub-model and held
+    all step (atomc.runtime.slots), a bound no pair of neighbours sees: at each C the search
+    runs with caps on the largest sub-model's parameters (every range within the cap, its
+    working memory beside four slots of the cap), and the best plan over the caps is kept."""
     if activations not in ACTIVATIONS:
         raise UsageError(f"activations {activations!r}: expected one of {', '.join(ACTIVATIONS)}")
     if accum is not None and accum < 1:
@@ -83,43 +100,67 @@ def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAUL
     view = device_view(profile, precision)
     facts = node_facts(view)
 
-    def params_for(c: int, usable_bytes: int = usable, cap: int = 0) -> CostParams:
-        return CostParams(c, usable_bytes, profile.h2d_gbps, profile.d2h_gbps, cpu_adam_gbps,
-                          activations, **runtime_params(profile), slot_cap_bytes=cap)
+    def params_for(c: int) -> CostParams:
+        return CostParams(c, usable, profile.h2d_gbps, profile.d2h_gbps, cpu_adam_gbps,
+                          activations, **runtime_params(profile))
 
-    first_c = accum or 1
-    _check_operators_fit(view, facts, build_tables(facts, 1), params_for(first_c), reserve_bytes)
+    _check_operators_fit(view, facts, build_tables(facts, 1), params_for(accum or 1),
+                         reserve_bytes)
+    tables = plan_tables(facts, usable, activations)
+    folding = _folding(view, tables, fold_blocks and activations != "keep")
 
-    def attempt(cap: int) -> tuple[Outcome, RangeTables, list[str]]:
-        return _search_plan(view, facts, usable, accum, max_accum, fold_blocks,
-                            functools.partial(params_for, cap=cap), precision, capacity_bytes,
-                            reserve_bytes)
+    def run(c: int) -> Outcome:
+        # Whether C is feasible needs one plan under one cap; the best over the caps is only
+        # wanted at the C kept
+        p = params_for(c)
+        d = derive(tables, p)
+        done: dict = {}  # searches by (tier, cap), shared by the questions asked of this C
 
-    o, tables, notes = attempt(0)
-    largest = _largest_params(tables, params_for(o.accum), o.result)
-    if _slot_overshoot(tables, params_for(o.accum), o.result) > 0:
-        # The search checks neighbours in pairs; the runtime's slots are sized for the largest
-        # sub-model and held all step, so a plan of uneven sub-models can need more. Search
-        # again with the largest sub-model capped (slots then fit by construction) and keep
-        # the best of the caps tried.
-        tried = []
-        for cap in _caps(tables, largest):
-            try:
-                tried.append(attempt(cap))
-            except InfeasiblePlanError:
-                continue
-        if not tried:
-            raise InfeasiblePlanError(
-                f"no partition fits {format_bytes(capacity_bytes)} (reserve "
-                f"{format_bytes(reserve_bytes)}) once the runtime's two weight and two gradient "
-                f"slots, each sized for the largest sub-model, are counted: give a larger "
-                f"--gpu-mem")
-        o, tables, notes = max(tried, key=lambda t: (t[0].feasible, t[0].utilisation))
-        notes.append(f"largest sub-model capped at "
-                     f"{format_bytes(_largest_params(tables, params_for(o.accum), o.result))} "
-                     f"so that the runtime's slots fit beside every sub-model's working memory")
+        def best(tier: int, score):
+            found = _over_caps(tables, p, d, folding, tier, score, cache=done)
+            return found, (0.0 if found is None else _utilisation(tables, p, found))
+
+        if _over_caps(tables, p, d, folding, 0, first=True, cache=done) is not None:
+            return Outcome(c, True, relax=lambda: best(0, lambda r: r.objective))
+        # memory alone decides whether a larger C can still help; tier 2 also gives a plan
+        # (its step an estimate: the simulator's step decides between the caps)
+        return Outcome(c, False, relax=lambda: best(2, lambda r: _simulated(tables, p, r)),
+                       fits=lambda: _over_caps(tables, p, d, folding, 2, first=True,
+                                               cache=done) is not None)
+
+    choice = choose_accum(run, max_accum, fixed=accum)
+    if choice.outcome is None:
+        c = accum or 1
+        need = min_capacity_bytes(facts, params_for(c), reserve_bytes, view)
+        raise InfeasiblePlanError(
+            f"no partition fits {format_bytes(capacity_bytes)} "
+            f"(reserve {format_bytes(reserve_bytes)}) at C={c}: every operator fits alone, but "
+            f"no cut leaves room for the runtime's two weight and two gradient slots (each the "
+            f"size of the largest sub-model) beside every sub-model's working memory and the "
+            f"sub-model loading next; the smallest budget that works is {format_bytes(need)} "
+            f"(--gpu-mem {need // _MIB}MiB)")
+    o = choice.outcome
     result: SearchResult = o.result  # type: ignore[assignment]
     p = params_for(o.accum)
+    if not o.feasible:
+        # at the C kept, loads-only stalls (tier 1, exact) may simulate faster than tier 2's plan,
+        # which only an estimate guides: keep whichever the simulator prefers
+        d = derive(tables, p)
+        tier1 = search(tables, p, 1, folding,
+                       with_slot_cap(d, _largest_params(tables, p, result), usable))
+        if tier1 is not None and _utilisation(tables, p, tier1) >= o.utilisation:
+            result = tier1
+    largest = _largest_params(tables, p, result)
+    notes = [f"accumulation degrees tried: {', '.join(str(c) for c in sorted(choice.tried))}"]
+    if result.folded_positions:
+        notes.append(f"repeated blocks folded {result.folded_positions} of "
+                     f"{facts.num_nodes - 1} cut positions")
+    each = "one" if not result.cuts else "two"
+    notes.append(f"the runtime's {each} weight and {each} gradient slots, each the size of the "
+                 f"largest sub-model ({format_bytes(largest)}): "
+                 f"{format_bytes(min(2, len(result.cuts) + 1) * 2 * largest)} of "
+                 f"{format_bytes(usable)}")
+    notes.extend(precision.notes)
     return build_plan(profile, tables, p, result.cuts,
                       capacity_bytes=capacity_bytes, reserve_bytes=reserve_bytes,
                       accum_fixed=accum is not None, tier=result.tier, notes=notes,
@@ -127,72 +168,107 @@ def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAUL
                       cpu_adam_source=cpu_adam_source)
 
 
+def plan_tables(facts: NodeFacts, usable_bytes: int, activations: str = "recompute"
+                ) -> RangeTables:
+    """Range tables wide enough for every sub-model a plan within `usable_bytes` can hold.
+
+    With two sub-models or more, the runtime's four slots of the largest sub-model fit in the
+    budget, so no sub-model's parameters and gradients (at most twice its parameters) exceed
+    half of it. Only a plan of one sub-model (one weight and one gradient slot) can be wider:
+    the whole graph, whose memory no C changes but kept activations' (C = 1 is the least).
+    The search's work grows with the square of the width."""
+    n = facts.num_nodes
+    if max_width_for(facts, usable_bytes) >= n:
+        tables = build_tables(facts, n)
+        whole = range_cost(tables, CostParams(1, usable_bytes, 1.0, 1.0, 0.0, activations), 0, n)
+        work = max(whole.mem_fwd_bytes - whole.param_bytes,
+                   whole.mem_bwd_bytes - whole.param_bytes - whole.grad_bytes)
+        if 2 * whole.param_bytes + work <= usable_bytes:
+            return tables
+    return build_tables(facts, max_width_for(facts, usable_bytes // 2))
+
+
+def _folding(view: Profile, tables: RangeTables, fold: bool) -> Folding | None:
+    """Where the tables repeat, when the graph's blocks do. Kept activations make a range's
+    memory depend on where it starts (no two starts repeat): the caller does not fold then."""
+    if not fold:
+        return None
+    g = view.graph
+    return prepare_folding(tables, block_period(
+        tables, g.blocks, tuple(n.block for n in g.nodes), tuple(n.signature for n in g.nodes)))
+
+
+def _over_caps(tables: RangeTables, p: CostParams, d: Derived, folding: Folding | None,
+               tier: int, score=None, first: bool = False,
+               cache: dict | None = None) -> SearchResult | None:
+    """The best plan of `tier` by `score` over caps on the largest sub-model's parameters (or,
+    with `first`, the first plan found).
+
+    Every cap worth trying is the size of a range that fits beside its own slots
+    (cost.slot_fits), at least the largest single operator's. They are tried from the largest
+    down, each at most _CAP_STEP of the one before (snapped down to a range's size); a plan
+    found jumps the descent to below its own largest sub-model (every cap between gives it
+    again). Smaller caps mean more sub-models, more cuts and more recomputation, so once a
+    plan is found the descent stops at the first cap that does no better. Searches at one C
+    share `d` (a cap only narrows its ranges) and `cache`, by tier and cap."""
+    fits = slot_fits(d, p.usable_bytes)
+    floor = int(tables.param_bytes[:, 1].max()) if tables.max_width >= 1 else 0
+    sizes = np.unique(d.param_bytes[fits])
+    sizes = sizes[sizes >= floor]
+    if not len(sizes):
+        return None
+
+    cache = {} if cache is None else cache
+
+    def attempt(cap: int):
+        if (tier, cap) not in cache:
+            cache[tier, cap] = search(tables, p, tier, folding,
+                                      with_slot_cap(d, cap, p.usable_bytes))
+        return cache[tier, cap]
+
+    if first and tier == 2:
+        # whether memory allows any plan: the smallest cap leaves the most working memory and
+        # the narrowest ranges (the cheapest search) first
+        return next((r for cap in _descending(sizes)[::-1] if (r := attempt(cap))), None)
+    best = None
+    cap = int(sizes[-1])
+    while True:
+        r = attempt(cap)
+        if r is not None and first:
+            return r
+        if r is not None and (best is None or score(r) < best[0]):
+            best = (score(r), r)
+            cap = min(cap, _largest_params(tables, p, r))
+        elif best is not None:
+            break
+        below = sizes[sizes <= int(cap * _CAP_STEP)]
+        nxt = int(below[-1]) if len(below) else int(sizes[0])
+        if nxt >= cap:
+            break
+        cap = nxt
+    return None if best is None else best[1]
+
+
+def _descending(sizes: np.ndarray) -> list[int]:
+    """Caps from the largest size down, each at most _CAP_STEP of the one before, and the
+    smallest size last."""
+    out = [int(sizes[-1])]
+    while out[-1] > sizes[0]:
+        below = sizes[sizes <= int(out[-1] * _CAP_STEP)]
+        out.append(int(below[-1]) if len(below) else int(sizes[0]))
+    return out
+
+
+def _simulated(tables: RangeTables, p: CostParams, result: SearchResult) -> tuple[int, int, int]:
+    """A relaxed plan's score: its simulated step (the search's sum is an estimate there)."""
+    costs = plan_costs(tables, p, result.cuts)
+    sim = simulate_swap(range_stage_times(costs), p.accum, early_prefetch=result.early_prefetch,
+                        record=False)
+    return (sim.step_ns, result.cut_bytes, result.num_submodels)
+
+
 def _largest_params(tables: RangeTables, p: CostParams, result: SearchResult) -> int:
     return max(c.param_bytes for c in plan_costs(tables, p, list(result.cuts)))
-
-
-def _slot_overshoot(tables: RangeTables, p: CostParams, result: SearchResult) -> int:
-    """Bytes by which the plan's worst memory need exceeds the budget (<= 0: it fits)."""
-    costs = plan_costs(tables, p, list(result.cuts))
-    return -min(s.slack for s in plan_slacks(costs, p.usable_bytes, result.early_prefetch)
-                if s.constraint == MEMORY)
-
-
-def _search_plan(view: Profile, facts: NodeFacts, usable: int, accum: int | None,
-                 max_accum: int, fold_blocks: bool, params_for, precision: Precision,
-                 capacity_bytes: int, reserve_bytes: int
-                 ) -> tuple[Outcome, RangeTables, list[str]]:
-    """The search at `usable` bytes: the outcome at the C chosen, its tables, notes."""
-    tables = build_tables(facts, max_width_for(facts, usable))
-    folding = None
-    # kept activations make a range's memory depend on where it starts: no two starts repeat
-    if fold_blocks and params_for(1, usable).activations != "keep":
-        g = view.graph
-        folding = prepare_folding(tables, block_period(
-            tables, g.blocks, tuple(n.block for n in g.nodes), tuple(n.signature for n in g.nodes)))
-
-    def run(c: int) -> Outcome:
-        p = params_for(c, usable)
-        d = derive(tables, p)
-        best = search(tables, p, 0, folding, d)
-        if best is not None:
-            return Outcome(c, True, best, _utilisation(tables, p, best))
-
-        def relax():
-            # memory alone decides whether a larger C can still help; tier 2 also gives a plan
-            relaxed = search(tables, p, 2, folding, d)
-            return relaxed, (0.0 if relaxed is None else _utilisation(tables, p, relaxed))
-
-        return Outcome(c, False, relax=relax)
-
-    choice = choose_accum(run, max_accum, fixed=accum)
-    if choice.outcome is not None and not choice.outcome.feasible:
-        # at the C kept, loads-only stalls (tier 1, exact) may simulate faster than tier 2's plan,
-        # which only an estimate guides: keep whichever the simulator prefers
-        o = choice.outcome
-        p = params_for(o.accum, usable)
-        tier1 = search(tables, p, 1, folding)
-        if tier1 is not None:
-            util = _utilisation(tables, p, tier1)
-            if util >= o.utilisation:
-                choice.outcome = Outcome(o.accum, False, tier1, util)
-    if choice.outcome is None:
-        c = accum or 1
-        need = min_capacity_bytes(facts, params_for(c), reserve_bytes)
-        raise InfeasiblePlanError(
-            f"no partition fits {format_bytes(capacity_bytes)} "
-            f"(reserve {format_bytes(reserve_bytes)}) at C={c}: every operator fits alone, but "
-            f"the sub-model computing and the one loading do not fit together; the smallest "
-            f"budget that works is {format_bytes(need)} "
-            f"(--gpu-mem {need // _MIB}MiB)")
-    o = choice.outcome
-    result: SearchResult = o.result  # type: ignore[assignment]
-    notes = [f"accumulation degrees tried: {', '.join(str(c) for c in sorted(choice.tried))}"]
-    if result.folded_positions:
-        notes.append(f"repeated blocks folded {result.folded_positions} of "
-                     f"{facts.num_nodes - 1} cut positions")
-    notes.extend(precision.notes)
-    return o, tables, notes
 
 
 def recost(profile: Profile, plan: Plan, cpu_adam_gbps: float | None = None,
@@ -258,7 +334,7 @@ def _check_operators_fit(profile: Profile, facts: NodeFacts, tables: RangeTables
     if need <= p.usable_bytes:
         return
     c = range_cost(tables, p, j, j + 1)
-    budget = min_capacity_bytes(facts, p, reserve_bytes)
+    budget = min_capacity_bytes(facts, p, reserve_bytes, profile)
     node = profile.graph.nodes[j]
     where = f" ({node.module_fqn})" if node.module_fqn else ""
     kept = ""
@@ -277,49 +353,35 @@ def _check_operators_fit(profile: Profile, facts: NodeFacts, tables: RangeTables
         f"{kept}")
 
 
-def min_capacity_bytes(facts: NodeFacts, p: CostParams, reserve_bytes: int) -> int:
-    """Smallest --gpu-mem (to 1 MiB, reserve included) for which some plan meets memory at p.accum.
+def min_capacity_bytes(facts: NodeFacts, p: CostParams, reserve_bytes: int,
+                       view: Profile | None = None) -> int:
+    """Smallest --gpu-mem (to 1 MiB, reserve included) for which some plan meets memory at p.accum,
+    the runtime's slots counted.
 
     Bisection on the memory-only search: feasibility only grows with capacity. The plan that
     cuts at every allowed position meets memory at its own largest requirement, so that is an
-    upper end that works.
+    upper end that works. `view` (the profile as the device holds it) lets the search fold
+    repeated blocks.
     """
     n = facts.num_nodes
-    cuts = [q for q in range(1, n) if build_tables(facts, 1).allowed[q]]
+    allowed = allowed_cuts(facts)
+    cuts = [q for q in range(1, n) if allowed[q]]
     bounds = [0, *cuts, n]
     wide = build_tables(facts, max(b - a for a, b in itertools.pairwise(bounds)))
     hi = max(-s.slack for s in plan_slacks(plan_costs(wide, CostParams(
         p.accum, 0, p.h2d_gbps, p.d2h_gbps, p.cpu_adam_gbps, p.activations), cuts), 0)
         if s.constraint == MEMORY)
     lo = 0
-    tables = build_tables(facts, max_width_for(facts, hi))
+    tables = plan_tables(facts, hi, p.activations)
+    folding = _folding(view, tables, p.activations != "keep") if view is not None else None
     while hi - lo > _MIB:
         mid = (lo + hi) // 2
         q = CostParams(p.accum, mid, p.h2d_gbps, p.d2h_gbps, p.cpu_adam_gbps, p.activations)
-        if _fits_memory(tables, q):
+        if _over_caps(tables, q, derive(tables, q), folding, 2, first=True) is not None:
             hi = mid
         else:
             lo = mid
     return -(-(hi + reserve_bytes) // _MIB) * _MIB
-
-
-def _fits_memory(tables: RangeTables, q: CostParams) -> bool:
-    """Does some plan meet memory at q, the runtime's slots counted?"""
-    r = search(tables, q, 2)
-    if r is None:
-        return False
-    if _slot_overshoot(tables, q, r) <= 0:
-        return True
-    return any(search(tables, dataclasses.replace(q, slot_cap_bytes=cap), 2) is not None
-               for cap in _caps(tables, _largest_params(tables, q, r)))
-
-
-def _caps(tables: RangeTables, largest: int) -> list[int]:
-    """Caps on the largest sub-model's parameters to try, largest first: fractions of the
-    uncapped plan's, down to the largest single operator's (no smaller cap leaves a plan)."""
-    floor = int(tables.param_bytes[:, 1].max()) if tables.max_width >= 1 else 0
-    caps = {max(floor, int(largest * f)) for f in _CAP_FRACTIONS}
-    return sorted((c for c in caps if 0 < c < largest), reverse=True)
 
 
 def _cut_tensor(profile: Profile, j: int) -> CutTensor:
@@ -391,7 +453,9 @@ def build_plan(profile: Profile, tables: RangeTables, p: CostParams, cuts,
             inputs=tuple(_cut_tensor(view, j) for j in inputs),
             outputs=tuple(_cut_tensor(view, j) for j in outputs),
             checkpoint_ms=c.checkpoint_ns / NS_PER_MS, optimizer_ms=c.optimizer_ns / NS_PER_MS,
-            slack_optimizer_ms=worst.get((i, OPTIMIZER), c.accum_bwd_ns + c.offload_ns) / NS_PER_MS,
+            # sub-model 0's is no constraint (the step boundary prices it), but the same sum
+            slack_optimizer_ms=worst.get((i, OPTIMIZER), c.accum_bwd_ns + c.offload_ns - (
+                nxt.offload_ns + nxt.optimizer_ns if nxt else 0)) / NS_PER_MS,
             crossing=tuple(_cut_tensor(view, j) for j in crossing[i]) if nxt else (),
         ))
     violated = [s for s in slacks if s.slack < 0]
@@ -406,6 +470,18 @@ def build_plan(profile: Profile, tables: RangeTables, p: CostParams, cuts,
                    f"({worst.detail})")
     bound = physical_bound_accum(view)
     all_notes = list(notes or [])
+    if k > 1:
+        tail, _ = first_tail(costs)
+        first, second = costs[0], costs[1]
+        own = first.offload_ns + first.optimizer_ns
+        if tail > own:
+            all_notes.append(
+                f"step boundary: sub-model 0's update waits {(tail - own) / NS_PER_MS:.1f} ms "
+                f"for sub-model 1's (its offload + CPU update "
+                f"{(second.offload_ns + second.optimizer_ns) / NS_PER_MS:.1f} ms vs sub-model "
+                f"0's C*t_bwd + offload {(first.accum_bwd_ns + first.offload_ns) / NS_PER_MS:.1f}"
+                f" ms); the GPU waits for sub-model 0's update there anyway, and the predicted "
+                f"step includes the wait")
     all_notes.append(f"physical bound C >= {bound:.1f} (bytes/param * achieved FLOP/s / "
                      f"(2 * H2D B/s * tokens per micro-batch))")
     all_notes.append(f"CPU AdamW at {p.cpu_adam_gbps:g} GB/s of fp32 masters ({cpu_adam_source})")

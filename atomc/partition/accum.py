@@ -26,25 +26,33 @@ from atomc.units import DTYPE_BYTES
 class Outcome:
     """What one C gives: a feasible plan, or the best relaxed plan, or nothing that fits.
 
-    The relaxed search (`relax`) runs only when memory_ok, result or utilisation of an
-    infeasible C is asked for: when a larger C turns out feasible, nobody asks (it proves this
-    C fits).
+    `relax` gives the plan and its utilisation: the best feasible plan of a feasible C, the
+    best relaxed plan of an infeasible one. It runs only when result or utilisation is asked
+    for, which choose_accum does for the C it keeps; `fits` (whether any plan meets memory,
+    cheaper than the best relaxed plan) answers memory_ok when given. When a larger C turns out
+    feasible, nobody asks (it proves this C fits).
     """
 
     def __init__(self, accum: int, feasible: bool, result: object | None = None,
                  utilisation: float = 0.0,
-                 relax: Callable[[], tuple[object | None, float]] | None = None):
+                 relax: Callable[[], tuple[object | None, float]] | None = None,
+                 fits: Callable[[], bool] | None = None):
         self.accum = accum
         self.feasible = feasible
         self._relax = relax or (lambda: (result, utilisation))
+        self._fits = fits
 
     @functools.cached_property
     def _relaxed(self) -> tuple[object | None, float]:
         return self._relax()
 
-    @property
+    @functools.cached_property
     def memory_ok(self) -> bool:
         """Some plan meets the memory constraints."""
+        if self.feasible:
+            return True
+        if self._fits is not None:
+            return self._fits()
         return self._relaxed[0] is not None
 
     @property

@@ -16,8 +16,12 @@ the constraints of DESIGN 4 as the search states them (see search.py's docstring
                         its update tail hides P_1's update wait and load)
                backward C*t_bwd(P_i) >= t_ckpt(P_i) + t_load(P_{i-1})   (P_0: >= t_ckpt(P_0);
                         P_{k-1}: >= t_ckpt, P_{k-2} is still in its slot)
-    gradients  C*t_bwd(P_i) >= t_offload(P_{i+1})
-    optimizer  C*t_bwd(P_i) + t_offload(P_i) >= t_offload(P_{i+1}) + t_adam(P_{i+1})
+    gradients  C*t_bwd(P_i) >= t_offload(P_{i+1})                         (i >= 1)
+    optimizer  C*t_bwd(P_i) + t_offload(P_i) >= t_offload(P_{i+1}) + t_adam(P_{i+1})   (i >= 1)
+
+Between P_1 and P_0 the last two are no constraints: P_0's update tail at the step boundary
+waits for what P_1's offload and update overrun, and the step prices that wait (P_0's update
+tail, `update_tail`, written out here again from the lanes' order).
 
 with mem_fwd = params + C*(values crossing its start cut + values it passes on) + largest
 single-node forward transient, mem_bwd = params + grads + the same boundary + one
@@ -201,9 +205,8 @@ class Checker:
             if i == 0 and early_prefetch:
                 need(0, "update tail + next loading",
                      left.param_bytes + left.grad_bytes + right.param_bytes)
-                tail = left.offload_ns + left.adam_ns
-                behind = right.offload_ns + right.adam_ns - max(left.bwd_ns, left.checkpoint_ns)
-                wait = max(behind, 0) + right.load_ns
+                tail, update1_end = update_tail(facts)
+                wait = max(update1_end, 0) + right.load_ns
                 if tail < wait:
                     out.append(Violation(0, "forward overlap",
                                          f"update tail {tail} ns < next's update wait and load "
@@ -217,6 +220,8 @@ class Checker:
                 out.append(Violation(i + 1, "backward overlap",
                                      f"C*t_bwd {right.bwd_ns} ns < checkpoints "
                                      f"{right.checkpoint_ns} ns + previous load {reload} ns"))
+            if i == 0:
+                continue  # P_1's offload and update meet P_0's at the step boundary: priced
             if left.bwd_ns < right.offload_ns:
                 out.append(Violation(i, "gradient offload",
                                      f"C*t_bwd {left.bwd_ns} ns < next's offload "
@@ -227,6 +232,25 @@ class Checker:
                                      f"next's offload + update {right.offload_ns + right.adam_ns} "
                                      f"ns"))
         return out
+
+
+def update_tail(facts: list[RangeFacts]) -> tuple[int, int]:
+    """P_0's update tail and the end of P_1's update, both from the end of P_0's backward.
+
+    Lanes in the runtime's order: P_1's gradients leave when its backward ends, then P_0
+    reloads for its own backward (unless P_1 is the last sub-model: P_0 is still in its slot)
+    and P_0's checkpoints stream in; P_0's gradients leave after its backward and after P_1's
+    have; the CPU updates P_1, then P_0."""
+    first, second = facts[0], facts[1]
+    reload = first.load_ns if len(facts) > 2 else 0
+    p1_end = max(second.bwd_ns, second.checkpoint_ns)  # P_1's backward waits for its checkpoints
+    p0_start = max(second.bwd_ns, second.checkpoint_ns + reload)  # ... and P_0 for its reload
+    p0_end = p0_start + max(first.bwd_ns, first.checkpoint_ns)
+    out1_end = p1_end + second.offload_ns
+    update1_end = out1_end + second.adam_ns
+    out0_end = max(p0_end, out1_end) + first.offload_ns
+    update0_end = max(out0_end, update1_end) + first.adam_ns
+    return update0_end - p0_end, update1_end - p0_end
 
 
 def check_plan(profile: Profile, plan: Plan) -> list[Violation]:

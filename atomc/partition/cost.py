@@ -34,6 +34,7 @@ and a brute-force enumeration add up the same numbers exactly.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -424,6 +425,10 @@ class Derived:
     mem_fwd_bytes: np.ndarray  # resident + forward working memory
     mem_bwd_bytes: np.ndarray  # resident + gradients + backward working memory
     ok: np.ndarray | None = field(default=None)  # unary feasibility (tables only)
+    # working memory beside the runtime's slots: the larger of the forward's and the
+    # backward's, its own parameters and gradients left out (tables only)
+    work_bytes: np.ndarray | None = field(default=None)
+    slots_per_cap: np.ndarray | None = field(default=None)  # 4, or 2 for the whole graph
 
 
 def optimizer_ns(p: CostParams, master_bytes, num_masters):
@@ -499,12 +504,31 @@ def derive(tables: RangeTables, p: CostParams) -> Derived:
                                == t.num_nodes))
     ok = (t.valid & t.start_ok & t.end_ok & (d.mem_fwd_bytes <= p.usable_bytes)
           & (d.mem_bwd_bytes <= p.usable_bytes))
+    work = np.maximum(d.mem_fwd_bytes - d.param_bytes,
+                      d.mem_bwd_bytes - d.param_bytes - d.grad_bytes)
+    # the runtime holds two weight and two gradient slots; with one sub-model, one of each
+    per_cap = np.full(ok.shape, 4, dtype=np.int64)
+    if t.max_width >= t.num_nodes:
+        per_cap[0, t.num_nodes] = 2
+    d = Derived(**{**d.__dict__, "ok": ok, "work_bytes": work, "slots_per_cap": per_cap})
     if p.slot_cap_bytes > 0:
-        slots = 4 * p.slot_cap_bytes
-        ok = (ok & (d.param_bytes <= p.slot_cap_bytes)
-              & (d.mem_fwd_bytes - d.param_bytes + slots <= p.usable_bytes)
-              & (d.mem_bwd_bytes - d.param_bytes - d.grad_bytes + slots <= p.usable_bytes))
-    return Derived(**{**d.__dict__, "ok": ok})
+        d = with_slot_cap(d, p.slot_cap_bytes, p.usable_bytes)
+    return d
+
+
+def with_slot_cap(d: Derived, cap: int, usable_bytes: int) -> Derived:
+    """`d` (derive's) with only the ranges that can be sub-models of a plan whose largest
+    sub-model holds at most `cap` bytes: the runtime's slots are sized for that largest one
+    and held all step (slot_bytes), so every sub-model's working memory must fit beside them."""
+    ok = (d.ok & (d.param_bytes <= cap)
+          & (d.work_bytes + d.slots_per_cap * np.int64(cap) <= usable_bytes))
+    return dataclasses.replace(d, ok=ok)
+
+
+def slot_fits(d: Derived, usable_bytes: int) -> np.ndarray:
+    """Ranges that can be the largest sub-model of a plan: their own slots leave room for their
+    working memory (every cap worth trying is the parameter bytes of such a range)."""
+    return d.ok & (d.slots_per_cap * d.param_bytes + d.work_bytes <= usable_bytes)
 
 
 @dataclass(frozen=True)
@@ -569,6 +593,35 @@ def plan_costs(tables: RangeTables, p: CostParams,
     return _gather(tables, p, bounds[:-1], bounds[1:])
 
 
+def handover_tail(*, bwd0_ns, checkpoint0_ns, offload0_ns, optimizer0_ns, load0_ns,
+                  load1_ns, offload1_ns, optimizer1_ns, bwd1_ns, checkpoint1_ns, last1):
+    """P_0's update tail at the step boundary, and what P_1's early load waits for.
+
+    Both are measured from the end of P_0's backward (which lasts max(B_0, K_0): it cannot
+    end before its checkpoints are in). P_1's gradients started leaving S + max(B_0, K_0)
+    before that, where S = max(B_1, K_1 + L_0) - max(B_1, K_1) is the stall before P_0's
+    backward (P_0 reloads during P_1's backward; when P_1 is the last sub-model, `last1`, P_0
+    is still in its slot and S = 0). One copy engine each way and one CPU lane, in list order:
+
+        tail = max(max(0, O_1 - S - max(B_0, K_0)) + O_0,  O_1 + A_1 - S - max(B_0, K_0)) + A_0
+        wait = max(0, O_1 + A_1 - S - max(B_0, K_0)) + L_1
+
+    P_0's gradients leave once P_1's have left, and the CPU updates P_0 once it has updated
+    P_1. When P_1's offload and update are hidden behind P_0's backward and offload (O_1 <=
+    B_0 and O_1 + A_1 <= B_0 + O_0), tail = O_0 + A_0. Otherwise the GPU, which waits for P_0's
+    update and refresh at the step boundary anyway, waits that much longer: the handover
+    prices it exactly (the simulator's step), rather than forbidding it as a constraint.
+    Works elementwise on arrays."""
+    reload0 = np.where(last1, 0, load0_ns)
+    stall = np.maximum(bwd1_ns, checkpoint1_ns + reload0) - np.maximum(bwd1_ns, checkpoint1_ns)
+    lead = np.maximum(bwd0_ns, checkpoint0_ns) + stall
+    update1_end = offload1_ns + optimizer1_ns - lead
+    tail = (np.maximum(np.maximum(offload1_ns - lead, 0) + offload0_ns, update1_end)
+            + optimizer0_ns)
+    wait = np.maximum(update1_end, 0) + load1_ns
+    return tail, wait
+
+
 def first_pair(*, fwd0_ns, bwd0_ns, checkpoint0_ns, offload0_ns, optimizer0_ns, load0_ns,
                param0_bytes, grad0_bytes, load1_ns, offload1_ns, optimizer1_ns, param1_bytes,
                bwd1_ns, checkpoint1_ns, last1, tier: int, usable_bytes):
@@ -576,29 +629,27 @@ def first_pair(*, fwd0_ns, bwd0_ns, checkpoint0_ns, offload0_ns, optimizer0_ns, 
 
     Times are of C micro-batches (Derived's, a RangeCost's accum_*): F forward, B backward,
     K checkpoint stream, O gradient offload, A CPU optimizer, L parameter load; the suffix 0
-    or 1 names the sub-model.
+    or 1 names the sub-model. T is P_0's update tail (`handover_tail`: O_0 + A_0 when P_1's
+    offload and update keep pace with P_0's backward, longer by what they overrun).
 
     late:  P_1 loads during P_0's forward; after P_0's backward its gradients go out, the CPU
-           updates it and its parameters are refreshed:  max(F_0, L_1) + O_0 + A_0 + L_0.
+           updates it and its parameters are refreshed:  max(F_0, L_1) + T + L_0.
     early: P_1's parameters for the next step load during that update tail (the H2D lane is
            idle then), once P_1's own update is done, so P_0's next forward hides nothing:
-           F_0 + max(O_0 + A_0, max(0, O_1 + A_1 - max(B_0, K_0) - S) + L_1) + L_0, if P_0's
-           parameters and outgoing gradients and P_1's parameters fit together.
-           S = max(B_1, K_1 + L_0) - max(B_1, K_1) is the stall before P_0's backward (P_1's
-           update starts that much earlier); a backward lasts at least its checkpoint stream K.
-           When P_1 is the last sub-model (`last1`), P_0 is still in its slot for its backward
-           (nothing reloads it) and S = 0.
+           F_0 + max(T, max(0, O_1 + A_1 - max(B_0, K_0) - S) + L_1) + L_0, if P_0's
+           parameters and outgoing gradients and P_1's parameters fit together (S: see
+           `handover_tail`).
 
     Returns (late_term, late_ok, early_term, early_ok); works elementwise on arrays. In tier 0
     the late way must hide the load behind the forward (F_0 >= L_1) and the early way behind
     the tail; tiers 1 and 2 let loads stall.
     """
-    tail = offload0_ns + optimizer0_ns
+    tail, wait = handover_tail(
+        bwd0_ns=bwd0_ns, checkpoint0_ns=checkpoint0_ns, offload0_ns=offload0_ns,
+        optimizer0_ns=optimizer0_ns, load0_ns=load0_ns, load1_ns=load1_ns,
+        offload1_ns=offload1_ns, optimizer1_ns=optimizer1_ns, bwd1_ns=bwd1_ns,
+        checkpoint1_ns=checkpoint1_ns, last1=last1)
     late = np.maximum(fwd0_ns, load1_ns) + tail + load0_ns
-    reload0 = np.where(last1, 0, load0_ns)
-    stall = np.maximum(bwd1_ns, checkpoint1_ns + reload0) - np.maximum(bwd1_ns, checkpoint1_ns)
-    wait = (np.maximum(offload1_ns + optimizer1_ns - np.maximum(bwd0_ns, checkpoint0_ns) - stall, 0)
-            + load1_ns)
     early = fwd0_ns + np.maximum(tail, wait) + load0_ns
     early_ok = param0_bytes + grad0_bytes + param1_bytes <= usable_bytes
     if tier == 0:
@@ -613,7 +664,8 @@ def additive_step_ns(costs: list[RangeCost], early_prefetch: bool = False) -> in
     """Step time as the search adds it up: pair terms plus the ends (see search.py).
 
     Equal to the simulator's step whenever the gradient-offload and optimizer constraints
-    hold; the search's fallback tier minimises an estimate built on it when they cannot.
+    hold (between P_1 and P_0 they need not: the handover prices what those lanes overrun);
+    the search's fallback tier minimises an estimate built on it when they cannot.
     """
     first = costs[0]
     total = costs[-1].accum_fwd_ns + max(first.accum_bwd_ns, first.checkpoint_ns)
@@ -641,6 +693,18 @@ def backward_load_ns(left: RangeCost, right: RangeCost, costs: list[RangeCost]) 
     unless right is the last sub-model: then left (P_{k-2}) is still in its slot from its
     forward, and nothing is loaded."""
     return 0 if right is costs[-1] else left.load_fwd_ns
+
+
+def first_tail(costs: list[RangeCost]) -> tuple[int, int]:
+    """A plan's handover_tail: P_0's update tail and P_1's early-load wait (k > 1)."""
+    first, second = costs[0], costs[1]
+    tail, wait = handover_tail(
+        bwd0_ns=first.accum_bwd_ns, checkpoint0_ns=first.checkpoint_ns,
+        offload0_ns=first.offload_ns, optimizer0_ns=first.optimizer_ns,
+        load0_ns=first.load_fwd_ns, load1_ns=second.load_fwd_ns, offload1_ns=second.offload_ns,
+        optimizer1_ns=second.optimizer_ns, bwd1_ns=second.accum_bwd_ns,
+        checkpoint1_ns=second.checkpoint_ns, last1=len(costs) == 2)
+    return int(tail), int(wait)
 
 
 # constraint names, and the search tier from which each is relaxed (memory never is)
@@ -675,6 +739,8 @@ def plan_slacks(costs: list[RangeCost], usable_bytes: int,
 
     With `early_prefetch` sub-model 1 loads during sub-model 0's update tail, so sub-model 0's
     forward overlap compares that tail with the load, and the tail has a memory requirement.
+    Sub-model 1's offload and update against sub-model 0's backward are no constraint: they
+    meet at the step boundary, where the handover prices what they overrun (first_pair).
     """
     from atomc.units import format_bytes
 
@@ -705,9 +771,7 @@ def plan_slacks(costs: list[RangeCost], usable_bytes: int,
                              f"{what} needs {format_bytes(num_bytes)} of "
                              f"{format_bytes(usable_bytes)}"))
         if nxt and i == 0 and early_prefetch:
-            tail = c.offload_ns + c.optimizer_ns
-            behind = nxt.offload_ns + nxt.optimizer_ns - max(c.accum_bwd_ns, c.checkpoint_ns)
-            wait = max(behind, 0) + nxt.load_fwd_ns
+            tail, wait = first_tail(costs)
             out.append(Slack(i, FORWARD_OVERLAP, tail - wait,
                              f"its update tail {ms(tail)} vs sub-model 1's update and load "
                              f"{ms(wait)}"))
@@ -719,7 +783,7 @@ def plan_slacks(costs: list[RangeCost], usable_bytes: int,
             out.append(Slack(i, FORWARD_OVERLAP, c.accum_fwd_ns - nxt.load_fwd_ns,
                              f"C*t_fwd {ms(c.accum_fwd_ns)} vs loading sub-model {i + 1} "
                              f"{ms(nxt.load_fwd_ns)}"))
-        if nxt:
+        if nxt and i:  # between P_1 and P_0 the handover prices it (first_pair)
             out.append(Slack(i, GRADIENT_OFFLOAD, c.accum_bwd_ns - nxt.offload_ns,
                              f"C*t_bwd {ms(c.accum_bwd_ns)} vs offloading sub-model {i + 1}'s "
                              f"gradients {ms(nxt.offload_ns)}"))

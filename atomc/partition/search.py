@@ -17,20 +17,28 @@ in during its own backward, O_i gradient offload, A_i CPU optimizer), the simula
 where H is the cheaper of two handovers at the step boundary (cost.first_pair): P_1 loads
 during P_0's forward, or during P_0's update tail (gradients out, CPU update, refresh), which
 hides a large P_1 behind a P_0 that holds little compute, such as the embedding (ATOM III-C).
+The tail is exact (cost.handover_tail): when P_1's gradients and CPU update outlast P_0's
+backward and offload, P_0's update queues behind P_1's, and the GPU, idle for P_0's update
+and refresh at the step boundary anyway, waits that much longer; the tail says how much.
 
-provided two lanes never fall behind: P_i's gradient offload is hidden behind the backward of
-P_{i-1} (O_i <= B_{i-1}), and P_i's CPU update ends before P_{i-1}'s gradients arrive
-(O_i + A_i <= B_{i-1} + O_{i-1}). Then every lane starts each job when the compute lane asks
-for it, and the identity above holds exactly (integers, ns); test_partition checks it against
-the simulator. Each term depends on one range or two neighbouring ranges, and so does every
-constraint (DESIGN 4):
+provided two lanes never fall behind elsewhere: P_i's gradient offload is hidden behind the
+backward of P_{i-1} (O_i <= B_{i-1}), and P_i's CPU update ends before P_{i-1}'s gradients
+arrive (O_i + A_i <= B_{i-1} + O_{i-1}), for i >= 2 (i = 1 is the handover's). Then every lane
+starts each job when the compute lane asks for it, and the identity above holds exactly
+(integers, ns); test_partition checks it against the simulator. Each term depends on one range
+or two neighbouring ranges, and so does every constraint (DESIGN 4):
 
     memory   forward  mem_fwd(P_i) + params(P_{i+1})          <= M
              backward mem_bwd(P_{i+1}) + params(P_i)          <= M
                       mem_bwd(P_i) + grads(P_{i+1})           <= M   (gradients leaving)
              alone    mem_fwd(P_i) <= M and mem_bwd(P_i) <= M    (covers "fits alone")
+             slots    with a cap c on every range's parameters (CostParams.slot_cap_bytes):
+                      params(P_i) <= c and 4c + mem(P_i) - params(P_i) (- grads(P_i) in the
+                      backward) <= M, the runtime's two weight and two gradient slots of the
+                      largest sub-model beside its working memory (cost.derive; the caller
+                      tries caps, atomc.partition.partition)
     overlap  forward  F_i >= L_{i+1};   backward  B_{i+1} >= K_{i+1} + L_i  (+ L_i: i+1 < k-1)
-    gradient O_{i+1} <= B_i;             optimizer O_{i+1} + A_{i+1} <= B_i + O_i
+    gradient O_{i+1} <= B_i;             optimizer O_{i+1} + A_{i+1} <= B_i + O_i    (i >= 1)
 
 So the objective (step, then bytes crossing cuts, then number of sub-models, compared in that
 order) is a sum of terms over consecutive pairs of ranges, and a dynamic programme whose state
@@ -44,13 +52,14 @@ Tiers. Tier 0 requires every constraint. When no plan meets them (C too small, o
 tier 1 drops the two load-overlap constraints (stalls are then paid in the max() terms above,
 still exactly what the simulator does); tier 2 also drops the gradient and optimizer
 constraints. A lane that falls behind then delays later jobs in ways no sum of pair terms
-captures, so tier 2 minimises an estimate: the sum above plus, for each pair, the amounts by
-which the gradient offload and the CPU update overrun (max(0, O_{i+1} - B_i) and
+captures, so tier 2 minimises an estimate: the sum above plus, for each pair after the first,
+the amounts by which the gradient offload and the CPU update overrun (max(0, O_{i+1} - B_i) and
 max(0, O_{i+1} + A_{i+1} - B_i - O_i)), as if each overrun stalled the step. The caller keeps
 whichever relaxed plan the simulator predicts faster. Memory is never relaxed.
 
 Speed. For each middle cut b the search evaluates all (a, c) pairs at once with numpy, so a
-run costs O(N * W^2) array work for ranges of at most W nodes. Repeated blocks fold the run:
+run costs O(N * W^2) array work for ranges of at most W nodes (the widest range that may be a
+sub-model: a cap on the largest one's parameters narrows it). Repeated blocks fold the run:
 when the tables of every range starting near b equal those starting near b + s (s a multiple
 of the block length) and the suffix values just computed satisfy V(., c) = V(., c + s) + delta
 for a whole window of W cut positions, then every earlier value follows by the same shift
@@ -178,9 +187,18 @@ def search(tables: RangeTables, params: CostParams, tier: int = 0, folding: Fold
     """The best plan of `tier` (0: all constraints; 1: loads may stall; 2: memory only), or None."""
     t = tables
     d = derived if derived is not None else derive(t, params)
-    n, w_max = t.num_nodes, t.max_width
+    n = t.num_nodes
     m = np.int64(params.usable_bytes)
     ok = d.ok
+    # one sub-model, the whole graph: its forward, backward and the step's tail in turn
+    best = None
+    if t.max_width >= n and ok[0, n] and not (tier == 0 and d.bwd_ns[0, n] < d.checkpoint_ns[0, n]):
+        best = ((int(d.fwd_ns[0, n] + max(d.bwd_ns[0, n], d.checkpoint_ns[0, n])
+                     + d.tail_ns[0, n]), 0, 1), n)
+    # plans of two sub-models or more: the widest range that may be one bounds the states
+    # (a cap on the largest narrows it)
+    widths = np.flatnonzero(ok[:, :n].any(axis=0))
+    w_max = min(t.max_width, int(widths[-1])) if len(widths) else 0
     v = _Suffix(n, w_max)
 
     # base: the last sub-model [N - w, N) adds its forward (it stays for its backward)
@@ -193,12 +211,12 @@ def search(tables: RangeTables, params: CostParams, tier: int = 0, folding: Fold
             v.count[n, w] = 1
 
     folded = 0
-    b = n - 1
+    b = n - 1 if w_max else 0
     while b >= 1:
         if b % 32 == 0 and not v.valid[b + 1:b + 1 + w_max].any():
-            return None  # nothing earlier can reach a valid state: no plan
+            break  # nothing earlier can reach a valid state: no plan of two or more
         if t.allowed[b]:
-            _solve_middle(b, t, d, v, tier, m)
+            _solve_middle(b, t, d, v, tier, m, w_max)
         stable = None
         if folding and b % folding.period == 0:
             stable = _find_shift(v, b, w_max, n, folding.period)
@@ -219,16 +237,14 @@ def search(tables: RangeTables, params: CostParams, tier: int = 0, folding: Fold
             hi = first - 1
         b = lo
 
-    # the first sub-model [0, b) adds its backward and the step's tail
-    best = None
-    for w in range(1, min(w_max, n) + 1):
+    # the first sub-model [0, b) adds its backward (the step's tail is in the first pair's term)
+    for w in range(1, min(w_max, n - 1) + 1):
         if not (v.valid[w, w] and ok[0, w]):
             continue
         if tier == 0 and d.bwd_ns[0, w] < d.checkpoint_ns[0, w]:
             continue
-        tail = d.tail_ns[0, w] if w == n else 0  # else in the first pair's term
         bwd = max(d.bwd_ns[0, w], d.checkpoint_ns[0, w])
-        key = (int(v.step[w, w] + bwd + tail), int(v.cut[w, w]), int(v.count[w, w]))
+        key = (int(v.step[w, w] + bwd), int(v.cut[w, w]), int(v.count[w, w]))
         if best is None or key < best[0]:
             best = (key, w)
     if best is None:
@@ -290,9 +306,10 @@ def _find_shift(v: _Suffix, b: int, w_max: int, n: int, period: int):
     return None
 
 
-def _solve_middle(b: int, t: RangeTables, d: Derived, v: _Suffix, tier: int, m: np.int64) -> None:
-    """V for every state [a, b): try every following range [b, c) at once."""
-    n, w_max = t.num_nodes, t.max_width
+def _solve_middle(b: int, t: RangeTables, d: Derived, v: _Suffix, tier: int, m: np.int64,
+                  w_max: int) -> None:
+    """V for every state [a, b): try every following range [b, c) of at most w_max nodes."""
+    n = t.num_nodes
     wl = np.arange(1, min(w_max, b) + 1)
     al = b - wl
     left_ok = d.ok[al, wl]
@@ -321,10 +338,12 @@ def _solve_middle(b: int, t: RangeTables, d: Derived, v: _Suffix, tier: int, m: 
     mask = left(d.mem_fwd_bytes) + right(d.param_bytes) <= m
     mask &= right(d.mem_bwd_bytes) + left(d.param_bytes) <= m
     mask &= left(d.mem_bwd_bytes) + right(d.grad_bytes) <= m
+    # P_1's offload and update against P_0's backward: the handover prices them (first_pair)
+    first = (al == 0)[:, None]
     if tier <= 1:
         off_r = right(d.offload_ns)
-        mask &= off_r <= bwd_l
-        mask &= off_r + right(d.optimizer_ns) <= bwd_l + left(d.offload_ns)
+        mask &= first | (off_r <= bwd_l)
+        mask &= first | (off_r + right(d.optimizer_ns) <= bwd_l + left(d.offload_ns))
     if tier == 0:
         mask &= bwd_r >= lb_l
     fwd_term = np.maximum(f_l, lf_r)
@@ -342,8 +361,8 @@ def _solve_middle(b: int, t: RangeTables, d: Derived, v: _Suffix, tier: int, m: 
     step = fwd_term + np.maximum(bwd_r, lb_l) + v.step[ends, wr][None, :]
     if tier == 2:
         off_r, off_l = right(d.offload_ns), left(d.offload_ns)
-        step = (step + np.maximum(off_r - bwd_l, 0)
-                + np.maximum(off_r + right(d.optimizer_ns) - bwd_l - off_l, 0))
+        step = step + np.where(first, 0, np.maximum(off_r - bwd_l, 0)
+                               + np.maximum(off_r + right(d.optimizer_ns) - bwd_l - off_l, 0))
     # lexicographic minimum per row (step, then bytes crossing cuts, then sub-model count) as one
     # integer: the later keys belong to the column alone, so rank the columns by them once
     col_cut, col_count = v.cut[ends, wr], v.count[ends, wr]
