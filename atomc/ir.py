@@ -188,6 +188,7 @@ class OpNode:
 @dataclass(frozen=True)
 class OpGraph(Document):
     KIND: ClassVar[str] = "atomc.graph"
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("frozen",)
 
     model_path: str
     config: str | None
@@ -203,6 +204,9 @@ class OpGraph(Document):
     # parameters of normalisation layers: kept in float32 on the device when the other weights
     # travel in half precision (atomc.trace.graph.is_norm_weight)
     full_precision: tuple[str, ...] = ()
+    # parameters the model freezes (requires_grad=False): no gradient, moments or update
+    # (None in files written before it was recorded: every weight trains)
+    frozen: tuple[str, ...] | None = None
 
     def structure_hash(self) -> str:
         """Hash of what the model computes (nodes and parameters), not where it came from."""
@@ -419,9 +423,24 @@ class Submodel:
 
 
 @dataclass(frozen=True)
+class HostMemory:
+    """The host bytes a plan's run allocates (atomc.partition.hostmem) and the check made."""
+
+    by_kind: dict[str, int]  # masters, optimizer_states, transfer_copies, gradient_buffers, ...
+    optimizer_states: str  # dtype of AdamW's moments: float32 or bfloat16
+    trainable_params: int
+    frozen_params: int  # no gradient buffer, moments or update
+    limit_bytes: int  # 0: not checked
+    limit_source: str  # "--host-mem", "available on <host>", a hardware profile's figure, ""
+
+    def total(self) -> int:
+        return sum(self.by_kind.values())
+
+
+@dataclass(frozen=True)
 class Plan(Document):
     KIND: ClassVar[str] = "atomc.plan"
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("host_gap_ms",)
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("host_gap_ms", "host")
 
     profile_hash: str
     graph_hash: str  # OpGraph.structure_hash(): codegen retraces and compares
@@ -458,3 +477,5 @@ class Plan(Document):
     # on a CPU device, the runtime thread's own time before each action it runs, from a
     # calibrated profile (None: not known, taken as 0)
     host_gap_ms: float | None = None
+    # host memory by kind and the check against --host-mem (None in files written before it)
+    host: HostMemory | None = None

@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from atomc.errors import InfeasiblePlanError
 from atomc.partition import partition
 from atomc.partition.host import resolve_cpu_adam
 from atomc.units import format_bytes, format_ms, parse_size
@@ -40,8 +41,13 @@ def build_profile(config: str, target: str):
 
 
 def timed(profile, capacity: int, fold: bool, dtype: str, cpu: float):
+    """(the plan, or the refusal's message when no partition fits; wall s; CPU s)"""
     wall, used = time.perf_counter(), time.process_time()
-    plan = partition(profile, capacity, fold_blocks=fold, transfer_dtype=dtype, cpu_adam_gbps=cpu)
+    try:
+        plan = partition(profile, capacity, fold_blocks=fold, transfer_dtype=dtype,
+                         cpu_adam_gbps=cpu)
+    except InfeasiblePlanError as e:
+        plan = str(e)
     return plan, time.perf_counter() - wall, time.process_time() - used
 
 
@@ -56,15 +62,20 @@ def run_case(profile, capacity: int, dtype: str, repeats: int) -> tuple[float, b
             plan, wall, used = timed(profile, capacity, fold, dtype, cpu)
             runs[fold].append((wall, used))
             plans[fold] = plan
-    same = (plans[True].submodels == plans[False].submodels
-            and plans[True].accum == plans[False].accum)
     plan = plans[True]
-    print(f"case      {profile.device}, --transfer-dtype {dtype} (autocast {plan.autocast or 'off'}"
-          f"), CPU AdamW {cpu:g} GB/s")
-    print(f"plan      {format_bytes(capacity)}: {len(plan.submodels)} sub-models, C={plan.accum}, "
-          f"predicted step {format_ms(plan.predicted_step_ms)}, "
-          f"GPU busy {plan.predicted_utilisation:.1%}, "
-          f"{'every constraint met' if plan.feasible else 'binding: ' + plan.binding}")
+    print(f"case      {profile.device}, --transfer-dtype {dtype}, CPU AdamW {cpu:g} GB/s")
+    if isinstance(plan, str):
+        same = plans[True] == plans[False]
+        print(f"refused   {format_bytes(capacity)}: {plan}")
+    else:
+        same = (not isinstance(plans[False], str)
+                and plans[True].submodels == plans[False].submodels
+                and plans[True].accum == plans[False].accum)
+        print(f"plan      {format_bytes(capacity)}: {len(plan.submodels)} sub-models, "
+              f"C={plan.accum}, autocast {plan.autocast or 'off'}, "
+              f"predicted step {format_ms(plan.predicted_step_ms)}, "
+              f"GPU busy {plan.predicted_utilisation:.1%}, "
+              f"{'every constraint met' if plan.feasible else 'binding: ' + plan.binding}")
     print(f"{'':10}{'median wall':>12}{'median CPU':>12}{'min wall':>10}")
     med = {}
     for fold, name in ((True, "folded"), (False, "unfolded")):

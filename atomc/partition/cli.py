@@ -40,6 +40,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="compute dtype under torch.autocast: bfloat16, float16 or none (default: "
                         "the transfer dtype when it is half, else an estimated profile's compute "
                         "dtype when that is half)")
+    p.add_argument("--host-mem", metavar="SIZE",
+                   help="host memory the run may take, e.g. 64GiB (default: this machine's "
+                        "available memory for a measured profile; an estimated profile's host "
+                        "is not here, so give it to have the plan checked)")
+    p.add_argument("--optimizer-states", default="float32", choices=("float32", "bfloat16"),
+                   help="dtype of AdamW's two moments on the host (default float32; bfloat16 "
+                        "halves them, the update still computes in float32)")
     p.add_argument("--no-fold", action="store_true",
                    help="do not fold repeated blocks (slower, same plan)")
     p.add_argument("-o", "--output", help="plan JSON path (default PROFILE with .plan.json)")
@@ -80,6 +87,7 @@ def run_partition(args: argparse.Namespace) -> int:
                      fold_blocks=not args.no_fold, cpu_adam_gbps=cpu_adam,
                      cpu_adam_source=cpu_adam_source, transfer_dtype=args.transfer_dtype,
                      autocast=args.autocast)
+    plan = with_host_memory(plan, profile, args.host_mem, args.optimizer_states)
     out = Path(args.output) if args.output else _default_output(args.profile)
     plan.save(out)
     print(render_plan(plan, None if args.all else 40))
@@ -91,6 +99,18 @@ def run_partition(args: argparse.Namespace) -> int:
 
         emit_plan(plan, profile, args.emit)
     return 0
+
+
+def with_host_memory(plan, profile, host_mem: str | None, optimizer_states: str):
+    """`plan` with its host bytes stated; UsageError when they exceed the host's memory."""
+    import dataclasses
+
+    from atomc.partition.hostmem import check_plan_host, plan_host_memory, resolve_host_mem
+
+    limit, source = resolve_host_mem(host_mem, profile)
+    host = plan_host_memory(plan, profile.graph, optimizer_states, limit, source)
+    check_plan_host(host, frozen=host.frozen_params > 0)
+    return dataclasses.replace(plan, host=host)
 
 
 def _write_timeline(plan, path: str) -> None:

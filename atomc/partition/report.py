@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from atomc.ir import Plan, Submodel
+from atomc.ir import HostMemory, Plan, Submodel
 from atomc.units import format_bytes, format_ms
 
 DEFAULT_ROWS = 40
@@ -42,12 +42,25 @@ def summary(plan: Plan) -> str:
         (f"predicted step {format_ms(plan.predicted_step_ms)}, "
          f"GPU busy {plan.predicted_utilisation:.1%}"),
     ]
+    if plan.host is not None:
+        lines.append(host_line(plan.host))
     if plan.feasible:
         lines.append("status    every constraint met")
     else:
         lines.append(f"status    no plan meets every constraint up to this C; "
                      f"binding: {plan.binding}")
     return "\n".join(lines)
+
+
+def host_line(host: HostMemory) -> str:
+    from atomc.partition.hostmem import describe
+
+    checked = (f"fits {format_bytes(host.limit_bytes)} ({host.limit_source})" if host.limit_bytes
+               else host.limit_source)
+    frozen = (f"; {host.frozen_params / 1e6:.1f}M frozen weights: no gradient buffer, moments "
+              f"or update" if host.frozen_params else "")
+    return (f"host      {describe(host.by_kind)}, moments {host.optimizer_states}{frozen}; "
+            f"{checked}")
 
 
 def submodel_table(plan: Plan, max_rows: int | None = DEFAULT_ROWS) -> str:

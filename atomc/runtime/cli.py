@@ -43,6 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--autocast", metavar="DTYPE",
                    help="compute dtype under torch.autocast (default: the plan's)")
     p.add_argument("--activations", choices=["recompute", "keep"], help="default: the plan's")
+    p.add_argument("--optimizer-states", default="float32", choices=("float32", "bfloat16"),
+                   help="dtype of AdamW's moments on the host (default float32; bfloat16 "
+                        "halves them, the update computes in float32)")
     p.add_argument("--data", default="stdlib",
                    help="training data: a token-id file (.bin with --data-dtype or a PATH.json "
                         "sidecar, .npy), a text or JSONL file (with --tokenizer; text without "
@@ -208,7 +211,8 @@ def run_train(args: argparse.Namespace) -> int:
         args.package, device=args.device, accum=args.accum, seed=args.seed,
         activations=args.activations,
         optimizer={"lr": args.lr, "weight_decay": args.weight_decay,
-                   "max_grad_norm": args.max_grad_norm, "lr_schedule": schedule},
+                   "max_grad_norm": args.max_grad_norm, "lr_schedule": schedule,
+                   "states": args.optimizer_states},
         transfer_dtype=args.transfer_dtype, autocast=args.autocast, checkpoint=args.resume,
         weights=_initial_weights(args), trace=bool(args.trace or args.timeline or args.log_dir))
     record = None

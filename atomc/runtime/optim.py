@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from atomc.errors import UsageError
+from atomc.partition.hostmem import MOMENTS_PER_WEIGHT, moment_bytes
 from atomc.runtime.store import DecayFilter, HostStore
 from atomc.runtime.trace import Tracer
 
@@ -53,6 +54,9 @@ class AdamWConfig:
     lr_schedule: Callable[[int], float] | None = None  # step -> multiplier of lr
     impl: str = "fused"
     decay_filter: DecayFilter | None = None  # (FQN, shape) -> decay it? default: all
+    # dtype the two moments are kept in on the host: "float32", or "bfloat16" (half the bytes;
+    # the update computes in float32 and rounds them back to nearest, see CpuOptimizer)
+    states: str = "float32"
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
@@ -61,6 +65,7 @@ class AdamWConfig:
         if self.lr < 0 or self.eps <= 0 or not all(0 <= b < 1 for b in self.betas):
             raise UsageError(f"AdamW settings lr={self.lr}, betas={self.betas}, eps={self.eps} are "
                              f"out of range; give lr >= 0, 0 <= betas < 1, eps > 0")
+        moment_bytes(self.states)  # one line naming the choices
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise UsageError(f"max_grad_norm {self.max_grad_norm} must be positive (or None: no "
                              f"clipping)")
@@ -210,6 +215,9 @@ class CpuOptimizer:
             # a sub-model that owns nothing (all its weights are replicas) has no optimizer
             self.optims.append(torch.optim.AdamW(groups, **config.torch_kwargs())
                                if groups else None)
+        self.low_moments = config.states != "float32"
+        if self.low_moments:
+            self._keep_moments_low()
         self._pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomc-cpu-adamw")
                       if threaded else None)
         self.update_future: list[Future | None] = [None] * self.k
@@ -380,9 +388,49 @@ class CpuOptimizer:
         self.update_ms[i] = (t1 - t0) * 1e3
         self.tracer.host_event(st.step, "optimizer", i, "optimizer", t0, t1)
 
+    def _keep_moments_low(self) -> None:
+        """Moments in `config.states` (bfloat16): one flat buffer per sub-model and moment,
+        and one float32 scratch per moment, the largest sub-model's size, that every
+        sub-model's update computes in (updates run one at a time, on one thread). The
+        optimizers' states are views of the scratch: the fused kernel runs as with float32
+        moments, between a widening copy in and a round-to-nearest copy out. No stochastic
+        rounding: with beta2 = 0.999 the second moment's change per step falls below a
+        bfloat16 ulp only once gradients are steady, where it stays near its value anyway."""
+        dtype = getattr(torch, self.config.states)
+        sizes = [L.trainable_numel for L in self.store.layouts]
+        size = max(sizes, default=0)
+        self.moments = [[torch.zeros(n, dtype=dtype) for _ in range(MOMENTS_PER_WEIGHT)]
+                        for n in sizes]
+        self.scratch = [torch.zeros(size, dtype=self.store.master_dtype)
+                        for _ in range(MOMENTS_PER_WEIGHT)]
+        for i, opt in enumerate(self.optims):
+            if opt is not None:
+                self._point_state_at_scratch(i, opt)
+
+    def _views(self, i: int) -> list[tuple[torch.nn.Parameter, slice]]:
+        entries = [e for e in self.store.layouts[i].entries if e.owned and e.trainable]
+        decayed = [e for e in entries if e.decay] + [e for e in entries if not e.decay]
+        return [(p, slice(e.owner_offset, e.owner_offset + e.numel))
+                for p, e in zip(self.params[i], decayed)]
+
+    def _point_state_at_scratch(self, i: int, opt: torch.optim.Optimizer) -> None:
+        for p, where in self._views(i):
+            state = opt.state[p]
+            state.setdefault("step", torch.zeros((), dtype=torch.float32))
+            state["exp_avg"] = self.scratch[0][where].view(p.shape)
+            state["exp_avg_sq"] = self.scratch[1][where].view(p.shape)
+
     def _step_one(self, st: _StepState, i: int) -> None:
         opt = self.optims[i]
-        if opt is not None:
+        if opt is not None and self.low_moments:
+            n = self.store.layouts[i].trainable_numel
+            for low, wide in zip(self.moments[i], self.scratch):
+                wide[:n].copy_(low)
+            self.config.set_lr(opt, st.step)
+            opt.step()
+            for low, wide in zip(self.moments[i], self.scratch):
+                low.copy_(wide[:n])  # round to nearest
+        elif opt is not None:
             self.config.set_lr(opt, st.step)
             opt.step()
         self.store.refresh_trained(i)  # frozen weights never change
@@ -390,8 +438,20 @@ class CpuOptimizer:
     # ---- state -----------------------------------------------------------------------------------
 
     def state_dict(self) -> list[dict[str, Any] | None]:
+        """Each sub-model's torch AdamW state dict; bfloat16 moments are saved as they are
+        kept (a run with other moments loads them widened or rounded)."""
         self.wait_all()
-        return [o.state_dict() if o is not None else None for o in self.optims]
+        out = []
+        for i, o in enumerate(self.optims):
+            state = o.state_dict() if o is not None else None
+            if state is not None and self.low_moments:
+                for k, (p, where) in enumerate(self._views(i)):
+                    saved = dict(state["state"][k])
+                    saved["exp_avg"] = self.moments[i][0][where].view(p.shape).clone()
+                    saved["exp_avg_sq"] = self.moments[i][1][where].view(p.shape).clone()
+                    state["state"][k] = saved
+            out.append(state)
+        return out
 
     def load_state_dict(self, states: list[dict[str, Any] | None]) -> None:
         self.wait_all()
@@ -400,6 +460,12 @@ class CpuOptimizer:
                 continue
             wds = [g["weight_decay"] for g in opt.param_groups]
             opt.load_state_dict(state)
+            if self.low_moments:  # torch made float32 copies of the moments: keep them low
+                i = self.optims.index(opt)
+                for p, where in self._views(i):
+                    for m, key in enumerate(("exp_avg", "exp_avg_sq")):
+                        self.moments[i][m][where].copy_(opt.state[p][key].view(-1))
+                self._point_state_at_scratch(i, opt)
             # the trainer's own settings win over the checkpoint's (e.g. a new learning rate)
             kw = self.config.torch_kwargs()
             for g, wd in zip(opt.param_groups, wds):

@@ -41,6 +41,12 @@ import torch
 from torch import nn
 
 from atomc.errors import RuntimeMismatchError
+from atomc.partition.hostmem import (
+    ARENA_ALIGN,
+    SubmodelWeights,
+    host_bytes_by_kind,
+    pinned_allocation_bytes,
+)
 from atomc.runtime.package import SwapPackage
 
 DecayFilter = Callable[[str, tuple[int, ...]], bool]
@@ -90,6 +96,11 @@ class SubLayout:
     decay_numel: int
     trainable_numel: int
     grad_numel: int  # gradient buffer elements: the trainable entries only
+
+    def weights(self) -> SubmodelWeights:
+        """Its sizes as the host-memory formula (atomc.partition.hostmem) takes them."""
+        return SubmodelWeights(self.numel, self.owned_numel, self.trainable_numel,
+                               self.grad_numel)
 
     def signature(self) -> list[tuple[str, list[int], int, bool]]:
         return [(e.key, list(e.shape), e.owner, e.decay) for e in self.entries]
@@ -231,18 +242,6 @@ def _entry_shape(layouts: list[SubLayout], current: list[ParamEntry], owner: int
                  key: str) -> tuple[int, ...]:
     pool = current if owner == len(layouts) else layouts[owner].entries
     return next(e.shape for e in pool if e.key == key and e.owned)
-
-
-ARENA_ALIGN = 512  # bytes: where each buffer of an arena starts; a multiple of every dtype's size
-
-
-def pinned_allocation_bytes(nbytes: int) -> int:
-    """What PyTorch's pinned host allocator takes for a request of `nbytes`: the next power of two.
-
-    CachingHostAllocator's default; a lowered round threshold in its settings makes this an
-    overestimate for large requests, never an underestimate.
-    """
-    return 1 << (nbytes - 1).bit_length() if nbytes > 1 else nbytes
 
 
 class HostArena:
@@ -391,11 +390,26 @@ class HostStore:
         """Pinned host memory the store's arenas took (their bytes as the allocator rounds them)."""
         return self.image_arena.pinned_bytes() + self.grad_arena.pinned_bytes()
 
+    def planned_bytes(self, optimizer_states: str = "float32") -> dict[str, int]:
+        """Host bytes by kind by the plan's formula for these layouts (no activation stash)."""
+        return planned_host_bytes(self.layouts, self.master_dtype, self.transfer_dtype,
+                                  self.pin, optimizer_states)
+
     def host_bytes(self) -> int:
         total = self.image_arena.nbytes + self.grad_arena.nbytes
         if self.separate_master:
             total += sum(t.numel() * t.element_size() for t in self.master + self.grad_master)
         return total
+
+
+def planned_host_bytes(layouts: Sequence[SubLayout], master_dtype: torch.dtype,
+                       transfer_dtype: torch.dtype, pin: bool,
+                       optimizer_states: str = "float32") -> dict[str, int]:
+    """Host bytes by kind a store of `layouts` and its optimizer take (atomc.partition.hostmem):
+    what `atomc train` checks before it allocates anything."""
+    name = str(master_dtype).removeprefix("torch."), str(transfer_dtype).removeprefix("torch.")
+    return host_bytes_by_kind([L.weights() for L in layouts], name[0], name[1], pin,
+                              optimizer_states)
 
 
 def rebind_parameters(module: nn.Module, tensors: dict[str, torch.Tensor], requires_grad: bool,

@@ -34,7 +34,7 @@ from atomc.runtime.config import TrainerConfig
 from atomc.runtime.executor import SwapExecutor
 from atomc.runtime.optim import CpuOptimizer, LossScaler
 from atomc.runtime.package import SwapPackage, load_swap_package
-from atomc.runtime.store import HostStore
+from atomc.runtime.store import HostStore, plan_layouts, planned_host_bytes
 from atomc.runtime.trace import StepTrace, Tracer
 from atomc.trace import _parameters_on_meta
 
@@ -144,6 +144,7 @@ class SwapTrainer:
                 raise RuntimeMismatchError(
                     f"the initial state dict lacks {e}, which {pkg.path} needs; give the original "
                     f"model's state_dict()") from None
+        _check_host_memory(pkg, host_modules, run, typed_plan)  # before anything is pinned
         executor = SwapExecutor.assemble(
             pkg, host_modules, run.optimizer, device=dev, master_dtype=run.master_dtype,
             transfer_dtype=run.transfer_dtype, tracer=Tracer(dev, enabled=run.trace),
@@ -513,6 +514,31 @@ def check_device_memory(capacity_bytes: int, device_bytes: int, submodel_bytes: 
             f"{has}; sub-model {culprit} needs {fmt(submodel_bytes[culprit])} while it computes "
             f"and will not fit in the free memory: free device memory (other processes, tensors "
             f"held), or re-plan with --gpu-mem {fmt(free_bytes)} or less")
+
+
+def _check_host_memory(pkg: SwapPackage, host_modules: list[nn.Module], run: Any,
+                       plan: Plan | None) -> None:
+    """Refuse in one line when the host store, the optimizer's moments and the activation
+    stash (the plan's formula, atomc.partition.hostmem) exceed this machine's available
+    memory; the weights already read count as available, since the store takes them over."""
+    from atomc.partition import hostmem
+
+    available = hostmem.available_host_bytes()
+    if available is None:
+        return  # no figure on this system: the run is not checked (as before this check)
+    layouts = plan_layouts(pkg, host_modules, run.optimizer.decays,
+                           transfer_dtype=run.transfer_dtype)
+    by_kind = planned_host_bytes(layouts, run.master_dtype, run.transfer_dtype,
+                                 run.device.type == "cuda", run.optimizer.states)
+    if run.offload_activations and plan is not None:
+        stash = hostmem.plan_stash_bytes(plan.submodels, run.accum, run.activations)
+        by_kind["activation_stash"] = (hostmem.pinned_allocation_bytes(stash)
+                                       if run.device.type == "cuda" else stash)
+    held = sum(p.numel() * p.element_size() for m in host_modules for p in m.parameters()
+               if not p.is_meta)
+    frozen = any(not L.trainable_numel == L.owned_numel for L in layouts)
+    hostmem.check_fits(by_kind, available + held, "atomc train: host memory (MemAvailable "
+                       "plus the weights already read)", run.optimizer.states, frozen)
 
 
 def _check_device_memory(dev: torch.device, store: HostStore, plan: Plan | None,

@@ -139,12 +139,15 @@ def build_opgraph(gm: fx.GraphModule, model: nn.Module, values: dict[str, Any], 
     canonical: dict[int, str] = {}
     aliases: dict[str, str] = {}
     params: dict[str, TensorSpec] = {}
+    frozen: list[str] = []
     for fqn, p in model.named_parameters(remove_duplicate=False):
         if id(p) in canonical:
             aliases[fqn] = canonical[id(p)]
         else:
             canonical[id(p)] = fqn
             params[fqn] = tensor_spec(p)
+            if not p.requires_grad:
+                frozen.append(fqn)
     buffers = {fqn: tensor_spec(b) for fqn, b in model.named_buffers()}
     buffer_ids = {id(b): fqn for fqn, b in model.named_buffers()}
     blocks = find_blocks(model)
@@ -194,6 +197,7 @@ def build_opgraph(gm: fx.GraphModule, model: nn.Module, values: dict[str, Any], 
         params=params, buffers=buffers, aliases=aliases, blocks=tuple(blocks),
         full_precision=tuple(f for f in params
                              if is_norm_weight(model, f) or f in standardized),
+        frozen=tuple(frozen) or None,  # None: every weight trains (and hashes as before)
     )
 
 

@@ -1,0 +1,226 @@
+"""Host memory of a swap run: the bytes the runtime allocates on the host, by kind.
+
+One formula for the plan (`atomc partition` states and checks it against `--host-mem`), for
+`atomc train`'s check before it pins anything, and for the runtime's own allocations
+(atomc.runtime.store.HostStore, atomc.runtime.optim.CpuOptimizer size their buffers with
+the functions here), so the plan's figure is what the run takes.
+
+Kinds (bytes):
+- `masters`: the full-precision weights the optimizer updates (float32): every owned weight,
+  frozen ones included. When the transfer dtype is the master dtype the master IS the image,
+  and this is 0 (the image counts it).
+- `optimizer_states`: AdamW's two moments per trainable weight, in the moments' dtype
+  (float32, or bfloat16 with `--optimizer-states bfloat16`), plus, for bfloat16 moments, the
+  float32 scratch of the largest sub-model the update computes in; frozen weights have none.
+- `transfer_copies`: the images the GPU loads in one copy per sub-model (the transfer dtype,
+  tied replicas included), in one pinned arena as the pinned allocator rounds it (a power of
+  two) on CUDA.
+- `gradient_buffers`: the pinned arena the gradients come back into (trainable weights only)
+  and, when it is half precision, the float32 gradients the optimizer reads.
+- `activation_stash`: boundary values kept on the host between forward and backward
+  (offloaded checkpoints; recompute only), C micro-batches, pinned.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from atomc.errors import UsageError
+from atomc.ir import HostMemory, OpGraph, Plan, Profile, Submodel
+from atomc.units import format_bytes, parse_size
+
+ARENA_ALIGN = 512  # bytes: where each buffer of an arena starts; a multiple of every dtype's size
+MOMENTS_PER_WEIGHT = 2  # AdamW: exp_avg and exp_avg_sq
+OPTIMIZER_STATES = ("float32", "bfloat16")
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+KINDS = ("masters", "optimizer_states", "transfer_copies", "gradient_buffers",
+         "activation_stash")
+KIND_WORDS = {"masters": "fp32 masters", "optimizer_states": "optimizer moments",
+              "transfer_copies": "pinned transfer copies", "gradient_buffers": "gradient buffers",
+              "activation_stash": "activation stash"}
+
+
+def pinned_allocation_bytes(nbytes: int) -> int:
+    """What PyTorch's pinned host allocator takes for a request of `nbytes`: the next power of two.
+
+    CachingHostAllocator's default; a lowered round threshold in its settings makes this an
+    overestimate for large requests, never an underestimate.
+    """
+    return 1 << (nbytes - 1).bit_length() if nbytes > 1 else nbytes
+
+
+def arena_bytes(nbytes: Sequence[int]) -> int:
+    """Bytes one arena of buffers of these sizes spans (each starts at ARENA_ALIGN)."""
+    end = 0
+    for n in nbytes:
+        end = -(-end // ARENA_ALIGN) * ARENA_ALIGN + n
+    return end
+
+
+@dataclass(frozen=True)
+class SubmodelWeights:
+    """One sub-model's weights as the host store lays them out, in elements."""
+
+    image: int  # what it loads: owned weights and tied replicas (wide weights: their span)
+    owned: int  # the masters it owns (frozen included)
+    trainable: int  # owned trainable weights: gradients, moments, updates
+    grad: int  # its gradient buffer (trainable owned and replicas; wide: their span)
+
+
+def moment_bytes(states: str) -> int:
+    if states not in OPTIMIZER_STATES:
+        raise UsageError(f"--optimizer-states {states!r} is not one of "
+                         f"{', '.join(OPTIMIZER_STATES)}; give float32 (default) or bfloat16 "
+                         f"(half the optimizer's host memory)")
+    return DTYPE_BYTES[states]
+
+
+def host_bytes_by_kind(subs: Sequence[SubmodelWeights], master_dtype: str, transfer_dtype: str,
+                       pin: bool, optimizer_states: str = "float32",
+                       stash_bytes: int = 0) -> dict[str, int]:
+    """Host bytes of a swap run by kind (see the module docstring); the runtime's sizes."""
+    mb, tb = DTYPE_BYTES[master_dtype], DTYPE_BYTES[transfer_dtype]
+    separate = master_dtype != transfer_dtype
+    images = arena_bytes([s.image * tb for s in subs])
+    grads = arena_bytes([s.grad * tb for s in subs])
+    trainable = [s.trainable for s in subs]
+    states = MOMENTS_PER_WEIGHT * sum(trainable) * moment_bytes(optimizer_states)
+    if optimizer_states != master_dtype:  # the update computes in the master dtype
+        states += MOMENTS_PER_WEIGHT * max(trainable, default=0) * mb
+    return {
+        "masters": sum(s.owned for s in subs) * mb if separate else 0,
+        "optimizer_states": states,
+        "transfer_copies": pinned_allocation_bytes(images) if pin else images,
+        "gradient_buffers": (pinned_allocation_bytes(grads) if pin else grads)
+                            + (sum(trainable) * mb if separate else 0),
+        "activation_stash": pinned_allocation_bytes(stash_bytes) if pin else stash_bytes,
+    }
+
+
+def available_host_bytes() -> int | None:
+    """This machine's available memory (MemAvailable, or psutil's figure); None if unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil
+    except ImportError:
+        pages, size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        return pages * size if pages > 0 and size > 0 else None
+    return int(psutil.virtual_memory().available)
+
+
+def describe(by_kind: dict[str, int]) -> str:
+    """'X: a fp32 masters + b optimizer moments + ...' (kinds with bytes only)."""
+    total = sum(by_kind.values())
+    parts = [f"{format_bytes(by_kind[k])} {KIND_WORDS[k]}" for k in KINDS if by_kind.get(k)]
+    return f"{format_bytes(total)} ({' + '.join(parts) or 'nothing'})"
+
+
+def remedies(optimizer_states: str, frozen: bool) -> str:
+    """What makes a run's host memory smaller: options of atomc partition and atomc train."""
+    out = []
+    if optimizer_states == "float32":
+        out.append("--optimizer-states bfloat16 (the moments in half the bytes)")
+    if not frozen:
+        out.append("freezing weights (adapters such as LoRA, a frozen backbone: a frozen "
+                   "weight has no gradient buffer, moments or update)")
+    out.append("a machine with more memory")
+    return "; ".join(out)
+
+
+def check_fits(by_kind: dict[str, int], limit: int, what: str, optimizer_states: str,
+               frozen: bool) -> None:
+    """UsageError in one line when the host bytes exceed `limit`."""
+    if sum(by_kind.values()) > limit:
+        raise UsageError(f"{what}: the run needs {describe(by_kind)} of host memory, more than "
+                         f"the {format_bytes(limit)} there; try "
+                         f"{remedies(optimizer_states, frozen)}")
+
+
+def plan_weights(graph: OpGraph, submodels: Sequence[Submodel],
+                 transfer_dtype: str) -> list[SubmodelWeights]:
+    """The host store's layout sizes of a plan's sub-models, from the graph's parameters: a
+    weight is owned by the first sub-model that reads it and replicated in later readers; a
+    full-precision (norm) weight takes float32's span in a half-precision image."""
+    frozen = set(graph.frozen or ())
+    ratio = max(1, 4 // DTYPE_BYTES.get(transfer_dtype, 4))
+    owner: dict[str, int] = {}
+    out = []
+    for s in submodels:
+        seen: dict[str, None] = {}
+        for node in graph.nodes[s.start:s.stop]:
+            for fqn in node.param_fqns:
+                seen.setdefault(graph.aliases.get(fqn, fqn))
+        image = owned = trainable = grad = 0
+        for fqn in seen:
+            spec = graph.params.get(fqn)
+            if spec is None:
+                continue
+            n = math.prod(spec.shape)
+            span = n * ratio if fqn in graph.full_precision else n
+            image += span
+            if fqn not in frozen:
+                grad += span
+            if owner.setdefault(fqn, s.index) == s.index:
+                owned += n
+                trainable += 0 if fqn in frozen else n
+        out.append(SubmodelWeights(image, owned, trainable, grad))
+    return out
+
+
+def plan_stash_bytes(plan_submodels: Sequence[Submodel], accum: int, activations: str) -> int:
+    """Boundary values the runtime stashes on the host (recompute, when the plan streams
+    checkpoints): each value crossing a cut once per micro-batch."""
+    if activations != "recompute" or not any(s.checkpoint_ms > 0 for s in plan_submodels[:-1]):
+        return 0
+    values = {t.name: t.num_bytes for s in plan_submodels[:-1] for t in s.crossing}
+    return accum * sum(values.values())
+
+
+def plan_host_memory(plan: Plan, graph: OpGraph, optimizer_states: str = "float32",
+                     limit_bytes: int = 0, limit_source: str = "",
+                     pin: bool | None = None) -> HostMemory:
+    """The host bytes of `plan`'s run by kind (the runtime's formula) and its limit. `pin`:
+    whether the run pins its arenas (default: unless the plan's device is the CPU)."""
+    moment_bytes(optimizer_states)  # a bad name fails here, in one line
+    master = "float64" if graph.dtype == "float64" else "float32"
+    transfer = plan.transfer_dtype or (graph.dtype if graph.dtype in DTYPE_BYTES else master)
+    subs = plan_weights(graph, plan.submodels, transfer)
+    stash = plan_stash_bytes(plan.submodels, plan.accum, plan.activations)
+    pin = plan.device != "cpu" if pin is None else pin
+    by_kind = host_bytes_by_kind(subs, master, transfer, pin=pin,
+                                 optimizer_states=optimizer_states, stash_bytes=stash)
+    trainable = sum(s.trainable for s in subs)
+    return HostMemory(by_kind=by_kind, optimizer_states=optimizer_states,
+                      trainable_params=trainable,
+                      frozen_params=sum(s.owned for s in subs) - trainable,
+                      limit_bytes=limit_bytes, limit_source=limit_source)
+
+
+def resolve_host_mem(value: str | None, profile: Profile) -> tuple[int, str]:
+    """`--host-mem` -> (bytes, where from); (0, why) when there is nothing to check against."""
+    if value is not None:
+        return parse_size(value, "--host-mem"), "--host-mem"
+    if profile.mode == "estimated":
+        return 0, (f"not checked: the profile is estimated for {profile.device}, whose host is "
+                   f"not here; give --host-mem SIZE (the RAM of the machine it will train on)")
+    avail = available_host_bytes()
+    if avail is None:
+        return 0, "not checked: this machine's available memory is unknown; give --host-mem"
+    return avail, f"available on {socket.gethostname()} now (MemAvailable)"
+
+
+def check_plan_host(host: HostMemory, frozen: bool) -> None:
+    """UsageError in one line when the plan's host bytes exceed its limit."""
+    if host.limit_bytes:
+        check_fits(host.by_kind, host.limit_bytes, f"host memory ({host.limit_source})",
+                   host.optimizer_states, frozen)
