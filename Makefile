@@ -26,8 +26,13 @@ install: $(STAMP)
 demo: install
 	$(BIN)/python examples/demo.py
 
+# pytest-xdist workers, one per core of the CI machine; the tests of a module (of a model, in
+# tests/test_models.py) share a worker, handed out slow and large groups first (tests/conftest.py)
+TEST_WORKERS ?= 2
+
 test: install lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup \
+		--no-loadscope-reorder --durations=15
 
 # the survey of 95 more Hugging Face families through the whole chain (about 50 minutes)
 families: install

@@ -2,6 +2,9 @@
 
 torchrun starts each worker in a session of its own and hivemind starts its DHT, averager and
 p2p daemon as children, so killing the launcher's process group alone leaves processes behind.
+
+Such tests run on one pytest-xdist worker, one after another (`pytestmark = STARTS_PROCESSES`):
+each starts several processes that keep the cores busy, and their waits are bounded.
 """
 
 from __future__ import annotations
@@ -11,7 +14,10 @@ import signal
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+STARTS_PROCESSES = pytest.mark.xdist_group("processes")  # make test's workers: tests/conftest.py
 
 
 def child_env() -> dict[str, str]:

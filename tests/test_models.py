@@ -8,7 +8,8 @@ alone (codegen traces the model again, as `atomc codegen` does), and then:
   float64 to 1e-10, float32 to 1e-5;
 - SwapTrainer gives plain torch.optim.AdamW's weights and buffers after 3 steps;
 - a plan made for bfloat16 weights (half-precision device copies, autocast) trains by default
-  in bfloat16, refuses float32, and starts within 1% of the float32 plan's loss.
+  in bfloat16, refuses float32, and starts within 1% of the float32 plan's loss (or within
+  what eager bfloat16 autocast moves that model's loss, measured on the same batch).
 
 The families: eight Hugging Face causal LMs (examples/hf.py's tiny presets), Hugging Face BERT
 and DeBERTa-v2 encoders returning their own ModelOutput, a ResNet-style CNN with BatchNorm
@@ -24,12 +25,16 @@ own), custom autograd Functions whose backward is not their forward's derivative
 Hugging Face's BART (LayerDrop) and Wav2Vec2 (raw audio), a VQ-VAE whose forward updates
 its codebook buffer in place (an EMA), and hand-written running statistics and a step counter
 that the forward assigns to its buffers, and a VAE that samples with torch.distributions.
+From timm's zoo (timm.create_model, tiny configurations): an EfficientNet (BatchNorm,
+squeeze-excitation), a ConvNeXt, a Swin transformer (shifted windows) and a ViT; from
+diffusers: the conditional UNet of Stable Diffusion and the diffusion transformer DiT.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +55,8 @@ from atomc.runtime.trace import replay_residency
 from atomc.trace import trace_model
 from atomc.trace.graph import tensors_in
 
+from shims import import_timm
+
 REPO = Path(__file__).resolve().parent.parent
 HF = REPO / "examples" / "hf.py"
 MODELS = Path(__file__).resolve().parent / "models"
@@ -57,6 +64,10 @@ MICRO = 2  # micro-batch size everything is traced with
 C = 2  # micro-batches per step
 
 pytest.importorskip("transformers")
+# timm imports torchvision, which has no build for this CPU torch: imported once here through
+# the test-only stand-in, timm is what the model files' `import timm` finds (tests/shims)
+if importlib.util.find_spec("timm") is not None:
+    import_timm()
 
 CASES = {
     "gpt2": (HF, "tiny-gpt2"),
@@ -91,6 +102,12 @@ CASES = {
     "vq-ema": (MODELS / "vq_ema.py", None),
     "running-stats": (MODELS / "running_stats.py", None),
     "vae": (MODELS / "vae.py", None),
+    "timm-efficientnet": (MODELS / "timm_zoo.py", "efficientnet"),
+    "timm-convnext": (MODELS / "timm_zoo.py", "convnext"),
+    "timm-swin": (MODELS / "timm_zoo.py", "swin"),
+    "timm-zoo-vit": (MODELS / "timm_zoo.py", "vit"),
+    "diffusers-unet": (MODELS / "diffusers_zoo.py", "unet"),
+    "diffusers-dit": (MODELS / "diffusers_zoo.py", "dit"),
 }
 
 
@@ -115,29 +132,37 @@ def three_way_plan(profile, transfer_dtype=None):
 
 
 def _smallest_plan(profile, transfer_dtype):
-    lo, hi = 1 << 10, 1 << 30  # infeasible, feasible
-
     def plan_for(budget: int):
         return partition(profile, budget, reserve_bytes=0, accum=C, cpu_adam_gbps=8.0,
                          transfer_dtype=transfer_dtype)
 
+    # doubling up from a budget nothing fits in, then bisecting: the partitioner takes longest
+    # over budgets far above the smallest, which bisecting down from 1 GiB tried ten of
+    lo, hi, plan = 1 << 10, 1 << 10, None  # infeasible, feasible with `plan`
+    while plan is None:
+        hi *= 2
+        assert hi <= 1 << 30, "no plan within 1 GiB"
+        try:
+            plan = plan_for(hi)
+        except InfeasiblePlanError:
+            lo = hi
     while hi - lo > hi // 32:
         mid = (lo + hi) // 2
         try:
-            plan_for(mid)
-            hi = mid
+            plan, hi = plan_for(mid), mid
         except InfeasiblePlanError:
             lo = mid
-    return plan_for(hi)
+    return plan
 
 
 _CHAINS: dict = {}
 _PROFILES: dict = {}
+_REFERENCES: dict = {}
 
 
 def chain(name: str, tmp_root: Path, transfer_dtype: str | None = None):
     """(package dir, plan, CPU trace of the original) for a case and a planned transfer dtype,
-    made once per session."""
+    made once per process (per pytest-xdist worker: on_the_worker_of)."""
     key = (name, transfer_dtype)
     if key not in _CHAINS:
         path, config = CASES[name]
@@ -149,12 +174,22 @@ def chain(name: str, tmp_root: Path, transfer_dtype: str | None = None):
         plan_path = tmp_root / f"{tag}.plan.json"
         plan.save(plan_path)
         out = generate(plan, tmp_root / tag, profile=profile, plan_path=plan_path)
-        reference = trace_model(path, config, MICRO, device="cpu")
-        _CHAINS[key] = (out, plan, reference)
+        if name not in _REFERENCES:
+            _REFERENCES[name] = trace_model(path, config, MICRO, device="cpu")
+        _CHAINS[key] = (out, plan, _REFERENCES[name])
     return _CHAINS[key]
 
 
-@pytest.fixture(scope="module")
+def on_the_worker_of(name: str) -> pytest.MarkDecorator:
+    """Runs a test on the pytest-xdist worker that runs the other checks of case `name`
+    (tests/conftest.py), so that the case's packages are built once."""
+    return pytest.mark.xdist_group(f"models-{name}")
+
+
+MODEL_CASES = [pytest.param(name, marks=on_the_worker_of(name)) for name in sorted(CASES)]
+
+
+@pytest.fixture(scope="session")
 def root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")
 
@@ -183,7 +218,7 @@ def original(reference, dtype=torch.float32):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)],
                          ids=["float64", "float32"])
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", MODEL_CASES)
 def test_chained_submodels_equal_the_model(root, name, dtype, tol):
     out, plan, reference = chain(name, root)
     assert len(plan.submodels) >= 3
@@ -257,7 +292,7 @@ def plain_steps(model, loss_fn, batches):
     return losses
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", MODEL_CASES)
 def test_swap_trainer_equals_adamw(root, name, rel=1e-6, atol=1e-6):
     out, _, reference = chain(name, root)
     model = original(reference)
@@ -278,11 +313,25 @@ def test_swap_trainer_equals_adamw(root, name, rel=1e-6, atol=1e-6):
     trainer.close()
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+def eager_loss(model, loss_fn, batch, autocast: torch.dtype | None = None) -> float:
+    """The loss a step reports (the mean over its micro-batches) of the model run eagerly as
+    the trainer's first step runs it, under CPU autocast to `autocast` where given."""
+    total = 0.0
+    for m in range(C):
+        micro = tuple(x[m * MICRO:(m + 1) * MICRO] for x in batch)
+        with micro_batch_rng(0, 0, m), torch.autocast("cpu", autocast or torch.bfloat16,
+                                                      enabled=autocast is not None):
+            total += loss_fn(model(*micro), micro).item()
+    return total / C
+
+
+@pytest.mark.parametrize("name", MODEL_CASES)
 def test_bfloat16_plan_trains_within_one_percent(root, name):
     """A plan made for bfloat16 weights: the package runs in bfloat16 by default (norm weights
     in float32), refuses float32 weights, keeps at most two sub-models' weights resident, and
-    its first step's loss is within 1% of the float32 plan's."""
+    its first step's loss is within 1% of the float32 plan's, or, for a model that bfloat16
+    itself moves further (BatchNorm over a few values, deep stacks), within 1.5 times what the
+    model's own eager run under bfloat16 autocast gives, measured on the same batch."""
     out32, _, reference = chain(name, root)
     out16, plan16, _ = chain(name, root, "bfloat16")
     assert (plan16.transfer_dtype, plan16.autocast) == ("bfloat16", "bfloat16")
@@ -302,7 +351,9 @@ def test_bfloat16_plan_trains_within_one_percent(root, name):
         for e in L.entries:
             assert e.wide == (e.key in full)
     losses = [trainer.step(batch) for _ in range(2)]
-    assert losses[0] == pytest.approx(loss32, rel=0.01)
+    eager16 = eager_loss(original(reference), reference.module.loss_fn, batch, torch.bfloat16)
+    rel = max(0.01, 1.5 * abs(eager16 / loss32 - 1))
+    assert losses[0] == pytest.approx(loss32, rel=rel), f"eager bfloat16 autocast: {eager16}"
     assert all(torch.isfinite(torch.tensor(losses)))
     assert trainer.executor.slots.max_resident <= 2
     for trace in trainer.traces.values():
@@ -345,6 +396,7 @@ def test_modes_become_with_blocks_and_dtypes_stay_generic(root, tmp_path):
         torch.testing.assert_close(got, model(x))
 
 
+@on_the_worker_of("resnet-bn-export")
 def test_batch_norm_in_export_graphs_follows_the_mode(root):
     """export resolves `self.training` when it traces; BatchNorm in generated code follows the
     sub-model's mode again: running statistics in evaluation, batch statistics in training."""
@@ -368,6 +420,7 @@ def test_batch_norm_in_export_graphs_follows_the_mode(root):
     torch.testing.assert_close(state["bn.running_mean"], model.bn.running_mean)
 
 
+@on_the_worker_of("moe")
 def test_meta_trace_takes_the_branch_of_the_device_it_runs_on(root):
     """Model code that branches on the device type (a router's histc counts in float32 on a
     CPU, int32 elsewhere) is traced on the meta device as if on the device it will run on:
@@ -395,6 +448,7 @@ def test_meta_trace_takes_the_branch_of_the_device_it_runs_on(root):
     assert "torch.finfo(" in source and "3.4028" not in source
 
 
+@on_the_worker_of("t5")
 def test_weight_tied_three_ways_sums_its_gradients_exactly(root):
     """T5's one embedding is read by three sub-models; tied_grads="exact" adds the three
     holders' gradients per micro-batch in the order the plain model's backward does: one step
@@ -415,9 +469,11 @@ def test_weight_tied_three_ways_sums_its_gradients_exactly(root):
     trainer.close()
 
 
+@on_the_worker_of("bert")
 def test_constants_ship_with_the_package(root):
     """Non-persistent buffers (BERT's position_ids) and lifted constants (nanoGPT's `[-1]`
-    index) are package constants: stored with their values, never asked of a state dict."""
+    index, below) are package constants: stored with their values, never asked of a state
+    dict."""
     out, _, _ = chain("bert", root)
     package = load_package(out)
     names = {fqn for names in package.PARAM_NAMES for fqn in names.values()}
@@ -425,11 +481,16 @@ def test_constants_ship_with_the_package(root):
     assert (out / "constants.pt").is_file() and (out / "_constants.py").is_file()
     constants = package._constants.NAMES
     assert "embeddings.position_ids" in constants
+
+
+@on_the_worker_of("nanogpt-last")
+def test_lifted_constants_ship_with_the_package(root):
     out, _, _ = chain("nanogpt-last", root)
     package = load_package(out)
     assert any("constant" in n or "lifted" in n for n in package._constants.NAMES)
 
 
+@on_the_worker_of("param-norms")
 def test_reparametrized_layers_are_written_as_their_author_wrote_them(root):
     """A weight-normalised or spectral-normalised layer stays one module (its weight is
     computed, and spectral norm updates buffers every forward), rebuilt by the same calls;
@@ -474,6 +535,31 @@ def test_hf_config_files_and_bad_ones(tmp_path, capsys):
         assert atomc_main(["profile", str(HF), "--config", str(path), "--target", "a100-80gb"]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and str(path) in err and expected in err, err
+
+
+def test_timm_imports_through_the_torchvision_stand_in():
+    """timm, imported through tests/shims where no torchvision is installed, builds and freezes
+    BatchNorm with torchvision's FrozenBatchNorm2d; afterwards no torchvision is found (so
+    transformers and diffusers do not take one for installed), and what the stand-in does not
+    provide says so."""
+    timm = pytest.importorskip("timm")
+    if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("a torchvision is installed: timm imports it, not the stand-in")
+    from timm.data.transforms import MaybeToTensor
+    from transformers.utils.import_utils import is_torchvision_available
+
+    assert not is_torchvision_available()
+    bn = torch.nn.BatchNorm2d(4).eval()
+    bn.running_mean.uniform_(-1, 1)
+    bn.running_var.uniform_(0.5, 2)
+    frozen = timm.layers.freeze_batch_norm_2d(bn)
+    assert type(frozen).__name__ == "FrozenBatchNorm2d"
+    x = torch.randn(2, 4, 3, 3)
+    torch.testing.assert_close(frozen(x), bn(x))
+    with pytest.raises(ImportError, match="tests/shims"):
+        MaybeToTensor()
+    with pytest.raises(AttributeError, match=r"torchvision\.transforms\.Resize is not available"):
+        timm.data.create_transform(32)
 
 
 def test_hf_without_transformers_says_how_to_install(tmp_path):

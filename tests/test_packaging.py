@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # a wheel built and installed, the chain run in processes
 
 
 @pytest.fixture(scope="module")

@@ -28,8 +28,9 @@ from atomc.codegen.manual import plan_from_cuts
 from atomc.runtime.checkpoint import load_checkpoint
 from atomc.trace import trace_model
 
-from processes import kill_tree
+from processes import STARTS_PROCESSES, kill_tree
 
+pytestmark = STARTS_PROCESSES
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt.py"
 SCRIPT = ROOT / "examples" / "train_peer.py"
