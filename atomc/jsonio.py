@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -61,6 +62,24 @@ def _fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def replace_dir(tmp: Path, out: Path) -> None:
+    """Rename the finished directory `tmp` into place as `out`; an existing `out` is replaced
+    whole, and restored when the rename fails."""
+    if not out.exists():
+        os.rename(tmp, out)
+    else:
+        backup = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+        os.rmdir(backup)
+        os.rename(out, backup)
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            os.rename(backup, out)
+            raise
+        shutil.rmtree(backup, ignore_errors=True)
+    _fsync_dir(out.parent)
 
 
 def umask() -> int:

@@ -36,7 +36,7 @@ import torch
 from atomc import __version__
 from atomc.errors import CodegenError
 from atomc.ir import Plan, Profile
-from atomc.jsonio import umask
+from atomc.jsonio import replace_dir, umask
 
 __all__ = ["emit", "emit_plan", "generate", "load_package", "retrace"]
 
@@ -155,7 +155,7 @@ def generate(plan: Plan, out_dir: str | Path, *, traced: Any = None, profile: Pr
             (tmp / CONSTANTS_FILE).write_bytes(_tensor_file(constants))
         os.chmod(tmp, 0o777 & ~umask())
         _self_check(tmp, traced, pieces)
-        _install(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -252,22 +252,6 @@ def _check_target(out: Path) -> None:
             raise CodegenError(f"output directory {out} exists and is not a package atomc "
                                f"generated; give an empty or new directory (atomc replaces only "
                                f"its own packages)")
-
-
-def _install(tmp: Path, out: Path) -> None:
-    """Rename the finished package into place; an old generated package is replaced whole."""
-    if not out.exists():
-        os.rename(tmp, out)
-        return
-    backup = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-    os.rmdir(backup)
-    os.rename(out, backup)
-    try:
-        os.rename(tmp, out)
-    except BaseException:
-        os.rename(backup, out)
-        raise
-    shutil.rmtree(backup, ignore_errors=True)
 
 
 def _helper_names(pieces, traced) -> set[str]:

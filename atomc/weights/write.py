@@ -40,8 +40,7 @@ import torch
 
 from atomc.dtypes import parse_dtype
 from atomc.errors import RuntimeMismatchError, UsageError
-from atomc.jsonio import _fsync_dir as fsync_dir
-from atomc.jsonio import umask
+from atomc.jsonio import replace_dir, umask
 from atomc.weights.names import ORIGINAL, TRANSFORMERS, ModelNames, package_names
 from atomc.weights.read import require
 
@@ -178,16 +177,4 @@ def _install(tmp: Path, out: Path) -> None:
     os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700
     if out.is_dir() and not any(out.iterdir()):
         out.rmdir()
-    if not out.exists():
-        os.rename(tmp, out)
-    else:
-        backup = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-        os.rmdir(backup)
-        os.rename(out, backup)
-        try:
-            os.rename(tmp, out)
-        except BaseException:
-            os.rename(backup, out)
-            raise
-        shutil.rmtree(backup, ignore_errors=True)
-    fsync_dir(out.parent)
+    replace_dir(tmp, out)
