@@ -7,11 +7,11 @@
 --no-loadscope-reorder). The tests of one module share a worker, so that its module-scoped
 fixtures are built once, unless a test names its own group with an xdist_group mark
 (tests/test_models.py: one per model, whose packages are built once for all of its checks;
-tests/processes.py: the tests that start processes by the handful, one after another). Groups
-with a `slow` test are handed out first and then the larger groups, so that the small ones
-fill the end rather than one long group running while the other worker idles. Each worker
-takes its share of the cores for torch's threads, and the processes it starts inherit that
-share: threads beyond the cores only spin.
+processes.SERIAL: tests that start processes by the handful or time the machine, one after
+another; `gpu` tests join them). Groups with a `slow` test are handed out first and then the
+larger groups, so that the small ones fill the end rather than one long group running while
+the other worker idles. Each worker takes its share of the cores for torch's threads, and the
+processes it starts inherit that share: threads beyond the cores only spin.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from processes import SERIAL
 
 os.environ["ATOMC_CACHE_DIR"] = tempfile.mkdtemp(prefix="atomc-test-cache-")
 atexit.register(shutil.rmtree, os.environ["ATOMC_CACHE_DIR"], ignore_errors=True)
@@ -65,17 +67,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _group_for_workers(items: list[pytest.Item]) -> None:
-    """Put each test without an xdist_group mark in its module's group, order the groups (those
-    with a slow test first, then by size, ties in collection order), and write each test's
-    group where the controller's scheduler reads it."""
+    """Put each test without an xdist_group mark in its module's group (a `gpu` test in
+    SERIAL's), order the groups (those with a slow test first, then by size, ties in collection
+    order), and write each test's group where the controller's scheduler reads it."""
     groups: dict[str, list[pytest.Item]] = {}
     for item in items:
         # as xdist names the group of a test with several marks
         names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
                         for m in item.iter_markers("xdist_group")})
         if not names:
-            names = [item.nodeid.split("::")[0]]
-            item.add_marker(pytest.mark.xdist_group(names[0]))
+            mark = SERIAL if "gpu" in item.keywords else pytest.mark.xdist_group(
+                item.nodeid.split("::")[0])
+            item.add_marker(mark)
+            names = [mark.args[0]]
         groups.setdefault("_".join(names), []).append(item)
     order = sorted(groups.items(), key=lambda g: (not any("slow" in i.keywords for i in g[1]),
                                                   -len(g[1])))

@@ -2,9 +2,6 @@
 
 torchrun starts each worker in a session of its own and hivemind starts its DHT, averager and
 p2p daemon as children, so killing the launcher's process group alone leaves processes behind.
-
-Such tests run on one pytest-xdist worker, one after another (`pytestmark = STARTS_PROCESSES`):
-each starts several processes that keep the cores busy, and their waits are bounded.
 """
 
 from __future__ import annotations
@@ -17,7 +14,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STARTS_PROCESSES = pytest.mark.xdist_group("processes")  # make test's workers: tests/conftest.py
+# make test's pytest-xdist workers (tests/conftest.py) run the tests marked with this one after
+# another on one worker: tests that start processes by the handful, and tests whose assertions
+# time the machine, which those processes would slow. The other worker runs one torch thread.
+SERIAL = pytest.mark.xdist_group("serial")
 
 
 def child_env() -> dict[str, str]:

@@ -27,6 +27,9 @@ from atomc.partition.host import resolve_cpu_adam
 from atomc.profile import profile_model
 from atomc.trace import trace_model
 
+from processes import SERIAL
+
+pytestmark = SERIAL  # the measured steps are compared with a profile measured beforehand
 REPO = Path(__file__).resolve().parent.parent
 GPT_PATH = REPO / "examples" / "gpt.py"
 MICRO = 4

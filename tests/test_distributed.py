@@ -36,9 +36,9 @@ from atomc.runtime.package import load_swap_package
 from atomc.trace import trace_model
 from atomc.trace.load import load_model_file
 
-from processes import STARTS_PROCESSES, children, kill_tree
+from processes import SERIAL, children, kill_tree
 
-pytestmark = STARTS_PROCESSES
+pytestmark = SERIAL
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt.py"
 TRAIN = ROOT / "examples" / "train_layout.py"

@@ -21,6 +21,7 @@ from atomc.partition.host import (
 )
 from atomc.profile.hardware import hardware_names, load_hardware
 
+from processes import SERIAL
 from synthetic import block_profile
 
 
@@ -187,6 +188,7 @@ def test_every_shipped_hardware_profile_has_a_sourced_host_figure(name):
     assert f"{hw.host_adam_gbps:g} GB/s" in sentence
 
 
+@SERIAL
 def test_the_real_benchmark_gives_a_finite_positive_rate_quickly():
     t0 = time.perf_counter()
     rate = measure_adam_gbps()

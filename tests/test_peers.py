@@ -28,9 +28,9 @@ from atomc.codegen.manual import plan_from_cuts
 from atomc.runtime.checkpoint import load_checkpoint
 from atomc.trace import trace_model
 
-from processes import STARTS_PROCESSES, kill_tree
+from processes import SERIAL, kill_tree
 
-pytestmark = STARTS_PROCESSES
+pytestmark = SERIAL
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt.py"
 SCRIPT = ROOT / "examples" / "train_peer.py"

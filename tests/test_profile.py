@@ -14,6 +14,8 @@ from atomc.ir import Profile
 from atomc.profile import hardware_names, load_hardware, profile_model
 from atomc.trace import trace_model
 
+from processes import SERIAL
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 COMPUTE = ("call_module", "call_function", "call_method")
@@ -236,6 +238,7 @@ def test_loss_working_memory_rides_on_the_output_node_and_nothing_leaks():
     assert live_bytes() == before
 
 
+@SERIAL
 def test_backward_shares_the_engine_calls_fixed_cost_out(monkeypatch):
     """A model's backward pays autograd's fixed cost per call once for all its operators, so a
     small operator's backward goes through one call with copies of itself (their own inputs

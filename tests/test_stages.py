@@ -24,10 +24,10 @@ from atomc.runtime import micro_batch_rng
 from atomc.trace import trace_model
 from atomc.trace.load import load_model_file
 
-from processes import STARTS_PROCESSES
+from processes import SERIAL
 from test_distributed import _launch, _run
 
-pytestmark = STARTS_PROCESSES
+pytestmark = SERIAL
 FIXTURE = Path(__file__).parent / "fixtures" / "bn_mlp_model.py"
 MICRO, GLOBAL, STEPS, DATA_SEED = 4, 16, 3, 77
 bn = load_model_file(FIXTURE)

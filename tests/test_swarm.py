@@ -36,10 +36,10 @@ from atomc.swarm.records import ServerRecord
 from atomc.trace import trace_model
 from atomc.trace.load import load_model_file
 
-from processes import STARTS_PROCESSES, child_env, kill_tree
+from processes import SERIAL, child_env, kill_tree
 
 hivemind = pytest.importorskip("hivemind")
-pytestmark = STARTS_PROCESSES
+pytestmark = SERIAL
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt.py"
