@@ -5,10 +5,14 @@ out_dir)` (generate and print one line; the latter is what `atomc partition --em
 `load_package(dir) -> module`.
 
 Steps (each its own module): `split` cuts the traced graph with torch.fx `split_module` by the
-plan's node ranges; `render` writes each piece with Jinja2 templates (names resolved by
-`resolve`, constants by `literals`, leaf modules by `constructors`, `__init__` bodies and
-`forward` by `statements`); `check` parses every file with libcst, tidies imports, refuses
-undefined names, and copies the model file's helper functions and classes into `_helpers.py`.
+plan's node ranges; `tidy` makes each piece read as a person's code (torch.nn layers that
+torch.export traced through become layers again, no-ops go); `blocks` writes identical whole
+layers once, as a class; `render` writes each piece with Jinja2 templates (values named by
+`names` after what the model's code calls them, functions resolved by `resolve`, ATen calls
+written as operators, methods and functions by `lower`, constants by `literals`, leaf modules
+by `constructors`, `__init__` bodies and `forward` by `statements`); `wrap` keeps lines within
+100 columns; `check` parses every file with libcst, tidies imports, refuses undefined names,
+and copies the model file's helper functions and classes into `_helpers.py`.
 The package is written to a temporary directory beside the target, imported and run once on
 meta tensors, and only then renamed into place: a failed run leaves no half package. Output
 bytes depend only on the plan and the model file.
@@ -99,9 +103,16 @@ def generate(plan: Plan, out_dir: str | Path, *, traced: Any = None, profile: Pr
     """
     from atomc.codegen.check import check_source, copy_helpers
     from atomc.codegen.literals import py_literal
-    from atomc.codegen.render import _environment, render_package_init, render_submodel
+    from atomc.codegen.names import RESERVED, SourceNames, boundary_names
+    from atomc.codegen.render import (
+        _environment,
+        paragraphs,
+        render_package_init,
+        render_submodel,
+    )
     from atomc.codegen.resolve import Resolver, is_installed
     from atomc.codegen.split import split_plan
+    from atomc.codegen.wrap import wrap_source
     from atomc.trace import dtype_args
 
     out = Path(out_dir)
@@ -122,12 +133,16 @@ def generate(plan: Plan, out_dir: str | Path, *, traced: Any = None, profile: Pr
     pieces = split_plan(traced, plan)
     resolver = Resolver(traced)
     helper_names = _helper_names(pieces, traced)
+    source = SourceNames(traced.gm)
+    boundary = boundary_names(source, pieces, set(RESERVED) | helper_names)
     env = _environment()
     files: dict[str, str] = {}
     subs = []
     for piece in pieces:
-        sub = render_submodel(piece, traced, plan, plan_hash, resolver, helper_names, env)
-        files[f"{sub.module_name}.py"] = check_source(sub.text, f"{sub.module_name}.py")
+        sub = render_submodel(piece, traced, plan, plan_hash, resolver, helper_names, env, source,
+                              boundary)
+        files[f"{sub.module_name}.py"] = check_source(wrap_source(sub.text),
+                                                      f"{sub.module_name}.py")
         subs.append(sub)
     if resolver.helpers:
         names = ", ".join(sorted(resolver.helpers))
@@ -135,16 +150,19 @@ def generate(plan: Plan, out_dir: str | Path, *, traced: Any = None, profile: Pr
                                f"{names}, and what they use from that file.", width=96)
         text = copy_helpers(Path(traced.module.__file__), dict(resolver.helper_users), is_installed,
                             header)
-        files["_helpers.py"] = check_source(text, "_helpers.py", copied_from=plan.model_path)
+        files["_helpers.py"] = check_source(wrap_source(text), "_helpers.py",
+                                            copied_from=plan.model_path)
     init = render_package_init(subs, traced, plan, plan_hash, env)
-    files["__init__.py"] = check_source(init, "__init__.py")
+    files["__init__.py"] = check_source(wrap_source(init), "__init__.py")
     files["plan.json"] = json.dumps(plan.to_json(), indent=1) + "\n"
     constants = _constant_values(traced, subs)
     if constants:
+        header = paragraphs(f"Tensors the sub-models hold that no state dict carries, with "
+                            f"their values from {plan.model_path}.")
         text = env.get_template("constants.py.jinja").render(
-            model_path=plan.model_path, atomc_version=__version__,
+            header=header, model_path=plan.model_path, atomc_version=__version__,
             names=py_literal(sorted(constants), indent=0))
-        files["_constants.py"] = check_source(text, "_constants.py")
+        files["_constants.py"] = check_source(wrap_source(text), "_constants.py")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))

@@ -4,14 +4,19 @@ Input: the pieces of `split.split_plan` and the TracedModel. Output: Python sour
 sub-model, the package `__init__.py`, and the list of the model file's helpers (functions and
 classes the graph calls) that `check.copy_helpers` brings into the package.
 
-The jobs live in their own modules: `resolve` names functions and classes, `literals` writes
-constants, `constructors` rebuilds leaf modules, `statements` writes each sub-model's
-`__init__` body and `forward`; this module fills the templates with them.
+The jobs live in their own modules: `tidy` rewrites each piece's graph as a person would write
+it (layers, no no-ops), `blocks` turns identical whole layers into one class, `names` names
+values after the model's code, `lower` writes ATen calls as Python, `resolve` names functions
+and classes, `literals` writes constants, `constructors` rebuilds leaf modules, `statements`
+writes each sub-model's `__init__` body and `forward`; this module fills the templates with
+them.
 """
 
 from __future__ import annotations
 
 import importlib.resources
+import inspect
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,10 +25,13 @@ import torch
 from torch import nn
 
 from atomc import __version__
+from atomc.codegen.blocks import write_blocks
 from atomc.codegen.literals import boundary_spec, py_literal
+from atomc.codegen.names import RESERVED, SourceNames, fresh, identifier, same_value
 from atomc.codegen.resolve import Resolver
 from atomc.codegen.split import Piece
 from atomc.codegen.statements import PieceRenderer
+from atomc.codegen.tidy import tidy
 from atomc.ir import OpGraph, Plan
 from atomc.trace import TracedModel, dtype_args, grad_values
 
@@ -48,6 +56,50 @@ def _environment() -> jinja2.Environment:
                               keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
 
 
+def _block_inputs(block: Piece, module: nn.Module, source: SourceNames,
+                  taken: set[str]) -> dict[str, str]:
+    """A layer class's parameters, named as the layer's code names them: the first as its
+    forward's first parameter (`hidden_states`, `x`), the others as the model's code calls
+    them, or after their first reader when that reads them as another form of the same value
+    (`cos.unsqueeze(1)` is `cos`)."""
+    try:
+        first = next(iter(inspect.signature(module.forward).parameters), None)
+    except (TypeError, ValueError):
+        first = None
+    names: dict[str, str] = {}
+    for i, node in enumerate(n for n in block.graph.nodes if n.op == "placeholder"):
+        reader = next(iter(node.users), None)
+        base = source.base.get(node.name) or identifier(node.name)
+        if i == 0 and first and first.isidentifier() and first not in taken:
+            base = first
+        elif reader is not None and reader.args and reader.args[0] is node \
+                and same_value(reader) and reader.name in source.base:
+            base = source.base[reader.name]
+        names[node.name] = fresh(base, taken)
+        taken = taken | {names[node.name]}
+    return names
+
+
+def _class_source(name: str, doc: list[str], init: list[str], forward: list[list[str]]) -> str:
+    """A layer's class (codegen.blocks), ahead of the sub-model's."""
+    params, body = forward
+    text = textwrap.fill(" ".join(doc), width=90, break_long_words=False,
+                         break_on_hyphens=False).replace("\n", "\n    ")
+    lines = [f"class {name}(nn.Module):", f'    """{text}"""', "",
+             "    def __init__(self) -> None:", "        super().__init__()",
+             *[f"        {line}" for line in init], "",
+             f"    def forward(self{''.join(', ' + p for p in params)}):",
+             *[f"        {line}" if line else "" for line in body]]
+    return "\n".join(lines) + "\n\n\n"
+
+
+def paragraphs(*texts: str, width: int = 100) -> str:
+    """Docstring paragraphs within `width` columns (a line break in a text is kept)."""
+    return "\n\n".join("\n".join(textwrap.fill(line, width=width, break_long_words=False,
+                                                break_on_hyphens=False)
+                                  for line in text.split("\n")) for text in texts)
+
+
 def _summary(piece: Piece, graph: OpGraph) -> str:
     """What a sub-model computes: its blocks and top-level modules, partial ones marked."""
     nodes = graph.nodes
@@ -66,10 +118,27 @@ def _summary(piece: Piece, graph: OpGraph) -> str:
 
 
 def render_submodel(piece: Piece, traced: TracedModel, plan: Plan, plan_hash: str,
-                    resolver: Resolver, helper_names: set[str],
-                    env: jinja2.Environment) -> SubmodelSource:
-    renderer = PieceRenderer(piece, traced, plan, resolver, helper_names, dtype_args(traced))
+                    resolver: Resolver, helper_names: set[str], env: jinja2.Environment,
+                    source: SourceNames, boundary: dict[str, str]) -> SubmodelSource:
+    tidy(piece, traced, resolver, dtype_args(traced))
     op_nodes = {op.name: op for op in traced.graph.nodes}
+
+    def render_block(block: Piece, fqn: str, names: dict[str, str] | None) -> tuple:
+        if names is None:
+            names = _block_inputs(block, traced.model.get_submodule(fqn), source,
+                                  set(RESERVED) | helper_names)
+        r = PieceRenderer(block, traced, plan, resolver, helper_names, dtype_args(traced),
+                          source, names, block=fqn)
+        init, param_names, param_locals = r.constructor()
+        params, forward = r.forward(op_nodes)
+        return init, params, forward, param_names, param_locals, r.imports
+
+    block_imports: set[str] = set()
+    classes = write_blocks(piece, traced, op_nodes, render_block, block_imports,
+                           set(helper_names) | set(resolver.helpers))
+    renderer = PieceRenderer(piece, traced, plan, resolver, helper_names, dtype_args(traced),
+                             source, boundary)
+    renderer.imports |= block_imports
     init_lines, param_names, param_locals = renderer.constructor()
     params, forward_lines = renderer.forward(op_nodes)
     helpers = sorted(resolver.helpers)
@@ -78,11 +147,21 @@ def render_submodel(piece: Piece, traced: TracedModel, plan: Plan, plan_hash: st
     num = len(plan.submodels)
     values = traced.values
     grads = grad_values(traced)
-    inputs = {name: boundary_spec(values.get(name), grads.get(name, False))
+    inputs = {boundary[name]: boundary_spec(values.get(name), grads.get(name, False))
               for name in piece.inputs}
-    outputs = {name: boundary_spec(values.get(name), grads.get(name, False))
+    outputs = {boundary[name]: boundary_spec(values.get(name), grads.get(name, False))
                for name in piece.outputs}
+    config = f"config {plan.config}, " if plan.config is not None else ""
+    options = "".join(f", {k} {v}" for k, v in plan.options.items())
+    header = paragraphs(
+        f"Sub-model {piece.index} of {num} of {plan.model_path} ({config}batch size "
+        f"{plan.batch_size}{options}).",
+        f"Nodes {piece.start}..{piece.stop - 1} of the traced graph; computes "
+        f"{_summary(piece, traced.graph)}.\nGenerated by atomc {__version__} from plan "
+        f"{plan_hash} (graph {plan.graph_hash}, {traced.graph.frontend} frontend).")
     text = env.get_template("submodel.py.jinja").render(
+        header=header,
+        classes="".join(_class_source(*c) for c in classes),
         index=piece.index,
         num_submodels=num,
         class_name=f"Submodel{piece.index}",
@@ -99,8 +178,8 @@ def render_submodel(piece: Piece, traced: TracedModel, plan: Plan, plan_hash: st
         summary=_summary(piece, traced.graph),
         is_last=piece.is_last,
         imports="\n".join(sorted(renderer.imports)),
-        inputs_literal=py_literal(tuple(piece.inputs), indent=4),
-        outputs_literal=py_literal(tuple(piece.outputs), indent=4),
+        inputs_literal=py_literal(tuple(boundary[n] for n in piece.inputs), indent=4),
+        outputs_literal=py_literal(tuple(boundary[n] for n in piece.outputs), indent=4),
         init_lines=init_lines,
         params=params,
         forward_lines=forward_lines,
@@ -139,11 +218,18 @@ def render_package_init(subs: list[SubmodelSource], traced: TracedModel, plan: P
         "transfer_dtype": plan.transfer_dtype,
         "autocast": plan.autocast,
     }
+    if any(s.kept_bytes or s.sent_bytes for s in plan.submodels):
+        # activations="auto": bytes of heavy operators' outputs each sub-model keeps and sends
+        plan_info["activation_quotas"] = [[s.kept_bytes, s.sent_bytes] for s in plan.submodels]
     tensors = [{"inputs": s.inputs, "outputs": s.outputs} for s in subs]
     params = {fqn for sub in subs for local, fqn in sub.param_names.items()
               if local in sub.param_locals}
     full_precision = sorted(params & set(graph.full_precision))
+    config = f"config {plan.config}, " if plan.config is not None else ""
+    header = paragraphs(f"{len(subs)} sub-models of {plan.model_path} ({config}batch size "
+                        f"{plan.batch_size}), generated by atomc {__version__}.")
     return env.get_template("package_init.py.jinja").render(
+        header=header,
         num_submodels=len(subs),
         model_path=plan.model_path,
         config=plan.config,

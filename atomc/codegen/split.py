@@ -63,6 +63,9 @@ class Piece:
     modules: dict[str, tuple[str, nn.Module]] = field(default_factory=dict)
     attrs: dict[str, Attr] = field(default_factory=dict)  # get_attr target -> attribute
     structure: Any = None  # the last piece's output as the model returns it (traced graph's nodes)
+    # local -> a whole layer called as an instance of a class written for it (codegen.blocks)
+    blocks: dict[str, Any] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)  # traced values of nodes codegen made
 
 
 def assign_nodes(traced: TracedModel, plan: Plan) -> dict[str, int]:
@@ -224,7 +227,7 @@ def split_plan(traced: TracedModel, plan: Plan) -> list[Piece]:
                     target = str(node.target)
                     if target not in locals_of:
                         fqn = qualnames.get(f"{submod_name}.{target}", target)
-                        locals_of[target] = _identifier(target, piece)
+                        locals_of[target] = identifier_for(target, piece)
                         piece.modules[locals_of[target]] = (fqn, _fetch(submod, target))
                     node.meta[INPLACE_MODULE] = writes_input(_fetch(submod, target))
                     node.target = locals_of[target]
@@ -293,7 +296,7 @@ def _own_attr(graph: fx.Graph, piece: Piece, node_name: str, path: str, gm: fx.G
         fqn, is_buffer, persistent = path, True, False
     attr = next((a for a in piece.attrs.values() if a.fqn == fqn), None)
     if attr is None:
-        local = _identifier(fqn, piece)
+        local = identifier_for(fqn, piece)
         attr = piece.attrs[local] = Attr(local, fqn, value, is_buffer, persistent)
     node = graph.create_node("get_attr", attr.local, name=node_name)
     return node
@@ -302,13 +305,16 @@ def _own_attr(graph: fx.Graph, piece: Piece, node_name: str, path: str, gm: fx.G
 _MODULE_ATTRIBUTES = set(dir(nn.Module)) | {"INPUTS", "OUTPUTS"}
 
 
-def _identifier(path: str, piece: Piece) -> str:
-    """`h.0.attn.c_attn` -> `h_0_attn_c_attn`: a free attribute name for the generated class."""
+def identifier_for(path: str, piece: Piece | None) -> str:
+    """`h.0.attn.c_attn` -> `h_0_attn_c_attn`: a free attribute name for the generated class
+    (free among the piece's, when one is given)."""
     base = re.sub(r"\W", "_", path.replace(".", "_"))
     if not base or base[0].isdigit():
         base = f"m_{base}"
     if keyword.iskeyword(base) or base in _MODULE_ATTRIBUTES:
         base += "_"
+    if piece is None:
+        return base
     taken = set(piece.modules) | set(piece.attrs)
     name, n = base, 1
     while name in taken:

@@ -6,7 +6,9 @@ the traced shape as a comment.
 from __future__ import annotations
 
 import builtins
+import inspect
 import operator
+from collections import ChainMap
 from typing import Any
 
 import torch
@@ -16,6 +18,19 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from atomc.codegen.constructors import module_constructor
 from atomc.codegen.literals import Expr, describe_value, render_constant
+from atomc.codegen.lower import (
+    ATOM,
+    OPERATOR_SYMBOLS,
+    UNARY_SYMBOLS,
+    Attribute,
+    Code,
+    Form,
+    binary,
+    constant_code,
+    lower_aten,
+    unary,
+)
+from atomc.codegen.names import BOUND, RESERVED, SourceNames, fresh, identifier
 from atomc.codegen.resolve import Resolver
 from atomc.codegen.split import Piece
 from atomc.dtypes import dtype_name
@@ -24,21 +39,27 @@ from atomc.profile.ops import is_inplace, written_in_place
 from atomc.trace import TracedModel, model_dtype
 from atomc.trace.normalise import MODES
 
-# Names the generated modules bind at top level (or that read badly as locals).
-_RESERVED = {"self", "torch", "nn", "F", "operator", "math", "device", "dtype", "constant", "l",
-             "O", "I"}
-
 _DROPOUT_OPS = {"aten.dropout.default", "aten.native_dropout.default",
                 "aten.feature_dropout.default", "aten.alpha_dropout.default",
                 "aten.feature_alpha_dropout.default"}
 
 _VIEW_OPS = {"aten.view.default", "aten._unsafe_view.default"}
 
-_INFIX = dict(fx.graph.magic_methods)
-_INFIX.pop("getitem")
-_INFIX_OPERATORS = {getattr(operator, name): fmt for name, fmt in _INFIX.items()
-                    if hasattr(operator, name)}
 
+
+# torch.nn layers whose forward computes from its input and weights alone, changing nothing
+_PURE_MODULES = (nn.Linear, nn.Bilinear, nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm,
+                 nn.modules.conv._ConvNd, nn.Identity, nn.Flatten, nn.Unflatten, nn.GELU, nn.SiLU,
+                 nn.ReLU, nn.ReLU6, nn.Tanh, nn.Sigmoid, nn.Softmax, nn.LogSoftmax, nn.LeakyReLU,
+                 nn.ELU, nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.GLU,
+                 nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd,
+                 nn.modules.pooling._AdaptiveAvgPoolNd, nn.Upsample, nn.PixelShuffle)
+_RANDOM_METHODS = {"bernoulli", "multinomial", "normal", "random", "uniform", "exponential",
+                   "geometric", "cauchy", "log_normal"}
+_RANDOM_FUNCTIONS = {"rand", "randn", "randint", "randperm", "bernoulli", "multinomial",
+                     "normal", "poisson", "rand_like", "randn_like", "randint_like", "dropout",
+                     "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+                     "feature_alpha_dropout", "rrelu", "gumbel_softmax"}
 
 _F_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
                F.feature_alpha_dropout}
@@ -80,25 +101,6 @@ def _replace_arg(args: tuple, kwargs: dict, index: int, name: str, change) -> tu
     if name in kwargs:
         return args, {**kwargs, name: change(kwargs[name])}
     return args, kwargs
-
-class Namer:
-    """Local variable names: the fx node names, renamed where they clash with module names."""
-
-    def __init__(self, reserved: set[str], graph_names: set[str]):
-        self.reserved = set(reserved)
-        self.graph_names = set(graph_names)  # every node name of the model: never reused
-        self.names: dict[str, str] = {}
-
-    def __call__(self, node_name: str) -> str:
-        if node_name not in self.names:
-            name = node_name
-            n = 1
-            while name in self.reserved or (name != node_name and name in self.graph_names):
-                name = f"{node_name}_{n}"
-                n += 1
-            self.names[node_name] = name
-        return self.names[node_name]
-
 
 _UNREACHED = "  # reaches no output: no gradient, as in the model"
 
@@ -142,15 +144,23 @@ def params_without_gradient(traced: TracedModel) -> frozenset[str]:
 
 class PieceRenderer:
     def __init__(self, piece: Piece, traced: TracedModel, plan: Plan, resolver: Resolver,
-                 helper_names: set[str], dtype_args: dict[str, tuple[tuple, ...]]):
+                 helper_names: set[str], dtype_args: dict[str, tuple[tuple, ...]],
+                 source: SourceNames, boundary: dict[str, str], block: str | None = None):
         self.piece = piece
         self.traced = traced
         self.plan = plan
         self.resolver = resolver
         self.imports: set[str] = {"import torch", "from torch import nn"}
-        self.values = traced.values
+        self.values = ChainMap(piece.values, traced.values)
         self.device_type = traced.device.type
-        self.namer = Namer(_RESERVED | helper_names, {n.name for n in traced.gm.graph.nodes})
+        self.block = block  # rendering one layer's class: its FQN (notes relative to it)
+        self.source = source  # the names the model's code gives its values
+        self.boundary = boundary  # node name -> package-wide name of each boundary value
+        self.reserved = set(RESERVED) | set(helper_names)
+        self.names: dict[str, str] = {}  # node name -> local name
+        self.inlined: dict[fx.Node, fx.Node] = {}  # node -> the reader it is written inside
+        self.repeated: set[fx.Node] = set()  # shape reads written where they are used
+        self.unpacked: dict[fx.Node, list[fx.Node | None]] = {}  # tuple -> its items' nodes
         self.canon_params: dict[int, str] = {}
         self.canon_buffers: dict[int, str] = {}
         for fqn, p in traced.model.named_parameters(remove_duplicate=False):
@@ -182,9 +192,17 @@ class PieceRenderer:
         frozen: list[str] = []
         module_params: list[tuple[str, str, bool]] = []
         for local in local_modules:
+            if local in self.piece.blocks:
+                use = self.piece.blocks[local]
+                module_lines.append(f"self.{local} = {use.cls}()  # {use.fqn}")
+                for inner, fqn in use.param_names.items():
+                    self._hold(owner, f"{local}.{inner}", fqn, inner in use.param_locals,
+                               tie_lines, module_params)
+                continue
             fqn, module = self.piece.modules[local]
             ctor = module_constructor(module, fqn, self.resolver, self.imports)
-            note = f"  # {fqn}" if fqn.replace(".", "_") != local or "." in fqn else ""
+            shown = self._relative(fqn)
+            note = f"  # {shown}" if shown.replace(".", "_") != local or "." in shown else ""
             module_lines.append(f"self.{local} = {ctor}{note}")
             non_persistent = {f"{prefix}.{name}".lstrip(".")
                               for prefix, m in module.named_modules()
@@ -210,7 +228,7 @@ class PieceRenderer:
                 continue
             self.attr_expr[attr.local] = f"self.{attr.local}"
             owner[attr.fqn] = attr.local
-            note = f"  # {attr.fqn}" if attr.fqn != attr.local else ""
+            note = f"  # {self._relative(attr.fqn)}" if attr.fqn != attr.local else ""
             if not attr.persistent:  # a constant: its value ships with the package
                 self.constants[attr.fqn] = attr.value
                 self.imports.add("from ._constants import constant")
@@ -249,76 +267,137 @@ class PieceRenderer:
 
     # -- forward ------------------------------------------------------------------------------
 
-    def arg(self, value: Any) -> str:
+    def value(self, value: Any) -> Code:
+        """A graph value as source: its local name, `self.…`, the expression it is written as
+        (inlined), or a constant."""
         if isinstance(value, fx.Node):
             if value.op == "get_attr":
-                return self.attr_expr[str(value.target)]
-            return self.namer(value.name)
-        if isinstance(value, (tuple, list)) and any(isinstance(v, fx.Node) for v in _flat(value)):
-            items = [self.arg(v) for v in value]
+                return Code(self.attr_expr[str(value.target)])
+            if value in self.inlined or value in self.repeated:
+                return self.expression(value)
+            return Code(self.names[value.name])
+        if isinstance(value, Attribute):
+            return Code(f"{self.value(value.value).at(ATOM)}.{value.name}")
+        if isinstance(value, (tuple, list)) and any(isinstance(v, (fx.Node, Attribute))
+                                                    for v in _flat(value)):
+            items = [self.value(v).text for v in value]
             if isinstance(value, list):
-                return "[" + ", ".join(items) + "]"
-            return f"({items[0]},)" if len(items) == 1 else "(" + ", ".join(items) + ")"
+                return Code("[" + ", ".join(items) + "]")
+            return Code(f"({items[0]},)" if len(items) == 1 else "(" + ", ".join(items) + ")")
         if isinstance(value, dict) and any(isinstance(v, fx.Node) for v in _flat(value)):
-            return "{" + ", ".join(f"{self.arg(k)}: {self.arg(v)}" for k, v in value.items()) + "}"
+            return Code("{" + ", ".join(f"{self.arg(k)}: {self.arg(v)}"
+                                        for k, v in value.items()) + "}")
         if isinstance(value, slice) and any(isinstance(v, fx.Node) for v in _flat(value)):
-            return f"slice({self.arg(value.start)}, {self.arg(value.stop)}, {self.arg(value.step)})"
+            return Code(f"slice({self.arg(value.start)}, {self.arg(value.stop)}, "
+                        f"{self.arg(value.step)})")
         text = render_constant(value, self.resolver, self.imports, self.why,
                                device_type=self.device_type)
         if text == "device":
             self.uses_device = True
-        return text
+        return constant_code(text)
 
-    def operand(self, value: Any) -> str:
-        text = self.arg(value)
-        if isinstance(value, fx.Node) or text.isidentifier() or text.replace(".", "").isalnum():
-            return text
-        return f"({text})"
+    def arg(self, value: Any) -> str:
+        return self.value(value).text
 
-    def index(self, value: Any) -> str:
+    def subscript(self, value: Any, *, items: bool = False) -> str:
+        """An index as written between brackets (`..., 4:`); `items`: a tuple of the index's
+        items (ATen's), not one tuple-valued index."""
         if isinstance(value, slice):
             parts = ["" if v is None else self.arg(v)
                      for v in (value.start, value.stop, value.step)]
             text = f"{parts[0]}:{parts[1]}"
             return text + (f":{parts[2]}" if parts[2] else "")
         if isinstance(value, tuple) and value:
-            items = [self.index(v) for v in value]
-            return ", ".join(items) + ("," if len(items) == 1 else "")
+            parts = [self.subscript(v) for v in value]
+            return ", ".join(parts) + ("," if len(parts) == 1 and not items else "")
         if value is None:
             return "None"
+        if value is Ellipsis:
+            return "..."
         return self.arg(value)
 
     def call_args(self, args: tuple, kwargs: dict) -> str:
         parts = [self.arg(a) for a in args] + [f"{k}={self.arg(v)}" for k, v in kwargs.items()]
         return ", ".join(parts)
 
-    def expression(self, node: fx.Node) -> str:
+    def expression(self, node: fx.Node) -> Code:
         self.why = f"node {node.name} of sub-model {self.piece.index}"
         if node.op == "call_module":
-            return f"self.{node.target}({self.call_args(node.args, node.kwargs)})"
+            return Code(f"self.{node.target}({self.call_args(node.args, node.kwargs)})")
         if node.op == "call_method":
             args, kwargs = self._dtype_limits(tuple(node.args), dict(node.kwargs))
-            obj = self.operand(args[0])
-            return f"{obj}.{node.target}({self.call_args(args[1:], kwargs)})"
+            return self._method(args[0], str(node.target), args[1:], kwargs)
         if node.op != "call_function":
             raise AssertionError(node.op)
         fn = node.target
         args, kwargs = self._dtype_limits(*self._generic_dtypes(node))
         if fn is operator.getitem and not kwargs:
-            return f"{self.operand(args[0])}[{self.index(args[1])}]"
+            return Code(f"{self.value(args[0]).at(ATOM)}[{self.subscript(args[1])}]")
         if fn is builtins.getattr and len(args) == 2 and isinstance(args[1], str) \
                 and args[1].isidentifier() and not kwargs:
-            return f"{self.operand(args[0])}.{args[1]}"
-        if fn in _INFIX_OPERATORS and not kwargs:
-            return _INFIX_OPERATORS[fn].format(*(self.operand(a) for a in args))
+            return Code(f"{self.value(args[0]).at(ATOM)}.{args[1]}")
+        if fn in OPERATOR_SYMBOLS and len(args) == 2 and not kwargs:
+            return binary(OPERATOR_SYMBOLS[fn], self.value(args[0]), self.value(args[1]))
+        if fn in UNARY_SYMBOLS and len(args) == 1 and not kwargs:
+            return unary(UNARY_SYMBOLS[fn], self.value(args[0]))
         if str(fn) in _VIEW_OPS:
             # export records a view wherever the tracing device's strides allowed one (it drops
             # `.contiguous()` when it was a no-op there); reshape is that view where the running
             # device's strides allow it too, and a copy where they do not
             fn = torch.ops.aten.reshape.default
         args, kwargs = _follow_training_mode(fn, args, kwargs)
+        if isinstance(fn, torch._ops.OpOverload) and not self._index_by_scalar(fn, args):
+            first = self._traced(args[0]) if args else None
+            ndim = first.dim() if isinstance(first, torch.Tensor) else None
+            form = lower_aten(fn, args, kwargs, ndim)
+            if form is not None:
+                return self._form(form)
         callee = self.resolver.function(fn, self.imports, self.why)
-        return f"{callee}({self.call_args(args, kwargs)})"
+        return Code(f"{callee}({self.call_args(args, kwargs)})")
+
+    def _index_by_scalar(self, fn: Any, args: tuple) -> bool:
+        """`aten.index` by a 0-dimensional integer tensor: `x[i]` would be a view (Python
+        indexes by it as by an int), where the operator makes a copy."""
+        if fn is not torch.ops.aten.index.Tensor or len(args) < 2:
+            return False
+        return any(isinstance(v, torch.Tensor) and v.dim() == 0
+                   for v in map(self._traced, args[1] or ()))
+
+    def _form(self, form: Form) -> Code:
+        self.imports.update(form.imports)
+        if form.kind == "same":
+            return self.value(form.args[0])
+        if form.kind == "binary":
+            return binary(form.name, self.value(form.args[0]), self.value(form.args[1]))
+        if form.kind == "unary":
+            return unary(form.name, self.value(form.args[0]))
+        if form.kind == "index":
+            items = self.subscript(form.index, items=True)
+            return Code(f"{self.value(form.args[0]).at(ATOM)}[{items}]")
+        if form.kind == "method":
+            rest = tuple(form.args[1]) if form.unpack else form.args[1:]
+            return self._method(form.args[0], form.name, rest, form.kwargs,
+                                sizes=form.args[1:] if form.unpack else None)
+        return Code(f"{form.name}({self.call_args(form.args, form.kwargs)})")
+
+    def _method(self, obj: Any, name: str, args: tuple, kwargs: dict,
+                sizes: tuple | None = None) -> Code:
+        """`x.name(...)`; `torch.name(a + b, ...)` where the receiver is an operator
+        expression that torch also takes as a function's first argument."""
+        receiver = self.value(obj)
+        if receiver.precedence < ATOM and inspect.isbuiltin(getattr(torch, name, None)):
+            self.imports.add("import torch")
+            given = sizes if sizes is not None else args
+            return Code(f"torch.{name}({self.call_args((obj, *given), kwargs)})")
+        return Code(f"{receiver.at(ATOM)}.{name}({self.call_args(args, kwargs)})")
+
+    def _traced(self, value: Any) -> Any:
+        if isinstance(value, fx.Node):
+            if value.op == "get_attr":
+                attr = self.piece.attrs.get(str(value.target))
+                return attr.value if attr is not None else None
+            return self.values.get(value.name)
+        return None
 
     def _dtype_limits(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Scalars that are the traced dtype's extremes, as that dtype's extremes at run time.
@@ -331,7 +410,7 @@ class PieceRenderer:
         first = next((a for a in args if isinstance(a, fx.Node)
                       and isinstance(self.values.get(a.name), torch.Tensor)), None)
         if first is not None:
-            dtype, source = self.values[first.name].dtype, f"{self.operand(first)}.dtype"
+            dtype, source = self.values[first.name].dtype, f"{self.value(first).at(ATOM)}.dtype"
         elif isinstance(kwargs.get("dtype"), Expr):
             dtype, source = model_dtype(self.traced.model), str(kwargs["dtype"])
         else:
@@ -376,31 +455,35 @@ class PieceRenderer:
     def statement(self, node: fx.Node) -> str:
         if node.op == "call_function" and node.target is operator.setitem and not node.users:
             target, idx, value = node.args
-            return f"{self.operand(target)}[{self.index(idx)}] = {self.arg(value)}"
-        expr = self.expression(node)
+            return f"{self.value(target).at(ATOM)}[{self.subscript(idx)}] = {self.arg(value)}"
+        expr = self.expression(node).text
         comment = describe_value(self.values.get(node.name))
+        if node in self.unpacked:
+            names = [self.names[i.name] if i is not None else "_" for i in self.unpacked[node]]
+            return f"{', '.join(names)} = {expr}  # {comment}"
         if not node.users:
             return f"{expr}  # {comment}"
-        return f"{self.namer(node.name)} = {expr}  # {comment}"
+        return f"{self.names[node.name]} = {expr}  # {comment}"
 
     def forward(self, op_nodes: dict[str, Any]) -> tuple[list[str], list[str]]:
         graph = self.piece.graph
-        params = [self.namer(n.name) for n in graph.nodes if n.op == "placeholder"]
+        statements = self._plan()
+        self._name_values(statements)
+        params = [self.names[n.name] for n in graph.nodes if n.op == "placeholder"]
         body: list[str] = []
         for name in self.piece.inputs:
-            body.append(f"# {name}: {describe_value(self.values.get(name))}")
+            body.append(f"# {self.boundary[name]}: {describe_value(self.values.get(name))}")
         for node in graph.nodes:
             if node.op == "placeholder" and written_in_place(node):
                 # the caller's tensor may be a leaf that takes gradients (the swap runtime's
                 # inputs are), or be needed again (recomputation): write a copy
-                name = self.namer(node.name)
+                name = self.names[node.name]
                 body.append(f"{name} = {name}.clone()  # written in place below")
         block = None
         code: list[str] = []
         open_modes: tuple = ()  # the `with` blocks the current statement is inside
-        for node in graph.nodes:
-            if node.op in ("placeholder", "get_attr"):
-                continue
+        output = next(n for n in graph.nodes if n.op == "output")
+        for node in [*statements, output]:
             modes = tuple(node.meta.get(MODES, ())) if node.op != "output" else ()
             keep = 0
             while keep < min(len(modes), len(open_modes)) and modes[keep] == open_modes[keep]:
@@ -411,7 +494,7 @@ class PieceRenderer:
                 continue
             op = op_nodes.get(node.name)
             node_block = op.block if op is not None else ""
-            if node_block != block and node_block:
+            if node_block != block and node_block and self.block is None:
                 code.append("")
                 code.append(f"{'    ' * len(open_modes)}# {node_block}")
             block = node_block
@@ -428,6 +511,198 @@ class PieceRenderer:
         if self.uses_dtype:
             body.append(f"dtype = {self._dtype_source()}  # {self._dtype_note()}")
         return params, body + code
+
+    # -- which values are written inline, and what each named one is called -------------------
+
+    def _plan(self) -> list[fx.Node]:
+        """Decide how each operator is written; return the nodes that are statements.
+
+        A value read once, by the next part of the same source statement, is written inside
+        its reader's expression (`hidden_states.pow(2).mean(-1, keepdim=True)`), as the model's
+        code has it, unless writing it later would read something changed in place in between,
+        or it draws random numbers. A shape or dtype read (`x.shape`) is written where it is
+        used. A tuple whose items are all taken out is unpacked (`q, k, v = ...split(...)`).
+        """
+        graph = self.piece.graph
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        ops = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+        for node in ops:
+            items = self._unpack_items(node)
+            if items is not None:
+                self.unpacked[node] = items
+        taken = {item for items in self.unpacked.values() for item in items if item is not None}
+        for node in ops:
+            if node in self.unpacked or node in taken:
+                continue
+            if self._repeatable(node):
+                self.repeated.add(node)
+                continue
+            user = self._inline_user(node, order)
+            if user is not None:
+                self.inlined[node] = user
+        return [n for n in ops if n not in self.inlined and n not in self.repeated
+                and n not in taken]
+
+    def _unpack_items(self, node: fx.Node) -> list[fx.Node | None] | None:
+        value = self.values.get(node.name)
+        if not isinstance(value, (tuple, list)) or not 1 < len(value) <= 8 or not node.users:
+            return None
+        items: list[fx.Node | None] = [None] * len(value)
+        for user in node.users:
+            if not (user.op == "call_function" and user.target is operator.getitem
+                    and user.args[0] is node and isinstance(user.args[1], int)
+                    and not user.kwargs and 0 <= user.args[1] < len(value)
+                    and items[user.args[1]] is None and user.users):
+                return None
+            items[user.args[1]] = user
+        if all(item is None or (len(item.users) == 1 and self.source.same_statement(
+                item, next(iter(item.users))) and next(iter(item.users)).op != "output")
+               for item in items):
+            return None  # each item is read once, in its statement: `x.shape[1]` there
+        return items
+
+    def _repeatable(self, node: fx.Node) -> bool:
+        """A shape, dtype or device read of a named value, written where it is used."""
+        if not node.args or not isinstance(node.args[0], fx.Node):
+            return False
+        source = node.args[0]
+        if source in self.inlined or source in self.repeated or any(
+                u.op == "output" for u in node.users):
+            return False
+        if node.op == "call_function" and node.target is builtins.getattr:
+            return len(node.args) == 2 and node.args[1] in ("shape", "dtype", "device", "ndim")
+        if node.op == "call_method":
+            return str(node.target) in ("size", "dim") and len(node.args) <= 2 and not node.kwargs
+        return node.op == "call_function" and str(node.target) == "aten.sym_size.int"
+
+    def _inline_user(self, node: fx.Node, order: dict[fx.Node, int]) -> fx.Node | None:
+        if len(node.users) != 1:
+            return None
+        user = next(iter(node.users))
+        if user.op not in ("call_function", "call_method", "call_module"):
+            return None
+        uses = [a for a in _flat((user.args, user.kwargs)) if a is node]
+        if len(uses) != 1 or (user.target is operator.setitem and user.args[0] is node):
+            return None
+        if not self.source.same_statement(node, user):
+            return None
+        if node.meta.get(MODES, ()) != user.meta.get(MODES, ()) or not self._pure(node):
+            return None
+        if self._limits_follow(user, node):
+            return None  # `torch.finfo(x.dtype).min` reads x by name
+        between = list(self.piece.graph.nodes)[order[node] + 1:order[user]]
+        if any(self._writes(n) for n in between):
+            return None
+        return user
+
+    def _limits_follow(self, user: fx.Node, node: fx.Node) -> bool:
+        """Whether `user` writes a dtype's extreme as `torch.finfo(node.dtype)` (see
+        `_dtype_limits`)."""
+        first = next((a for a in user.args if isinstance(a, fx.Node)
+                      and isinstance(self.values.get(a.name), torch.Tensor)), None)
+        value = self.values.get(node.name)
+        if first is not node or not value.is_floating_point():
+            return False
+        info = torch.finfo(value.dtype)
+        return any(type(a) is float and a in (info.min, info.max)
+                   for a in _flat((user.args, user.kwargs)))
+
+    def _module(self, node: fx.Node) -> nn.Module | None:
+        entry = self.piece.modules.get(str(node.target))
+        return entry[1] if entry is not None else None
+
+    def _pure(self, node: fx.Node) -> bool:
+        """Whether the value depends only on the node's inputs, and computing it changes
+        nothing else: it may be computed later, where it is read."""
+        if is_inplace(node) or node.target is operator.setitem:
+            return False
+        if node.op == "call_module":
+            module = self._module(node)
+            return module is not None and isinstance(module, _PURE_MODULES)
+        if node.op == "call_method":
+            return str(node.target) not in _RANDOM_METHODS
+        fn = node.target
+        if isinstance(fn, torch._ops.OpOverload):
+            return torch.Tag.nondeterministic_seeded not in fn.tags and not fn._schema.is_mutable
+        if fn in OPERATOR_SYMBOLS or fn in UNARY_SYMBOLS or fn in (operator.getitem,
+                                                                     builtins.getattr):
+            return True
+        name = getattr(fn, "__name__", "")
+        return (getattr(torch, name, None) is fn or getattr(F, name, None) is fn) \
+            and name not in _RANDOM_FUNCTIONS
+
+    def _writes(self, node: fx.Node) -> bool:
+        """Whether the node may change a value in place (so a value read before it may not be
+        computed after it)."""
+        if node.op == "call_module":
+            module = self._module(node)
+            return module is None or not isinstance(module, _PURE_MODULES) or is_inplace(node)
+        if node.op == "call_method":
+            return is_inplace(node)
+        if node.target is operator.setitem or is_inplace(node):
+            return True
+        fn = node.target
+        if isinstance(fn, torch._ops.OpOverload):
+            return fn._schema.is_mutable
+        # torch's own functions write nothing but what `is_inplace` names; a function of the
+        # model's (or any other) may write anything
+        name = getattr(fn, "__name__", "")
+        return getattr(torch, name, None) is not fn and getattr(F, name, None) is not fn \
+            and not self._pure(node)
+
+    def _name_values(self, statements: list[fx.Node]) -> None:
+        """Local names: the source's, a name reused once its value is dead (as the model's
+        code reassigns `hidden_states`), `_2`, `_3`... while the earlier value is still read;
+        the values crossing sub-model boundaries keep their package-wide names."""
+        graph = self.piece.graph
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        end = len(order)
+        hosts: dict[fx.Node, set[int]] = {}
+
+        def where(n: fx.Node) -> set[int]:  # positions of the statements that evaluate n
+            if n not in hosts:
+                if n.op == "output":
+                    hosts[n] = {end}
+                elif n in self.inlined:
+                    hosts[n] = where(self.inlined[n])
+                elif n in self.repeated:
+                    hosts[n] = set().union(*(where(u) for u in n.users)) or {order[n]}
+                else:
+                    hosts[n] = {order[n]}
+            return hosts[n]
+
+        last: dict[fx.Node, int] = {}
+        for n in graph.nodes:
+            for x in n.all_input_nodes:
+                if n.op == "call_function" and n.target is operator.getitem and x in self.unpacked:
+                    continue
+                last[x] = max(last.get(x, -1), *where(n))
+        outputs = set(self.piece.outputs)
+        fixed = {self.boundary[name] for name in outputs if name in self.boundary}
+        live: dict[str, fx.Node] = {}
+        for n in graph.nodes:
+            if n.op == "placeholder":  # a model input named like a name the code binds: renamed
+                name = self.boundary[n.name]
+                if name in BOUND or name in self.reserved - RESERVED:
+                    name = fresh(name, self.reserved | fixed | set(live)
+                                 | set(self.boundary.values()))
+                self.names[n.name] = name
+                live[name] = n
+        for stmt in statements:
+            position = order[stmt]
+            for name in [k for k, v in live.items() if last.get(v, -1) <= position]:
+                del live[name]
+            targets = self.unpacked.get(stmt, [stmt])
+            for target in targets:
+                if target is None or (target is stmt and not stmt.users):
+                    continue
+                if target.name in outputs and target.name in self.boundary:
+                    name = self.boundary[target.name]
+                else:
+                    base = self.source.base.get(target.name) or identifier(target.name)
+                    name = fresh(base, self.reserved | fixed | set(live))
+                self.names[target.name] = name
+                live[name] = target
 
     def _training_only(self, node: fx.Node) -> bool:
         """An in-place update of a BatchNorm's buffer (`num_batches_tracked += 1`): BatchNorm
@@ -478,16 +753,24 @@ class PieceRenderer:
         for name in self.piece.inputs:
             v = self.values.get(name)
             if isinstance(v, torch.Tensor) and v.is_floating_point():
-                return f"{self.namer(name)}.dtype"
+                return f"{self.names[name]}.dtype"
         return "torch.get_default_dtype()"
 
     def _dtype_note(self) -> str:
         traced = dtype_name(model_dtype(self.traced.model))
         return f"the weights' dtype, traced as {traced}"
 
+    def _relative(self, fqn: str) -> str:
+        """An FQN as a note shows it: inside a layer's class, from that layer."""
+        if self.block and fqn.startswith(self.block + "."):
+            return fqn[len(self.block) + 1:]
+        return fqn
+
     def _return(self, node: fx.Node) -> str:
         self.why = f"the output of sub-model {self.piece.index}"
         value = node.args[0]
+        if self.block is not None and len(value) == 1:
+            return f"return {self.arg(value[0])}"
         if self.piece.is_last:
             if self.piece.structure is not None:
                 by_name = {n.name: n for n in self.piece.graph.nodes}
@@ -528,7 +811,7 @@ class PieceRenderer:
     def _device_source(self) -> str:
         for name in self.piece.inputs:
             if isinstance(self.values.get(name), torch.Tensor):
-                return f"{self.namer(name)}.device"
+                return f"{self.names[name]}.device"
         if self.attr_expr:
             return f"{next(iter(self.attr_expr.values()))}.device"
         for local in self.piece.modules:

@@ -13,6 +13,7 @@ import functools
 import inspect
 import io
 import logging
+import sys
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -120,6 +121,8 @@ class LeafTracer(fx.Tracer):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         if not torch.is_grad_enabled() and kind not in ("placeholder", "output"):
             node.meta[MODES] = (("grad", False),)
+        if kind not in ("placeholder", "output", "get_attr"):
+            node.meta["stack_trace"] = _model_stack()
         return node
 
     def getattr(self, attr, attr_val, parameter_proxy_cache):
@@ -142,6 +145,30 @@ class LeafTracer(fx.Tracer):
         if next(m.children(), None) is not None:
             return False
         return super().is_leaf_module(m, module_qualified_name)
+
+
+# frames of tracing itself, never the model's code
+_ATOMC = str(Path(__file__).resolve().parent.parent)
+_TRACING = (str(Path(torch.__file__).resolve().parent / "fx"),
+            str(Path(torch.__file__).resolve().parent / "nn" / "modules" / "module.py"), _ATOMC)
+
+
+def _model_stack() -> str:
+    """The frames of the model's code that made a node, as torch.export records them (`File
+    "...", line N, in f`, outermost first): codegen names values after what that code calls
+    them. fx's own `record_stack_traces` formats whole tracebacks and doubles a trace's
+    time. The frames stop at the tracer: whoever called atomc is not the model."""
+    lines = []
+    frame = sys._getframe(2)
+    while frame is not None:
+        file = frame.f_code.co_filename
+        if lines and (file.startswith(_ATOMC) or (frame.f_code.co_name == "trace"
+                                                  and file.startswith(_TRACING[0]))):
+            break
+        if not file.startswith(_TRACING):
+            lines.append(f'  File "{file}", line {frame.f_lineno}, in {frame.f_code.co_name}')
+        frame = frame.f_back
+    return "\n".join(reversed(lines))
 
 
 def _defaults_after(model: nn.Module, given: int) -> dict[str, object]:
