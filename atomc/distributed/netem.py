@@ -120,6 +120,11 @@ class EmulatedNetwork:
             _run(x + ["ip", "addr", "add", f"{self.addr(k)}/24", "dev", inside])
             _run(x + ["ip", "link", "set", inside, "up"])
             _run(x + ["ip", "link", "set", "lo", "up"])
+            # packets of at most one MTU: otherwise the kernel hands a whole message to the
+            # qdisc as one segmentation-offload packet of up to 64 KiB, and htb lets it
+            # through at once while its bucket is not in debt, so a message on an idle link
+            # arrives without its bytes / bandwidth on the wire (only the next one pays)
+            _run(x + ["ip", "link", "set", "dev", inside, "gso_max_size", "1500"])
         self.delay_mode = "netem"
         for k in range(self.n):
             self._shape(k)

@@ -1,0 +1,258 @@
+"""What each mode needs to know about the model on one kind of device.
+
+input:  a profile (measured, or estimated for a hardware profile) and, for the peers, the
+        device's memory
+output: `HardwareModel`: the model cut at its repeated blocks into `Unit`s (the pieces pipeline
+        stages and SWARM stages are made of: per micro-batch forward and backward, parameters,
+        activations, the values that cross each cut) and the swap plan a peer trains with
+        (atomc.partition, cached by memory and C)
+
+A resident stage (the layout runner's, a SWARM server's) keeps each micro-batch's autograd
+graph from its forward to its backward, so its backward is the operators' backward without the
+recomputation a swapped sub-model pays. `slowdown` multiplies every forward and backward: an
+emulated device that computes that many times slower than the profile says (as
+`atomc swarm serve --slowdown` does); copies and the optimizer keep the profile's times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from atomc.codegen.manual import plan_from_cuts
+from atomc.errors import InfeasiblePlanError, UsageError
+from atomc.ir import Plan, Profile
+from atomc.partition import DEFAULT_RESERVE_BYTES, partition
+from atomc.partition.host import resolve_cpu_adam
+from atomc.partition.hostmem import plan_host_memory
+from atomc.simulate.events import StageTimes, copies_on_host, simulate_swap
+from atomc.simulate.plan import stage_times
+from atomc.units import DTYPE_BYTES, FLOAT_BYTES, format_bytes, ms_to_ns
+
+# AdamW on the device moves 28 bytes per fp32 parameter (reads the weight, its gradient and
+# both moments, writes the weight and both moments): memory-bound
+ADAM_BYTES_PER_MASTER_BYTE = 7
+# a resident stage holds its weights, their gradients and AdamW's two moments; without an
+# optimizer step (ATOM Fig. 14's setting) the weights and their gradients
+RESIDENT_COPIES = 4
+RESIDENT_COPIES_NO_UPDATE = 2
+# a CUDA generator's state (atomc.runtime.rng.generators): Philox's seed and offset, two int64
+CUDA_RNG_STATE_BYTES = 16
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One piece of the model (a repeated block, or what comes before or after them)."""
+
+    start: int  # node range [start, stop) of the profile's graph
+    stop: int
+    fwd_ns: int  # one micro-batch
+    bwd_ns: int  # one micro-batch, without recomputation
+    param_bytes: int  # weights (and buffers) it reads
+    saved_bytes: int  # activations autograd keeps for its backward, one micro-batch
+    working_bytes: int  # the largest operator's working memory
+    params: frozenset[str]  # canonical FQNs of the weights it reads
+
+
+@dataclass
+class PeerPlan:
+    """A peer's swap plan on one device, and its simulated step; or why there is none."""
+
+    plan: Plan | None
+    error: str = ""
+    step_ns: int = 0
+    compute_ns: int = 0
+    prefetch_busy_ns: int = 0  # the host-to-device lane, one step
+    host_bytes: int = 0
+
+
+@dataclass
+class HardwareModel:
+    """The model on one kind of device (see the module docstring)."""
+
+    name: str  # hardware profile name, or the measured profile's device
+    profile: Profile
+    units: list[Unit]
+    block_plan: Plan  # the units as a plan: the cut values between them
+    slowdown: float = 1.0
+    no_update: bool = False  # ATOM Fig. 14: no optimizer step
+    _peers: dict[tuple[int, int | None], PeerPlan] = field(default_factory=dict)
+
+    @property
+    def micro_batch(self) -> int:
+        return self.profile.graph.batch_size or 1
+
+    @property
+    def device_memory_bytes(self) -> int | None:
+        hw = self.profile.hardware
+        return hw.memory_bytes if hw is not None else None
+
+    @property
+    def rng_state_bytes(self) -> int:
+        """What a stage sends with each micro-batch's values besides them: the generator
+        states the micro-batch's stream stands at (atomc.runtime.rng.StepRng.state), the CPU
+        generator's (mt19937: 5056 bytes) and, on a GPU, the CUDA generator's."""
+        gpu = self.profile.hardware is not None or self.profile.device.startswith("cuda")
+        return (torch.default_generator.get_state().numel()
+                + (CUDA_RNG_STATE_BYTES if gpu else 0))
+
+    @property
+    def master_bytes(self) -> int:
+        """Bytes of the trainable weights in the master dtype: what peers average."""
+        g = self.profile.graph
+        master = 8 if g.dtype == "float64" else 4
+        frozen = set(g.frozen or ())
+        return sum(s.num_bytes // max(DTYPE_BYTES.get(s.dtype, 4), 1) * master
+                   for k, s in g.params.items() if k not in frozen)
+
+    def param_bytes(self, fqns: set[str]) -> int:
+        specs = self.profile.graph.params
+        return sum(specs[f].num_bytes for f in fqns if f in specs)
+
+    # -- resident stages --------------------------------------------------------------------------
+
+    def stage_compute_ns(self, start: int, stop: int, recompute: bool = False
+                         ) -> tuple[int, int]:
+        """(forward, backward) of one micro-batch over units [start, stop); a recomputing
+        stage runs each block's forward again before its backward."""
+        fwd = sum(u.fwd_ns for u in self.units[start:stop])
+        bwd = sum(u.bwd_ns for u in self.units[start:stop]) + (fwd if recompute else 0)
+        return round(fwd * self.slowdown), round(bwd * self.slowdown)
+
+    def stage_memory_bytes(self, start: int, stop: int, in_flight: int,
+                           recompute: bool = False) -> int:
+        """Device bytes a resident stage over units [start, stop) needs with `in_flight`
+        micro-batches in flight. Keeping graphs (the layout runner's stage_resident_bytes):
+        every micro-batch's activations. Recomputing (GPipe's re-materialisation, Petals'
+        servers): each micro-batch's values at the block cuts, and one block's activations
+        at a time."""
+        units = self.units[start:stop]
+        fqns = set().union(*(u.params for u in units))
+        copies = RESIDENT_COPIES_NO_UPDATE if self.no_update else RESIDENT_COPIES
+        weights = self.param_bytes(fqns) + sum(
+            s.num_bytes for k, s in self.profile.graph.buffers.items()
+            if any(k in u.params for u in units))
+        if recompute:
+            cuts = sum(self.boundary_bytes(i)[0] for i in range(max(start, 1), stop))
+            one = max((u.saved_bytes + u.working_bytes for u in units), default=0)
+            return copies * weights + max(in_flight, 1) * cuts + one
+        acts = sum(u.saved_bytes for u in units)
+        working = max((u.working_bytes for u in units), default=0)
+        return copies * weights + max(in_flight, 1) * acts + working
+
+    def optimizer_ns(self, fqns: set[str]) -> int:
+        """A resident stage's AdamW step over `fqns` on the device (0 without updates)."""
+        if self.no_update or not fqns:
+            return 0
+        master = self.param_bytes(fqns)
+        hw = self.profile.hardware
+        if hw is not None:
+            rate = hw.mem_gbps / ADAM_BYTES_PER_MASTER_BYTE
+        else:  # a CPU: its AdamW rate, as the partitioner takes it
+            rate = resolve_cpu_adam("auto", self.profile)[0]
+        return ms_to_ns(master / (rate * 1e9) * 1e3) if rate > 0 else 0
+
+    def boundary_bytes(self, start: int) -> tuple[int, int]:
+        """(values, gradients) of one micro-batch crossing the cut before unit `start`: what
+        earlier units made and later ones read; gradients only of floating values."""
+        subs = self.block_plan.submodels
+        produced = {t.name: t for s in subs[:start] for t in s.outputs}
+        needed = {t.name for s in subs[start:] for t in s.inputs}
+        cross = [produced[n] for n in needed if n in produced]
+        values = sum(t.num_bytes for t in cross)
+        grads = sum(t.num_bytes for t in cross if t.dtype in FLOAT_BYTES)
+        return int(values), int(grads)
+
+    # -- peers ------------------------------------------------------------------------------------
+
+    def peer_plan(self, capacity_bytes: int, accum: int | None,
+                  reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> PeerPlan:
+        """The swap plan `atomc partition` makes for a device of `capacity_bytes` and its
+        simulated step (ATOM's order, the list the swap runtime runs)."""
+        key = (capacity_bytes, accum)
+        if key in self._peers:
+            return self._peers[key]
+        cpu_adam, source = (0.0, "no update") if self.no_update else \
+            resolve_cpu_adam("auto", self.profile)
+        try:
+            plan = partition(self.profile, capacity_bytes, reserve_bytes=reserve_bytes,
+                             accum=accum, cpu_adam_gbps=cpu_adam, cpu_adam_source=source)
+        except (InfeasiblePlanError, UsageError) as e:
+            found = PeerPlan(plan=None, error=str(e))
+        else:
+            found = self._simulate_peer(plan)
+        self._peers[key] = found
+        return found
+
+    def _simulate_peer(self, plan: Plan) -> PeerPlan:
+        times = [dataclasses.replace(t, fwd_ns=round(t.fwd_ns * self.slowdown),
+                                     bwd_ns=round(t.bwd_ns * self.slowdown))
+                 for t in stage_times(plan)]
+        sim = peer_step(times, plan)
+        host = plan_host_memory(plan, self.profile.graph).total()
+        return PeerPlan(plan=plan, step_ns=sim.step_ns, compute_ns=sim.compute_ns,
+                        prefetch_busy_ns=round(sim.timeline.busy_ms("prefetch", step=0) * 1e6),
+                        host_bytes=host)
+
+
+def peer_step(times: list[StageTimes], plan: Plan, num_steps: int = 1):
+    """One step of the plan's swap schedule as its device runs it (events.simulate_swap)."""
+    return simulate_swap(times, plan.accum, num_steps=num_steps,
+                         early_prefetch=plan.early_prefetch,
+                         host_copies=copies_on_host(plan.device),
+                         host_gap_ns=ms_to_ns(plan.host_gap_ms or 0.0))
+
+
+def block_cuts(profile: Profile) -> list[int]:
+    """Node indices where the units start: each repeated block, and what follows the last."""
+    g = profile.graph
+    if not g.blocks:
+        raise UsageError(
+            f"{g.model_path}: the traced model has no repeated blocks, which pipeline and SWARM "
+            f"stages are cut from; compare needs a model of repeated blocks (a transformer)")
+    cuts = []
+    prev = ""
+    for i, n in enumerate(g.nodes):
+        if n.block != prev and i > 0:
+            cuts.append(i)
+        prev = n.block
+    last_input = max((i for i, n in enumerate(g.nodes) if n.op == "placeholder"), default=-1)
+    return [c for c in cuts if c > last_input]
+
+
+def hardware_model(name: str, profile: Profile, *, slowdown: float = 1.0,
+                   no_update: bool = False) -> HardwareModel:
+    """The units of `profile`'s model (see the module docstring)."""
+    if not slowdown > 0:
+        raise UsageError(f"--slowdown {slowdown:g} must be more than 0")
+    cuts = block_cuts(profile)
+    plan = plan_from_cuts(profile, cuts, accum=1)
+    g = profile.graph
+    units = []
+    for s in plan.submodels:
+        costs = profile.costs[s.start:s.stop]
+        nodes = g.nodes[s.start:s.stop]
+        units.append(Unit(
+            start=s.start, stop=s.stop,
+            fwd_ns=ms_to_ns(sum(c.fwd_ms for c in costs)),
+            bwd_ns=ms_to_ns(sum(c.bwd_ms for c in costs)),
+            param_bytes=s.param_bytes,
+            saved_bytes=sum(c.saved_bytes for c in costs),
+            working_bytes=max((max(c.peak_fwd_bytes, c.peak_bwd_bytes) for c in costs),
+                              default=0),
+            params=frozenset(f for n in nodes for f in (*n.param_fqns, *n.buffer_fqns))))
+    return HardwareModel(name=name, profile=profile, units=units, block_plan=plan,
+                         slowdown=slowdown, no_update=no_update)
+
+
+def host_memory_line(device: str, need: int, have: int) -> str:
+    return (f"device {device}: a peer keeps the whole model on its host, "
+            f"{format_bytes(need)} ({need} bytes: fp32 masters, AdamW moments, transfer "
+            f"copies), but its host has {format_bytes(have)} ({have} bytes); give it more host "
+            f"memory, or leave peers out (--modes)")
+
+
+__all__ = ["HardwareModel", "PeerPlan", "Unit", "block_cuts", "hardware_model",
+           "host_memory_line", "peer_step"]

@@ -1,0 +1,71 @@
+"""The comparison as text: one row per mode, then which is fastest and why."""
+
+from __future__ import annotations
+
+from atomc.compare import Comparison, describe_machines
+from atomc.compare.modes import ModeResult
+from atomc.units import format_bytes
+
+LABELS = {"peers": "ATOM peers", "gpipe": "layout, GPipe", "1f1b": "layout, 1F1B",
+          "swarm": "SWARM"}
+
+
+def _time(ns: int) -> str:
+    s = ns / 1e9
+    return f"{s:.3f} s" if s < 100 else f"{s:.0f} s"
+
+
+def _traffic(r: ModeResult) -> str:
+    total = sum(nb for _, _, nb, _ in r.links)
+    return format_bytes(total) if total else "-"
+
+
+def render(c: Comparison, links: int = 3) -> str:
+    st = c.setting
+    lines = [
+        f"compare on {c.network.name or 'network'}: {describe_machines(c.machines)}",
+        (f"global batch {st.global_batch} samples"
+         + ("" if st.sync else "; no averaging and no optimizer step (ATOM Fig. 14)")
+         + (f"; peers at C={st.accum}" if st.accum else "")),
+        "",
+        (f"{'mode':<14} {'global batch':>12} {'samples/s':>10} {'busy min/mean/max':>18} "
+         f"{'traffic':>11}  binding"),
+    ]
+    for mode, r in c.results.items():
+        label = LABELS[mode]
+        if not r.feasible:
+            lines.append(f"{label:<14} {'-':>12} {'-':>10} {'-':>18} {'-':>11}  "
+                         f"does not fit: {r.reason}")
+            continue
+        shares = [b for _, b in r.busy]
+        rate = r.samples / r.step_s if r.step_ns else 0.0
+        lines.append(f"{label:<14} {_time(r.step_ns):>12} {rate:>10.3g} "
+                     f"{min(shares):>5.0%} /{r.mean_busy():>4.0%} /{max(shares):>4.0%}   "
+                     f"{_traffic(r):>11}  {r.binding}")
+        lines.append(f"{'':<14} {r.config}"
+                     + (f"; {r.samples} samples a round" if r.samples != st.global_batch
+                        else ""))
+        for a, b, nb, s in r.links[:links]:
+            lines.append(f"{'':<14} link {a} -> {b}: {format_bytes(nb)} per global batch, "
+                         f"busy {s:.0%}")
+    lines.append("")
+    lines.append(verdict(c))
+    return "\n".join(lines)
+
+
+def verdict(c: Comparison) -> str:
+    """Which mode is fastest and what binds it and the next one."""
+    fastest = c.fastest()
+    if fastest is None:
+        return "no mode fits these devices (see above)"
+    others = sorted((r for r in c.feasible() if r is not fastest), key=lambda r: r.step_ns)
+    text = (f"fastest: {LABELS[fastest.mode]}, {_time(fastest.step_ns)} per global batch; "
+            f"it is bound by {fastest.binding}")
+    if others:
+        nxt = others[0]
+        text += (f". Next: {LABELS[nxt.mode]}, {nxt.step_ns / fastest.step_ns:.2f}x slower, "
+                 f"bound by {nxt.binding}")
+    return text + "."
+
+
+__all__ = ["LABELS", "render", "verdict"]
