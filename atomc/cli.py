@@ -25,6 +25,7 @@ COMMANDS = [
     "atomc.place.cli",
     "atomc.distributed.cli",
     "atomc.swarm.cli",
+    "atomc.compare.cli",
 ]
 
 

@@ -229,6 +229,8 @@ class OpGraph(Document):
 class HardwareProfile:
     """A GPU as the estimator sees it; files live in profiles/ and cite their sources."""
 
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("host_memory_bytes",)
+
     name: str
     description: str
     memory_bytes: int
@@ -243,6 +245,9 @@ class HardwareProfile:
     # fused AdamW throughput of a host such a GPU is sold in, GB/s of fp32 masters (0: none
     # given); where the figure comes from is one of `sources`
     host_adam_gbps: float = 0.0
+    # memory of that host a run on one such GPU may take (None: not stated; plans for the
+    # target are then checked only against --host-mem); its source is one of `sources`
+    host_memory_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -252,7 +257,7 @@ class IssueTimes:
     The host issues work ahead of the device: a run of operators whose kernels are long lets
     the host's issuing of the next ones hide behind them, and operators whose issuing is the
     longer leave the device idle between kernels. `NodeCost.fwd_ms` is the longer of the two
-    alone; a range of nodes costs the longer of the two sides' sums (partition.cost).
+    alone; a range of nodes costs the longer of the two sides' sums (partition.tables).
     """
 
     device_fwd_ms: float
@@ -330,7 +335,7 @@ class Calibration:
 @dataclass(frozen=True)
 class RuntimeCosts:
     """The swap runtime's own costs on the profiled device, which no operator's time holds;
-    measured with the runtime's code (atomc.profile.runtime_costs)."""
+    measured with the runtime's code (atomc.calibrate.runtime_costs)."""
 
     OPTIONAL: ClassVar[tuple[str, ...]] = ("forward_ms", "backward_ms")
 
@@ -420,6 +425,15 @@ class Submodel:
     slack_optimizer_ms: float = 0.0  # C*t_bwd + t_offload(this) - (t_offload + t_opt)(next)
     # every value crossing the cut after it (incl. pass-through)
     crossing: tuple[CutTensor, ...] = ()
+    # activations="auto": outputs of heavy operators (one micro-batch) kept on the device or
+    # sent to host memory from its forward to its backward, whose recomputation skips them
+    kept: tuple[str, ...] = ()  # the operators (node names) whose outputs are kept
+    sent: tuple[str, ...] = ()  # ... and sent
+    kept_bytes: int = 0
+    sent_bytes: int = 0
+    recompute_saved_ms: float = 0.0  # recomputation skipped, one micro-batch (in bwd_ms)
+    send_ms: float = 0.0  # its C micro-batches' sent outputs to the host, during its forward
+    fetch_ms: float = 0.0  # ... and back, before its backward (in checkpoint_ms)
 
 
 @dataclass(frozen=True)
@@ -440,7 +454,7 @@ class HostMemory:
 @dataclass(frozen=True)
 class Plan(Document):
     KIND: ClassVar[str] = "atomc.plan"
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("host_gap_ms", "host")
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("host_gap_ms", "host", "recompute_step_ms")
 
     profile_hash: str
     graph_hash: str  # OpGraph.structure_hash(): codegen retraces and compares
@@ -453,7 +467,7 @@ class Plan(Document):
     reserve_bytes: int
     accum: int  # C: micro-batches each sub-model computes before the next
     accum_fixed: bool  # given by the user (--accum) rather than searched
-    activations: str  # "recompute" or "keep"
+    activations: str  # "auto", "recompute" or "keep"
     submodels: tuple[Submodel, ...]
     cut_bytes: int  # bytes crossing all cuts, one micro-batch
     predicted_step_ms: float
@@ -479,3 +493,5 @@ class Plan(Document):
     host_gap_ms: float | None = None
     # host memory by kind and the check against --host-mem (None in files written before it)
     host: HostMemory | None = None
+    # activations="auto": the predicted step had every sub-model recomputed its activations
+    recompute_step_ms: float | None = None

@@ -39,7 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from atomc.calibrate import calibrate, measure_package, summarise
+from atomc.calibrate import calibrate, measure_package, measure_runtime_costs, summarise
 from atomc.calibrate.report import compare, predicted_busy
 from atomc.codegen import generate
 from atomc.data.text import ByteBatches, stdlib_text
@@ -109,7 +109,8 @@ def main() -> int:
           f"then {args.steps} steps to calibrate on and {args.steps} to check, interleaved")
     traced = trace_model(MODEL, args.config, args.micro_batch, device="cpu")
     with Others() as quiet:
-        profile = profile_model(traced, device="cpu", repeats=args.repeats, progress=False)
+        profile = profile_model(traced, device="cpu", repeats=args.repeats, progress=False,
+                                runtime_costs=measure_runtime_costs)
     print(f"profile: {len(profile.costs)} nodes, {profile.num_unique} measured "
           f"(others used {quiet.share:.0%} of the CPUs meanwhile)")
     rt = profile.runtime
@@ -121,7 +122,8 @@ def main() -> int:
               f"operators'")
     # the profile alone is one sample of a noisy machine: profile again, and cost the same
     # plans on those profiles too, to show how far "profile alone" moves between profiles
-    others_profiles = [profile_model(traced, device="cpu", repeats=args.repeats, progress=False)
+    others_profiles = [profile_model(traced, device="cpu", repeats=args.repeats, progress=False,
+                                     runtime_costs=measure_runtime_costs)
                        for _ in range(args.profiles - 1)]
     rate, source = resolve_cpu_adam("auto", profile)
     print(f"CPU AdamW {rate:.2f} GB/s ({source})")

@@ -6,7 +6,8 @@
 Every row is the real command, run as a user runs it, in its own process:
 
     atomc profile examples/gpt.py --config CFG --target T -o WORK/CFG.T.profile.json
-    atomc partition WORK/CFG.T.profile.json --gpu-mem NGiB --transfer-dtype D -o WORK/....json
+    atomc partition WORK/CFG.T.profile.json --gpu-mem NGiB --transfer-dtype D \
+        --host-mem 1024TiB -o WORK/....json
 
 (`--cpu-adam-gbps auto`, the default: the hardware profile's host figure for an estimated
 profile; the default 1 GiB reserve). The table's numbers are read back from the plans the
@@ -78,6 +79,9 @@ def run(cmd: list[str]) -> tuple[subprocess.CompletedProcess, float, float]:
     return done, wall, cpu
 
 
+HOST_MEM = "1024TiB"
+
+
 def profile_path(work: Path, config: str, target: str) -> Path:
     path = work / f"{config}.{target}.profile.json"
     if not path.exists():
@@ -100,8 +104,9 @@ def plan_row(work: Path, target: str, config: str, dtype: str, gib: int,
         plan = Plan.load(out) if not got["error"] else None
         return Row(target, config, dtype, gib, plan, got["error"], got["wall_s"], got["cpu_s"])
     out.unlink(missing_ok=True)
+    # the host is listed, not checked: the rows are about the GPU (HOST_MEM)
     done, wall, cpu = run(["partition", str(prof), "--gpu-mem", f"{gib}GiB",
-                           "--transfer-dtype", dtype, "-o", str(out)])
+                           "--transfer-dtype", dtype, "--host-mem", HOST_MEM, "-o", str(out)])
     if done.returncode == 0:
         row = Row(target, config, dtype, gib, Plan.load(out), "", wall, cpu)
     elif done.returncode == 2 and done.stderr.startswith("atomc partition: error: "):
@@ -124,20 +129,23 @@ def step_text(ms: float) -> str:
 
 def outcome(row: Row) -> tuple[str, ...]:
     if row.plan is None:
-        return ("-", "-", "-", "-", "no: does not fit (below)")
+        return ("-", "-", "-", "-", "-", "-", "no: does not fit (below)")
     p = row.plan
     met = "yes" if p.feasible else f"no: {p.binding.split(' (')[0]}"
+    recompute = step_text(p.recompute_step_ms) if p.recompute_step_ms is not None else "-"
+    host = f"{p.host.total() / 2**30:,.0f} GiB" if p.host is not None else "-"
     return (str(len(p.submodels)), str(p.accum), f"{p.predicted_utilisation:.1%}",
-            step_text(p.predicted_step_ms), met)
+            step_text(p.predicted_step_ms), recompute, host, met)
 
 
 def table(rows: list[Row], with_model: bool) -> list[str]:
     """Rows of equal outcome for one model and weights merged (8 / 11 GiB), as the README's."""
     head = ["model"] if with_model else []
     head += ["GPU memory", "weights", "sub-models", "C", "predicted GPU busy", "predicted step",
-             "every constraint met", "`atomc partition` CPU time"]
+             "recomputing everything", "host memory", "every constraint met",
+             "`atomc partition` CPU time"]
     out = ["| " + " | ".join(head) + " |",
-           "|" + "|".join("---" if i < len(head) - 6 else "---:"
+           "|" + "|".join("---" if i < len(head) - 8 else "---:"
                           for i in range(len(head))) + "|"]
     for (config, weights), group in itertools.groupby(rows, lambda r: (r.config, r.weights)):
         group = list(group)
@@ -165,16 +173,19 @@ class Model:
 
     @classmethod
     def of(cls, profile: Profile, plan: Plan, width: int | None = None) -> Model:
-        from atomc.partition.cost import CostParams, build_tables, node_facts, runtime_params
+        from atomc.partition.cost import CostParams, runtime_params
         from atomc.partition.precision import Precision, device_view
+        from atomc.partition.tables import build_tables, node_facts
 
         view = device_view(profile, Precision(plan.transfer_dtype, plan.autocast))
         facts = node_facts(view)
         wide = max(s.stop - s.start for s in plan.submodels)
         tables = build_tables(facts, max(width or 0, wide))
+        # the cuts' costs recomputing everything: what the search itself weighs (activations
+        # "auto" stores operators' outputs on top of the cut plan)
+        acts = "recompute" if plan.activations == "auto" else plan.activations
         p = CostParams(plan.accum, plan.capacity_bytes - plan.reserve_bytes, profile.h2d_gbps,
-                       profile.d2h_gbps, plan.cpu_adam_gbps, plan.activations,
-                       **runtime_params(profile))
+                       profile.d2h_gbps, plan.cpu_adam_gbps, acts, **runtime_params(profile))
         return cls(profile, view, tables, p)
 
     def node(self, name: str) -> int:
@@ -205,10 +216,26 @@ def layers(plan: Plan, i: int) -> str:
     return f"{s.layers[0]} .. {s.layers[-1]}" if s.layers else f"{s.first_node} .. {s.last_node}"
 
 
+def stored_text(plan: Plan) -> str:
+    """What --activations auto stores, and the step recomputing everything (the costs below
+    are the cuts', recomputing everything)."""
+    if plan.recompute_step_ms is None:
+        return ""
+    c = plan.accum
+    kept = c * sum(s.kept_bytes for s in plan.submodels)
+    sent = c * sum(s.sent_bytes for s in plan.submodels)
+    count = sum(len(s.kept) + len(s.sent) for s in plan.submodels)
+    return (f" ({step_text(plan.recompute_step_ms)} recomputing everything: `--activations "
+            f"auto` stores the outputs of {count} operators, {format_bytes(kept)} kept on the "
+            f"GPU and {format_bytes(sent)} sent to host memory for C micro-batches; the costs "
+            f"below are the cuts' recomputing everything)")
+
+
 def headline(rows: list[Row], work: Path) -> list[str]:
     """The 175B half-precision rows at 11 GiB on both hosts, explained with their numbers."""
     from atomc.partition import build_plan
-    from atomc.partition.cost import first_tail, slot_bytes
+    from atomc.partition.constraints import slot_bytes
+    from atomc.partition.cost import first_tail
     from atomc.partition.precision import Precision
 
     out = []
@@ -231,8 +258,8 @@ def headline(rows: list[Row], work: Path) -> list[str]:
         out.append(
             f"- **{row.target}, {row.dtype}**: every constraint met at C = {plan.accum}: "
             f"{len(costs)} sub-models, {plan.predicted_utilisation:.1%} predicted busy, "
-            f"{step_text(plan.predicted_step_ms)} a step. Sub-model 0 is {layers(plan, 0)} "
-            f"({format_bytes(first.param_bytes)}, little compute: C*t_bwd "
+            f"{step_text(plan.predicted_step_ms)} a step{stored_text(plan)}. Sub-model 0 is "
+            f"{layers(plan, 0)} ({format_bytes(first.param_bytes)}, little compute: C*t_bwd "
             f"{ms(first.accum_bwd_ns)}); the middle sub-models are thirds of a block "
             f"({span([c.param_bytes for c in mid], format_bytes)}, loaded in "
             f"{span([c.load_fwd_ns for c in mid], ms)} behind "
@@ -281,8 +308,9 @@ def refusals(rows: list[Row], work: Path) -> list[str]:
     working memory fits beside four slots of max(P, its own parameters). The node whose
     cheapest such sub-model needs most, and what that is, says why nothing fits."""
     from atomc.partition import plan_tables
-    from atomc.partition.cost import CostParams, derive, node_facts
+    from atomc.partition.cost import CostParams, derive
     from atomc.partition.precision import device_view, resolve_precision
+    from atomc.partition.tables import node_facts
 
     out = []
     for row in rows:
@@ -359,7 +387,7 @@ Every row is `atomc partition` run on an estimated profile of `examples/gpt.py` 
 moves them fails a test.
 
     atomc profile examples/gpt.py --config CONFIG --target TARGET -o P.json
-    atomc partition P.json --gpu-mem N GiB --transfer-dtype DTYPE
+    atomc partition P.json --gpu-mem N GiB --transfer-dtype DTYPE --host-mem 1024TiB
 
 - **float32**: `--transfer-dtype float32`: fp32 weights and gradients on the GPU, compute under
   autocast in the target's half dtype (the profile's times assume it), so activations are
@@ -376,6 +404,17 @@ weight and two gradient slots, each the size of the largest sub-model (atomc.run
 At the step boundary the GPU always waits for sub-model 0's gradients, CPU update and refresh;
 when sub-model 1's update is still running then, that wait grows, and the predicted step
 includes it (a note in the plan says by how much).
+
+Activations are planned per operator (`--activations auto`, the default: heavy operators'
+outputs kept on the GPU or sent to host memory where the memory and link slack allow, the rest
+recomputed; docs/partitioning.md): "predicted step" is that plan's, "recomputing everything"
+the same cuts' step with every sub-model recomputing its forward in its backward.
+
+Host memory is listed, not checked (`--host-mem 1024TiB`): the rows are about the GPU. The column
+is what the run holds on the host with float32 moments (masters, moments, pinned transfer
+copies, gradient buffers, activations); `--optimizer-states bfloat16` and frozen weights
+reduce it (docs/checkpoints.md). Without `--host-mem`, a target's plan is checked against the
+host its hardware profile states, and GPT-3 6.7B and larger are refused there.
 
 The last column is the whole command's CPU time (user + system of its process: Python and
 torch start-up, reading the profile, the search, writing the plan), one per GPU memory of the

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 JOB = textwrap.dedent("""
     import json, resource, sys, time
     from atomc.trace import trace_model
+    from atomc.calibrate import measure_runtime_costs
     from atomc.profile import profile_model
     model, config = sys.argv[1], sys.argv[2]
     target, device = sys.argv[3] or None, sys.argv[4] or None
@@ -30,7 +31,8 @@ JOB = textwrap.dedent("""
     t0 = time.perf_counter()
     traced = trace_model(model, config, 1)
     t1 = time.perf_counter()
-    p = profile_model(traced, target=target, device=device, repeats=repeats, progress=False)
+    p = profile_model(traced, target=target, device=device, repeats=repeats, progress=False,
+                      runtime_costs=measure_runtime_costs)  # as `atomc profile` does
     t2 = time.perf_counter()
     print(json.dumps({"trace_s": t1 - t0, "profile_s": t2 - t1,
                       "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

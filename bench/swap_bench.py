@@ -25,12 +25,18 @@ Goals (DESIGN 7, issues 5 and 14): swapped >= 0.9 x resident at the planner's C;
 CPU offload; transfers >= 85% of the pinned-copy peak; prediction within 10% (5% after
 calibration).
 
-Compute is float32 with TF32 matmuls for every contender (the profile is taken the same way).
+Precision (`--dtype`, default bfloat16): float32 master weights and optimizer state for every
+contender, bfloat16 device copies of weights and gradients under torch.autocast(bfloat16) for
+the swapped run (the plan's transfer dtype), autocast for resident, and
+MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) for FSDP2. `--dtype float32`:
+float32 on the device with TF32 matmuls for every contender. The profile is timed in float32
+(TF32), so a bfloat16 plan's prediction reflects bfloat16 compute only after calibration.
 Without CUDA the script says so and exits 0.
 
     python bench/swap_bench.py [--configs gpt3-small,gpt3-medium,gpt3-large] [--gpu-mem 8GiB]
                                [--seq-len 2048] [--micro-batch 1] [--steps 6] [--skip-fsdp]
                                [--calibrate-steps 6] [--activations recompute|keep]
+                               [--dtype bfloat16|float32]
 """
 
 from __future__ import annotations
@@ -122,8 +128,7 @@ def run_swapped(pkg: Path, state_dict: dict, batches, args, budget: int) -> dict
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
     try:
         trainer = SwapTrainer.from_package(pkg, device="cuda", state_dict=state_dict,
-                                           optimizer={"lr": 1e-4}, gpu_mem=budget,
-                                           transfer_dtype=args.transfer_dtype)
+                                           optimizer={"lr": 1e-4}, gpu_mem=budget)
         try:
             step_ms = time_steps(trainer.step, batches, args.warmup)
             trainer.executor.tracer.enabled = True
@@ -166,7 +171,9 @@ def run_resident(config: str, state_dict: dict, batches, C: int, args) -> dict:
         def step(batch: torch.Tensor) -> None:
             opt.zero_grad(set_to_none=True)
             for mb in batch.cuda(non_blocking=True).chunk(C):
-                (gpt.loss_fn(model(mb), (mb,)) / C).backward()
+                with autocast(args):
+                    loss = gpt.loss_fn(model(mb), (mb,)) / C
+                loss.backward()
             opt.step()
 
         step_ms = time_steps(step, batches, args.warmup)
@@ -183,7 +190,7 @@ def run_fsdp2_offload(config: str, state_dict: dict, batches, C: int, args) -> d
     import gpt
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -194,10 +201,13 @@ def run_fsdp2_offload(config: str, state_dict: dict, batches, C: int, args) -> d
         mesh = init_device_mesh("cuda", (1,))
         model = gpt.build_model(config, seq_len=args.seq_len)
         model.load_state_dict(state_dict)
-        policy = CPUOffloadPolicy(pin_memory=True)
+        options = {"mesh": mesh, "offload_policy": CPUOffloadPolicy(pin_memory=True)}
+        if args.dtype != "float32":
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, args.dtype),
+                                                        reduce_dtype=torch.float32)
         for block in model.h:
-            fully_shard(block, mesh=mesh, offload_policy=policy)
-        fully_shard(model, mesh=mesh, offload_policy=policy)
+            fully_shard(block, **options)
+        fully_shard(model, **options)
         model.train()
         try:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -249,6 +259,15 @@ def run_calibration(pkg: Path, profile, plan, batches, args):
                  "bwd_scales": [s.bwd_scale for s in c.submodels]}
 
 
+def autocast(args):
+    """The resident contender's autocast for --dtype (none for float32)."""
+    import contextlib
+
+    if args.dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast("cuda", dtype=getattr(torch, args.dtype))
+
+
 def dump(args, name: str, document) -> None:
     """A profile, plan or measurement beside the bench's JSON (--out), for reading them
     afterwards (a lease's machine is gone by then)."""
@@ -264,13 +283,17 @@ def make_plan(profile, args):
     from atomc.partition.host import resolve_cpu_adam
 
     rate, source = resolve_cpu_adam("auto", profile)
+    half = getattr(args, "dtype", "float32") != "float32"
     return partition(profile, args.gpu_mem, reserve_bytes=args.reserve, cpu_adam_gbps=rate,
-                     cpu_adam_source=source, activations=args.activations)
+                     cpu_adam_source=source, activations=args.activations,
+                     transfer_dtype=args.dtype if half else None,
+                     autocast=None if half else "none")
 
 
 def bench_config(config: str, args, workdir: Path) -> dict:
     import gpt
 
+    from atomc.calibrate import measure_runtime_costs
     from atomc.codegen import generate
     from atomc.profile import profile_model
     from atomc.trace import trace_model
@@ -278,7 +301,8 @@ def bench_config(config: str, args, workdir: Path) -> dict:
     options = {"seq_len": args.seq_len}
     t0 = time.perf_counter()
     traced = trace_model(GPT_PATH, config, args.micro_batch, options, runs_on="cuda")
-    profile = profile_model(traced, device="cuda", repeats=5, progress=False)
+    profile = profile_model(traced, device="cuda", repeats=5, progress=False,
+                            runtime_costs=measure_runtime_costs)
     first = make_plan(profile, args)
     dump(args, f"{config}_profile", profile)
     dump(args, f"{config}_first_plan", first)
@@ -401,10 +425,11 @@ def main() -> int:
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=6, help="timed steps per contender")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--transfer-dtype", default=None, choices=[None, "bfloat16", "float16"],
-                    help="half-precision device copies (then compute differs from the profile's)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="device copies and compute: bfloat16 (autocast; float32 masters) or "
+                         "float32 (TF32 matmuls)")
     ap.add_argument("--skip-fsdp", action="store_true")
-    ap.add_argument("--activations", default="recompute", choices=["recompute", "keep"],
+    ap.add_argument("--activations", default="recompute", choices=["auto", "recompute", "keep"],
                     help="the plan's activation rule (keep: no recomputation, more memory)")
     ap.add_argument("--calibrate-steps", type=int, default=6,
                     help="traced steps to calibrate the profile on (0: no calibration)")
@@ -416,12 +441,13 @@ def main() -> int:
         return 0
     args.gpu_mem = parse_size(args.gpu_mem, "--gpu-mem")
     args.reserve = parse_size(args.reserve, "--reserve")
-    torch.set_float32_matmul_precision("high")  # TF32 for every contender and the profile
+    torch.set_float32_matmul_precision("high")  # TF32 for float32 runs and the profile
     device = torch.device("cuda", 0)
     name = torch.cuda.get_device_name(device)
     print(f"swap_bench on {name} "
           f"({torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB), "
-          f"torch {torch.__version__}, {platform.node()}, {time.strftime('%Y-%m-%d %H:%M')}")
+          f"torch {torch.__version__}, {platform.node()}, {time.strftime('%Y-%m-%d %H:%M')}, "
+          f"{args.dtype}")
     h2d_peak, d2h_peak = pinned_copy_gbps(device)
     rows = []
     out = Path(args.out)

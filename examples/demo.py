@@ -28,6 +28,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
+from atomc.calibrate import measure_runtime_costs
 from atomc.codegen import generate
 from atomc.data.text import ByteBatches, stdlib_text
 from atomc.errors import InfeasiblePlanError
@@ -94,7 +95,8 @@ def main() -> int:
     print(f"== 1. trace and profile {MODEL.relative_to(ROOT)} (config {config}, micro-batch "
           f"{args.micro_batch}) on {args.device}")
     traced = trace_model(MODEL, config, args.micro_batch, runs_on="cuda" if cuda else "cpu")
-    profile = profile_model(traced, device=args.device, repeats=3)
+    profile = profile_model(traced, device=args.device, repeats=3,
+                            runtime_costs=measure_runtime_costs)
     profile.save(OUT / "profile.json")
     param_bytes = sum(s.num_bytes for s in traced.graph.params.values())
     print(f"   {format_count(traced.graph.num_params())} parameters ({format_bytes(param_bytes)}), "

@@ -53,6 +53,23 @@ PRESETS: dict[str, tuple[str, dict, int]] = {
         "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
         "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-05,
     }, 8192),
+    # Llama-shaped models of the GPT-3 sizes for the side-by-side benchmark (bench/side_by_side.py):
+    # 1.3B and 2.7B are Sheared-LLaMA's shapes (Xia et al., arXiv 2310.06694), 6.7B is LLaMA-7B's
+    "llama-1.3b": ("llama", {
+        "hidden_size": 2048, "intermediate_size": 5504, "num_hidden_layers": 24,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 32000,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-05,
+    }, 2048),
+    "llama-2.7b": ("llama", {
+        "hidden_size": 2560, "intermediate_size": 6912, "num_hidden_layers": 32,
+        "num_attention_heads": 20, "num_key_value_heads": 20, "vocab_size": 32000,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-05,
+    }, 2048),
+    "llama-6.7b": ("llama", {
+        "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-06,
+    }, 2048),
     "mistral-7b": ("mistral", {
         "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
         "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,

@@ -66,6 +66,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         _group_for_workers(items)
 
 
+@pytest.fixture(scope="session")
+def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the model cases' packages are generated (tests/helpers/model_chain.py), once per
+    process for test_models and test_families."""
+    return tmp_path_factory.mktemp("models")
+
+
 def _group_for_workers(items: list[pytest.Item]) -> None:
     """Put each test without an xdist_group mark in its module's group (a `gpu` test in
     SERIAL's), order the groups (those with a slow test first, then by size, ties in collection

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -36,6 +35,7 @@ from atomc.runtime.package import load_swap_package
 from atomc.trace import trace_model
 from atomc.trace.load import load_model_file
 
+from helpers.torchrun import free_port, launch_env, run_bounded, torchrun_command
 from processes import SERIAL, children, kill_tree
 
 pytestmark = SERIAL
@@ -76,43 +76,6 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> dict:
         layouts[(pp, dp)] = path
     return {"dir": d, "plan": plan, "pkg": d / "pkg", "pkg_other": d / "pkg_other",
             "net": d / "net.json", "layouts": layouts}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["GLOO_SOCKET_IFNAME"] = "lo"
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
-def _launch(layout: Path, script_args: list[str], *, max_restarts: int = 0,
-            network: Path | None = None) -> tuple[list[str], dict[str, str]]:
-    cmd = build_command(layout, str(TRAIN), script_args, rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-                        max_restarts=max_restarts, network=network)
-    return list(cmd.argv), cmd.env
-
-
-def _run(argv: list[str], env_add: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
-    env = _env()
-    env.update(env_add)
-    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)
-        out, _ = proc.communicate()
-        raise AssertionError(f"run exceeded {timeout_s} s:\n{out[-4000:]}") from None
-    finally:
-        kill_tree(proc)
-    return subprocess.CompletedProcess(argv, proc.returncode, out, "")
 
 
 def _train_args(work: dict, out: Path, *extra: str) -> list[str]:
@@ -229,7 +192,7 @@ def test_package_that_does_not_match_the_plan(work: dict) -> None:
     with pytest.raises(LayoutError, match="was scheduled for plan"):
         check_package(load_swap_package(work["pkg_other"]), view)
     # the training script says so and exits 2 before any rendezvous
-    env = _env() | {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0"}
+    env = launch_env() | {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0"}
     r = subprocess.run([sys.executable, str(TRAIN), "--package", str(work["pkg_other"]), "--layout",
                         str(work["layouts"][(2, 2)])], env=env, cwd=ROOT, capture_output=True,
                        text=True, timeout=120, check=False)
@@ -266,8 +229,8 @@ def test_world_size_differs_from_launch(work: dict) -> None:
     """Launched with 3 processes for a 4-tasklet layout: every rank says so before any rendezvous
     (torchrun sets WORLD_SIZE and RANK like this), and `atomc launch` refuses to build it."""
     t0 = time.monotonic()
-    env = _env() | {"RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(_free_port())}
+    env = launch_env() | {"RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "1",
+                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     r = subprocess.run([sys.executable, str(TRAIN), "--layout", str(work["layouts"][(2, 2)]),
                         *_train_args(work, work["dir"] / "never")], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=120, check=False)
@@ -286,9 +249,9 @@ def test_world_size_differs_from_launch(work: dict) -> None:
 ])
 def test_layout_equals_single_process(work: dict, pp: int, dp: int, extra: list[str]) -> None:
     out = work["dir"] / f"run_{pp}x{dp}"
-    argv, env = _launch(work["layouts"][(pp, dp)],
-                        _train_args(work, out, "--dtype", "float64", *extra))
-    r = _run(argv, env, 240)
+    argv, env = torchrun_command(work["layouts"][(pp, dp)],
+                                 _train_args(work, out, "--dtype", "float64", *extra))
+    r = run_bounded(argv, env, 240)
     assert r.returncode == 0, r.stdout[-4000:]
     # float64: the only differences are summation orders (micro-batches, replicas)
     _compare(out, pp, STEPS, torch.float64, param_tol=1e-9, loss_tol=1e-9)
@@ -300,10 +263,10 @@ def test_swapped_stages_in_layout(work: dict) -> None:
     output, tied lm_head) run with the swap runtime inside a 4 x 1 layout; stage 1 stays
     resident."""
     out = work["dir"] / "run_swap"
-    argv, env = _launch(work["layouts"][(4, 1)],
-                        _train_args(work, out, "--dtype", "float64", "--swap-stages", "0,2,3",
-                                    "--schedule", "1f1b"))
-    r = _run(argv, env, 240)
+    argv, env = torchrun_command(work["layouts"][(4, 1)],
+                                 _train_args(work, out, "--dtype", "float64", "--swap-stages",
+                                             "0,2,3", "--schedule", "1f1b"))
+    r = run_bounded(argv, env, 240)
     assert r.returncode == 0, r.stdout[-4000:]
     # ATOM's order inside a swapped stage: GPipe around it
     assert r.stdout.count("swapped, gpipe") == 3
@@ -319,8 +282,9 @@ def test_elastic_restart_resumes_from_checkpoint(work: dict) -> None:
             "--micro-batch", str(MICRO), "--data-seed", str(DATA_SEED), "--final-dir", str(out),
             "--dtype", "float64", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3",
             "--metrics", str(metrics), "--emulate-delay", "--timeout", "60"]
-    argv, env_add = _launch(work["layouts"][(2, 2)], args, max_restarts=2, network=work["net"])
-    env = _env()
+    argv, env_add = torchrun_command(work["layouts"][(2, 2)], args, max_restarts=2,
+                                     network=work["net"])
+    env = launch_env()
     env.update(env_add)
     proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)

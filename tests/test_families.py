@@ -14,20 +14,21 @@ micro-batches of 2; measured on the check's own batch and micro-batch RNG stream
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-
-import test_models as base  # after the skip: it needs transformers too
-
 from atomc.trace import load_model_file
 
-MODEL = Path(__file__).resolve().parent / "models" / "hf_families.py"
-NAMES = load_model_file(MODEL).NAMES
-base.CASES.update({f"hf-{n}": (MODEL, n) for n in NAMES})
+from helpers.model_chain import (
+    FAMILIES,
+    check_bfloat16_plan_trains_within_one_percent,
+    check_chained_submodels_equal_the_model,
+    check_swap_trainer_equals_adamw,
+)
+
+pytest.importorskip("transformers")
+
+NAMES = load_model_file(FAMILIES).NAMES
 NOT_IN_FLOAT64 = {"hf-canine", "hf-mixtral", "hf-mra", "hf-olmoe", "hf-qwen2-moe", "hf-xglm"}
 NOT_IN_BFLOAT16 = {"hf-resnet", "hf-mobilenet_v2", "hf-levit"}
 # Known misses not yet explained, as (check, case) -> what was measured: they must fail as
@@ -45,20 +46,19 @@ def _known(request, check: str, name: str) -> None:
 CASES = sorted(f"hf-{n}" for n in NAMES)
 
 pytestmark = pytest.mark.families
-root = base.root
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)],
                          ids=["float64", "float32"])
 @pytest.mark.parametrize("name", CASES)
-def test_chained_submodels_equal_the_model(root, name, dtype, tol):
+def test_chained_submodels_equal_the_model(models_root, name, dtype, tol):
     if dtype == torch.float64 and name in NOT_IN_FLOAT64:
         pytest.skip("transformers' own model does not run in float64 on a CPU")
-    base.test_chained_submodels_equal_the_model(root, name, dtype, tol)
+    check_chained_submodels_equal_the_model(models_root, name, dtype, tol)
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_swap_trainer_equals_adamw(root, name, request):
+def test_swap_trainer_equals_adamw(models_root, name, request):
     _known(request, "swap", name)
     # float32 over three steps: with two threads BEiT's losses are 1.7e-6 apart (one thread:
     # within 1e-6), as sub-model boundaries change which kernels reduce in what order; the
@@ -66,13 +66,13 @@ def test_swap_trainer_equals_adamw(root, name, request):
     # MRA's query weights get gradients of about 1e-7 (its attention keeps the top blocks of a
     # low-resolution copy), which Adam's per-element scaling turns into steps where rounding
     # shows: 2.1e-6 apart after three steps, every loss equal
-    base.test_swap_trainer_equals_adamw(root, name, rel=5e-6 if name == "hf-beit" else 1e-6,
-                                        atol=5e-6 if name == "hf-mra" else 1e-6)
+    check_swap_trainer_equals_adamw(models_root, name, rel=5e-6 if name == "hf-beit" else 1e-6,
+                                    atol=5e-6 if name == "hf-mra" else 1e-6)
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_bfloat16_plan_trains_within_one_percent(root, name, request):
+def test_bfloat16_plan_trains_within_one_percent(models_root, name, request):
     _known(request, "bfloat16", name)
     if name in NOT_IN_BFLOAT16:
         pytest.skip("eager bfloat16 autocast of this tiny BatchNorm CNN is itself off by more")
-    base.test_bfloat16_plan_trains_within_one_percent(root, name)
+    check_bfloat16_plan_trains_within_one_percent(models_root, name)

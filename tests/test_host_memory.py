@@ -4,6 +4,7 @@ optimizer's bytes and train like float32 ones, frozen weights cost no moments.""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from atomc.codegen import generate
 from atomc.codegen.manual import plan_from_cuts
 from atomc.errors import UsageError
 from atomc.partition import hostmem
+from atomc.profile import hardware_names
 from atomc.runtime import SwapTrainer
 from atomc.trace import trace_model
 
@@ -105,6 +107,75 @@ def test_bf16_moments_train_like_fp32_moments(package):
     assert abs(sum(a[-5:]) - sum(b[-5:])) / sum(a[-5:]) < 0.02
 
 
+def bf16_run(out, accum, steps, chunk, monkeypatch, impl="fused"):
+    """A bfloat16-moment trainer whose updates go in chunks of `chunk` elements, after
+    `steps` steps (the caller closes it)."""
+    monkeypatch.setattr(hostmem, "MOMENT_CHUNK", chunk)
+    trainer = SwapTrainer.from_package(out, device="cpu", optimizer={
+        "lr": 3e-3, "states": "bfloat16", "impl": impl})
+    for b in batches(steps, accum):
+        trainer.step(b)
+    trainer.wait()
+    return trainer
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_bf16_moments_update_in_chunks_with_the_bits_of_one_update(package, monkeypatch, impl):
+    """Chunks of 1600 elements (weights of 8192 split in five, small ones packed together) give
+    the masters and moments of one update per sub-model, bit for bit."""
+    plan, out = package
+    whole = bf16_run(out, plan.accum, 3, 1 << 30, monkeypatch, impl)
+    chunked = bf16_run(out, plan.accum, 3, 1600, monkeypatch, impl)
+    try:
+        opt = chunked.optimizer
+        assert all(len(o.chunks) == 1 for o in whole.optimizer.optims if o is not None)
+        assert sum(len(o.chunks) for o in opt.optims if o is not None) > 2 * len(opt.optims)
+        assert any(len(pieces) > 1 for o in opt.optims if o is not None for pieces in o.steps)
+        assert [s.numel() for s in opt.scratch] == [1600, 1600]
+        for i in range(len(opt.optims)):
+            assert torch.equal(chunked.store.master[i], whole.store.master[i])
+            for a, b in zip(opt.moments[i], whole.optimizer.moments[i]):
+                assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+        assert chunked.store.master[0].abs().sum() > 0
+    finally:
+        whole.close()
+        chunked.close()
+
+
+def test_bf16_moment_bytes_are_the_plans_and_survive_a_state_dict(traced, package, monkeypatch):
+    """What the chunked update allocates (bfloat16 moments and a chunk of float32 scratch) is
+    the plan's figure; its state dict loads back into bfloat16 and into float32 moments."""
+    plan, out = package
+    trainer = bf16_run(out, plan.accum, 2, 1600, monkeypatch)
+    fresh = bf16_run(out, plan.accum, 0, 1600, monkeypatch)
+    wide = SwapTrainer.from_package(out, device="cpu", optimizer={"lr": 3e-3})
+    try:
+        opt = trainer.optimizer
+        allocated = (sum(m.nbytes for ms in opt.moments for m in ms)
+                     + sum(s.nbytes for s in opt.scratch))
+        planned = hostmem.plan_host_memory(plan, traced.graph, "bfloat16", pin=False)
+        assert planned.by_kind["optimizer_states"] == allocated
+        assert trainer.store.planned_bytes("bfloat16")["optimizer_states"] == allocated
+        state = opt.state_dict()
+        fresh.optimizer.load_state_dict(state)
+        wide.optimizer.load_state_dict(state)
+        for i, o in enumerate(opt.optims):
+            if o is None:
+                continue
+            for a, b in zip(fresh.optimizer.moments[i], opt.moments[i]):
+                assert torch.equal(a, b)
+            assert all(float(t) == 2.0 for pieces in fresh.optimizer.optims[i].steps
+                       for t in pieces)
+            loaded = wide.optimizer.optims[i].state
+            for p, where in zip(wide.optimizer.params[i], o.wheres):
+                assert loaded[p]["exp_avg"].dtype == torch.float32
+                assert torch.equal(loaded[p]["exp_avg_sq"].view(-1),
+                                   opt.moments[i][1][where].float())
+    finally:
+        for t in (trainer, fresh, wide):
+            t.close()
+
+
 def test_frozen_weights_have_no_optimizer_bytes(traced):
     frozen = tuple(traced.graph.params)
     graph = traced.graph.__class__(**{**traced.graph.__dict__, "frozen": frozen})
@@ -114,13 +185,109 @@ def test_frozen_weights_have_no_optimizer_bytes(traced):
     assert host.trainable_params == 0 and host.frozen_params == graph.num_params()
 
 
-def test_partition_cli_refuses_host_mem_below_the_need(tmp_path, capsys):
+def test_train_cli_refuses_a_run_over_the_available_memory_before_pinning(package, tmp_path,
+                                                                           monkeypatch, capsys):
+    """`atomc train` checks the plan's host bytes against MemAvailable (plus the weights it
+    already read) before the host store exists: exit 2, one line naming the bytes and the
+    remedies; nothing allocated or pinned."""
+    import numpy as np
+
+    from atomc.cli import main
+    from atomc.runtime.executor import SwapExecutor
+
+    _, out = package
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.arange(4096, dtype=np.int32) % 256)
+    assembled = []
+    monkeypatch.setattr(SwapExecutor, "assemble",
+                        classmethod(lambda cls, *a, **k: assembled.append(a)))
+    monkeypatch.setattr(hostmem, "available_host_bytes", lambda: 0)
+    rc = main(["train", str(out), "--steps", "1", "--device", "cpu", "--data", str(tokens)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and not assembled
+    assert "atomc train: host memory (MemAvailable plus the weights already read)" in err[0]
+    assert "optimizer moments" in err[0] and "--optimizer-states bfloat16" in err[0]
+
+
+@pytest.fixture(scope="module")
+def estimated(tmp_path_factory):
+    """An estimated profile of the tiny GPT for --target rtx-3090."""
     from atomc.cli import main
 
-    prof = tmp_path / "gpt.profile.json"
+    prof = tmp_path_factory.mktemp("estimated") / "gpt.profile.json"
     assert main(["profile", str(GPT_PATH), "--config", "tiny", "--batch-size", "2",
                  "--target", "rtx-3090", "-o", str(prof)]) == 0
-    capsys.readouterr()
+    return prof
+
+
+def with_hardware(profile_path, out, **changes):
+    """The profile at `profile_path` with its hardware profile changed, saved to `out`."""
+    from dataclasses import replace
+
+    from atomc.ir import Profile
+    from atomc.profile import load_hardware
+
+    profile = Profile.load(profile_path)
+    name = changes.pop("name", profile.hardware.name)
+    replace(profile, hardware=replace(load_hardware(name), **changes)).save(out)
+    return out
+
+
+def test_a_target_plan_is_checked_against_the_host_its_hardware_profile_states(
+        estimated, tmp_path, capsys):
+    from atomc.cli import main
+    from atomc.ir import Plan
+
+    plan_path = tmp_path / "gpt.plan.json"
+    assert main(["partition", str(estimated), "--gpu-mem", "20GiB", "-o", str(plan_path)]) == 0
+    out = capsys.readouterr().out
+    host = Plan.load(plan_path).host
+    assert host.limit_bytes == 128 << 30 and "hardware profile rtx-3090" in host.limit_source
+    assert "fits 128.00 GiB (the host hardware profile rtx-3090 states" in out
+    # a stated host the run does not fit in: refused in one line, --host-mem named
+    small = with_hardware(estimated, tmp_path / "small.profile.json", host_memory_bytes=4096)
+    assert main(["partition", str(small), "--gpu-mem", "20GiB"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "hardware profile rtx-3090" in err[0] and "--host-mem" in err[0]
+    assert "more than the 4.00 KiB there" in err[0]
+    # --host-mem wins over the stated host
+    assert main(["partition", str(small), "--gpu-mem", "20GiB", "--host-mem", "1GiB"]) == 0
+
+
+def test_a_target_plan_without_a_stated_host_says_it_was_not_checked(estimated, tmp_path,
+                                                                       capsys):
+    from atomc.cli import main
+    from atomc.ir import Plan
+    from atomc.profile import load_hardware
+
+    assert load_hardware("t4").host_memory_bytes is None
+    t4 = with_hardware(estimated, tmp_path / "t4.profile.json", name="t4")
+    plan_path = tmp_path / "t4.plan.json"
+    assert main(["partition", str(t4), "--gpu-mem", "14GiB", "-o", str(plan_path)]) == 0
+    out = capsys.readouterr().out
+    host = Plan.load(plan_path).host
+    assert host.limit_bytes == 0
+    line = next(x for x in out.splitlines() if x.startswith("host "))
+    assert "not checked: hardware profile t4 states no host memory" in line
+    assert "give --host-mem SIZE" in line
+
+
+@pytest.mark.parametrize("name", hardware_names())
+def test_every_shipped_host_memory_figure_is_sourced(name):
+    from atomc.profile import load_hardware
+
+    hw = load_hardware(name)
+    [sentence] = [x for x in hw.sources if x.startswith("Host memory")]
+    if hw.host_memory_bytes is None:
+        assert sentence.startswith("Host memory not stated") and "--host-mem" in sentence
+    else:
+        assert sentence.startswith(f"Host memory {hw.host_memory_bytes / 2**30:g} GiB: ")
+
+
+def test_partition_cli_refuses_host_mem_below_the_need(estimated, capsys):
+    from atomc.cli import main
+
+    prof = estimated
     rc = main(["partition", str(prof), "--gpu-mem", "20GiB", "--host-mem", "1KiB"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "host memory (--host-mem)" in err[0]
@@ -130,3 +297,21 @@ def test_partition_cli_refuses_host_mem_below_the_need(tmp_path, capsys):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_frozen_weights_cost_the_plan_no_gradient_offload_or_update(traced):
+    """The partitioner charges a frozen weight (a LoRA model's base) what the runtime spends on
+    it: its load, but no gradient slot, offload or CPU update; the checker agrees."""
+    from atomc.partition import partition
+    from atomc.partition.check import check_plan
+    from atomc.profile import profile_model
+
+    profile = profile_model(traced, target="v100-32gb", progress=False)
+    frozen = tuple(traced.graph.params)
+    graph = dataclasses.replace(profile.graph, frozen=frozen)
+    still = dataclasses.replace(profile, graph=graph)
+    trains = partition(profile, 1 << 20, reserve_bytes=0, accum=2, activations="recompute")
+    plan = partition(still, 1 << 20, reserve_bytes=0, accum=2, activations="recompute")
+    assert any(s.optimizer_ms > 0 and s.offload_ms > 0 for s in trains.submodels)
+    assert all(s.optimizer_ms == 0 and s.offload_ms == 0 for s in plan.submodels)
+    assert check_plan(still, plan) == []

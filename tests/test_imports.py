@@ -3,7 +3,7 @@ functions alike): no module imports itself round a cycle, and each package impor
 layers below it, in the order of the pipeline (DESIGN 1):
 
     errors < jsonio, units, dtypes, device < ir < actions < trace < profile < simulate
-      < partition < codegen < data < runtime < weights < calibrate < place < distributed < swarm
+      < partition < codegen < data < weights < runtime < calibrate < place < distributed < swarm
       < cli
 
 Where the order was decided rather than read off the pipeline:
@@ -12,11 +12,16 @@ Where the order was decided rather than read off the pipeline:
   device.
 - `codegen` sits below `runtime`: the runtime loads the packages codegen writes.
 - `data` sits below `runtime`: it reads files into id streams and batches and needs only errors.
-- `weights` sits above `runtime`: it reads into and writes out of a SwapPackage and a trainer.
+- `weights` sits below `runtime`: the trainer opens checkpoints (`weights=`) and exports
+  (`save_pretrained`) through it, and it reads the package, the trainer and its store by the
+  attributes it names (weights.names.SwapPackage, a Protocol), not by the runtime's types.
+- the runtime's own costs (`calibrate.runtime_costs`, `calibrate.probe`) are measured by
+  running the runtime, so they sit above it; `atomc profile` hands them to profile_model.
 - `place` sits above `calibrate` as in DESIGN's list, though it needs neither.
 - every stage's entry point, `atomc/<package>/cli.py`, belongs to the `cli` layer: it composes
   its stage with the ones before it (`atomc partition --codegen` writes the package too).
-Packages in one layer do not import each other.
+Packages in one layer do not import each other, and no module imports a private name
+(`_name`) of another package.
 
 KNOWN lists the upward imports still in the code, each with what removes it; an import that is
 fixed must leave the list (the test fails on a stale entry), and a new one fails until fixed.
@@ -42,35 +47,21 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("partition",),
     ("codegen",),
     ("data",),
-    ("runtime",),
     ("weights",),
+    ("runtime",),
     ("calibrate",),
     ("place",),
     ("distributed",),
     ("swarm",),
+    ("compare",),
     ("cli",),
 )
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 
 # (importer, imported) -> what removes it
 KNOWN = {
-    # the runtime's own costs are measured by running the runtime: profile_model should take
-    # them from its caller (the profile entry point) or probe.py/runtime_costs.py move above
-    # the runtime (calibrate)
-    ("atomc.profile.probe", "atomc.runtime.package"): "runtime costs measured above the runtime",
-    ("atomc.profile.probe", "atomc.runtime.executor"): "runtime costs measured above the runtime",
-    ("atomc.profile.probe", "atomc.runtime.optim"): "runtime costs measured above the runtime",
-    ("atomc.profile.probe", "atomc.runtime.trace"): "runtime costs measured above the runtime",
-    ("atomc.profile.probe", "atomc.calibrate.measure"): "runtime costs measured above the runtime",
-    ("atomc.profile.probe", "atomc.simulate.events"): "runtime costs measured above the runtime",
-    ("atomc.profile.runtime_costs", "atomc.runtime.optim"): "runtime costs measured above the "
-                                                            "runtime",
     # partition (owned elsewhere at the time of writing): the CPU optimizer's host cost
     ("atomc.partition.host", "atomc.runtime.optim"): "AdamW's settings below the runtime",
-    # the trainer's weights= and save_pretrained open and write checkpoint files through
-    # atomc.weights, which reads a SwapPackage and a trainer's store: the entry points (atomc
-    # train/export, a script) should open and export, the trainer take what was opened
-    ("atomc.runtime.trainer", "atomc.weights"): "weights opened and exported by the caller",
 }
 
 
@@ -156,3 +147,78 @@ def test_the_graph_reader_sees_imports_inside_functions(tmp_path: Path) -> None:
     src.write_text("def f():\n    from atomc.runtime import package\n    import atomc.swarm.wire\n")
     known = {"atomc.runtime": ROOT, "atomc.runtime.package": ROOT, "atomc.swarm.wire": ROOT}
     assert imported("atomc.x", src, known) == {"atomc.runtime.package", "atomc.swarm.wire"}
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def private_imports(name: str, path: Path) -> set[tuple[str, str]]:
+    """(module, name) of each `from atomc.x import _name` in `name` (its file `path`) whose
+    module lies in another package than `name`'s."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        base = node.module or ""
+        if node.level:
+            pkg = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+            pkg = pkg[:len(pkg) - node.level + 1]
+            base = ".".join(pkg + ([base] if base else []))
+        if not base.startswith("atomc") or package_of(base) == package_of(name):
+            continue
+        out.update((base, a.name) for a in node.names
+                   if a.name.startswith("_") and not a.name.startswith("__"))
+    return out
+
+
+def test_no_module_imports_another_packages_private_names() -> None:
+    found = sorted((name, *imp) for name, path in modules().items()
+                   for imp in private_imports(name, path))
+    assert found == [], "private names imported across packages (give them a public name): " + (
+        ", ".join(f"{a} imports {b}.{c}" for a, b, c in found))
+
+
+def test_the_private_name_reader_sees_other_packages_only(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text("from atomc.trace import _hidden, shown\nfrom atomc.runtime.store import _own\n"
+                   "from atomc import __version__\n\ndef f():\n    from ..trace import _late\n")
+    assert private_imports("atomc.runtime.trainer", src) == {("atomc.trace", "_hidden"),
+                                                             ("atomc.trace", "_late")}
+
+
+TESTS = Path(__file__).resolve().parent
+# generated packages and model files the tests read, not test code
+NOT_TEST_CODE = ("golden", "fixtures", "models", "shims")
+
+
+def imported_test_files(path: Path) -> set[str]:
+    """The test files (test_*.py, conftest.py) that `path` imports by module name."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        last = [n.rpartition(".")[2] for n in names]
+        out.update(n for n, m in zip(names, last) if m.startswith("test_") or m == "conftest")
+    return out
+
+
+def test_no_test_file_imports_another_test_file() -> None:
+    """What tests share lives in tests/helpers/ (or conftest.py's fixtures), so each test file
+    can be read, run and changed on its own."""
+    found = {str(p.relative_to(TESTS)): sorted(imported_test_files(p))
+             for p in TESTS.rglob("*.py")
+             if p.relative_to(TESTS).parts[0] not in NOT_TEST_CODE and imported_test_files(p)}
+    assert found == {}, f"test files imported by others (move what they share to helpers): {found}"
+
+
+def test_the_test_import_reader_sees_test_modules(tmp_path: Path) -> None:
+    src = tmp_path / "test_m.py"
+    src.write_text("import test_models as base\nfrom helpers.plain import plain_run\n\n"
+                   "def f():\n    from test_runtime import plain_run\n    import conftest\n")
+    assert imported_test_files(src) == {"test_models", "test_runtime", "conftest"}

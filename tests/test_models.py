@@ -32,184 +32,43 @@ diffusers: the conditional UNet of Stable Diffusion and the diffusion transforme
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import importlib.util
+import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._pytree import tree_flatten
 
 from atomc.cli import main as atomc_main
 from atomc.codegen import generate, load_package
-from atomc.dtypes import cast_floating
-from atomc.errors import InfeasiblePlanError, UsageError
 from atomc.partition import partition
 from atomc.profile import profile_model
 from atomc.profile.ops import grad_flow
-from atomc.runtime import SwapTrainer, micro_batch_rng
-from atomc.runtime.trace import replay_residency
+from atomc.runtime import SwapTrainer
 from atomc.trace import trace_model
 from atomc.trace.graph import tensors_in
 
-from shims import import_timm
-
-REPO = Path(__file__).resolve().parent.parent
-HF = REPO / "examples" / "hf.py"
-MODELS = Path(__file__).resolve().parent / "models"
-MICRO = 2  # micro-batch size everything is traced with
-C = 2  # micro-batches per step
+from helpers.model_chain import (
+    ADAM,
+    CASES,
+    HF,
+    MICRO,
+    MODELS,
+    C,
+    batch_of,
+    chain,
+    check_bfloat16_plan_trains_within_one_percent,
+    check_chained_submodels_equal_the_model,
+    check_swap_trainer_equals_adamw,
+    on_the_worker_of,
+    original,
+    plain_steps,
+)
 
 pytest.importorskip("transformers")
-# timm imports torchvision, which has no build for this CPU torch: imported once here through
-# the test-only stand-in, timm is what the model files' `import timm` finds (tests/shims)
-if importlib.util.find_spec("timm") is not None:
-    import_timm()
-
-CASES = {
-    "gpt2": (HF, "tiny-gpt2"),
-    "llama": (HF, "tiny-llama"),
-    "mistral": (HF, "tiny-mistral"),
-    "qwen2": (HF, "tiny-qwen2"),
-    "opt": (HF, "tiny-opt"),
-    "gpt-neox": (HF, "tiny-gpt-neox"),
-    "phi": (HF, "tiny-phi"),
-    "falcon": (HF, "tiny-falcon"),
-    "deberta": (MODELS / "hf_deberta.py", None),
-    "bert": (MODELS / "hf_bert.py", None),
-    "resnet-bn": (MODELS / "resnet.py", None),
-    "resnet-bn-export": (MODELS / "resnet_export.py", None),
-    "torch-transformer": (MODELS / "torch_transformer.py", None),
-    "nanogpt": (MODELS / "nanogpt" / "train_model.py", "dropout"),
-    "nanogpt-last": (MODELS / "nanogpt" / "train_model.py", "last"),
-    "moe": (MODELS / "moe.py", None),
-    "meta-llama": (MODELS / "meta_llama.py", None),
-    "t5": (MODELS / "hf_t5.py", None),
-    "param-norms": (MODELS / "param_norms.py", None),
-    "rnn": (MODELS / "rnn_lm.py", None),
-    "unet": (MODELS / "unet.py", None),
-    "dlrm": (MODELS / "dlrm.py", None),
-    "seq2seq": (MODELS / "seq2seq.py", None),
-    "custom-grad": (MODELS / "custom_grad.py", None),
-    "latents": (MODELS / "latents.py", None),
-    "bart": (MODELS / "hf_families.py", "bart"),
-    "wav2vec2": (MODELS / "hf_families.py", "wav2vec2"),
-    "timm-vit": (MODELS / "timm_vit.py", None),
-    "gnn": (MODELS / "gnn.py", None),
-    "vq-ema": (MODELS / "vq_ema.py", None),
-    "running-stats": (MODELS / "running_stats.py", None),
-    "vae": (MODELS / "vae.py", None),
-    "timm-efficientnet": (MODELS / "timm_zoo.py", "efficientnet"),
-    "timm-convnext": (MODELS / "timm_zoo.py", "convnext"),
-    "timm-swin": (MODELS / "timm_zoo.py", "swin"),
-    "timm-zoo-vit": (MODELS / "timm_zoo.py", "vit"),
-    "diffusers-unet": (MODELS / "diffusers_zoo.py", "unet"),
-    "diffusers-dit": (MODELS / "diffusers_zoo.py", "dit"),
-}
-
-
-def three_way_plan(profile, transfer_dtype=None):
-    """The partitioner's plan at (about) the smallest budget it can meet, 3+ sub-models, and
-    the profile it was planned from.
-
-    On a CPU each sub-model's forward and backward also cost the runtime's own time per call
-    (RuntimeCosts.forward_ms, backward_ms), and for some tiny models (BigBird's, ConvBERT's)
-    that makes one sub-model the best plan even at the smallest budget: splitting them hides
-    loads worth less than the calls it adds. These checks are about 3+ sub-models, so such a
-    model is planned as for a device whose calls cost nothing of their own (a GPU profile
-    carries no such time)."""
-    plan = _smallest_plan(profile, transfer_dtype)
-    rt = profile.runtime
-    if len(plan.submodels) < 3 and rt is not None and (rt.forward_ms or rt.backward_ms):
-        profile = dataclasses.replace(profile, runtime=dataclasses.replace(
-            rt, forward_ms=None, backward_ms=None))
-        plan = _smallest_plan(profile, transfer_dtype)
-    assert len(plan.submodels) >= 3, f"{len(plan.submodels)} sub-models"
-    return plan, profile
-
-
-def _smallest_plan(profile, transfer_dtype):
-    def plan_for(budget: int):
-        return partition(profile, budget, reserve_bytes=0, accum=C, cpu_adam_gbps=8.0,
-                         transfer_dtype=transfer_dtype)
-
-    # doubling up from a budget nothing fits in, then bisecting: the partitioner takes longest
-    # over budgets far above the smallest, which bisecting down from 1 GiB tried ten of
-    lo, hi, plan = 1 << 10, 1 << 10, None  # infeasible, feasible with `plan`
-    while plan is None:
-        hi *= 2
-        assert hi <= 1 << 30, "no plan within 1 GiB"
-        try:
-            plan = plan_for(hi)
-        except InfeasiblePlanError:
-            lo = hi
-    while hi - lo > hi // 32:
-        mid = (lo + hi) // 2
-        try:
-            plan, hi = plan_for(mid), mid
-        except InfeasiblePlanError:
-            lo = mid
-    return plan
-
-
-_CHAINS: dict = {}
-_PROFILES: dict = {}
-_REFERENCES: dict = {}
-
-
-def chain(name: str, tmp_root: Path, transfer_dtype: str | None = None):
-    """(package dir, plan, CPU trace of the original) for a case and a planned transfer dtype,
-    made once per process (per pytest-xdist worker: on_the_worker_of)."""
-    key = (name, transfer_dtype)
-    if key not in _CHAINS:
-        path, config = CASES[name]
-        if name not in _PROFILES:
-            meta = trace_model(path, config, MICRO, device="meta")
-            _PROFILES[name] = profile_model(meta, device="cpu", repeats=1, progress=False)
-        plan, profile = three_way_plan(_PROFILES[name], transfer_dtype)
-        tag = f"{name}-{transfer_dtype}" if transfer_dtype else name
-        plan_path = tmp_root / f"{tag}.plan.json"
-        plan.save(plan_path)
-        out = generate(plan, tmp_root / tag, profile=profile, plan_path=plan_path)
-        if name not in _REFERENCES:
-            _REFERENCES[name] = trace_model(path, config, MICRO, device="cpu")
-        _CHAINS[key] = (out, plan, _REFERENCES[name])
-    return _CHAINS[key]
-
-
-def on_the_worker_of(name: str) -> pytest.MarkDecorator:
-    """Runs a test on the pytest-xdist worker that runs the other checks of case `name`
-    (tests/conftest.py), so that the case's packages are built once."""
-    return pytest.mark.xdist_group(f"models-{name}")
-
 
 MODEL_CASES = [pytest.param(name, marks=on_the_worker_of(name)) for name in sorted(CASES)]
-
-
-@pytest.fixture(scope="session")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("models")
-
-
-def batch_of(reference, num_micro: int, seed: int) -> tuple:
-    """Inputs of `num_micro` micro-batches like the traced ones (token ids stay in range)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for x in reference.inputs:
-        if x.is_floating_point():
-            out.append(torch.randn((num_micro * x.shape[0], *x.shape[1:]), generator=g))
-        else:
-            high = int(x.max()) + 1
-            out.append(torch.randint(0, high, (num_micro * x.shape[0], *x.shape[1:]), generator=g))
-    return tuple(out)
-
-
-def original(reference, dtype=torch.float32):
-    torch.manual_seed(0)
-    return copy.deepcopy(reference.model).to(dtype).train()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,153 +78,29 @@ def original(reference, dtype=torch.float32):
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)],
                          ids=["float64", "float32"])
 @pytest.mark.parametrize("name", MODEL_CASES)
-def test_chained_submodels_equal_the_model(root, name, dtype, tol):
-    out, plan, reference = chain(name, root)
-    assert len(plan.submodels) >= 3
-    package = load_package(out)
-    model = original(reference, dtype)
-    # as the runtime casts them: complex constants (rotary frequencies) stay complex, where
-    # Module.to(dtype) would drop their imaginary part
-    subs = [cast_floating(s, dtype).train() for s in package.build_submodels()]
-    unread = package.load_original_state_dict(subs, model.state_dict())
-    package.tie_parameters(subs)
-    inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in reference.inputs)
-    loss_fn = reference.module.loss_fn
-    with micro_batch_rng(0, 0, 0):  # dropout draws the same masks in both
-        expected = model(*inputs)
-        loss_fn(expected, inputs).backward()
-    with micro_batch_rng(0, 0, 0):
-        values = inputs
-        for sub in subs[:-1]:
-            values = sub(*values)
-        got = subs[-1](*values)
-        loss_fn(got, inputs).backward()
-    # the only weights no sub-model holds are parameters the model's own step does not read
-    # (a classifier's unused pooler, a mask token for masks it is not given)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    assert all(n in params and params[n].grad is None for n in unread), unread
-    exp_leaves, exp_spec = tree_flatten(expected)
-    got_leaves, got_spec = tree_flatten(got)
-    assert type(got) is type(expected) and got_spec == exp_spec
-    for e, g in zip(exp_leaves, got_leaves):
-        if isinstance(e, torch.Tensor):
-            assert g.dtype == e.dtype
-            torch.testing.assert_close(g, e, rtol=tol, atol=tol)
-    grads: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()  # tie_parameters made the holders of a tied weight share it
-    for sub, names in zip(subs, package.PARAM_NAMES):
-        for local, p in sub.named_parameters():
-            if p.grad is not None and id(p) not in seen:
-                seen.add(id(p))
-                grads[names[local]] = grads.get(names[local], 0) + p.grad
-    for fqn, p in model.named_parameters():
-        if p.grad is not None:
-            torch.testing.assert_close(grads[fqn], p.grad, rtol=tol, atol=tol,
-                                       msg=f"gradient of {fqn}")
+def test_chained_submodels_equal_the_model(models_root, name, dtype, tol):
+    check_chained_submodels_equal_the_model(models_root, name, dtype, tol)
 
 
 # ---------------------------------------------------------------------------------------------
 # training
 
 
-# Adam divides each gradient element by its own running size, so an element whose gradient is
-# zero up to float32 rounding takes a full lr-sized step in one run and none in the other. The
-# export graph's kernels round a little differently from the eager model's; an eps well above
-# rounding keeps such elements' steps at rounding size, and the comparison tight.
-ADAM = {"lr": 1e-3, "eps": 1e-4, "weight_decay": 0.01}
-
-
-def plain_steps(model, loss_fn, batches):
-    opt = torch.optim.AdamW(model.parameters(), **ADAM, fused=True)
-    losses = []
-    for step, batch in enumerate(batches):
-        opt.zero_grad()
-        total = 0.0
-        for m in range(C):
-            micro = tuple(x[m * MICRO:(m + 1) * MICRO] for x in batch)
-            with micro_batch_rng(0, step, m):
-                loss = loss_fn(model(*micro), micro)
-            (loss / C).backward()
-            total += loss.item()
-        opt.step()
-        losses.append(total / C)
-    return losses
+@pytest.mark.parametrize("name", MODEL_CASES)
+def test_swap_trainer_equals_adamw(models_root, name):
+    check_swap_trainer_equals_adamw(models_root, name)
 
 
 @pytest.mark.parametrize("name", MODEL_CASES)
-def test_swap_trainer_equals_adamw(root, name, rel=1e-6, atol=1e-6):
-    out, _, reference = chain(name, root)
-    model = original(reference)
-    trainer = SwapTrainer.from_package(out, device="cpu", state_dict=model.state_dict(),
-                                       tied_grads="exact", optimizer=ADAM)
-    assert trainer.accum == C and len(trainer.store.layouts) >= 3
-    batches = [batch_of(reference, C, seed) for seed in range(3)]
-    swapped = [trainer.step(b) for b in batches]
-    plain = plain_steps(model, reference.module.loss_fn, batches)
-    assert swapped == pytest.approx(plain, rel=rel, abs=1e-7)
-    state = trainer.export_state_dict()
-    expected = model.state_dict()
-    assert set(state) == set(expected)  # weights the graph never reads too: a strict load works
-    for k, v in state.items():  # weights and persistent buffers (BatchNorm statistics)
-        torch.testing.assert_close(v, expected[k], rtol=1e-5, atol=atol,
-                                   msg=lambda m, k=k: f"{k}: {m}")
-    original(reference).load_state_dict(state)
-    trainer.close()
-
-
-def eager_loss(model, loss_fn, batch, autocast: torch.dtype | None = None) -> float:
-    """The loss a step reports (the mean over its micro-batches) of the model run eagerly as
-    the trainer's first step runs it, under CPU autocast to `autocast` where given."""
-    total = 0.0
-    for m in range(C):
-        micro = tuple(x[m * MICRO:(m + 1) * MICRO] for x in batch)
-        with micro_batch_rng(0, 0, m), torch.autocast("cpu", autocast or torch.bfloat16,
-                                                      enabled=autocast is not None):
-            total += loss_fn(model(*micro), micro).item()
-    return total / C
-
-
-@pytest.mark.parametrize("name", MODEL_CASES)
-def test_bfloat16_plan_trains_within_one_percent(root, name):
-    """A plan made for bfloat16 weights: the package runs in bfloat16 by default (norm weights
-    in float32), refuses float32 weights, keeps at most two sub-models' weights resident, and
-    its first step's loss is within 1% of the float32 plan's, or, for a model that bfloat16
-    itself moves further (BatchNorm over a few values, deep stacks), within 1.5 times what the
-    model's own eager run under bfloat16 autocast gives, measured on the same batch."""
-    out32, _, reference = chain(name, root)
-    out16, plan16, _ = chain(name, root, "bfloat16")
-    assert (plan16.transfer_dtype, plan16.autocast) == ("bfloat16", "bfloat16")
-    model = original(reference)
-    batch = batch_of(reference, C, 7)
-    fp32 = SwapTrainer.from_package(out32, device="cpu", state_dict=model.state_dict())
-    loss32 = fp32.step(batch)
-    fp32.close()
-    with pytest.raises(UsageError, match="planned for bfloat16"):
-        SwapTrainer.from_package(out16, device="cpu", transfer_dtype="float32")
-    trainer = SwapTrainer.from_package(out16, device="cpu", state_dict=model.state_dict(),
-                                       trace=True)
-    assert trainer.store.transfer_dtype == torch.bfloat16
-    assert trainer.executor.autocast_dtype == torch.bfloat16
-    full = set(trainer.package.full_precision)
-    for L in trainer.store.layouts:
-        for e in L.entries:
-            assert e.wide == (e.key in full)
-    losses = [trainer.step(batch) for _ in range(2)]
-    eager16 = eager_loss(original(reference), reference.module.loss_fn, batch, torch.bfloat16)
-    rel = max(0.01, 1.5 * abs(eager16 / loss32 - 1))
-    assert losses[0] == pytest.approx(loss32, rel=rel), f"eager bfloat16 autocast: {eager16}"
-    assert all(torch.isfinite(torch.tensor(losses)))
-    assert trainer.executor.slots.max_resident <= 2
-    for trace in trainer.traces.values():
-        assert replay_residency(trace, trainer.executor.slots.resident()) <= 2
-    trainer.close()
+def test_bfloat16_plan_trains_within_one_percent(models_root, name):
+    check_bfloat16_plan_trains_within_one_percent(models_root, name)
 
 
 # ---------------------------------------------------------------------------------------------
 # each failure class, looked at directly
 
 
-def test_modes_become_with_blocks_and_dtypes_stay_generic(root, tmp_path):
+def test_modes_become_with_blocks_and_dtypes_stay_generic(models_root, tmp_path):
     """no_grad/autocast regions (export's higher-order operators) come back as `with` blocks;
     no assertion pins the traced dtype; `x.to(x.dtype)` follows the weights, `.float()` stays."""
     path = MODELS / "modes.py"
@@ -379,8 +114,8 @@ def test_modes_become_with_blocks_and_dtypes_stay_generic(root, tmp_path):
     assert "with torch.no_grad():" in source
     assert "with torch.autocast(device.type, enabled=False" in source
     assert "_assert_tensor_metadata" not in source
-    assert "torch.ops.aten.to.dtype(tanh, dtype)" in source  # .to(x.dtype): generic
-    assert "torch.ops.aten.to.dtype(linear, torch.float32)" in source  # .float(): the model's own
+    assert "h.tanh().to(dtype)" in source  # .to(x.dtype): generic
+    assert "h.to(torch.float32)" in source  # .float(): the model's own
     package = load_package(out)
     reference = trace_model(path, None, MICRO, device="cpu")
     for dtype in (torch.float64, torch.bfloat16):
@@ -397,10 +132,10 @@ def test_modes_become_with_blocks_and_dtypes_stay_generic(root, tmp_path):
 
 
 @on_the_worker_of("resnet-bn-export")
-def test_batch_norm_in_export_graphs_follows_the_mode(root):
+def test_batch_norm_in_export_graphs_follows_the_mode(models_root):
     """export resolves `self.training` when it traces; BatchNorm in generated code follows the
     sub-model's mode again: running statistics in evaluation, batch statistics in training."""
-    out, _, reference = chain("resnet-bn-export", root)
+    out, _, reference = chain("resnet-bn-export", models_root)
     assert reference.graph.frontend == "export"
     package = load_package(out)
     model = original(reference, torch.float64)
@@ -421,7 +156,7 @@ def test_batch_norm_in_export_graphs_follows_the_mode(root):
 
 
 @on_the_worker_of("moe")
-def test_meta_trace_takes_the_branch_of_the_device_it_runs_on(root):
+def test_meta_trace_takes_the_branch_of_the_device_it_runs_on(models_root):
     """Model code that branches on the device type (a router's histc counts in float32 on a
     CPU, int32 elsewhere) is traced on the meta device as if on the device it will run on:
     the CPU's branch for a CPU profile; the meta device alone takes the other one. The router
@@ -443,18 +178,18 @@ def test_meta_trace_takes_the_branch_of_the_device_it_runs_on(root):
     profile = profile_model(t, device="cpu", repeats=1, progress=False)
     cost = {n.name: c for n, c in zip(profile.graph.nodes, profile.costs)}
     assert cost["cumsum"].bwd_ms == 0 and cost["histc"].bwd_ms == 0
-    out, _, _ = chain("moe", root)
+    out, _, _ = chain("moe", models_root)
     source = "".join(p.read_text() for p in sorted(out.glob("submodel_*.py")))
     assert "torch.finfo(" in source and "3.4028" not in source
 
 
 @on_the_worker_of("t5")
-def test_weight_tied_three_ways_sums_its_gradients_exactly(root):
+def test_weight_tied_three_ways_sums_its_gradients_exactly(models_root):
     """T5's one embedding is read by three sub-models; tied_grads="exact" adds the three
     holders' gradients per micro-batch in the order the plain model's backward does: one step
     gives plain AdamW's weights in float64 (to rounding: the export graph's kernels are not
     the eager model's)."""
-    out, _, reference = chain("t5", root)
+    out, _, reference = chain("t5", models_root)
     model = original(reference, torch.float64)
     trainer = SwapTrainer.from_package(out, device="cpu", state_dict=model.state_dict(),
                                        tied_grads="exact", optimizer=ADAM, dtype="float64")
@@ -470,11 +205,11 @@ def test_weight_tied_three_ways_sums_its_gradients_exactly(root):
 
 
 @on_the_worker_of("bert")
-def test_constants_ship_with_the_package(root):
+def test_constants_ship_with_the_package(models_root):
     """Non-persistent buffers (BERT's position_ids) and lifted constants (nanoGPT's `[-1]`
     index, below) are package constants: stored with their values, never asked of a state
     dict."""
-    out, _, _ = chain("bert", root)
+    out, _, _ = chain("bert", models_root)
     package = load_package(out)
     names = {fqn for names in package.PARAM_NAMES for fqn in names.values()}
     assert not any(n.endswith("position_ids") for n in names)
@@ -484,19 +219,20 @@ def test_constants_ship_with_the_package(root):
 
 
 @on_the_worker_of("nanogpt-last")
-def test_lifted_constants_ship_with_the_package(root):
-    out, _, _ = chain("nanogpt-last", root)
+def test_lifted_constants_ship_with_the_package(models_root):
+    out, _, _ = chain("nanogpt-last", models_root)
     package = load_package(out)
     assert any("constant" in n or "lifted" in n for n in package._constants.NAMES)
 
 
 @on_the_worker_of("param-norms")
-def test_reparametrized_layers_are_written_as_their_author_wrote_them(root):
+def test_reparametrized_layers_are_written_as_their_author_wrote_them(models_root):
     """A weight-normalised or spectral-normalised layer stays one module (its weight is
     computed, and spectral norm updates buffers every forward), rebuilt by the same calls;
     a parametrized module of the model's own is traced through."""
-    out, _, _ = chain("param-norms", root)
+    out, _, _ = chain("param-norms", models_root)
     source = "\n".join(p.read_text() for p in sorted(out.glob("submodel_*.py")))
+    source = re.sub(r"\s+", " ", source).replace("( ", "(")  # calls broken over lines, joined
     for call in ("parametrizations.weight_norm(nn.Conv1d(4, 8, (3,)",
                  "parametrizations.spectral_norm(nn.Linear(128, 48), dim=0)",
                  "nn.utils.weight_norm(nn.Linear(48, 48))",

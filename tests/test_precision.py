@@ -22,19 +22,20 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_partition import brute_force
 
 from atomc.cli import main as atomc_main
 from atomc.errors import InfeasiblePlanError, UsageError
 from atomc.partition import partition
 from atomc.partition.autocast import FP32, LOWER, device_dtypes
 from atomc.partition.check import check_plan
-from atomc.partition.cost import CostParams, build_tables, node_facts
+from atomc.partition.cost import CostParams
 from atomc.partition.precision import Precision, device_view, resolve_precision
 from atomc.partition.search import search
+from atomc.partition.tables import build_tables, node_facts
 from atomc.profile import profile_model
 from atomc.trace import trace_model
 
+from helpers.brute_force import brute_force
 from synthetic import MB, random_profile
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,11 +10,11 @@ import math
 import pytest
 import torch
 
+from atomc.calibrate.probe import runtime_ms
+from atomc.calibrate.runtime_costs import update_costs_ms
 from atomc.ir import Profile, RuntimeCosts
 from atomc.partition import partition, profile_hash, recost
 from atomc.partition.check import check_plan
-from atomc.profile.probe import runtime_ms
-from atomc.profile.runtime_costs import update_costs_ms
 
 from synthetic import block_profile
 

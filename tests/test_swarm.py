@@ -63,10 +63,12 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def profiled(work: dict) -> Path:
     """The package of `work["pkg"]`, its plan cut from this machine's profile (--slowdown
     emulates a device from the profile's times)."""
+    from atomc.calibrate import measure_runtime_costs
     from atomc.profile import profile_model
 
     traced = trace_model(GPT, CONFIG, MICRO)
-    prof = profile_model(traced, device="cpu", repeats=1, progress=False)
+    prof = profile_model(traced, device="cpu", repeats=1, progress=False,
+                         runtime_costs=measure_runtime_costs)
     generate(plan_from_cuts(prof, [9, 25, 39, 55]), work["dir"] / "profiled", traced=traced)
     return work["dir"] / "profiled"
 

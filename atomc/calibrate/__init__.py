@@ -22,8 +22,12 @@ The factors, the measured times and the predicted step before and after are reco
 profile (`Profile.calibration`), so a plan made from it says where its numbers come from. The
 calibrated profile is an ordinary profile: partition it again for the re-plan.
 
+The runtime's own costs on a device, which a measured profile holds, are measured here too,
+by running the runtime (`measure_runtime_costs`; `atomc profile` passes it to profile_model).
+
 Modules: `measure` (a package's traced steps -> Measurement), `scale` (calibrate),
-`report` (the before/after text), `cli` (`atomc calibrate`).
+`report` (the before/after text), `runtime_costs` and `probe` (the runtime's own costs),
+`cli` (`atomc calibrate`).
 """
 
 from atomc.calibrate.measure import (
@@ -35,7 +39,9 @@ from atomc.calibrate.measure import (
     measure_package,
     summarise,
 )
+from atomc.calibrate.runtime_costs import measure_runtime_costs
 from atomc.calibrate.scale import COMPUTE_OPS, MIN_SCALE, calibrate
 
 __all__ = ["COMPUTE_OPS", "MIN_SCALE", "MeasuredSubmodel", "Measurement", "calibrate",
-           "check_device", "check_losses", "device_matches", "measure_package", "summarise"]
+           "check_device", "check_losses", "device_matches", "measure_package",
+           "measure_runtime_costs", "summarise"]

@@ -281,7 +281,7 @@ def measure_package(package: str | Path, *, steps: int = 20, warmup: int = 3,
         traces = [traced[s] for s in range(first + warmup, first + total)]
         measurement = summarise(
             traces, num_submodels=len(trainer.store.layouts), accum=trainer.accum,
-            activations="keep" if trainer.executor.keep else "recompute", device=where,
+            activations=trainer.executor.activations, device=where,
             plan_hash=trainer.package.plan_hash, package=str(package), warmup_steps=warmup,
             losses=tuple(losses))
     finally:

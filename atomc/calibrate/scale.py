@@ -50,7 +50,7 @@ def calibrate(profile: Profile, plan: Plan, measurement: Measurement) -> Profile
     check_losses(measurement.losses)
 
     costs = list(profile.costs)
-    recompute = plan.activations == "recompute"
+    recompute = plan.activations != "keep"
     # the runtime's own time per call stays the profile's (the cost model adds it to every
     # sub-model's forward and backward): the nodes are fitted to the rest, so that other cuts
     # of the calibrated profile pay it once per sub-model too
@@ -58,6 +58,7 @@ def calibrate(profile: Profile, plan: Plan, measurement: Measurement) -> Profile
     own_fwd = (rt.forward_ms or 0.0) if rt is not None else 0.0
     own_bwd = (rt.backward_ms or 0.0) if rt is not None else 0.0
     scales = []
+    index = {n.name: j for j, n in enumerate(profile.graph.nodes)}
     for sm, m in zip(plan.submodels, measurement.submodels):
         nodes = range(sm.start, sm.stop)
         last = sm.index == k - 1
@@ -66,7 +67,11 @@ def calibrate(profile: Profile, plan: Plan, measurement: Measurement) -> Profile
         ops = {j for j in nodes if profile.graph.nodes[j].op in COMPUTE_OPS} or set(nodes)
         f_scale, fwd_add = _fit(m.fwd_ms - own_fwd, fwd, len(ops))
         new_fwd = f_scale * fwd + fwd_add * len(ops)
-        redo = new_fwd if recompute and not last else 0.0
+        # what the recomputation ran: all but the operators the plan keeps or sends
+        stored = [index[n] for n in (*sm.kept, *sm.sent)]
+        skipped = f_scale * sum(costs[j].fwd_ms for j in stored) + fwd_add * len(
+            ops.intersection(stored))
+        redo = new_fwd - skipped if recompute and not last else 0.0
         b_scale, bwd_add = _fit(m.bwd_ms - own_bwd - redo, bwd, len(ops))
         for j in nodes:
             extra = j in ops

@@ -5,7 +5,9 @@ that can be swapped through a GPU of `capacity_bytes` (less a reserve) while the
 loads, chooses the accumulation degree C, and returns a Plan whose predicted step time and GPU
 utilisation come from the swap simulator (atomc.simulate).
 
-The decision is split as DESIGN 10 asks: cost.py (range costs), search.py (exact dynamic
+The decision is split as DESIGN 10 asks: tables.py (the C-independent prefix tables of every
+node range), cost.py (one run's cost formulas: per-sub-model times and bytes, the step's
+handover), constraints.py (each plan constraint's slack and message), search.py (exact dynamic
 programme with block folding), accum.py (choice of C), check.py (an independent checker).
 """
 
@@ -20,29 +22,24 @@ from atomc.errors import InfeasiblePlanError, UsageError
 from atomc.ir import SCHEMA_VERSION, CutTensor, OpGraph, Plan, Profile, Submodel
 from atomc.jsonio import canonical_hash
 from atomc.partition.accum import Outcome, choose_accum, physical_bound_accum
-from atomc.partition.cost import (
-    ACTIVATIONS,
+from atomc.partition.activations import apply_policy, choose_policy
+from atomc.partition.constraints import (
     BACKWARD_OVERLAP,
-    DEFAULT_CPU_ADAM_GBPS,
     FORWARD_OVERLAP,
     GRADIENT_OFFLOAD,
     MEMORY,
-    NS_PER_MS,
     OPTIMIZER,
+    plan_slacks,
+)
+from atomc.partition.cost import (
+    ACTIVATIONS,
+    DEFAULT_CPU_ADAM_GBPS,
     CostParams,
     Derived,
-    NodeFacts,
     RangeCost,
-    RangeTables,
-    allowed_cuts,
-    build_tables,
     derive,
     first_tail,
-    live_sets,
-    max_width_for,
-    node_facts,
     plan_costs,
-    plan_slacks,
     range_cost,
     range_stage_times,
     runtime_params,
@@ -56,6 +53,16 @@ from atomc.partition.search import (
     block_period,
     prepare_folding,
     search,
+)
+from atomc.partition.tables import (
+    NS_PER_MS,
+    NodeFacts,
+    RangeTables,
+    allowed_cuts,
+    build_tables,
+    live_sets,
+    max_width_for,
+    node_facts,
 )
 from atomc.simulate.events import copies_on_host, simulate_swap
 from atomc.units import format_bytes
@@ -72,7 +79,7 @@ _CAP_STEP = 0.85
 
 def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAULT_RESERVE_BYTES,
               accum: int | None = None, max_accum: int = DEFAULT_MAX_ACCUM,
-              activations: str = "recompute", fold_blocks: bool = True,
+              activations: str = "auto", fold_blocks: bool = True,
               cpu_adam_gbps: float = DEFAULT_CPU_ADAM_GBPS, transfer_dtype: str | None = None,
               autocast: str | None = None, cpu_adam_source: str = "given") -> Plan:
     """The best plan for a GPU of `capacity_bytes`; InfeasiblePlanError when nothing fits.
@@ -85,8 +92,13 @@ def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAUL
     all step (atomc.runtime.slots), a bound no pair of neighbours sees: at each C the search
     runs with caps on the largest sub-model's parameters (every range within the cap, its
     working memory beside four slots of the cap), and the best plan over the caps is kept."""
+    if activations == "auto":  # cut for recomputation, then the policy (partition.activations)
+        plan = partition(profile, capacity_bytes, reserve_bytes, accum, max_accum, "recompute",
+                         fold_blocks, cpu_adam_gbps, transfer_dtype, autocast, cpu_adam_source)
+        return choose_policy(plan, profile)
     if activations not in ACTIVATIONS:
-        raise UsageError(f"activations {activations!r}: expected one of {', '.join(ACTIVATIONS)}")
+        raise UsageError(f"activations {activations!r}: expected one of auto, "
+                         f"{', '.join(ACTIVATIONS)}")
     if accum is not None and accum < 1:
         raise UsageError(f"--accum {accum} must be 1 or more")
     if max_accum < 1:
@@ -290,13 +302,16 @@ def recost(profile: Profile, plan: Plan, cpu_adam_gbps: float | None = None,
     facts = node_facts(view)
     tables = build_tables(facts, max(b - a for a, b in itertools.pairwise(bounds)))
     rate = plan.cpu_adam_gbps if cpu_adam_gbps is None else cpu_adam_gbps
+    auto = plan.activations == "auto"
     p = CostParams(plan.accum, plan.capacity_bytes - plan.reserve_bytes, profile.h2d_gbps,
-                   profile.d2h_gbps, rate, plan.activations, **runtime_params(profile))
-    return build_plan(profile, tables, p, bounds[1:-1], capacity_bytes=plan.capacity_bytes,
-                      reserve_bytes=plan.reserve_bytes, accum_fixed=plan.accum_fixed,
-                      tier=plan.search_tier, notes=[f"the cuts of plan {plan.content_hash()}"],
-                      early_prefetch=plan.early_prefetch, precision=precision, view=view,
-                      cpu_adam_source=cpu_adam_source or plan.cpu_adam_source or "given")
+                   profile.d2h_gbps, rate, "recompute" if auto else plan.activations,
+                   **runtime_params(profile))
+    out = build_plan(profile, tables, p, bounds[1:-1], capacity_bytes=plan.capacity_bytes,
+                     reserve_bytes=plan.reserve_bytes, accum_fixed=plan.accum_fixed,
+                     tier=plan.search_tier, notes=[f"the cuts of plan {plan.content_hash()}"],
+                     early_prefetch=plan.early_prefetch, precision=precision, view=view,
+                     cpu_adam_source=cpu_adam_source or plan.cpu_adam_source or "given")
+    return apply_policy(out, profile, plan) if auto else out
 
 
 def host_gap_ms(profile: Profile) -> float:

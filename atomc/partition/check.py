@@ -35,13 +35,16 @@ are the device's at the plan's transfer and autocast dtypes
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from atomc.ir import Plan, Profile
-from atomc.partition.cost import node_sides_ms, runtime_params
+from atomc.ir import Plan, Profile, Submodel
+from atomc.partition.cost import runtime_params
 from atomc.partition.precision import Precision, device_view, model_dtype
+from atomc.partition.tables import node_sides_ms
 
 NS_PER_MS = 1_000_000
 
@@ -101,8 +104,10 @@ class Checker:
             for src in n.inputs:
                 self.readers[src].append(i)
         self.value_bytes = {n.name: sum(o.num_bytes for o in n.outputs) for n in g.nodes}
+        self.last_read = {name: max(rs, default=-1) for name, rs in self.readers.items()}
         self.params = g.params
         self.buffers = g.buffers
+        self.frozen = set(g.frozen or ())
         # a tied weight's master and optimizer state live in its first holder (runtime.store)
         self.owner: dict[str, int] = {}
         for i, n in enumerate(g.nodes):
@@ -120,7 +125,7 @@ class Checker:
 
     def crossing(self, q: int) -> list[str]:
         """Values produced before node q and read at q or later."""
-        return [n.name for n in self.nodes[:q] if any(r >= q for r in self.readers[n.name])]
+        return [n.name for n in self.nodes[:q] if self.last_read[n.name] >= q]
 
     def range_facts(self, start: int, stop: int) -> RangeFacts:
         c = self.accum
@@ -131,8 +136,10 @@ class Checker:
             fqns.update(n.param_fqns)
             fqns.update(n.buffer_fqns)
         param_bytes = sum((self.params.get(f) or self.buffers[f]).num_bytes for f in fqns)
-        grad_bytes = sum(self.params[f].num_bytes for f in fqns if f in self.params)
-        owned = [f for f in fqns if f in self.params and start <= self.owner[f] < stop]
+        # frozen weights: no gradient, offload or update
+        trains = [f for f in fqns if f in self.params and f not in self.frozen]
+        grad_bytes = sum(self.params[f].num_bytes for f in trains)
+        owned = [f for f in trains if start <= self.owner[f] < stop]
         master_bytes = sum(4 * math.prod(self.params[f].shape) for f in owned)
         num_masters = len(owned)
         # the device's and the host's sides summed apart; the range takes the longer
@@ -148,7 +155,8 @@ class Checker:
         for n, k in zip(nodes, costs):
             own = sum((self.params.get(f) or self.buffers[f]).num_bytes
                       for f in set(n.param_fqns) | set(n.buffer_fqns))
-            own_grad = sum(self.params[f].num_bytes for f in set(n.param_fqns) if f in self.params)
+            own_grad = sum(self.params[f].num_bytes for f in set(n.param_fqns)
+                           if f in self.params and f not in self.frozen)
             extra_fwd = max(extra_fwd, k.peak_fwd_bytes - own)
             extra_bwd = max(extra_bwd, k.peak_bwd_bytes - own - own_grad)
         cross_in = self.crossing(start)
@@ -171,6 +179,27 @@ class Checker:
             param_bytes=param_bytes, grad_bytes=grad_bytes, mem_fwd_bytes=mem_fwd,
             mem_bwd_bytes=mem_bwd, crossing_out=tuple(cross_out),
         )
+
+    def with_policy(self, facts: list[RangeFacts], subs: Sequence[Submodel]) -> list[RangeFacts]:
+        """activations="auto": each range's costs with the plan's kept and sent operators,
+        from the profile: their forward time leaves the recomputation; kept outputs stay on
+        the device through every later range, sent ones come back for the range's backward."""
+        c = self.accum
+        held = 0
+        out = []
+        for f, s in zip(facts, subs):
+            kept = [self.index[n] for n in s.kept]
+            sent = [self.index[n] for n in s.sent]
+            saving = sum(round(node_sides_ms(self.costs[j])[0] * NS_PER_MS)
+                         for j in (*kept, *sent))
+            held += c * sum(self.costs[j].output_bytes for j in kept)
+            extra = held + c * sum(self.costs[j].output_bytes for j in sent)
+            fetch = _copy_ns(c * sum(self.costs[j].output_bytes for j in sent),
+                             self.profile.h2d_gbps)
+            out.append(dataclasses.replace(
+                f, bwd_ns=f.bwd_ns - c * saving, checkpoint_ns=f.checkpoint_ns + fetch,
+                mem_fwd_bytes=f.mem_fwd_bytes + extra, mem_bwd_bytes=f.mem_bwd_bytes + extra))
+        return out
 
     def violations(self, cuts: list[int], early_prefetch: bool = False) -> list[Violation]:
         bounds = [0, *cuts, len(self.nodes)]
@@ -288,6 +317,12 @@ def check_plan(profile: Profile, plan: Plan) -> list[Violation]:
     checker = Checker(view, plan.accum, plan.capacity_bytes - plan.reserve_bytes,
                       plan.activations, plan.cpu_adam_gbps)
     facts = [checker.range_facts(s.start, s.stop) for s in subs]
+    if plan.activations == "auto":
+        unknown = [n for s in subs for n in (*s.kept, *s.sent) if n not in checker.index]
+        if unknown:
+            return [Violation(-1, "structure", f"the policy names operators the graph does not "
+                                               f"have: {', '.join(unknown[:3])}")]
+        facts = checker.with_policy(facts, subs)
     for i, (s, f) in enumerate(zip(subs, facts)):
         if s.param_bytes != f.param_bytes:
             out.append(Violation(i, "recorded", f"param_bytes {s.param_bytes} != {f.param_bytes}"))

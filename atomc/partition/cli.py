@@ -24,10 +24,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--accum", type=int, metavar="C", help="fix the accumulation degree C")
     p.add_argument("--max-accum", type=int, default=DEFAULT_MAX_ACCUM, metavar="N",
                    help=f"largest C the search may choose (default {DEFAULT_MAX_ACCUM})")
-    p.add_argument("--activations", choices=ACTIVATIONS, default="recompute",
-                   help="recompute each sub-model's internals in the backward, or keep them "
-                        "(on the GPU, every sub-model's until its backward: the whole model's "
-                        "saved activations for C micro-batches at the turn)")
+    p.add_argument("--activations", choices=("auto", *ACTIVATIONS), default="auto",
+                   help="auto (default): keep or send to host memory the heavy operators' "
+                        "outputs the memory and link slack allow, recompute the rest; "
+                        "recompute: every sub-model's internals in its backward; keep: every "
+                        "sub-model's saved activations on the GPU until its backward")
     p.add_argument("--cpu-adam-gbps", default="auto", metavar="GBPS",
                    help="CPU AdamW throughput in GB/s of fp32 masters, or auto (default): "
                         "measured on this host for a measured profile (cached), the hardware "
@@ -42,8 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "dtype when that is half)")
     p.add_argument("--host-mem", metavar="SIZE",
                    help="host memory the run may take, e.g. 64GiB (default: this machine's "
-                        "available memory for a measured profile; an estimated profile's host "
-                        "is not here, so give it to have the plan checked)")
+                        "available memory for a measured profile; for an estimated one "
+                        "(--target), the host memory its hardware profile states, and when it "
+                        "states none the plan is not checked: give this)")
     p.add_argument("--optimizer-states", default="float32", choices=("float32", "bfloat16"),
                    help="dtype of AdamW's two moments on the host (default float32; bfloat16 "
                         "halves them, the update still computes in float32)")

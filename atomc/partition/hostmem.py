@@ -11,7 +11,8 @@ Kinds (bytes):
   and this is 0 (the image counts it).
 - `optimizer_states`: AdamW's two moments per trainable weight, in the moments' dtype
   (float32, or bfloat16 with `--optimizer-states bfloat16`), plus, for bfloat16 moments, the
-  float32 scratch of the largest sub-model the update computes in; frozen weights have none.
+  float32 scratch the update computes in, a chunk of at most MOMENT_CHUNK elements at a time
+  (`moment_scratch_numel`); frozen weights have none.
 - `transfer_copies`: the images the GPU loads in one copy per sub-model (the transfer dtype,
   tied replicas included), in one pinned arena as the pinned allocator rounds it (a power of
   two) on CUDA.
@@ -19,6 +20,8 @@ Kinds (bytes):
   and, when it is half precision, the float32 gradients the optimizer reads.
 - `activation_stash`: boundary values kept on the host between forward and backward
   (offloaded checkpoints; recompute only), C micro-batches, pinned.
+- `activations_sent`: heavy operators' outputs sent to host memory between forward and backward
+  (activations="auto": Submodel.sent_bytes), C micro-batches, pinned.
 """
 
 from __future__ import annotations
@@ -36,13 +39,20 @@ from atomc.units import format_bytes, parse_size
 
 ARENA_ALIGN = 512  # bytes: where each buffer of an arena starts; a multiple of every dtype's size
 MOMENTS_PER_WEIGHT = 2  # AdamW: exp_avg and exp_avg_sq
+# elements of the float32 scratch that low-precision moments are updated in, a chunk at a time:
+# 2 x 4 MiB stays in a CPU's cache between the widening copy, the update and the rounding copy
+# (a shared 2-core EPYC, 16.8M weights: 2.6-2.9 GB/s of fp32 masters per CPU-second in chunks
+# of 1M, 1.7-2.1 in one piece; docs/runtime.md). A multiple of 64: a weight split there keeps
+# every element on the same (vector or scalar) path of the CPU kernels: the same bits.
+MOMENT_CHUNK = 1 << 20
 OPTIMIZER_STATES = ("float32", "bfloat16")
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 KINDS = ("masters", "optimizer_states", "transfer_copies", "gradient_buffers",
-         "activation_stash")
+         "activation_stash", "activations_sent")
 KIND_WORDS = {"masters": "fp32 masters", "optimizer_states": "optimizer moments",
               "transfer_copies": "pinned transfer copies", "gradient_buffers": "gradient buffers",
-              "activation_stash": "activation stash"}
+              "activation_stash": "activation stash",
+              "activations_sent": "activations sent to host"}
 
 
 def pinned_allocation_bytes(nbytes: int) -> int:
@@ -80,9 +90,15 @@ def moment_bytes(states: str) -> int:
     return DTYPE_BYTES[states]
 
 
+def moment_scratch_numel(trainable: Sequence[int]) -> int:
+    """Elements of each float32 scratch moment that low-precision moments are updated in: a
+    chunk, or the largest sub-model's trainable weights when they are fewer."""
+    return min(MOMENT_CHUNK, max(trainable, default=0))
+
+
 def host_bytes_by_kind(subs: Sequence[SubmodelWeights], master_dtype: str, transfer_dtype: str,
                        pin: bool, optimizer_states: str = "float32",
-                       stash_bytes: int = 0) -> dict[str, int]:
+                       stash_bytes: int = 0, sent_bytes: int = 0) -> dict[str, int]:
     """Host bytes of a swap run by kind (see the module docstring); the runtime's sizes."""
     mb, tb = DTYPE_BYTES[master_dtype], DTYPE_BYTES[transfer_dtype]
     separate = master_dtype != transfer_dtype
@@ -91,7 +107,7 @@ def host_bytes_by_kind(subs: Sequence[SubmodelWeights], master_dtype: str, trans
     trainable = [s.trainable for s in subs]
     states = MOMENTS_PER_WEIGHT * sum(trainable) * moment_bytes(optimizer_states)
     if optimizer_states != master_dtype:  # the update computes in the master dtype
-        states += MOMENTS_PER_WEIGHT * max(trainable, default=0) * mb
+        states += MOMENTS_PER_WEIGHT * moment_scratch_numel(trainable) * mb
     return {
         "masters": sum(s.owned for s in subs) * mb if separate else 0,
         "optimizer_states": states,
@@ -99,6 +115,8 @@ def host_bytes_by_kind(subs: Sequence[SubmodelWeights], master_dtype: str, trans
         "gradient_buffers": (pinned_allocation_bytes(grads) if pin else grads)
                             + (sum(trainable) * mb if separate else 0),
         "activation_stash": pinned_allocation_bytes(stash_bytes) if pin else stash_bytes,
+        "activations_sent": pinned_allocation_bytes(sent_bytes) if pin and sent_bytes
+                            else sent_bytes,
     }
 
 
@@ -180,7 +198,7 @@ def plan_weights(graph: OpGraph, submodels: Sequence[Submodel],
 def plan_stash_bytes(plan_submodels: Sequence[Submodel], accum: int, activations: str) -> int:
     """Boundary values the runtime stashes on the host (recompute, when the plan streams
     checkpoints): each value crossing a cut once per micro-batch."""
-    if activations != "recompute" or not any(s.checkpoint_ms > 0 for s in plan_submodels[:-1]):
+    if activations == "keep" or not any(s.checkpoint_ms > 0 for s in plan_submodels[:-1]):
         return 0
     values = {t.name: t.num_bytes for s in plan_submodels[:-1] for t in s.crossing}
     return accum * sum(values.values())
@@ -197,8 +215,10 @@ def plan_host_memory(plan: Plan, graph: OpGraph, optimizer_states: str = "float3
     subs = plan_weights(graph, plan.submodels, transfer)
     stash = plan_stash_bytes(plan.submodels, plan.accum, plan.activations)
     pin = plan.device != "cpu" if pin is None else pin
+    sent = plan.accum * sum(s.sent_bytes for s in plan.submodels)
     by_kind = host_bytes_by_kind(subs, master, transfer, pin=pin,
-                                 optimizer_states=optimizer_states, stash_bytes=stash)
+                                 optimizer_states=optimizer_states, stash_bytes=stash,
+                                 sent_bytes=sent)
     trainable = sum(s.trainable for s in subs)
     return HostMemory(by_kind=by_kind, optimizer_states=optimizer_states,
                       trainable_params=trainable,
@@ -207,12 +227,22 @@ def plan_host_memory(plan: Plan, graph: OpGraph, optimizer_states: str = "float3
 
 
 def resolve_host_mem(value: str | None, profile: Profile) -> tuple[int, str]:
-    """`--host-mem` -> (bytes, where from); (0, why) when there is nothing to check against."""
+    """`--host-mem` -> (bytes, where from); (0, why) when there is nothing to check against.
+
+    Without it: this machine's available memory for a measured profile; for an estimated one
+    (`--target`), the host memory its hardware profile states (`host_memory_bytes`, sourced
+    in its `sources`), else nothing: the plan then says it was not checked, and how to."""
     if value is not None:
         return parse_size(value, "--host-mem"), "--host-mem"
     if profile.mode == "estimated":
-        return 0, (f"not checked: the profile is estimated for {profile.device}, whose host is "
-                   f"not here; give --host-mem SIZE (the RAM of the machine it will train on)")
+        hw = profile.hardware
+        if hw is not None and hw.host_memory_bytes:
+            return hw.host_memory_bytes, (f"the host hardware profile {hw.name} states; "
+                                          f"--host-mem SIZE checks the machine it will train on")
+        what = (f"hardware profile {hw.name} states no host memory" if hw is not None
+                else f"the profile is estimated for {profile.device} with no hardware profile")
+        return 0, (f"not checked: {what}, and the host is not here; give --host-mem SIZE "
+                   f"(the RAM of the machine it will train on)")
     avail = available_host_bytes()
     if avail is None:
         return 0, "not checked: this machine's available memory is unknown; give --host-mem"

@@ -40,8 +40,12 @@ def summary(plan: Plan) -> str:
         f"per micro-batch"
         + ("; sub-model 1 loads during sub-model 0's update" if plan.early_prefetch else ""),
         (f"predicted step {format_ms(plan.predicted_step_ms)}, "
-         f"GPU busy {plan.predicted_utilisation:.1%}"),
+         f"GPU busy {plan.predicted_utilisation:.1%}"
+         + (f" (recomputing everything: {format_ms(plan.recompute_step_ms)})"
+            if plan.recompute_step_ms is not None else "")),
     ]
+    if plan.activations == "auto":
+        lines.append(policy_line(plan))
     if plan.host is not None:
         lines.append(host_line(plan.host))
     if plan.feasible:
@@ -50,6 +54,21 @@ def summary(plan: Plan) -> str:
         lines.append(f"status    no plan meets every constraint up to this C; "
                      f"binding: {plan.binding}")
     return "\n".join(lines)
+
+
+def policy_line(plan: Plan) -> str:
+    """What activations="auto" stores: bytes kept on the GPU, sent to the host, and the
+    recomputation left (C micro-batches)."""
+    c = plan.accum
+    subs = plan.submodels[:-1]
+    kept = c * sum(s.kept_bytes for s in subs)
+    sent = c * sum(s.sent_bytes for s in subs)
+    saved = c * sum(s.recompute_saved_ms for s in subs)
+    left = c * sum(s.fwd_ms for s in subs) - saved
+    return (f"policy    {sum(len(s.kept) for s in subs)} operators' outputs kept "
+            f"({format_bytes(kept)}), {sum(len(s.sent) for s in subs)} sent to host "
+            f"({format_bytes(sent)}); recomputation {format_ms(left)} per step, "
+            f"{format_ms(saved)} skipped")
 
 
 def host_line(host: HostMemory) -> str:
@@ -67,7 +86,8 @@ def submodel_table(plan: Plan, max_rows: int | None = DEFAULT_ROWS) -> str:
     c = plan.accum
     head = (f"{'#':>4} {'nodes':>11}  {'layers':<34} {'params':>10} {'peak':>10} "
             f"{'fwd x C':>9} {'bwd x C':>9} {'load':>9} {'slack fwd':>10} {'slack bwd':>10} "
-            f"{'slack mem':>10}")
+            f"{'slack mem':>10}"
+            + (f" {'kept':>10} {'sent':>10} {'recomp.':>9}" if plan.activations == "auto" else ""))
     rows = [head, "-" * len(head)]
     subs = list(plan.submodels)
     shown = subs
@@ -84,7 +104,10 @@ def submodel_table(plan: Plan, max_rows: int | None = DEFAULT_ROWS) -> str:
             f"{format_bytes(s.param_bytes):>10} {format_bytes(s.peak_bytes):>10} "
             f"{format_ms(c * s.fwd_ms):>9} {format_ms(c * s.bwd_ms):>9} {format_ms(s.load_ms):>9} "
             f"{_signed_ms(s.slack_fwd_ms):>10} {_signed_ms(s.slack_bwd_ms):>10} "
-            f"{format_bytes(s.slack_memory_bytes):>10}")
+            f"{format_bytes(s.slack_memory_bytes):>10}"
+            + (f" {format_bytes(c * s.kept_bytes):>10} {format_bytes(c * s.sent_bytes):>10} "
+               f"{format_ms(c * (s.fwd_ms - s.recompute_saved_ms)):>9}"
+               if plan.activations == "auto" else ""))
     return "\n".join(rows)
 
 

@@ -74,7 +74,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from atomc.partition.cost import CostParams, Derived, RangeTables, derive, first_pair
+from atomc.partition.cost import CostParams, Derived, derive, first_pair
+from atomc.partition.tables import RangeTables
 
 INF = np.int64(2**62)
 MAX_FOLD_MULTIPLE = 4  # try periods of 1..4 blocks (a pattern may repeat every few blocks)

@@ -9,8 +9,9 @@ Public: `profile_model(traced, device=..., target=..., ...)`.
   and its working memory measured on outputs of the traced shapes, both charged to the
   output node.
   In a process's first profile every operator first runs once untimed (a cold process timed
-  them up to 30% slow). The runtime's own costs (update per tensor,
-  Python per action) are measured with its code (atomc.profile.runtime_costs).
+  them up to 30% slow). The runtime's own costs (update per tensor, Python per action) are
+  measured with its code by the function the caller passes as `runtime_costs`
+  (atomc.calibrate.measure_runtime_costs, which `atomc profile` passes).
 - estimated (`target=NAME` of profiles/): FLOPs from torch.utils.flop_counter and bytes on
   meta tensors, time from a roofline of the hardware profile.
 
@@ -18,8 +19,8 @@ Operators with equal signatures (target, hyperparameters, shapes, dtypes) are me
 96 identical transformer blocks cost one.
 
 Modules: `model` (profile_model), `ops` (per-operator analysis on meta tensors), `measure`
-and `timing` (timed runs), `estimate` and `hardware` (the roofline), `runtime_costs` and
-`probe` (the runtime's own costs), `report` (the summary), `cli` (`atomc profile`).
+and `timing` (timed runs), `estimate` and `hardware` (the roofline), `report` (the summary),
+`cli` (`atomc profile`).
 """
 
 from atomc.profile.estimate import estimate_ms, load_ms
@@ -27,9 +28,8 @@ from atomc.profile.hardware import hardware_names, load_hardware
 from atomc.profile.measure import Measured, measure, size_peaks
 from atomc.profile.model import COMPUTE_OPS, profile_model
 from atomc.profile.ops import MetaStats, analyse, materialise
-from atomc.profile.runtime_costs import measure_runtime_costs
 from atomc.profile.timing import CopyTimer, time_ms
 
 __all__ = ["COMPUTE_OPS", "CopyTimer", "Measured", "MetaStats", "analyse", "estimate_ms",
            "hardware_names", "load_hardware", "load_ms", "materialise", "measure",
-           "measure_runtime_costs", "profile_model", "size_peaks", "time_ms"]
+           "profile_model", "size_peaks", "time_ms"]

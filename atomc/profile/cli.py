@@ -29,6 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_profile(args: argparse.Namespace) -> int:
+    from atomc.calibrate import measure_runtime_costs
     from atomc.profile import profile_model
     from atomc.profile.report import summarise
     from atomc.trace import runs_on_for, trace_model
@@ -41,7 +42,8 @@ def run_profile(args: argparse.Namespace) -> int:
     traced = trace_model(args.model, args.config, args.batch_size, options, frontend=args.frontend,
                          train=not args.eval, runs_on=runs_on)
     profile = profile_model(traced, device=args.device, target=args.target,
-                            compute_dtype=args.compute_dtype, repeats=args.repeats)
+                            compute_dtype=args.compute_dtype, repeats=args.repeats,
+                            runtime_costs=measure_runtime_costs)
     out = Path(args.output) if args.output else Path(args.model).with_suffix(".profile.json")
     profile.save(out)
     print(summarise(profile))

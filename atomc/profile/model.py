@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,12 +16,11 @@ from tqdm import tqdm
 from atomc import __version__
 from atomc.device import describe_device, parse_device
 from atomc.errors import ProfileError
-from atomc.ir import IssueTimes, NodeCost, Profile
+from atomc.ir import IssueTimes, NodeCost, Profile, RuntimeCosts
 from atomc.profile.estimate import estimate_ms, load_ms
 from atomc.profile.hardware import load_hardware
 from atomc.profile.measure import Measured, measure, size_peaks
 from atomc.profile.ops import MetaStats, analyse, materialise
-from atomc.profile.runtime_costs import measure_runtime_costs
 from atomc.profile.timing import CopyTimer, time_ms
 from atomc.trace import TracedModel
 from atomc.trace.graph import tensors_in
@@ -131,9 +131,14 @@ def _median_of_rounds(rounds: list[Measured]) -> Measured:
 
 def profile_model(traced: TracedModel, *, device: str | None = None, target: str | None = None,
                   compute_dtype: str | None = None, repeats: int = 5,
-                  progress: bool | None = None, rounds: int | None = None) -> Profile:
+                  progress: bool | None = None, rounds: int | None = None,
+                  runtime_costs: Callable[[torch.device], RuntimeCosts] | None = None) -> Profile:
     """A measured profile on `device` (`repeats` timed calls per operator, median; on a CPU in
-    CPU_ROUNDS rounds unless `rounds` says) or an estimated one for hardware `target`."""
+    CPU_ROUNDS rounds unless `rounds` says) or an estimated one for hardware `target`.
+
+    A measured profile holds the runtime's own costs on `device` when the caller passes
+    `runtime_costs` (atomc.calibrate.measure_runtime_costs: measuring them runs the runtime,
+    a layer above this one); without it they are not measured and plans charge none."""
     if device is not None and target is not None:
         raise ProfileError("give either --device (measure) or --target (estimate), not both")
     hw = load_hardware(target) if target is not None else None
@@ -244,8 +249,9 @@ def profile_model(traced: TracedModel, *, device: str | None = None, target: str
         h2d, d2h = copy_timer.bandwidth_gbps(), copy_timer.d2h_gbps()
         where = describe_device(dev)
         notes = (f"{repeats} timed repeats in each of {rounds} rounds, median",
-                 *((loss_note,) if loss_note else ()))
-    runtime = measure_runtime_costs(dev) if dev is not None else None
+                 *((loss_note,) if loss_note else ()),
+                 *(() if runtime_costs else ("the runtime's own costs not measured",)))
+    runtime = runtime_costs(dev) if dev is not None and runtime_costs is not None else None
     return Profile(
         graph=graph, costs=tuple(costs), mode="estimated" if hw else "measured", device=where,
         hardware=hw, h2d_gbps=h2d, d2h_gbps=d2h, num_unique=len(unique_sigs),

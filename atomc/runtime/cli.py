@@ -42,7 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(default: the plan's)")
     p.add_argument("--autocast", metavar="DTYPE",
                    help="compute dtype under torch.autocast (default: the plan's)")
-    p.add_argument("--activations", choices=["recompute", "keep"], help="default: the plan's")
+    p.add_argument("--activations", choices=["auto", "recompute", "keep"],
+                   help="default: the plan's (auto: its per-operator keep/send/recompute policy)")
     p.add_argument("--optimizer-states", default="float32", choices=("float32", "bfloat16"),
                    help="dtype of AdamW's moments on the host (default float32; bfloat16 "
                         "halves them, the update computes in float32)")

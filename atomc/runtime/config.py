@@ -30,6 +30,9 @@ from atomc.runtime.package import PackagePlan, SwapPackage
 
 _HALF = (torch.float16, torch.bfloat16)
 
+# auto: the plan's per-operator policy (atomc.runtime.opcache); recompute, keep: the extremes
+ACTIVATIONS = ("auto", "recompute", "keep")
+
 
 @dataclass(frozen=True)
 class TrainerConfig:
@@ -79,8 +82,9 @@ class TrainerConfig:
         if accum < 1:
             raise UsageError(f"accum {accum} must be 1 or more")
         activations = self.activations or pkg.plan.activations
-        if activations not in ("recompute", "keep"):
-            raise UsageError(f"activations={activations!r}: choose recompute or keep")
+        if activations not in ACTIVATIONS:
+            raise UsageError(f"activations={activations!r}: choose one of "
+                             f"{', '.join(ACTIVATIONS)}")
         if self.tied_grads not in ("fast", "exact"):
             raise UsageError(f"tied_grads={self.tied_grads!r}: choose fast or exact")
 
@@ -102,11 +106,12 @@ class TrainerConfig:
 
         offload = self.offload_activations
         if offload is None:  # the plan's memory model streams checkpoints when it costs them
-            offload = activations == "recompute" and plan is not None and any(
+            offload = activations != "keep" and plan is not None and any(
                 sm.checkpoint_ms > 0 for sm in plan.submodels[:-1])
         elif offload and activations == "keep":
-            raise UsageError("offload_activations=True needs activations='recompute': with 'keep' "
-                             "the autograd graphs hold every saved activation on the device")
+            raise UsageError("offload_activations=True needs activations 'auto' or 'recompute': "
+                             "with 'keep' the autograd graphs hold every saved activation on "
+                             "the device")
         capacity = self.gpu_mem
         if capacity is None:
             capacity = plan.capacity_bytes if plan is not None else pkg.plan.capacity_bytes

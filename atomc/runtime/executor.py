@@ -55,6 +55,7 @@ from torch import nn
 
 from atomc.actions import Action, atom_order
 from atomc.runtime.interpret import run_actions
+from atomc.runtime.opcache import OpCache
 from atomc.runtime.optim import AdamWConfig, CpuOptimizer, LossScaler
 from atomc.runtime.package import SwapPackage
 from atomc.runtime.slots import WeightSlots
@@ -151,6 +152,7 @@ class SwapExecutor:
         self.device = device
         self.cuda = device.type == "cuda"
         self.accum = accum
+        self.activations = activations
         self.keep = activations == "keep"
         self.offload_activations = offload_activations
         self.autocast_dtype = autocast_dtype
@@ -188,6 +190,12 @@ class SwapExecutor:
             self.compute_stream = self.prefetch_stream = self.offload_stream = None
         self.stash = ActivationStash(device, tracer, self.compute_stream, self.prefetch_stream,
                                      self.offload_stream)
+        # activations="auto": heavy operators' outputs kept or sent per the plan's quotas
+        quotas = package.plan.activation_quotas
+        if activations != "auto" or len(quotas) != self.k:
+            quotas = ()
+        self.opcache = OpCache(list(quotas), device, tracer, self.compute_stream,
+                               self.prefetch_stream, self.offload_stream)
         # what the buffer rule swaps per sub-model: nothing for one without buffers
         self._with_buffers = [[m] if any(True for _ in m.buffers()) else [] for m in self.modules]
         self.ties = TiedGrads(self.modules, self.layouts, exact=tied_grads == "exact")
@@ -446,7 +454,9 @@ class SwapExecutor:
                 self._between_compute()
         finally:
             run.spans.close()
+            self.opcache.clear()  # what a sub-model with no backward this step stored
         self.stash.end_step()
+        self.opcache.end_step()
 
     @contextmanager
     def exchange(self) -> Iterator[None]:
@@ -588,6 +598,7 @@ class SwapExecutor:
         if i not in run.unstashed:
             run.unstashed.add(i)
             self.stash.unstash(run.envs, i, self.pkg.inputs[i])
+            self.opcache.fetch(i)
 
     # ---- F and B -------------------------------------------------------------------------------
 
@@ -611,7 +622,8 @@ class SwapExecutor:
             run.pending_loss[m] = (loss, args)
             return
         args = self._args(i, m, leaves=self.keep)
-        with self._autocast(), torch.set_grad_enabled(self.keep):
+        record = self.opcache.recording(i, m) if self.opcache.active(i) else nullcontext()
+        with self._autocast(), torch.set_grad_enabled(self.keep), record:
             outs = _as_tuple(mod(*args))
         if self.keep:
             run.kept[(i, m)] = (args, outs)
@@ -640,6 +652,7 @@ class SwapExecutor:
             return
         if self.cuda:
             self.stash.inputs_ready(i, m)
+            self.opcache.ready(i, m)
         out_grads = [run.grads[m].pop(n, None) for n in self.pkg.outputs[i]]
         kept = run.kept.pop((i, m), None)
         if all(g is None for g in out_grads):
@@ -648,7 +661,8 @@ class SwapExecutor:
             args, outs = kept
         else:  # the interpreter set the forward's RNG state and buffers
             args = self._args(i, m, leaves=True)
-            with self._autocast(), torch.enable_grad():
+            replay = self.opcache.replaying(i, m) if self.opcache.active(i) else nullcontext()
+            with self._autocast(), torch.enable_grad(), replay:
                 outs = _as_tuple(self.modules[i](*args))
         pairs = [(o, g) for o, g in zip(outs, out_grads)
                  if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]

@@ -20,6 +20,8 @@ sees updated weights.
   arrive; the norm is taken when the last arrives, and the updates then run in forward
   order 0, 1, ..., k-1, overlapping the next step's forward ("deferred").
 - Learning rate of step s: lr * lr_schedule(s) (a LambdaLR-style multiplier).
+- Moments in bfloat16 (`states="bfloat16"`): LowMomentAdamW stands where the torch AdamW
+  stands, and updates a chunk of weights at a time in a small float32 scratch.
 
 All of this runs on one worker thread, in submission order; torch's kernels release the GIL.
 """
@@ -37,6 +39,7 @@ from typing import Any
 import torch
 
 from atomc.errors import UsageError
+from atomc.partition import hostmem
 from atomc.partition.hostmem import MOMENTS_PER_WEIGHT, moment_bytes
 from atomc.runtime.store import DecayFilter, HostStore
 from atomc.runtime.trace import Tracer
@@ -157,6 +160,125 @@ class LossScaler:
             setattr(self, k, v)
 
 
+class LowMomentAdamW:
+    """AdamW over one sub-model's trainable weights with both moments kept in a low dtype
+    (bfloat16), updated a chunk at a time in a float32 scratch that all sub-models share.
+
+    It stands where a `torch.optim.AdamW` over the per-weight views stands (CpuOptimizer.optims,
+    the executor's update): `param_groups`, whose learning rate the runtime sets each step,
+    `step()`, and `state_dict()`/`load_state_dict()` in torch AdamW's format, the moments saved
+    in the low dtype (a run with float32 moments loads them widened, and the other way round).
+
+    The weights are cut into chunks of at most `chunk` elements in master order; a weight
+    larger than a chunk is split at multiples of `chunk` from its start (see MOMENT_CHUNK: the
+    CPU kernels give the split weight the same bits). Each chunk has a torch AdamW (the
+    configured implementation) over views of the flat master and gradient whose moments are
+    views of the scratch: a step widens the chunk's moments into the scratch, runs the kernel,
+    and rounds them back to nearest. No stochastic rounding: with beta2 = 0.999 the second
+    moment's change per step falls below a bfloat16 ulp only once gradients are steady, where
+    it stays near its value anyway. Updates run one at a time (one worker thread), so one
+    scratch serves every sub-model.
+    """
+
+    def __init__(self, groups: list[dict[str, Any]], wheres: list[slice], master: torch.Tensor,
+                 grad: torch.Tensor, moments: list[torch.Tensor], scratch: list[torch.Tensor],
+                 config: AdamWConfig, chunk: int):
+        # the per-weight optimizer it stands for: its groups, settings and state-dict format
+        self.canonical = torch.optim.AdamW(groups, **config.torch_kwargs())
+        self.param_groups = self.canonical.param_groups
+        self.moments, self.scratch = moments, scratch
+        self.wheres = wheres
+        self.shapes = [p.shape for g in self.param_groups for p in g["params"]]
+        kinds = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        pieces = sorted((start, min(where.stop, start + chunk) - start, kinds[k], k)
+                        for k, where in enumerate(wheres)
+                        for start in range(where.start, where.stop, chunk))
+        # each weight's pieces' step counts (a weight of no elements: one that never steps)
+        self.steps: list[list[torch.Tensor]] = [
+            [] if where.stop > where.start else [torch.zeros((), dtype=torch.float32)]
+            for where in wheres]
+        # per chunk: (runs of (master offset, scratch offset, numel), its AdamW, group indices)
+        self.chunks: list[tuple[list[list[int]], torch.optim.AdamW, list[int]]] = []
+        batch: list[tuple[int, int, int, int]] = []
+        filled = 0
+        for piece in pieces:
+            if batch and filled + piece[1] > chunk:
+                self._add_chunk(batch, master, grad, config)
+                batch, filled = [], 0
+            batch.append(piece)
+            filled += piece[1]
+        if batch:
+            self._add_chunk(batch, master, grad, config)
+
+    def _add_chunk(self, batch: list[tuple[int, int, int, int]], master: torch.Tensor,
+                   grad: torch.Tensor, config: AdamWConfig) -> None:
+        by_group: dict[int, list[tuple[torch.nn.Parameter, int, int, torch.Tensor]]] = {}
+        runs: list[list[int]] = []
+        pos = 0
+        for start, n, gi, k in batch:
+            p = torch.nn.Parameter(master[start:start + n])
+            p.grad = grad[start:start + n]
+            step = torch.zeros((), dtype=torch.float32)
+            self.steps[k].append(step)
+            by_group.setdefault(gi, []).append((p, pos, n, step))
+            if runs and runs[-1][0] + runs[-1][2] == start:
+                runs[-1][2] += n
+            else:
+                runs.append([start, pos, n])
+            pos += n
+        kinds = sorted(by_group)
+        opt = torch.optim.AdamW([{"params": [p for p, *_ in by_group[gi]],
+                                  "weight_decay": self.param_groups[gi]["weight_decay"]}
+                                 for gi in kinds], **config.torch_kwargs())
+        for gi in kinds:
+            for p, at, n, step in by_group[gi]:
+                opt.state[p] = {"step": step, "exp_avg": self.scratch[0][at:at + n],
+                                "exp_avg_sq": self.scratch[1][at:at + n]}
+        self.chunks.append((runs, opt, kinds))
+
+    def step(self) -> None:
+        for runs, opt, kinds in self.chunks:
+            for group, gi in zip(opt.param_groups, kinds):
+                source = self.param_groups[gi]
+                group.update(lr=source["lr"], betas=source["betas"], eps=source["eps"],
+                             weight_decay=source["weight_decay"])
+            for low, wide in zip(self.moments, self.scratch):
+                for start, at, n in runs:
+                    wide[at:at + n].copy_(low[start:start + n])
+            opt.step()
+            for low, wide in zip(self.moments, self.scratch):
+                for start, at, n in runs:
+                    low[start:start + n].copy_(wide[at:at + n])  # round to nearest
+
+    def state_dict(self) -> dict[str, Any]:
+        out = self.canonical.state_dict()  # the groups; its own state stays empty
+        out["state"] = {
+            k: {"step": self.steps[k][0].clone(),
+                "exp_avg": self.moments[0][where].clone().view(shape),
+                "exp_avg_sq": self.moments[1][where].clone().view(shape)}
+            for k, (where, shape) in enumerate(zip(self.wheres, self.shapes))}
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Moments and steps from a torch AdamW state dict, cast into the low dtype in place
+        (no float32 copy of them); a weight the state has no entry for starts afresh."""
+        saved_groups = state["param_groups"]
+        if [len(g["params"]) for g in saved_groups] != [len(g["params"])
+                                                        for g in self.param_groups]:
+            raise ValueError("loaded state dict contains a parameter group that doesn't match "
+                             "the size of optimizer's group")
+        ids = [i for g in saved_groups for i in g["params"]]
+        for k, where in enumerate(self.wheres):
+            saved = state["state"].get(ids[k])
+            for m, key in enumerate(("exp_avg", "exp_avg_sq")):
+                if saved is None:
+                    self.moments[m][where].zero_()
+                else:
+                    self.moments[m][where].copy_(saved[key].reshape(-1))
+            for step in self.steps[k]:
+                step.fill_(0.0 if saved is None else float(saved["step"]))
+
+
 @dataclass
 class _StepState:
     """What the worker accumulates for one training step."""
@@ -196,9 +318,20 @@ class CpuOptimizer:
         order += [k for k in masters if k not in set(order)]
         self.norm_order = [masters[k] for k in order]
         self.params: list[list[torch.nn.Parameter]] = []
-        self.optims: list[torch.optim.AdamW] = []
+        self.optims: list[torch.optim.AdamW | LowMomentAdamW | None] = []
+        if config.states != "float32":
+            # one flat buffer per sub-model and moment, in master order, and one float32
+            # scratch per moment, a chunk's size (hostmem: the plan's figure)
+            dtype = getattr(torch, config.states)
+            sizes = [L.trainable_numel for L in store.layouts]
+            self.moments = [[torch.zeros(n, dtype=dtype) for _ in range(MOMENTS_PER_WEIGHT)]
+                            for n in sizes]
+            self.scratch = [torch.zeros(hostmem.moment_scratch_numel(sizes),
+                                        dtype=store.master_dtype)
+                            for _ in range(MOMENTS_PER_WEIGHT)]
         for i, L in enumerate(store.layouts):
             decayed, plain = [], []
+            wheres: dict[bool, list[slice]] = {True: [], False: []}
             for e in L.entries:
                 if not e.owned or not e.trainable:  # torch's AdamW skips a frozen weight too
                     continue
@@ -209,15 +342,20 @@ class CpuOptimizer:
                 p = torch.nn.Parameter(store.master[i][where].view(e.shape))
                 p.grad = store.grad_master[i][where].view(e.shape)
                 (decayed if e.decay else plain).append(p)
+                wheres[e.decay].append(where)
             groups = [{"params": ps, "weight_decay": wd}
                       for ps, wd in ((decayed, config.weight_decay), (plain, 0.0)) if ps]
             self.params.append(decayed + plain)
             # a sub-model that owns nothing (all its weights are replicas) has no optimizer
-            self.optims.append(torch.optim.AdamW(groups, **config.torch_kwargs())
-                               if groups else None)
-        self.low_moments = config.states != "float32"
-        if self.low_moments:
-            self._keep_moments_low()
+            if not groups:
+                self.optims.append(None)
+            elif config.states == "float32":
+                self.optims.append(torch.optim.AdamW(groups, **config.torch_kwargs()))
+            else:
+                self.optims.append(LowMomentAdamW(
+                    groups, wheres[True] + wheres[False], store.master[i],
+                    store.grad_master[i], self.moments[i], self.scratch, config,
+                    hostmem.MOMENT_CHUNK))
         self._pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomc-cpu-adamw")
                       if threaded else None)
         self.update_future: list[Future | None] = [None] * self.k
@@ -388,49 +526,9 @@ class CpuOptimizer:
         self.update_ms[i] = (t1 - t0) * 1e3
         self.tracer.host_event(st.step, "optimizer", i, "optimizer", t0, t1)
 
-    def _keep_moments_low(self) -> None:
-        """Moments in `config.states` (bfloat16): one flat buffer per sub-model and moment,
-        and one float32 scratch per moment, the largest sub-model's size, that every
-        sub-model's update computes in (updates run one at a time, on one thread). The
-        optimizers' states are views of the scratch: the fused kernel runs as with float32
-        moments, between a widening copy in and a round-to-nearest copy out. No stochastic
-        rounding: with beta2 = 0.999 the second moment's change per step falls below a
-        bfloat16 ulp only once gradients are steady, where it stays near its value anyway."""
-        dtype = getattr(torch, self.config.states)
-        sizes = [L.trainable_numel for L in self.store.layouts]
-        size = max(sizes, default=0)
-        self.moments = [[torch.zeros(n, dtype=dtype) for _ in range(MOMENTS_PER_WEIGHT)]
-                        for n in sizes]
-        self.scratch = [torch.zeros(size, dtype=self.store.master_dtype)
-                        for _ in range(MOMENTS_PER_WEIGHT)]
-        for i, opt in enumerate(self.optims):
-            if opt is not None:
-                self._point_state_at_scratch(i, opt)
-
-    def _views(self, i: int) -> list[tuple[torch.nn.Parameter, slice]]:
-        entries = [e for e in self.store.layouts[i].entries if e.owned and e.trainable]
-        decayed = [e for e in entries if e.decay] + [e for e in entries if not e.decay]
-        return [(p, slice(e.owner_offset, e.owner_offset + e.numel))
-                for p, e in zip(self.params[i], decayed)]
-
-    def _point_state_at_scratch(self, i: int, opt: torch.optim.Optimizer) -> None:
-        for p, where in self._views(i):
-            state = opt.state[p]
-            state.setdefault("step", torch.zeros((), dtype=torch.float32))
-            state["exp_avg"] = self.scratch[0][where].view(p.shape)
-            state["exp_avg_sq"] = self.scratch[1][where].view(p.shape)
-
     def _step_one(self, st: _StepState, i: int) -> None:
         opt = self.optims[i]
-        if opt is not None and self.low_moments:
-            n = self.store.layouts[i].trainable_numel
-            for low, wide in zip(self.moments[i], self.scratch):
-                wide[:n].copy_(low)
-            self.config.set_lr(opt, st.step)
-            opt.step()
-            for low, wide in zip(self.moments[i], self.scratch):
-                low.copy_(wide[:n])  # round to nearest
-        elif opt is not None:
+        if opt is not None:
             self.config.set_lr(opt, st.step)
             opt.step()
         self.store.refresh_trained(i)  # frozen weights never change
@@ -441,17 +539,7 @@ class CpuOptimizer:
         """Each sub-model's torch AdamW state dict; bfloat16 moments are saved as they are
         kept (a run with other moments loads them widened or rounded)."""
         self.wait_all()
-        out = []
-        for i, o in enumerate(self.optims):
-            state = o.state_dict() if o is not None else None
-            if state is not None and self.low_moments:
-                for k, (p, where) in enumerate(self._views(i)):
-                    saved = dict(state["state"][k])
-                    saved["exp_avg"] = self.moments[i][0][where].view(p.shape).clone()
-                    saved["exp_avg_sq"] = self.moments[i][1][where].view(p.shape).clone()
-                    state["state"][k] = saved
-            out.append(state)
-        return out
+        return [o.state_dict() if o is not None else None for o in self.optims]
 
     def load_state_dict(self, states: list[dict[str, Any] | None]) -> None:
         self.wait_all()
@@ -460,12 +548,6 @@ class CpuOptimizer:
                 continue
             wds = [g["weight_decay"] for g in opt.param_groups]
             opt.load_state_dict(state)
-            if self.low_moments:  # torch made float32 copies of the moments: keep them low
-                i = self.optims.index(opt)
-                for p, where in self._views(i):
-                    for m, key in enumerate(("exp_avg", "exp_avg_sq")):
-                        self.moments[i][m][where].copy_(opt.state[p][key].view(-1))
-                self._point_state_at_scratch(i, opt)
             # the trainer's own settings win over the checkpoint's (e.g. a new learning rate)
             kw = self.config.torch_kwargs()
             for g, wd in zip(opt.param_groups, wds):

@@ -46,7 +46,7 @@ class PackagePlan:
     options: dict[str, Any] = field(default_factory=dict)
     frontend: str = "fx"
     accum: int = 1
-    activations: str = "recompute"
+    activations: str = "recompute"  # "auto", "recompute" or "keep"
     device: str = ""
     capacity_bytes: int | None = None
     node_ranges: tuple[tuple[int, int], ...] = ()
@@ -54,6 +54,8 @@ class PackagePlan:
     # the plan's dtypes ("" in older packages: planned for the model's dtype, no autocast)
     transfer_dtype: str = ""
     autocast: str = ""
+    # per sub-model: (kept, sent) bytes of one micro-batch's heavy operator outputs
+    activation_quotas: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str) -> PackagePlan:
@@ -76,6 +78,8 @@ class PackagePlan:
                 atomc_version=str(data.get("atomc_version") or ""),
                 transfer_dtype=str(data.get("transfer_dtype") or ""),
                 autocast=str(data.get("autocast") or ""),
+                activation_quotas=tuple((int(k), int(s))
+                                        for k, s in data.get("activation_quotas") or ()),
             )
         except (TypeError, ValueError) as e:
             raise RuntimeMismatchError(f"{source}: PLAN has a field of the wrong type ({e}); the "

@@ -7,8 +7,9 @@ times relative to the step's start; `to_timeline` turns traces into the simulato
 
 Lanes and kinds are the simulator's: "compute" (forward, backward — recomputation included),
 "prefetch" (load, refresh: weights host to device; checkpoint: stashed boundary activations
-host to device), "offload" (offload: gradients device to host; checkpoint_out: boundary
-activations device to host) and "optimizer" (optimizer; grad_prepare and grad_norm when the
+and sent operator outputs host to device), "offload" (offload: gradients device to host;
+checkpoint_out: boundary activations device to host; activation_out: operator outputs sent to
+host memory) and "optimizer" (optimizer; grad_prepare and grad_norm when the
 update waits for every gradient).
 
 On CUDA, device spans are timed with CUDA events recorded on the stream that does the work;
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
 LANES = ("compute", "prefetch", "offload", "optimizer")
 KINDS = ("forward", "backward", "load", "refresh", "checkpoint", "checkpoint_out", "offload",
-         "optimizer", "grad_prepare", "grad_norm")
+         "optimizer", "grad_prepare", "grad_norm", "activation_out")
 
 
 @dataclass(frozen=True)

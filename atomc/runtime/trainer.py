@@ -36,7 +36,7 @@ from atomc.runtime.optim import CpuOptimizer, LossScaler
 from atomc.runtime.package import SwapPackage, load_swap_package
 from atomc.runtime.store import HostStore, plan_layouts, planned_host_bytes
 from atomc.runtime.trace import StepTrace, Tracer
-from atomc.trace import _parameters_on_meta
+from atomc.trace import parameters_on_meta
 
 
 def _spec_dtype(spec: dict[str, Any]) -> str:
@@ -96,7 +96,7 @@ class SwapTrainer:
         optimizer: AdamWConfig or a dict of its fields (lr, betas, eps, weight_decay,
             max_grad_norm, lr_schedule, impl, decay_filter).
         seed: the initial weights' seed and every micro-batch's RNG stream.
-        activations: "recompute" (default: the plan's) or "keep"; offload_activations: stash
+        activations: "auto", "recompute" or "keep" (default: the plan's); offload_activations: stash
             boundary activations in pinned host memory between their forward and backward.
         dtype: master dtype (default float32, float64 when the initial weights are float64);
             transfer_dtype: the device copy's dtype (default: the master's; bfloat16 or float16
@@ -130,7 +130,7 @@ class SwapTrainer:
         # weights from files or a checkpoint go straight into the masters: until the store
         # binds them, the sub-models' parameters stay on meta (no second copy of the model)
         on_meta = state_dict is None and (files is not None or resume is not None)
-        with _parameters_on_meta() if on_meta else nullcontext():
+        with parameters_on_meta() if on_meta else nullcontext():
             built = pkg.build_submodels()
         host_modules = [cast_floating(m, run.master_dtype) for m in built]
         if files is not None:
@@ -534,6 +534,11 @@ def _check_host_memory(pkg: SwapPackage, host_modules: list[nn.Module], run: Any
         stash = hostmem.plan_stash_bytes(plan.submodels, run.accum, run.activations)
         by_kind["activation_stash"] = (hostmem.pinned_allocation_bytes(stash)
                                        if run.device.type == "cuda" else stash)
+    if run.activations == "auto" and plan is not None:
+        # heavy operators' outputs the plan sends to host memory (atomc.runtime.opcache)
+        sent = run.accum * sum(s.sent_bytes for s in plan.submodels)
+        by_kind["activations_sent"] = (hostmem.pinned_allocation_bytes(sent)
+                                       if run.device.type == "cuda" and sent else sent)
     held = sum(p.numel() * p.element_size() for m in host_modules for p in m.parameters()
                if not p.is_meta)
     frozen = any(not L.trainable_numel == L.owned_numel for L in layouts)

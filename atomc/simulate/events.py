@@ -29,7 +29,7 @@ engines and no cores to spare: the swap runtime's one thread computes and also l
 checkpoints, offloads and updates (atomc.runtime.optim.updates_on_a_thread), one job at a
 time in list order. The thread also spends time of its own between actions (the
 Python that drives them): `host_gap_ns` before each action, which a measured profile holds
-(atomc.profile.probe) and `atomc calibrate` fits (none otherwise).
+(atomc.calibrate.probe) and `atomc calibrate` fits (none otherwise).
 
 A step lasts from the end of its first action, P_0's refresh in ATOM's order (every update has
 ended by then: the optimizer lane takes P_0 last), to the end of the next step's; steps are
@@ -50,7 +50,8 @@ from atomc.ir import Document
 from atomc.units import NS_PER_MS
 
 LANES = ("compute", "prefetch", "offload", "optimizer")
-KINDS = ("forward", "backward", "load", "checkpoint", "offload", "optimizer", "refresh")
+KINDS = ("forward", "backward", "load", "checkpoint", "offload", "optimizer", "refresh",
+         "activation_out")
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,9 @@ class StageTimes:
     checkpoint_ns: int  # its C micro-batches' checkpoints, host to device during its backward
     offload_ns: int  # its gradients, device to host
     optimizer_ns: int  # CPU AdamW over its fp32 masters
+    # activations="auto": its C micro-batches' sent operator outputs, device to host after its
+    # forward (their way back is in checkpoint_ns)
+    send_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -196,10 +200,13 @@ def _compile(order: list[Run], stages: list[StageTimes], accum: int) -> tuple[li
     """
     first_b: dict[int, int] = {}
     last_b: dict[int, int] = {}
+    last_f: dict[int, int] = {}
     for pos, (kind, i, _) in enumerate(order):
         if kind == "B":
             first_b.setdefault(i, pos)
             last_b[i] = pos
+        elif kind == "F":
+            last_f[i] = pos
     jobs: list[tuple] = []
     after_compute = 0  # where a checkpoint job goes: after the latest compute job
     compute_ns = 0
@@ -216,6 +223,8 @@ def _compile(order: list[Run], stages: list[StageTimes], accum: int) -> tuple[li
             jobs.append((kind, i, dur, waits, "compute", "forward" if kind == "F" else "backward",
                          len(micros)))
             after_compute = len(jobs)
+            if kind == "F" and st.send_ns and last_f.get(i) == pos:
+                jobs.append(("A", i, st.send_ns, False, "offload", "activation_out", 0))
         elif kind == "L":
             jobs.append(("L", i, st.load_ns, False, "prefetch", "load" if pos else "refresh", 1))
         elif kind == "O":
@@ -251,7 +260,7 @@ def _simulate(program: tuple[list[tuple], int], stages: list[StageTimes], accum:
         for op, i, dur, waits, lane, kind, num_actions in todo:
             if host_copies:  # the thread's own time between actions comes first
                 comp += host_gap_ns * num_actions
-            if host_copies and op in "LOKU":  # on the computing thread, after what it did so far
+            if host_copies and op in "LOKUA":  # on the computing thread, after what it did so far
                 h2d = d2h = cpu = max(h2d, d2h, cpu, comp)
             if op == "F" or op == "B":
                 start = max(comp, load_end[i])
@@ -268,10 +277,13 @@ def _simulate(program: tuple[list[tuple], int], stages: list[StageTimes], accum:
             elif op == "U":
                 start = max(cpu, offload_end[i])
                 end = cpu = update_end[i] = start + dur
+            elif op == "A":  # sent activations, after the forward that made them
+                start = max(d2h, comp)
+                end = d2h = start + dur
             else:  # "K", checkpoints
                 start = max(h2d, comp)
                 end = h2d = ckpt_end[i] = start + dur
-            if host_copies and op in "LOKU":  # ... and nothing else meanwhile
+            if host_copies and op in "LOKUA":  # ... and nothing else meanwhile
                 comp = h2d = d2h = cpu = end
             if opening:  # it belongs to the step it ends
                 starts.append(end)

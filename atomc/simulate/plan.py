@@ -23,6 +23,7 @@ def stage_times(plan: Plan) -> list[StageTimes]:
             checkpoint_ns=0 if keep else ms_to_ns(s.checkpoint_ms),
             offload_ns=ms_to_ns(s.offload_ms),
             optimizer_ns=ms_to_ns(s.optimizer_ms),
+            send_ns=ms_to_ns(s.send_ms),
         )
         for s in plan.submodels
     ]

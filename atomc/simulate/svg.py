@@ -19,7 +19,7 @@ LANE_TITLES = {"compute": "GPU compute", "prefetch": "host to device", "offload"
                "optimizer": "CPU optimizer"}
 KIND_COLOURS = {"forward": "#4e79a7", "backward": "#f28e2b", "load": "#59a14f",
                 "checkpoint": "#8cd17d", "offload": "#b07aa1", "optimizer": "#9c755f",
-                "refresh": "#76b7b2"}
+                "refresh": "#76b7b2", "activation_out": "#e15759"}
 WIDTH_PX = 1200
 LEFT_PX = 130
 RIGHT_PX = 40

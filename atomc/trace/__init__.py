@@ -48,6 +48,7 @@ __all__ = [
     "grad_values",
     "load_model_file",
     "model_dtype",
+    "parameters_on_meta",
     "runs_on_for",
     "trace_model",
 ]
@@ -108,7 +109,7 @@ def _built_with_values(module: ModuleType, config: str | None, options: dict[str
     """build_model() for a constructor that reads tensor values, which the meta device has not
     (timm's `[x.item() for x in torch.linspace(0, rate, depth)]`): built on the CPU with every
     parameter sent to meta as it is registered, then moved to meta whole."""
-    with torch.device("cpu"), _parameters_on_meta():
+    with torch.device("cpu"), parameters_on_meta():
         model = call_with_options(module.build_model, (config,), options, path)
     return model.to("meta") if isinstance(model, nn.Module) else model
 
@@ -360,7 +361,7 @@ def grad_values(traced: TracedModel) -> dict[str, bool]:
 
 
 @contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
+def parameters_on_meta() -> Iterator[None]:
     """Modules built inside keep their parameters on the meta device and their buffers real.
 
     Buffers such as `position_ids` or rotary `inv_freq` are computed in constructors from the
@@ -404,11 +405,11 @@ def buffer_values(traced: TracedModel, fqns: list[str]) -> dict[str, torch.Tenso
 
 def _built_on_cpu(traced: TracedModel, weights: bool) -> tuple[nn.Module, tuple]:
     """The traced model and its inputs built again on the CPU, under the RNG state it found;
-    `weights=False` keeps every parameter on meta (see _parameters_on_meta)."""
+    `weights=False` keeps every parameter on meta (see parameters_on_meta)."""
     g = traced.graph
     path = Path(getattr(traced.module, "__file__", None) or g.model_path)
     with torch.random.fork_rng(devices=[]), (
-            contextlib.nullcontext() if weights else _parameters_on_meta()):
+            contextlib.nullcontext() if weights else parameters_on_meta()):
         _, model, inputs = build_and_inputs(path, g.config, g.batch_size, dict(g.options), "cpu")
     return model, inputs
 

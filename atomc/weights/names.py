@@ -22,14 +22,39 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from atomc.runtime.package import SwapPackage
-
 ORIGINAL, TRANSFORMERS, PEFT = "original", "transformers", "peft"
+
+
+class SwapPackage(Protocol):
+    """What atomc.weights reads of a generated package (atomc.runtime.package.SwapPackage).
+
+    The runtime opens and exports checkpoints through this package (`weights=`,
+    `save_pretrained`), so it sits below the runtime and names the attributes it reads
+    instead of importing the runtime's type."""
+
+    path: Path
+    module: ModuleType
+    plan: Any  # a PackagePlan: config, batch_size, options, model_path
+    param_names: list[dict[str, str]]
+    original_names: tuple[str, ...]
+    build_submodels: Callable[..., list]
+    export_state_dict: Callable[..., dict]
+
+    def model_file(self) -> Path | None: ...
+
+    @property
+    def plan_hash(self) -> str: ...
+
+    def initial_state_dict(self, seed: int) -> dict[str, torch.Tensor] | None: ...
 
 
 @dataclass

@@ -32,8 +32,14 @@ import torch
 from torch import nn
 
 from atomc.errors import RuntimeMismatchError, UsageError
-from atomc.runtime.package import SwapPackage
-from atomc.weights.names import ORIGINAL, PEFT, TRANSFORMERS, ModelNames, package_names
+from atomc.weights.names import (
+    ORIGINAL,
+    PEFT,
+    TRANSFORMERS,
+    ModelNames,
+    SwapPackage,
+    package_names,
+)
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from atomc.calibrate import calibrate, measure_package
+from atomc.calibrate import calibrate, measure_package, measure_runtime_costs
 from atomc.codegen import generate
 from atomc.device import describe_device
 from atomc.partition import partition, recost
@@ -24,7 +24,8 @@ GPT_PATH = REPO / "examples" / "gpt.py"
 
 def test_cuda_steps_calibrate_a_cuda_profile(tmp_path):
     traced = trace_model(GPT_PATH, "mini", 4, device="cpu")
-    profile = profile_model(traced, device="cuda", repeats=3, progress=False)
+    profile = profile_model(traced, device="cuda", repeats=3, progress=False,
+                            runtime_costs=measure_runtime_costs)
     budget = 64 * sum(s.num_bytes for s in traced.graph.params.values())
     plan = partition(profile, budget, reserve_bytes=0, accum=2, cpu_adam_gbps=4.0)
     while len(plan.submodels) < 3:  # shrink the budget until the model is cut

@@ -36,7 +36,7 @@ def test_cuda_operator_times_add_up_to_the_model_they_come_from():
     1.6x / 2.5x this model; a sum of each operator's longer side to 1.02x / 1.19x; the longer
     of the two sums to 0.75x / 0.95x (the model's forward carries host work of its own, module
     calls, that no operator holds)."""
-    from atomc.partition.cost import node_sides_ms
+    from atomc.partition.tables import node_sides_ms
     from atomc.profile.timing import time_ms
 
     traced = trace_model(EXAMPLES / "gpt.py", "gpt3-small", 1, options={"seq_len": 512},

@@ -17,7 +17,10 @@ Both are measured with the runtime's code: the update with the optimizer the run
 it: on a worker thread beside a GPU's compute, on the runtime's own thread on a CPU device
 (atomc.runtime.optim.updates_on_a_thread); the per-action and per-call times with the swap
 executor itself, on a package of tiny sub-models whose compute takes microseconds
-(atomc.profile.probe).
+(atomc.calibrate.probe).
+
+They are measured by running the runtime, so they are measured above it: `atomc profile`
+hands `measure_runtime_costs` to profile_model, which calls it on the device it profiles.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from atomc.calibrate.probe import runtime_ms
 from atomc.ir import RuntimeCosts
+from atomc.runtime.optim import AdamWConfig, updates_on_a_thread
 
 PROBE_NUMEL = 1024  # elements per tensor: small enough that the bytes cost nothing
 PROBE_TENSORS = (1, 16)
@@ -36,8 +41,6 @@ PROBE_TENSORS = (1, 16)
 
 def _optimizer(num_tensors: int, numel: int) -> torch.optim.Optimizer:
     """AdamW as CpuOptimizer builds it: one view per parameter of a flat master and gradient."""
-    from atomc.runtime.optim import AdamWConfig
-
     master = torch.zeros(num_tensors * numel, dtype=torch.float32)
     grad = torch.full_like(master, 1e-3)  # normal-range: subnormal moments time a slow path
     params = []
@@ -62,8 +65,6 @@ def _step_ms(optimizer: torch.optim.Optimizer, repeats: int) -> float:
 def update_costs_ms(device: torch.device, repeats: int = 20) -> tuple[float, float]:
     """(fixed, per tensor) ms of one sub-model's update, stepped where the runtime steps it:
     on a worker thread or the calling thread (atomc.runtime.optim.updates_on_a_thread)."""
-    from atomc.runtime.optim import updates_on_a_thread
-
     times = []
     for n in PROBE_TENSORS:
         optimizer = _optimizer(n, PROBE_NUMEL)
@@ -83,8 +84,6 @@ _MEASURED: dict[tuple[str, int], RuntimeCosts] = {}
 def measure_runtime_costs(device: torch.device, repeats: int = 20) -> RuntimeCosts:
     """The runtime's costs on `device`, measured once per process (and torch thread count):
     they are the machine's and the runtime's, not the model's."""
-    from atomc.profile.probe import runtime_ms
-
     key = (str(device), torch.get_num_threads())
     if key not in _MEASURED:
         fixed, per_tensor = update_costs_ms(device, repeats)

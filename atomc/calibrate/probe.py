@@ -22,6 +22,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from atomc.calibrate.measure import summarise
+from atomc.runtime.executor import SwapExecutor
+from atomc.runtime.optim import AdamWConfig, updates_on_a_thread
+from atomc.runtime.package import PackagePlan, SwapPackage
+from atomc.runtime.trace import Tracer
+from atomc.simulate.events import StageTimes, fit_host_gap_ms
 from atomc.units import ms_to_ns
 
 NUM_SUBMODELS = 6
@@ -40,8 +46,6 @@ class _Tiny(nn.Module):
 
 
 def _package():
-    from atomc.runtime.package import PackagePlan, SwapPackage
-
     k = NUM_SUBMODELS
     names = ["x", *(f"h{i}" for i in range(1, k + 1))]
 
@@ -62,10 +66,6 @@ def _package():
 
 
 def _executor(device: torch.device):
-    from atomc.runtime.executor import SwapExecutor
-    from atomc.runtime.optim import AdamWConfig, updates_on_a_thread
-    from atomc.runtime.trace import Tracer
-
     pkg = _package()
     ex = SwapExecutor.assemble(
         pkg, pkg.build_submodels(), AdamWConfig(), device=device, master_dtype=torch.float32,
@@ -81,9 +81,6 @@ def runtime_ms(device: torch.device) -> tuple[float, float, float]:
     micro-batch, in ms (see the module docstring). The tiny sub-models' forward and backward
     calls are taken whole: their operators (a Linear on 8 numbers) take a few microseconds of
     them, which the runtime's own time is then overstated by."""
-    from atomc.calibrate.measure import summarise
-    from atomc.simulate.events import StageTimes, fit_host_gap_ms
-
     ex, opt = _executor(device)
     try:
         x = torch.randn(1, WIDTH, device=device)

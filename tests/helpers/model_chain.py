@@ -1,0 +1,327 @@
+"""The model cases through the whole chain, and the checks run on each (test_models,
+test_families): each case is profiled on the CPU from a meta-device trace (as `atomc profile
+--device cpu` does, the runtime's own costs included), partitioned for a budget that needs
+three or more sub-models, and generated from the plan alone (codegen traces the model again,
+as `atomc codegen` does), once per process.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._pytree import tree_flatten
+
+from atomc.calibrate import measure_runtime_costs
+from atomc.codegen import generate, load_package
+from atomc.dtypes import cast_floating
+from atomc.errors import InfeasiblePlanError, UsageError
+from atomc.partition import partition
+from atomc.profile import profile_model
+from atomc.runtime import SwapTrainer, micro_batch_rng
+from atomc.runtime.trace import replay_residency
+from atomc.trace import trace_model
+
+from shims import import_timm
+
+REPO = Path(__file__).resolve().parents[2]
+HF = REPO / "examples" / "hf.py"
+MODELS = REPO / "tests" / "models"
+MICRO = 2  # micro-batch size everything is traced with
+C = 2  # micro-batches per step
+
+# timm imports torchvision, which has no build for this CPU torch: imported once here through
+# the test-only stand-in, timm is what the model files' `import timm` finds (tests/shims)
+if importlib.util.find_spec("timm") is not None:
+    import_timm()
+
+CASES = {
+    "gpt2": (HF, "tiny-gpt2"),
+    "llama": (HF, "tiny-llama"),
+    "mistral": (HF, "tiny-mistral"),
+    "qwen2": (HF, "tiny-qwen2"),
+    "opt": (HF, "tiny-opt"),
+    "gpt-neox": (HF, "tiny-gpt-neox"),
+    "phi": (HF, "tiny-phi"),
+    "falcon": (HF, "tiny-falcon"),
+    "deberta": (MODELS / "hf_deberta.py", None),
+    "bert": (MODELS / "hf_bert.py", None),
+    "resnet-bn": (MODELS / "resnet.py", None),
+    "resnet-bn-export": (MODELS / "resnet_export.py", None),
+    "torch-transformer": (MODELS / "torch_transformer.py", None),
+    "nanogpt": (MODELS / "nanogpt" / "train_model.py", "dropout"),
+    "nanogpt-last": (MODELS / "nanogpt" / "train_model.py", "last"),
+    "moe": (MODELS / "moe.py", None),
+    "meta-llama": (MODELS / "meta_llama.py", None),
+    "t5": (MODELS / "hf_t5.py", None),
+    "param-norms": (MODELS / "param_norms.py", None),
+    "rnn": (MODELS / "rnn_lm.py", None),
+    "unet": (MODELS / "unet.py", None),
+    "dlrm": (MODELS / "dlrm.py", None),
+    "seq2seq": (MODELS / "seq2seq.py", None),
+    "custom-grad": (MODELS / "custom_grad.py", None),
+    "latents": (MODELS / "latents.py", None),
+    "bart": (MODELS / "hf_families.py", "bart"),
+    "wav2vec2": (MODELS / "hf_families.py", "wav2vec2"),
+    "timm-vit": (MODELS / "timm_vit.py", None),
+    "gnn": (MODELS / "gnn.py", None),
+    "vq-ema": (MODELS / "vq_ema.py", None),
+    "running-stats": (MODELS / "running_stats.py", None),
+    "vae": (MODELS / "vae.py", None),
+    "timm-efficientnet": (MODELS / "timm_zoo.py", "efficientnet"),
+    "timm-convnext": (MODELS / "timm_zoo.py", "convnext"),
+    "timm-swin": (MODELS / "timm_zoo.py", "swin"),
+    "timm-zoo-vit": (MODELS / "timm_zoo.py", "vit"),
+    "diffusers-unet": (MODELS / "diffusers_zoo.py", "unet"),
+    "diffusers-dit": (MODELS / "diffusers_zoo.py", "dit"),
+}
+# the survey's Hugging Face families (test_families), case "hf-NAME" for NAME of this file
+FAMILIES = MODELS / "hf_families.py"
+
+
+def case(name: str) -> tuple[Path, str | None]:
+    """(model file, configuration) of case `name`: one of CASES or a family "hf-NAME"."""
+    if name in CASES:
+        return CASES[name]
+    if name.startswith("hf-"):
+        return FAMILIES, name.removeprefix("hf-")
+    raise KeyError(f"no model case {name!r}")
+
+
+def three_way_plan(profile, transfer_dtype=None):
+    """The partitioner's plan at (about) the smallest budget it can meet, 3+ sub-models, and
+    the profile it was planned from.
+
+    On a CPU each sub-model's forward and backward also cost the runtime's own time per call
+    (RuntimeCosts.forward_ms, backward_ms), and for some tiny models (BigBird's, ConvBERT's)
+    that makes one sub-model the best plan even at the smallest budget: splitting them hides
+    loads worth less than the calls it adds. These checks are about 3+ sub-models, so such a
+    model is planned as for a device whose calls cost nothing of their own (a GPU profile
+    carries no such time)."""
+    plan = _smallest_plan(profile, transfer_dtype)
+    rt = profile.runtime
+    if len(plan.submodels) < 3 and rt is not None and (rt.forward_ms or rt.backward_ms):
+        profile = dataclasses.replace(profile, runtime=dataclasses.replace(
+            rt, forward_ms=None, backward_ms=None))
+        plan = _smallest_plan(profile, transfer_dtype)
+    assert len(plan.submodels) >= 3, f"{len(plan.submodels)} sub-models"
+    return plan, profile
+
+
+def _smallest_plan(profile, transfer_dtype):
+    def plan_for(budget: int):
+        return partition(profile, budget, reserve_bytes=0, accum=C, cpu_adam_gbps=8.0,
+                         transfer_dtype=transfer_dtype)
+
+    # doubling up from a budget nothing fits in, then bisecting: the partitioner takes longest
+    # over budgets far above the smallest, which bisecting down from 1 GiB tried ten of
+    lo, hi, plan = 1 << 10, 1 << 10, None  # infeasible, feasible with `plan`
+    while plan is None:
+        hi *= 2
+        assert hi <= 1 << 30, "no plan within 1 GiB"
+        try:
+            plan = plan_for(hi)
+        except InfeasiblePlanError:
+            lo = hi
+    while hi - lo > hi // 32:
+        mid = (lo + hi) // 2
+        try:
+            plan, hi = plan_for(mid), mid
+        except InfeasiblePlanError:
+            lo = mid
+    return plan
+
+
+_CHAINS: dict = {}
+_PROFILES: dict = {}
+_REFERENCES: dict = {}
+
+
+def chain(name: str, tmp_root: Path, transfer_dtype: str | None = None):
+    """(package dir, plan, CPU trace of the original) for a case and a planned transfer dtype,
+    made once per process (per pytest-xdist worker: on_the_worker_of)."""
+    key = (name, transfer_dtype)
+    if key not in _CHAINS:
+        path, config = case(name)
+        if name not in _PROFILES:
+            meta = trace_model(path, config, MICRO, device="meta")
+            _PROFILES[name] = profile_model(meta, device="cpu", repeats=1, progress=False,
+                                            runtime_costs=measure_runtime_costs)
+        plan, profile = three_way_plan(_PROFILES[name], transfer_dtype)
+        tag = f"{name}-{transfer_dtype}" if transfer_dtype else name
+        plan_path = tmp_root / f"{tag}.plan.json"
+        plan.save(plan_path)
+        out = generate(plan, tmp_root / tag, profile=profile, plan_path=plan_path)
+        if name not in _REFERENCES:
+            _REFERENCES[name] = trace_model(path, config, MICRO, device="cpu")
+        _CHAINS[key] = (out, plan, _REFERENCES[name])
+    return _CHAINS[key]
+
+
+def on_the_worker_of(name: str) -> pytest.MarkDecorator:
+    """Runs a test on the pytest-xdist worker that runs the other checks of case `name`
+    (tests/conftest.py), so that the case's packages are built once."""
+    return pytest.mark.xdist_group(f"models-{name}")
+
+
+def batch_of(reference, num_micro: int, seed: int) -> tuple:
+    """Inputs of `num_micro` micro-batches like the traced ones (token ids stay in range)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for x in reference.inputs:
+        if x.is_floating_point():
+            out.append(torch.randn((num_micro * x.shape[0], *x.shape[1:]), generator=g))
+        else:
+            high = int(x.max()) + 1
+            out.append(torch.randint(0, high, (num_micro * x.shape[0], *x.shape[1:]), generator=g))
+    return tuple(out)
+
+
+def original(reference, dtype=torch.float32):
+    torch.manual_seed(0)
+    return copy.deepcopy(reference.model).to(dtype).train()
+
+
+def check_chained_submodels_equal_the_model(root: Path, name: str, dtype: torch.dtype,
+                                            tol: float) -> None:
+    """The chained sub-models give the original model's outputs and every parameter's
+    gradient to `tol` in `dtype`."""
+    out, plan, reference = chain(name, root)
+    assert len(plan.submodels) >= 3
+    package = load_package(out)
+    model = original(reference, dtype)
+    # as the runtime casts them: complex constants (rotary frequencies) stay complex, where
+    # Module.to(dtype) would drop their imaginary part
+    subs = [cast_floating(s, dtype).train() for s in package.build_submodels()]
+    unread = package.load_original_state_dict(subs, model.state_dict())
+    package.tie_parameters(subs)
+    inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in reference.inputs)
+    loss_fn = reference.module.loss_fn
+    with micro_batch_rng(0, 0, 0):  # dropout draws the same masks in both
+        expected = model(*inputs)
+        loss_fn(expected, inputs).backward()
+    with micro_batch_rng(0, 0, 0):
+        values = inputs
+        for sub in subs[:-1]:
+            values = sub(*values)
+        got = subs[-1](*values)
+        loss_fn(got, inputs).backward()
+    # the only weights no sub-model holds are parameters the model's own step does not read
+    # (a classifier's unused pooler, a mask token for masks it is not given)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    assert all(n in params and params[n].grad is None for n in unread), unread
+    exp_leaves, exp_spec = tree_flatten(expected)
+    got_leaves, got_spec = tree_flatten(got)
+    assert type(got) is type(expected) and got_spec == exp_spec
+    for e, g in zip(exp_leaves, got_leaves):
+        if isinstance(e, torch.Tensor):
+            assert g.dtype == e.dtype
+            torch.testing.assert_close(g, e, rtol=tol, atol=tol)
+    grads: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()  # tie_parameters made the holders of a tied weight share it
+    for sub, names in zip(subs, package.PARAM_NAMES):
+        for local, p in sub.named_parameters():
+            if p.grad is not None and id(p) not in seen:
+                seen.add(id(p))
+                grads[names[local]] = grads.get(names[local], 0) + p.grad
+    for fqn, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[fqn], p.grad, rtol=tol, atol=tol,
+                                       msg=f"gradient of {fqn}")
+
+
+# Adam divides each gradient element by its own running size, so an element whose gradient is
+# zero up to float32 rounding takes a full lr-sized step in one run and none in the other. The
+# export graph's kernels round a little differently from the eager model's; an eps well above
+# rounding keeps such elements' steps at rounding size, and the comparison tight.
+ADAM = {"lr": 1e-3, "eps": 1e-4, "weight_decay": 0.01}
+
+
+def plain_steps(model, loss_fn, batches):
+    opt = torch.optim.AdamW(model.parameters(), **ADAM, fused=True)
+    losses = []
+    for step, batch in enumerate(batches):
+        opt.zero_grad()
+        total = 0.0
+        for m in range(C):
+            micro = tuple(x[m * MICRO:(m + 1) * MICRO] for x in batch)
+            with micro_batch_rng(0, step, m):
+                loss = loss_fn(model(*micro), micro)
+            (loss / C).backward()
+            total += loss.item()
+        opt.step()
+        losses.append(total / C)
+    return losses
+
+
+def check_swap_trainer_equals_adamw(root: Path, name: str, rel: float = 1e-6,
+                                    atol: float = 1e-6) -> None:
+    """SwapTrainer gives plain torch.optim.AdamW's losses, weights and buffers after 3 steps."""
+    out, _, reference = chain(name, root)
+    model = original(reference)
+    trainer = SwapTrainer.from_package(out, device="cpu", state_dict=model.state_dict(),
+                                       tied_grads="exact", optimizer=ADAM)
+    assert trainer.accum == C and len(trainer.store.layouts) >= 3
+    batches = [batch_of(reference, C, seed) for seed in range(3)]
+    swapped = [trainer.step(b) for b in batches]
+    plain = plain_steps(model, reference.module.loss_fn, batches)
+    assert swapped == pytest.approx(plain, rel=rel, abs=1e-7)
+    state = trainer.export_state_dict()
+    expected = model.state_dict()
+    assert set(state) == set(expected)  # weights the graph never reads too: a strict load works
+    for k, v in state.items():  # weights and persistent buffers (BatchNorm statistics)
+        torch.testing.assert_close(v, expected[k], rtol=1e-5, atol=atol,
+                                   msg=lambda m, k=k: f"{k}: {m}")
+    original(reference).load_state_dict(state)
+    trainer.close()
+
+
+def eager_loss(model, loss_fn, batch, autocast: torch.dtype | None = None) -> float:
+    """The loss a step reports (the mean over its micro-batches) of the model run eagerly as
+    the trainer's first step runs it, under CPU autocast to `autocast` where given."""
+    total = 0.0
+    for m in range(C):
+        micro = tuple(x[m * MICRO:(m + 1) * MICRO] for x in batch)
+        with micro_batch_rng(0, 0, m), torch.autocast("cpu", autocast or torch.bfloat16,
+                                                      enabled=autocast is not None):
+            total += loss_fn(model(*micro), micro).item()
+    return total / C
+
+
+def check_bfloat16_plan_trains_within_one_percent(root: Path, name: str) -> None:
+    """A plan made for bfloat16 weights: the package runs in bfloat16 by default (norm weights
+    in float32), refuses float32 weights, keeps at most two sub-models' weights resident, and
+    its first step's loss is within 1% of the float32 plan's, or, for a model that bfloat16
+    itself moves further (BatchNorm over a few values, deep stacks), within 1.5 times what the
+    model's own eager run under bfloat16 autocast gives, measured on the same batch."""
+    out32, _, reference = chain(name, root)
+    out16, plan16, _ = chain(name, root, "bfloat16")
+    assert (plan16.transfer_dtype, plan16.autocast) == ("bfloat16", "bfloat16")
+    model = original(reference)
+    batch = batch_of(reference, C, 7)
+    fp32 = SwapTrainer.from_package(out32, device="cpu", state_dict=model.state_dict())
+    loss32 = fp32.step(batch)
+    fp32.close()
+    with pytest.raises(UsageError, match="planned for bfloat16"):
+        SwapTrainer.from_package(out16, device="cpu", transfer_dtype="float32")
+    trainer = SwapTrainer.from_package(out16, device="cpu", state_dict=model.state_dict(),
+                                       trace=True)
+    assert trainer.store.transfer_dtype == torch.bfloat16
+    assert trainer.executor.autocast_dtype == torch.bfloat16
+    full = set(trainer.package.full_precision)
+    for L in trainer.store.layouts:
+        for e in L.entries:
+            assert e.wide == (e.key in full)
+    losses = [trainer.step(batch) for _ in range(2)]
+    eager16 = eager_loss(original(reference), reference.module.loss_fn, batch, torch.bfloat16)
+    rel = max(0.01, 1.5 * abs(eager16 / loss32 - 1))
+    assert losses[0] == pytest.approx(loss32, rel=rel), f"eager bfloat16 autocast: {eager16}"
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert trainer.executor.slots.max_resident <= 2
+    for trace in trainer.traces.values():
+        assert replay_residency(trace, trainer.executor.slots.resident()) <= 2
+    trainer.close()
