@@ -305,7 +305,7 @@ def test_bad_input_is_one_line(tmp_path, tokenizer_dir, capsys):
     assert "the keys are " in err and " lr, " in err and "steps" in err and "data_dtype" in err
 
     for body, expect in [('lr = "fast"', "lr = 'fast'"), ("steps = true", "steps = True"),
-                         ('activations = "some"', "one of recompute, keep"),
+                         ('activations = "some"', "one of auto, recompute, keep"),
                          ("steps = [", "is not TOML")]:
         config.write_text(body + "\n")
         assert expect in one_line_error(*train([pkg, "--config", str(config)], capsys)[::2])

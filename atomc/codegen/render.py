@@ -94,10 +94,16 @@ def _class_source(name: str, doc: list[str], init: list[str], forward: list[list
 
 
 def paragraphs(*texts: str, width: int = 100) -> str:
-    """Docstring paragraphs within `width` columns (a line break in a text is kept)."""
-    return "\n\n".join("\n".join(textwrap.fill(line, width=width, break_long_words=False,
-                                                break_on_hyphens=False)
-                                  for line in text.split("\n")) for text in texts)
+    """Docstring paragraphs within `width` columns (a line break in a text is kept); the
+    first line leaves room for the docstring's opening quotes."""
+    out = "\n\n".join("\n".join(textwrap.fill(line, width=width, break_long_words=False,
+                                               break_on_hyphens=False)
+                                 for line in text.split("\n")) for text in texts)
+    first, _, rest = out.partition("\n")
+    if len(first) + 3 > width:
+        first = textwrap.fill(first, width=width, initial_indent='"""', break_long_words=False,
+                              break_on_hyphens=False).removeprefix('"""')
+    return first + ("\n" + rest if rest else "")
 
 
 def _summary(piece: Piece, graph: OpGraph) -> str:
