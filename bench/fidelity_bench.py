@@ -40,11 +40,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from atomc.calibrate import calibrate, measure_package, measure_runtime_costs, summarise
+from atomc.calibrate.host import resolve_cpu_adam
 from atomc.calibrate.report import compare, predicted_busy
 from atomc.codegen import generate
 from atomc.data.text import ByteBatches, stdlib_text
 from atomc.partition import partition, recost
-from atomc.partition.host import resolve_cpu_adam
 from atomc.profile import profile_model
 from atomc.simulate import LANES
 from atomc.trace import trace_model

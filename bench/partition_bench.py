@@ -26,9 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from atomc.calibrate.host import resolve_cpu_adam
 from atomc.errors import InfeasiblePlanError
 from atomc.partition import partition
-from atomc.partition.host import resolve_cpu_adam
 from atomc.units import format_bytes, format_ms, parse_size
 
 

@@ -430,8 +430,8 @@ class AtomcPlans:
         self.reasons: dict[str, str] = {}
 
     def plan(self, policy: str, accum: int | None, profile=None):
+        from atomc.calibrate.host import resolve_cpu_adam
         from atomc.partition import partition
-        from atomc.partition.host import resolve_cpu_adam
 
         profile = profile or self.profile
         rate, source = resolve_cpu_adam(self.args.cpu_adam_gbps, profile)

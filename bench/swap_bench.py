@@ -279,8 +279,8 @@ def dump(args, name: str, document) -> None:
 def make_plan(profile, args):
     """What `atomc partition --gpu-mem ... --cpu-adam-gbps auto` makes of a profile: the CPU
     AdamW rate measured on this host, or the calibrated one."""
+    from atomc.calibrate.host import resolve_cpu_adam
     from atomc.partition import partition
-    from atomc.partition.host import resolve_cpu_adam
 
     rate, source = resolve_cpu_adam("auto", profile)
     half = getattr(args, "dtype", "float32") != "float32"

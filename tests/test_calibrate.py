@@ -25,12 +25,12 @@ from atomc.calibrate import (
     measure_runtime_costs,
     summarise,
 )
+from atomc.calibrate.host import resolve_cpu_adam
 from atomc.cli import main as atomc_main
 from atomc.codegen import generate
 from atomc.errors import CalibrationError, RuntimeMismatchError
 from atomc.ir import Profile
 from atomc.partition import partition, profile_hash, recost
-from atomc.partition.host import resolve_cpu_adam
 from atomc.profile import profile_model
 from atomc.trace import trace_model
 

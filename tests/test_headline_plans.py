@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from atomc.calibrate.host import resolve_cpu_adam
 from atomc.errors import InfeasiblePlanError
 from atomc.partition import partition
 from atomc.partition.check import check_plan
-from atomc.partition.host import resolve_cpu_adam
 
 GIB = 1 << 30
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -9,9 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from atomc.errors import UsageError
-from atomc.partition import host
-from atomc.partition.host import (
+from atomc.calibrate import host
+from atomc.calibrate.host import (
     CACHE_ENV,
     HOST_SOURCE_PREFIX,
     cache_path,
@@ -19,6 +18,7 @@ from atomc.partition.host import (
     measure_adam_gbps,
     resolve_cpu_adam,
 )
+from atomc.errors import UsageError
 from atomc.profile.hardware import hardware_names, load_hardware
 
 from processes import SERIAL

@@ -59,10 +59,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 
 # (importer, imported) -> what removes it
-KNOWN = {
-    # partition (owned elsewhere at the time of writing): the CPU optimizer's host cost
-    ("atomc.partition.host", "atomc.runtime.optim"): "AdamW's settings below the runtime",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def modules() -> dict[str, Path]:

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from atomc.calibrate.host import resolve_cpu_adam
 from atomc.codegen.manual import plan_from_cuts
 from atomc.errors import InfeasiblePlanError, UsageError
 from atomc.ir import Plan, Profile
 from atomc.partition import DEFAULT_RESERVE_BYTES, partition
-from atomc.partition.host import resolve_cpu_adam
 from atomc.partition.hostmem import plan_host_memory
 from atomc.simulate.events import StageTimes, copies_on_host, simulate_swap
 from atomc.simulate.plan import stage_times

@@ -75,9 +75,9 @@ def _default_output(profile_path: str) -> Path:
 
 
 def run_partition(args: argparse.Namespace) -> int:
+    from atomc.calibrate.host import resolve_cpu_adam
     from atomc.ir import Profile
     from atomc.partition import partition
-    from atomc.partition.host import resolve_cpu_adam
     from atomc.partition.report import render_plan
 
     capacity = parse_size(args.gpu_mem, "--gpu-mem")

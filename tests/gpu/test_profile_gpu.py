@@ -68,7 +68,7 @@ def test_cuda_operator_times_add_up_to_the_model_they_come_from():
 def test_the_host_update_rate_is_measured_beside_copies_to_and_from_the_gpu():
     """A CUDA plan takes the host's AdamW rate measured while pinned copies run both ways,
     as the swap runtime's loads and offloads do through the backward its updates overlap."""
-    from atomc.partition.host import measure_adam_gbps
+    from atomc.calibrate.host import measure_adam_gbps
 
     alone = measure_adam_gbps()
     beside = measure_adam_gbps(beside_copies=True)
