@@ -573,3 +573,30 @@ def test_a_buffer_the_forward_assigns_is_written_and_read_back():
         assert torch.allclose(gm(x), twin(x))
     assert int(gm.steps) == int(twin.steps) == 3
     assert torch.allclose(gm.mean, twin.mean)
+
+
+def test_named_results_of_operators_survive_the_autograd_run(tmp_path):
+    """`x.max(dim=...)` returns torch.return_types.max, whose `.values` the graph reads with
+    getattr: the run that asks autograd which values take gradients must hand it on as it is,
+    not as a plain tuple (Hugging Face's Hiera pools so)."""
+    from atomc.trace import grad_values
+
+    path = write_model(tmp_path, """
+        class Pool(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = nn.Linear(8, 8)
+
+            def forward(self, x):
+                h = self.a(x).view(x.shape[0], 2, 4)
+                return h.max(dim=1).values.sum(-1)
+
+        def build_model(config=None):
+            return Pool()
+
+        def example_inputs(model, batch_size):
+            return (torch.randn(batch_size, 8),)
+        """)
+    traced = trace_model(path, None, 2, device="meta")
+    values = grad_values(traced)
+    assert values and any(values.values())

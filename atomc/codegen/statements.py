@@ -744,7 +744,12 @@ class PieceRenderer:
             v = attr.value
             if attr.persistent and v.is_floating_point() and v.numel() > size:
                 best, size = self.attr_expr.get(attr.local, f"self.{attr.local}"), v.numel()
+        # modules still called here: a layer folded into a block class (codegen.blocks) is an
+        # attribute of that class's instance, not of the sub-model
+        called = {n.target for n in self.piece.graph.nodes if n.op == "call_module"}
         for local, (_, module) in self.piece.modules.items():
+            if local not in called:
+                continue
             for name, p in module.named_parameters():
                 if p.is_floating_point() and p.numel() > size:
                     best, size = f"self.{local}.{name}", p.numel()

@@ -324,9 +324,18 @@ class _GradRecorder(fx.Interpreter):
         args, kwargs = super().fetch_args_kwargs_from_env(n)
 
         def on_device(a: Any) -> Any:
-            return self.device if isinstance(a, torch.device) and a.type == "meta" else a
+            # plain containers only: map_aggregate would rebuild a torch.return_types value
+            # (max(dim=...)'s values and indices) that getattr reads next as a plain tuple
+            if isinstance(a, torch.device) and a.type == "meta":
+                return self.device
+            if isinstance(a, list) or type(a) is tuple:  # fx's immutable_list is a list
+                return type(a)(on_device(x) for x in a) if type(a) is tuple else [
+                    on_device(x) for x in a]
+            if isinstance(a, dict):
+                return {k: on_device(v) for k, v in a.items()}
+            return a
 
-        return fx.node.map_aggregate(args, on_device), fx.node.map_aggregate(kwargs, on_device)
+        return on_device(args), on_device(kwargs)
 
 
 def grad_values(traced: TracedModel) -> dict[str, bool]:

@@ -108,6 +108,14 @@ def three_way_plan(profile, transfer_dtype=None):
         profile = dataclasses.replace(profile, runtime=dataclasses.replace(
             rt, forward_ms=None, backward_ms=None))
         plan = _smallest_plan(profile, transfer_dtype)
+    # one sub-model needs one weight and one gradient slot, several need two of each: where a
+    # weight dominates (BigBird's position embeddings), a whole-model plan fits budgets that
+    # no cut does, so the smallest budget plans one; a somewhat larger one cuts
+    budget = limit = plan.capacity_bytes
+    while len(plan.submodels) < 3 and budget < 16 * limit:
+        budget = budget * 5 // 4
+        plan = partition(profile, budget, reserve_bytes=0, accum=C, cpu_adam_gbps=8.0,
+                         transfer_dtype=transfer_dtype)
     assert len(plan.submodels) >= 3, f"{len(plan.submodels)} sub-models"
     return plan, profile
 
