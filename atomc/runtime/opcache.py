@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 from torch.utils.flop_counter import flop_registry
 
 from atomc.errors import AtomcError
-from atomc.runtime.store import HostArena
+from atomc.runtime.store import HostArena, HostBuffers
 from atomc.runtime.trace import Tracer
 
 aten = torch.ops.aten
@@ -143,9 +143,8 @@ class OpCache:
         # sub-model -> recomputation's call number -> the forward's (first backward)
         self.matched: dict[int, dict[int, int]] = {}
         self.passes: dict[tuple[int, int], _Pass] = {}
-        self.host: dict[tuple[int, int, int, int], torch.Tensor] = {}
-        self.arena: HostArena | None = None
-        self.unplaced = False
+        # (sub-model, micro-batch, call, leaf) -> host buffer of a sent output, reused every step
+        self.buffers = HostBuffers(pin=self.cuda)
         self._back_ready: dict[tuple[int, int], Any] = {}
         self.held = 0  # device bytes of kept outputs now
         self.peak_held = 0  # ... at most, since the cache was made
@@ -172,8 +171,16 @@ class OpCache:
         return sum(sum(h.numel() * h.element_size() for h in s.host)
                    for p in self.passes.values() for s in p.stored.values() if s.host)
 
+    @property
+    def host(self) -> dict[tuple[int, int, int, int], torch.Tensor]:
+        return self.buffers.host
+
+    @property
+    def arena(self) -> HostArena | None:
+        return self.buffers.arena
+
     def pinned_bytes(self) -> int:
-        return self.arena.pinned_bytes() if self.arena is not None else 0
+        return self.buffers.pinned_bytes()
 
     # ---- sends and fetches ----------------------------------------------------------------------
 
@@ -181,7 +188,7 @@ class OpCache:
         flat, s.spec = tree_flatten(s.value)
         leaves = [t for t in flat if isinstance(t, torch.Tensor)]
         s.leaves = [_TENSOR if isinstance(t, torch.Tensor) else t for t in flat]
-        s.host = [self._buffer((i, m, call, j), t) for j, t in enumerate(leaves)]
+        s.host = [self.buffers.buffer((i, m, call, j), t) for j, t in enumerate(leaves)]
         nbytes = _nbytes(leaves)
         if self.cuda:
             os_ = self.offload_stream
@@ -199,26 +206,8 @@ class OpCache:
                     h.copy_(t)
         s.value = None  # the device copy is freed (on CUDA once the copy is done)
 
-    def _buffer(self, key: tuple[int, int, int, int], like: torch.Tensor) -> torch.Tensor:
-        buf = self.host.get(key)
-        layout = torch.empty_like(like, device="meta").stride()
-        if (buf is None or buf.shape != like.shape or buf.dtype != like.dtype
-                or buf.stride() != layout):
-            buf = torch.empty_like(like, device="cpu")
-            self.host[key] = buf
-            self.unplaced = True
-        return buf
-
     def end_step(self) -> None:
-        """After a step that made new host buffers: move them all into one arena (pinned on
-        CUDA), as the boundary stash does, so the pinned allocator rounds once."""
-        if not self.unplaced:
-            return
-        keys = list(self.host)
-        self.arena = HostArena([(tuple(self.host[k].shape), self.host[k].dtype,
-                                 self.host[k].stride()) for k in keys], pin=self.cuda)
-        self.host = dict(zip(keys, self.arena.buffers))
-        self.unplaced = False
+        self.buffers.end_step()
 
     def fetch(self, i: int) -> None:
         """Issue the copies of sub-model i's sent outputs back to the device, micro-batch by

@@ -5,7 +5,7 @@ reader is done goes to host memory (offload stream) and comes back when its firs
 reader's backward starts (prefetch stream), so device memory does not hold every
 micro-batch's checkpoints through the forward. The host buffers are reused every step; after
 the first step (or one whose shapes changed) they are views into one arena, pinned on CUDA
-(see `ActivationStash._buffer`).
+(`atomc.runtime.store.HostBuffers`).
 
 CUDA: the copies run on the executor's streams, ordered with events; tensors that cross
 streams are marked with record_stream. CPU: the same code with no streams.
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from atomc.runtime.store import HostArena
+from atomc.runtime.store import HostArena, HostBuffers
 from atomc.runtime.trace import Tracer
 
 
@@ -42,10 +42,8 @@ class ActivationStash:
         self.prefetch_stream = prefetch_stream
         self.offload_stream = offload_stream
         # (value, micro-batch) -> its host buffer, reused every step: views into one arena (pinned
-        # on CUDA) once a step has shown every stash's shape; see _buffer
-        self.host: dict[tuple[str, int], torch.Tensor] = {}
-        self.arena: HostArena | None = None
-        self.unplaced = False  # a buffer outside the arena was made this step
+        # on CUDA) once a step has shown every stash's shape (HostBuffers)
+        self.buffers = HostBuffers(pin=self.cuda)
         self._back_ready: dict[tuple[int, int], Any] = {}  # (sub-model, micro-batch) -> event
 
     def stash(self, envs: list[dict[str, Any]], names: list[str], after: int) -> None:
@@ -62,7 +60,7 @@ class ActivationStash:
                     self.tracer.span("offload", after, "checkpoint_out", os_, nbytes):
                 for n, m in tensors:
                     t = envs[m][n]
-                    host = self._buffer(n, m, t)
+                    host = self.buffers.buffer((n, m), t)
                     host.copy_(t, non_blocking=True)
                     t.record_stream(os_)  # freed on the compute stream's side below
             ready = torch.cuda.Event()
@@ -71,48 +69,24 @@ class ActivationStash:
             ready = None
             with self.tracer.span("offload", after, "checkpoint_out", None, nbytes):
                 for n, m in tensors:
-                    self._buffer(n, m, envs[m][n]).copy_(envs[m][n])
+                    self.buffers.buffer((n, m), envs[m][n]).copy_(envs[m][n])
         for n, m in tensors:
             envs[m][n] = Stashed(self.host[(n, m)], ready)
 
-    def _buffer(self, name: str, m: int, like: torch.Tensor) -> torch.Tensor:
-        """The host buffer of value `name` of micro-batch m: a view into the stash arena.
+    @property
+    def host(self) -> dict[tuple[str, int], torch.Tensor]:
+        return self.buffers.host
 
-        The shapes are only known as the forward makes the values, so the first step (or one
-        whose shapes changed) stashes into ordinary memory, which is correct on CUDA too (a
-        device-to-host copy into pageable memory returns when it is done; the copy back is
-        staged before it returns), only slower; at the end of that step `end_step` puts
-        every buffer into one arena, pinned on CUDA, so the pinned allocator's power-of-two
-        rounding is paid once and not per buffer. Pinned blocks made per buffer and freed
-        would stay in PyTorch's pinned cache, which is why the first step does not pin.
-        """
-        buf = self.host.get((name, m))
-        # the value's memory order is kept (a transposed view stays transposed): dropout and
-        # the other random operators draw in memory order, so a recomputation from a
-        # row-major copy of a transposed boundary value drew other masks than its forward
-        layout = torch.empty_like(like, device="meta").stride()
-        if (buf is None or buf.shape != like.shape or buf.dtype != like.dtype
-                or buf.stride() != layout):
-            buf = torch.empty_like(like, device="cpu")
-            self.host[(name, m)] = buf
-            self.unplaced = True
-        return buf
+    @property
+    def arena(self) -> HostArena | None:
+        return self.buffers.arena
 
     def end_step(self) -> None:
-        """After a step that made new buffers: move every buffer into one new arena."""
-        if not self.unplaced:
-            return
-        keys = list(self.host)
-        self.arena = HostArena([(tuple(self.host[k].shape), self.host[k].dtype,
-                                 self.host[k].stride()) for k in keys], pin=self.cuda)
-        # the old buffers may still be read by queued copies: pageable ones were staged when the
-        # copy was issued; an old arena's pinned block is kept by the allocator until they end
-        self.host = dict(zip(keys, self.arena.buffers))
-        self.unplaced = False
+        self.buffers.end_step()
 
     def pinned_bytes(self) -> int:
         """Pinned host memory of the stash (0 before the first offloading step)."""
-        return self.arena.pinned_bytes() if self.arena is not None else 0
+        return self.buffers.pinned_bytes()
 
     def unstash(self, envs: list[dict[str, Any]], i: int, names: tuple[str, ...]) -> None:
         """Issue the copies of sub-model i's stashed inputs `names` back to the device, one per

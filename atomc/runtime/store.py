@@ -275,6 +275,54 @@ class HostArena:
         return pinned_allocation_bytes(self.nbytes) if self.pin else 0
 
 
+class HostBuffers:
+    """Host buffers by key for values whose shapes only a step shows (the activation stash's
+    boundary values, the operator outputs sent to the host), reused every step.
+
+    The first step (or one whose shapes changed) makes them in ordinary memory, which is
+    correct on CUDA too (a device-to-host copy into pageable memory returns when it is done;
+    the copy back is staged before it returns), only slower; at the end of that step
+    `end_step` puts every buffer into one `HostArena`, pinned on CUDA, so the pinned
+    allocator's power-of-two rounding is paid once and not per buffer. Pinned blocks made per
+    buffer and freed would stay in PyTorch's pinned cache, which is why the first step does
+    not pin."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.host: dict[Any, torch.Tensor] = {}
+        self.arena: HostArena | None = None
+        self.unplaced = False  # a buffer outside the arena was made this step
+
+    def buffer(self, key: Any, like: torch.Tensor) -> torch.Tensor:
+        """The buffer of `key` shaped like `like`, in `like`'s memory order: dropout and the
+        other random operators draw in memory order, so a recomputation from a row-major copy
+        of a transposed value drew other masks than its forward."""
+        buf = self.host.get(key)
+        layout = torch.empty_like(like, device="meta").stride()
+        if (buf is None or buf.shape != like.shape or buf.dtype != like.dtype
+                or buf.stride() != layout):
+            buf = torch.empty_like(like, device="cpu")
+            self.host[key] = buf
+            self.unplaced = True
+        return buf
+
+    def end_step(self) -> None:
+        """After a step that made new buffers: move every buffer into one new arena."""
+        if not self.unplaced:
+            return
+        keys = list(self.host)
+        self.arena = HostArena([(tuple(self.host[k].shape), self.host[k].dtype,
+                                 self.host[k].stride()) for k in keys], pin=self.pin)
+        # the old buffers may still be read by queued copies: pageable ones were staged when the
+        # copy was issued; an old arena's pinned block is kept by the allocator until they end
+        self.host = dict(zip(keys, self.arena.buffers))
+        self.unplaced = False
+
+    def pinned_bytes(self) -> int:
+        """Pinned host memory of the arena (0 before the first step that made buffers)."""
+        return self.arena.pinned_bytes() if self.arena is not None else 0
+
+
 class HostStore:
     """The flat host buffers of all sub-models (see the module docstring)."""
 
