@@ -464,7 +464,7 @@ class _ToyStage:
 
     def run(self, actions: list, micro: list, io) -> list:
         """The Stage interface: F, B, S and R actions through the runner's StageIO."""
-        from atomc.runtime.interpret import directions
+        from atomc.actions import directions
 
         received, outs, grads, losses = {}, {}, {}, []
         for a, way in zip(actions, directions(actions)):

@@ -20,9 +20,9 @@ import pytest
 import torch
 from torch import nn
 
-from atomc.actions import Action, atom_order, gpipe, one_f_one_b
+from atomc.actions import Action, atom_order, directions, gpipe, one_f_one_b
 from atomc.actions.orders import swapped_stage_order
-from atomc.runtime.interpret import directions, run_actions
+from atomc.runtime.interpret import run_actions
 from atomc.runtime.rng import RNG_VALUE, micro_batch_rng
 from atomc.runtime.stage import Stage
 

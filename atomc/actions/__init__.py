@@ -27,7 +27,17 @@ Text form: tokens `INDEX KIND [MICRO]` separated by spaces, commas or newlines; 
 
 from __future__ import annotations
 
-from atomc.actions.action import GRAMMAR, KINDS, Action, Run, format_actions, parse, phases, runs
+from atomc.actions.action import (
+    GRAMMAR,
+    KINDS,
+    Action,
+    Run,
+    directions,
+    format_actions,
+    parse,
+    phases,
+    runs,
+)
 from atomc.actions.orders import (
     PIPELINE_ORDERS,
     atom_order,
@@ -40,6 +50,6 @@ from atomc.actions.orders import (
 
 __all__ = [
     "GRAMMAR", "KINDS", "PIPELINE_ORDERS", "Action", "Run", "atom_order", "atom_runs",
-    "format_actions", "gpipe", "max_in_flight", "one_f_one_b", "parse", "phases",
+    "directions", "format_actions", "gpipe", "max_in_flight", "one_f_one_b", "parse", "phases",
     "pipeline_order", "runs",
 ]

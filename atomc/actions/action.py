@@ -101,4 +101,26 @@ def phases(actions) -> list[list[Action]]:
     return out
 
 
-__all__ = ["GRAMMAR", "KINDS", "Action", "Run", "format_actions", "parse", "phases", "runs"]
+def directions(actions: list[Action]) -> list[str | None]:
+    """For each S and R action: "values" (activations forward) or "grads" (gradients back).
+    A receive before its micro-batch's first forward brings values, after it gradients; a send
+    before its micro-batch's first backward sends values, after it gradients."""
+    forwarded: set[int | None] = set()
+    backwarded: set[int | None] = set()
+    out: list[str | None] = []
+    for a in actions:
+        if a.kind == "R":
+            out.append("grads" if a.micro in forwarded else "values")
+        elif a.kind == "S":
+            out.append("grads" if a.micro in backwarded else "values")
+        else:
+            out.append(None)
+            if a.kind == "F":
+                forwarded.add(a.micro)
+            elif a.kind == "B":
+                backwarded.add(a.micro)
+    return out
+
+
+__all__ = ["GRAMMAR", "KINDS", "Action", "Run", "directions", "format_actions", "parse", "phases",
+           "runs"]

@@ -31,6 +31,11 @@ from atomc.errors import CodegenError
 from atomc.trace import TracedModel
 from atomc.trace.dynamic import autograd_function_of
 
+# where a function is found first, how the package writes it and the import that needs
+_WRITTEN_AS = ((F, "F.", "import torch.nn.functional as F"), (torch, "torch.", "import torch"),
+               (builtins, "", ""), (operator, "operator.", "import operator"),
+               (math, "math.", "import math"))
+
 
 @cache
 def _site_roots() -> tuple[Path, ...]:
@@ -141,20 +146,11 @@ class Resolver:
         if module == self.model_module.__name__ or name == "<lambda>":
             return self.helper(fn, why)
         if name is not None:
-            if getattr(F, name, None) is fn:
-                imports.add("import torch.nn.functional as F")
-                return f"F.{name}"
-            if getattr(torch, name, None) is fn:
-                imports.add("import torch")
-                return f"torch.{name}"
-            if getattr(builtins, name, None) is fn:
-                return name
-            if getattr(operator, name, None) is fn:
-                imports.add("import operator")
-                return f"operator.{name}"
-            if getattr(math, name, None) is fn:
-                imports.add("import math")
-                return f"math.{name}"
+            for namespace, prefix, line in _WRITTEN_AS:
+                if getattr(namespace, name, None) is fn:
+                    if line:
+                        imports.add(line)
+                    return f"{prefix}{name}"
         if "<locals>" in (getattr(fn, "__qualname__", "") or ""):
             return self.helper(fn, why)
         try:

@@ -204,6 +204,12 @@ def plan_stash_bytes(plan_submodels: Sequence[Submodel], accum: int, activations
     return accum * sum(values.values())
 
 
+def plan_sent_bytes(plan_submodels: Sequence[Submodel], accum: int) -> int:
+    """Heavy operators' outputs the runtime sends to the host (activations="auto"), C
+    micro-batches of every sub-model: all held at the turn from forward to backward."""
+    return accum * sum(s.sent_bytes for s in plan_submodels)
+
+
 def plan_host_memory(plan: Plan, graph: OpGraph, optimizer_states: str = "float32",
                      limit_bytes: int = 0, limit_source: str = "",
                      pin: bool | None = None) -> HostMemory:
@@ -215,7 +221,7 @@ def plan_host_memory(plan: Plan, graph: OpGraph, optimizer_states: str = "float3
     subs = plan_weights(graph, plan.submodels, transfer)
     stash = plan_stash_bytes(plan.submodels, plan.accum, plan.activations)
     pin = plan.device != "cpu" if pin is None else pin
-    sent = plan.accum * sum(s.sent_bytes for s in plan.submodels)
+    sent = plan_sent_bytes(plan.submodels, plan.accum)
     by_kind = host_bytes_by_kind(subs, master, transfer, pin=pin,
                                  optimizer_states=optimizer_states, stash_bytes=stash,
                                  sent_bytes=sent)

@@ -17,9 +17,9 @@ its forward again and its backward). What an action does:
   R m    before m's first forward: m's values (and RNG state) from the previous stage; after
          it: the gradients of what m sent, from the next stage
 
-Owned here for every runtime: which way an S or R goes (`directions`), the RNG rule of
-atomc.runtime.rng (each micro-batch's stream, its replay for a recomputation, its state on the
-wire), and when the buffer rule of atomc.runtime.stage applies (a recomputation; with
+Owned here for every runtime: S and R in the direction atomc.actions.directions gives, the
+RNG rule of atomc.runtime.rng (each micro-batch's stream, its replay for a recomputation, its
+state on the wire), and when the buffer rule of atomc.runtime.stage applies (a recomputation; with
 `recomputing`, every forward of the list: a SWARM backward call repeats the forward call's).
 """
 
@@ -30,30 +30,9 @@ from typing import Any
 
 import torch
 
-from atomc.actions import Action
+from atomc.actions import Action, directions
 from atomc.runtime.rng import RNG_VALUE, StepRng
 from atomc.runtime.stage import Links, Stage, buffer_snapshot, buffers_as_in_forward
-
-
-def directions(actions: list[Action]) -> list[str | None]:
-    """For each S and R action: "values" (activations forward) or "grads" (gradients back).
-    A receive before its micro-batch's first forward brings values, after it gradients; a send
-    before its micro-batch's first backward sends values, after it gradients."""
-    forwarded: set[int | None] = set()
-    backwarded: set[int | None] = set()
-    out: list[str | None] = []
-    for a in actions:
-        if a.kind == "R":
-            out.append("grads" if a.micro in forwarded else "values")
-        elif a.kind == "S":
-            out.append("grads" if a.micro in backwarded else "values")
-        else:
-            out.append(None)
-            if a.kind == "F":
-                forwarded.add(a.micro)
-            elif a.kind == "B":
-                backwarded.add(a.micro)
-    return out
 
 
 def run_actions(stage: Stage, actions: list[Action], micro_batches: list[tuple],
@@ -171,4 +150,4 @@ class _Run:
             st.take_grads(m, got)
 
 
-__all__ = ["directions", "run_actions"]
+__all__ = ["run_actions"]

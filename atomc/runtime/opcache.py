@@ -50,8 +50,14 @@ _SAME_FLOPS = {aten._scaled_dot_product_flash_attention_for_cpu:
                aten._scaled_dot_product_flash_attention}
 
 
+def is_heavy(func: Any) -> bool:
+    """An operator the FLOP counter counts: the calls a forward and its recomputation number."""
+    packet = func._overloadpacket
+    return packet in flop_registry or packet in _SAME_FLOPS
+
+
 def heavy_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
-    """FLOPs of an operator the policy may store (0: always recomputed)."""
+    """FLOPs of a heavy operator the policy may store (0: always recomputed)."""
     packet = func._overloadpacket
     formula = flop_registry.get(_SAME_FLOPS.get(packet, packet))
     if formula is None:
@@ -272,14 +278,13 @@ class _Recorder(TorchDispatchMode):
         if func._schema.is_mutable and self.p.stored:
             self._before_write(func, args, kwargs)
         out = func(*args, **kwargs)
-        flops = heavy_flops(func, args, kwargs, out)
-        if not flops and func._overloadpacket not in flop_registry \
-                and func._overloadpacket not in _SAME_FLOPS:
+        if not is_heavy(func):
             return out
         call = self.call
         self.call += 1
-        if self.survey:
-            self.ops.append(HeavyOp(func, flops, _nbytes(out), call_key(func, args, kwargs)))
+        if self.survey:  # FLOPs and keys once, in the first forward
+            self.ops.append(HeavyOp(func, heavy_flops(func, args, kwargs, out), _nbytes(out),
+                                    call_key(func, args, kwargs)))
         elif call in self.choice:
             self.p.stored[call] = _Stored(func, tree_map(
                 lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out))
@@ -336,8 +341,7 @@ class _Replayer(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        packet = func._overloadpacket
-        if packet not in flop_registry and packet not in _SAME_FLOPS:
+        if not is_heavy(func):
             return func(*args, **kwargs)
         call = self.call
         self.call += 1

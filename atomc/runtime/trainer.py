@@ -536,7 +536,7 @@ def _check_host_memory(pkg: SwapPackage, host_modules: list[nn.Module], run: Any
                                        if run.device.type == "cuda" else stash)
     if run.activations == "auto" and plan is not None:
         # heavy operators' outputs the plan sends to host memory (atomc.runtime.opcache)
-        sent = run.accum * sum(s.sent_bytes for s in plan.submodels)
+        sent = hostmem.plan_sent_bytes(plan.submodels, run.accum)
         by_kind["activations_sent"] = (hostmem.pinned_allocation_bytes(sent)
                                        if run.device.type == "cuda" and sent else sent)
     held = sum(p.numel() * p.element_size() for m in host_modules for p in m.parameters()

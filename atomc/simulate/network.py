@@ -33,7 +33,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from atomc.actions import Action
+from atomc.actions import Action, directions
 
 INF = math.inf
 
@@ -173,34 +173,13 @@ class StageCosts:
     grads_in_bytes: int = 0  # the gradients of those values, coming back
 
 
-def message_directions(actions: Sequence[Action]) -> list[str | None]:
-    """For each S and R: "values" or "grads", by the rule of atomc.runtime.interpret: a
-    receive before its micro-batch's first forward brings values, a send before its first
-    backward sends values; later ones carry gradients."""
-    forwarded: set[int | None] = set()
-    backwarded: set[int | None] = set()
-    out: list[str | None] = []
-    for a in actions:
-        if a.kind == "R":
-            out.append("grads" if a.micro in forwarded else "values")
-        elif a.kind == "S":
-            out.append("grads" if a.micro in backwarded else "values")
-        else:
-            out.append(None)
-            if a.kind == "F":
-                forwarded.add(a.micro)
-            elif a.kind == "B":
-                backwarded.add(a.micro)
-    return out
-
-
 def pipeline_jobs(actions: Sequence[Action], costs: StageCosts, *, step: int, replica: int,
                   prev_device: int | None, next_device: int | None) -> list[Job]:
     """One stage's step (F, B, S, R actions of atomc.actions.orders) as jobs. Message keys
     name (step, replica, stage, micro-batch, what): the neighbouring stages' jobs meet on
     them."""
     jobs: list[Job] = []
-    for a, direction in zip(actions, message_directions(actions)):
+    for a, direction in zip(actions, directions(list(actions))):
         j, m = a.index, a.micro
         if a.kind == "F":
             jobs.append(("compute", costs.fwd_ns, "forward"))
@@ -254,4 +233,4 @@ def exchange_bytes_per_link(group_size: int, num_bytes: int) -> int:
 
 
 __all__ = ["INF", "Job", "Links", "NetworkSimulation", "StageCosts", "exchange_bytes_per_link",
-           "exchange_jobs", "message_directions", "pipeline_jobs", "simulate_programs"]
+           "exchange_jobs", "pipeline_jobs", "simulate_programs"]
