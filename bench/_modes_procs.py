@@ -329,7 +329,7 @@ def run_peers(args, work: Path, emu, name: str, pkg: Path, global_batch: int) ->
 
 def part_b(args, work: Path) -> list[str]:
     from atomc.compare import Setting, compare, hardware_models, machines_of
-    from atomc.compare.modes import placement_plan
+    from atomc.compare.costs import placement_plan
     from atomc.distributed import netem
     from atomc.ir import Profile
     from atomc.place import place

@@ -13,7 +13,7 @@ import pytest
 from atomc.actions import pipeline_order
 from atomc.cli import main
 from atomc.compare import Setting, compare, hardware_models, machines_of
-from atomc.compare.modes import local_steps
+from atomc.compare.peers import local_steps
 from atomc.ir import Profile
 from atomc.place.network import Device, Network
 from atomc.profile import profile_model

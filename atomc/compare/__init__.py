@@ -4,8 +4,9 @@
 
 The same global batch trained four ways (ATOM peers, DT-FM layouts with GPipe or 1F1B, SWARM),
 each timed by the simulators of the action lists its runtime executes (atomc.simulate.events
-for a swapped step, atomc.simulate.network for devices joined by links); see modes.py for what
-each mode does and costs.py for what the model costs on a device.
+for a swapped step, atomc.simulate.network for devices joined by links); see peers.py,
+layouts.py and swarm.py for what each mode does and costs.py for what the model costs on a
+device.
 
 Devices are the network file's: each names its hardware in `gpu` (a hardware profile of
 `atomc profiles`, or `cpu` for a host CPU), optionally its device memory (`memory_bytes`, default
@@ -21,16 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from atomc.compare.costs import HardwareModel, hardware_model
-from atomc.compare.modes import (
-    MODES,
-    Machine,
-    ModeResult,
-    Setting,
-    links_of,
-    predict_layouts,
-    predict_peers,
-    predict_swarm,
-)
+from atomc.compare.layouts import predict_layouts
+from atomc.compare.modes import MODES, Machine, ModeResult, Setting, links_of
+from atomc.compare.peers import predict_peers
+from atomc.compare.swarm import predict_swarm
 from atomc.device import names_cpu
 from atomc.errors import NetworkError, UsageError
 from atomc.ir import Profile

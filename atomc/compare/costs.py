@@ -247,6 +247,13 @@ def hardware_model(name: str, profile: Profile, *, slowdown: float = 1.0,
                          slowdown=slowdown, no_update=no_update)
 
 
+def placement_plan(ref: HardwareModel, micro: int):
+    """The units as a plan for `atomc place`: its message sizes per step (M micro-batches) and
+    its compute, backward without recomputation (resident stages)."""
+    return plan_from_cuts(ref.profile, block_cuts(ref.profile), accum=max(micro, 1),
+                          activations="keep")
+
+
 def host_memory_line(device: str, need: int, have: int) -> str:
     return (f"device {device}: a peer keeps the whole model on its host, "
             f"{format_bytes(need)} ({need} bytes: fp32 masters, AdamW moments, transfer "
@@ -255,4 +262,4 @@ def host_memory_line(device: str, need: int, have: int) -> str:
 
 
 __all__ = ["HardwareModel", "PeerPlan", "Unit", "block_cuts", "hardware_model",
-           "host_memory_line", "peer_step"]
+           "host_memory_line", "peer_step", "placement_plan"]
