@@ -36,9 +36,9 @@ def measured(monkeypatch):
     """Replace the benchmark with a counter; each call returns the next rate."""
     calls = []
 
-    def fake(beside_copies: bool = False) -> float:
+    def fake(beside_copies: bool = False, states: str = "float32") -> float:
         calls.append(beside_copies)
-        return 5.0 + len(calls)
+        return (5.0 + len(calls)) / (2 if states == "bfloat16" else 1)
 
     monkeypatch.setattr(host, "measure_adam_gbps", fake)
     return calls
@@ -62,7 +62,8 @@ def test_another_machine_identity_measures_again_and_both_are_kept(cache_dir, me
     real = host.machine_identity()
     other = {**real, "hostname": real["hostname"] + "-other", "torch_threads": 64}
     identity = [real]
-    monkeypatch.setattr(host, "machine_identity", lambda beside=False: identity[0])
+    monkeypatch.setattr(host, "machine_identity",
+                        lambda beside=False, states="float32": identity[0])
     assert host_adam_gbps()[0] == 6.0
     identity[0] = other
     assert host_adam_gbps()[0] == 7.0
@@ -176,6 +177,25 @@ def test_auto_for_a_measured_profile_measures_this_host(cache_dir, measured):
     assert resolve_cpu_adam("auto", profile) == (rate, source) and len(measured) == 1
 
 
+def test_bfloat16_moments_are_measured_and_cached_apart_from_float32(cache_dir, measured):
+    profile = replace(block_profile(num_blocks=1), mode="measured", device="cpu")
+    fused = resolve_cpu_adam("auto", profile)
+    low = resolve_cpu_adam("auto", profile, "bfloat16")
+    assert fused[0] == 6.0 and low[0] == 3.5 and "bfloat16 moments" in low[1]
+    assert resolve_cpu_adam("auto", profile, "bfloat16") == low and len(measured) == 2
+    assert len(json.loads((cache_dir / "host.json").read_text())["hosts"]) == 2
+
+
+def test_bfloat16_moments_on_an_estimated_profile_say_the_figure_is_for_float32(cache_dir,
+                                                                              measured):
+    profile = replace(block_profile(num_blocks=1), hardware=load_hardware("a100-80gb"))
+    rate, source = resolve_cpu_adam("auto", profile, "bfloat16")
+    assert rate == pytest.approx(21.1)
+    assert ", for float32 moments (the bfloat16-moment update was not measured" in source
+    assert "bfloat16" not in resolve_cpu_adam("auto", profile)[1]
+    assert not measured  # this host is not the target's
+
+
 # ---------------------------------------------------------------------------------------------
 # shipped figures and the real benchmark
 
@@ -195,3 +215,20 @@ def test_the_real_benchmark_gives_a_finite_positive_rate_quickly():
     took_s = time.perf_counter() - t0
     assert math.isfinite(rate) and rate > 0
     assert took_s < 5.0
+
+
+@SERIAL
+def test_the_real_benchmark_of_bfloat16_moments_runs_the_runtimes_chunked_update(monkeypatch):
+    from atomc.runtime import optim
+
+    calls = []
+    original = optim.LowMomentAdamW.step
+
+    def counted(self):
+        calls.append(1)
+        return original(self)
+
+    monkeypatch.setattr(optim.LowMomentAdamW, "step", counted)
+    rate = measure_adam_gbps(num_params=1 << 22, states="bfloat16")
+    assert math.isfinite(rate) and rate > 0
+    assert len(calls) == 2 + host.BENCH_STEPS

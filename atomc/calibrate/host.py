@@ -1,14 +1,16 @@
 """The host's CPU AdamW rate for the cost model: `--cpu-adam-gbps auto`.
 
-Input: the `--cpu-adam-gbps` value and the profile being partitioned. Output: a rate in GB/s
-of fp32 master bytes (optimizer time = 4 bytes x parameters / rate) and a sentence saying
-where it comes from, for the plan's notes.
+Input: the `--cpu-adam-gbps` value, the profile being partitioned and the dtype of AdamW's
+moments (`--optimizer-states`). Output: a rate in GB/s of fp32 master bytes (optimizer time =
+4 bytes x parameters / rate) and a sentence saying where it comes from, for the plan's notes.
 
 - A measured profile is partitioned for this machine, so "auto" measures this machine: a short
   benchmark of the runtime's own CPU AdamW (atomc.runtime.optim), cached per machine in
   `$ATOMC_CACHE_DIR/host.json` (default `~/.cache/atomc`).
 - An estimated profile is for a target GPU that is not here, so "auto" takes the host figure
-  of its hardware profile (`host_adam_gbps`, with its source in `sources`).
+  of its hardware profile (`host_adam_gbps`, with its source in `sources`). That figure is
+  torch's fused float32 update; for bfloat16 moments the sentence says so (the chunked update
+  was not measured on that host).
 - A calibrated profile (`atomc calibrate`) carries the rate of the runtime's own updates,
   measured in training steps; "auto" takes it.
 - A number is taken as given.
@@ -44,14 +46,40 @@ BENCH_TENSORS = 4
 BENCH_STEPS = 5
 
 
+def _bench_optimizer(master, grad, size: int, states: str):
+    """The runtime's optimizer over BENCH_TENSORS weights of `size`, views of `master`."""
+    import torch
+
+    from atomc.partition import hostmem
+    from atomc.runtime.optim import AdamWConfig, LowMomentAdamW
+
+    params = []
+    for i in range(BENCH_TENSORS):
+        p = torch.nn.Parameter(master[i * size:(i + 1) * size])
+        p.grad = grad[i * size:(i + 1) * size]
+        params.append(p)
+    config = AdamWConfig(states=states)
+    if states == "float32":
+        return torch.optim.AdamW(params, **config.torch_kwargs())
+    n = master.numel()
+    moments = [torch.zeros(n, dtype=getattr(torch, states))
+               for _ in range(hostmem.MOMENTS_PER_WEIGHT)]
+    scratch = [torch.zeros(hostmem.moment_scratch_numel([n]), dtype=master.dtype)
+               for _ in range(hostmem.MOMENTS_PER_WEIGHT)]
+    wheres = [slice(i * size, (i + 1) * size) for i in range(BENCH_TENSORS)]
+    return LowMomentAdamW([{"params": params, "weight_decay": config.weight_decay}], wheres,
+                          master, grad, moments, scratch, config, hostmem.MOMENT_CHUNK)
+
+
 def measure_adam_gbps(num_params: int = BENCH_PARAMS, num_steps: int = BENCH_STEPS,
-                      beside_copies: bool = False) -> float:
+                      beside_copies: bool = False, states: str = "float32") -> float:
     """GB/s of fp32 master bytes that the runtime's CPU AdamW updates on this machine.
 
     The runtime's path exactly: `torch.optim.AdamW` with the runtime's default settings
     (AdamWConfig: the fused CPU kernel), parameters that are views of one flat master with
-    gradients that are views of one flat gradient buffer. Two steps first (the first
-    allocates the moments), then the median of `num_steps` timed steps.
+    gradients that are views of one flat gradient buffer; with `states="bfloat16"`, the
+    runtime's LowMomentAdamW over the same views. Two steps first (the first allocates the
+    moments), then the median of `num_steps` timed steps.
 
     `beside_copies` (CUDA): while pinned copies run to and from the GPU, as the swap runtime's
     loads and gradient offloads do through the backward its updates overlap. Both read and
@@ -60,18 +88,11 @@ def measure_adam_gbps(num_params: int = BENCH_PARAMS, num_steps: int = BENCH_STE
     """
     import torch
 
-    from atomc.runtime.optim import AdamWConfig
-
     size = max(1, num_params // BENCH_TENSORS)
     master = torch.zeros(size * BENCH_TENSORS, dtype=torch.float32)
     # a normal-range gradient: subnormal moments would time the CPU's slow path
     grad = torch.full_like(master, 1e-3)
-    params = []
-    for i in range(BENCH_TENSORS):
-        p = torch.nn.Parameter(master[i * size:(i + 1) * size])
-        p.grad = grad[i * size:(i + 1) * size]
-        params.append(p)
-    optimizer = torch.optim.AdamW(params, **AdamWConfig().torch_kwargs())
+    optimizer = _bench_optimizer(master, grad, size, states)
 
     def timed_steps() -> list[float]:
         for _ in range(2):
@@ -129,7 +150,7 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def machine_identity(beside_copies: bool = False) -> dict[str, Any]:
+def machine_identity(beside_copies: bool = False, states: str = "float32") -> dict[str, Any]:
     """What the rate depends on: a cached rate is reused only for the same values."""
     import torch
 
@@ -138,7 +159,8 @@ def machine_identity(beside_copies: bool = False) -> dict[str, Any]:
     return {"hostname": socket.gethostname(), "machine": platform.machine(),
             "processor": _cpu_model(), "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "adamw_impl": AdamWConfig().impl, "beside_copies": beside_copies}
+            "adamw_impl": AdamWConfig().impl, "beside_copies": beside_copies,
+            "states": states}
 
 
 def _identity_key(identity: dict[str, Any]) -> str:
@@ -146,8 +168,10 @@ def _identity_key(identity: dict[str, Any]) -> str:
 
 
 def _describe(identity: dict[str, Any]) -> str:
+    states = identity.get("states", "float32")
     return (f"{identity['hostname']}: {identity['processor'] or identity['machine']}, "
             f"{identity['torch_threads']} torch threads, torch {identity['torch']}"
+            + (f", {states} moments" if states != "float32" else "")
             + (", beside copies to and from the GPU" if identity.get("beside_copies") else ""))
 
 
@@ -175,35 +199,42 @@ def _valid_rate(entry: Any) -> float | None:
     return float(rate) if math.isfinite(rate) and rate > 0 else None
 
 
-def host_adam_gbps(for_cuda: bool = False) -> tuple[float, str]:
-    """This machine's CPU AdamW rate (GB/s of fp32 masters) and where it comes from.
+def host_adam_gbps(for_cuda: bool = False, states: str = "float32") -> tuple[float, str]:
+    """This machine's CPU AdamW rate (GB/s of fp32 masters) and where it comes from, for
+    moments kept in `states`.
 
     `for_cuda`: the plan swaps to a GPU, so the updates are timed beside copies to and from
     it where CUDA is here (see measure_adam_gbps). Measured once per machine identity and
     kept in the cache file; machines that share a home directory keep separate entries. A
     cache that cannot be written still gives the rate.
     """
+    entry, where = _cached_entry(for_cuda, states)
+    return float(entry["adam_gbps"]), where
+
+
+def _cached_entry(for_cuda: bool, states: str) -> tuple[dict[str, Any], str]:
     import torch
 
     beside = for_cuda and torch.cuda.is_available()
     path = cache_path()
-    identity = machine_identity(beside)
+    identity = machine_identity(beside, states)
     key = _identity_key(identity)
     hosts = _read_cache(path)
     where = f"measured on this host ({_describe(identity)}), cached in {path}"
-    rate = _valid_rate(hosts.get(key))
-    if rate is not None:
-        return rate, where
-    rate = measure_adam_gbps(beside_copies=beside)
+    entry = hosts.get(key)
+    if _valid_rate(entry) is not None:
+        return entry, where
+    entry = {"adam_gbps": measure_adam_gbps(beside_copies=beside, states=states),
+             "identity": identity, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     hosts = {k: v for k, v in hosts.items() if _valid_rate(v) is not None}
-    hosts[key] = {"adam_gbps": rate, "identity": identity,
-                  "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    hosts[key] = entry
     try:
         write_atomic(path, json.dumps({"version": CACHE_VERSION, "hosts": hosts}, indent=1))
     except OSError as e:
-        return rate, (f"measured on this host ({_describe(identity)}); not cached: cannot "
-                      f"write {path} ({e.strerror or e}); set ${CACHE_ENV} to a writable folder")
-    return rate, where
+        return entry, (f"measured on this host ({_describe(identity)}); not cached: cannot "
+                       f"write {path} ({e.strerror or e}); set ${CACHE_ENV} to a writable "
+                       f"folder")
+    return entry, where
 
 
 def _host_source(hardware: HardwareProfile) -> str:
@@ -213,8 +244,10 @@ def _host_source(hardware: HardwareProfile) -> str:
     return ""
 
 
-def resolve_cpu_adam(value: str | float, profile: Profile) -> tuple[float, str]:
-    """`--cpu-adam-gbps` -> (rate in GB/s of fp32 masters, where it comes from)."""
+def resolve_cpu_adam(value: str | float, profile: Profile,
+                     states: str = "float32") -> tuple[float, str]:
+    """`--cpu-adam-gbps` -> (rate in GB/s of fp32 masters, where it comes from), for AdamW's
+    moments kept in `states` (`--optimizer-states`)."""
     expected = ('give "auto" (measure this host, or take an estimated profile\'s host figure) '
                 'or a rate in GB/s of fp32 master weights (0 leaves the optimizer out of the '
                 'model)')
@@ -225,7 +258,7 @@ def resolve_cpu_adam(value: str | float, profile: Profile) -> tuple[float, str]:
                                        f"{cal.num_steps} steps of plan {cal.plan_hash} on "
                                        f"{cal.device}")
         if profile.mode != "estimated":
-            return host_adam_gbps(for_cuda=profile.device.startswith("cuda"))
+            return host_adam_gbps(for_cuda=profile.device.startswith("cuda"), states=states)
         hw = profile.hardware
         if hw is None:
             raise UsageError(f"--cpu-adam-gbps auto: the profile is estimated for "
@@ -239,7 +272,14 @@ def resolve_cpu_adam(value: str | float, profile: Profile) -> tuple[float, str]:
                              f"--cpu-adam-gbps 8, or 0 to leave the optimizer out of the model")
         source = f"host figure of hardware profile {hw.name}"
         sentence = _host_source(hw)
-        return float(hw.host_adam_gbps), f"{source}: {sentence}" if sentence else source
+        rate = float(hw.host_adam_gbps)
+        if states != "float32":
+            # that host's chunked update was not measured, and this host's ratio says little
+            # of it: the fused update is memory-bound there, while the chunked one moves
+            # fewer DRAM bytes (its float32 scratch stays in cache) in more passes
+            source += (f", for float32 moments (the {states}-moment update was not measured "
+                       f"on that host; `atomc calibrate` measures the run's own)")
+        return rate, f"{source}: {sentence}" if sentence else source
     if isinstance(value, bool):
         raise UsageError(f"--cpu-adam-gbps {value!r} is not a rate; {expected}")
     try:

@@ -83,7 +83,8 @@ def run_partition(args: argparse.Namespace) -> int:
     capacity = parse_size(args.gpu_mem, "--gpu-mem")
     reserve = parse_size(args.reserve, "--reserve")
     profile = Profile.load(args.profile)
-    cpu_adam, cpu_adam_source = resolve_cpu_adam(args.cpu_adam_gbps, profile)
+    cpu_adam, cpu_adam_source = resolve_cpu_adam(args.cpu_adam_gbps, profile,
+                                                args.optimizer_states)
     plan = partition(profile, capacity, reserve_bytes=reserve, accum=args.accum,
                      max_accum=args.max_accum, activations=args.activations,
                      fold_blocks=not args.no_fold, cpu_adam_gbps=cpu_adam,
