@@ -26,7 +26,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layout", default=os.environ.get("ATOMC_LAYOUT"),
                    help="layout JSON (atomc place); default: $ATOMC_LAYOUT, set by `atomc launch`")
     p.add_argument("--network", default=os.environ.get("ATOMC_NETWORK"),
-                   help="the layout's network JSON (link delays for --emulate-delay)")
+                   help="the layout's network JSON: link delays for --emulate-delay, and each "
+                   "device's memory_bytes (stages that do not fit run swapped); default: "
+                   "$ATOMC_NETWORK, set by `atomc launch --network`")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--global-batch", type=int, default=None,
                    help="samples per optimizer step over all replicas "
@@ -45,7 +47,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-seed", type=int, default=1234)
     p.add_argument("--swap-stages", default="", help="comma-separated stages to run swapped")
     p.add_argument("--memory-budget", default=None,
-                   help="device memory per stage, e.g. 8GiB: stages that do not fit run swapped")
+                   help="device memory per stage, e.g. 8GiB: stages that do not fit run swapped "
+                   "(default: the device's memory_bytes in --network, else a CUDA device's total "
+                   "memory, less --memory-reserve)")
+    p.add_argument("--memory-reserve", default=None,
+                   help="left free of the device's memory when no --memory-budget is given, "
+                   "e.g. 1GiB (default: the plan's reserve, atomc partition --reserve)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--metrics", default=None, help="append one JSON line per step here (replica 0)")
@@ -108,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             swap_stages=tuple(int(s) for s in args.swap_stages.split(",") if s.strip()),
             memory_budget_bytes=(parse_size(args.memory_budget, "--memory-budget")
                                  if args.memory_budget else None),
+            memory_reserve_bytes=(parse_size(args.memory_reserve, "--memory-reserve")
+                                  if args.memory_reserve else None),
             checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
             dp_reduce=args.dp_reduce, emulate_delay=args.emulate_delay, timeout_s=args.timeout,
             seed=args.seed, metrics_path=args.metrics)

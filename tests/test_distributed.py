@@ -261,15 +261,44 @@ def test_layout_equals_single_process(work: dict, pp: int, dp: int, extra: list[
 def test_swapped_stages_in_layout(work: dict) -> None:
     """Stages 0 (tied wte), 2 (receives sizes and tensors cut inside attention) and 3 (model
     output, tied lm_head) run with the swap runtime inside a 4 x 1 layout; stage 1 stays
-    resident."""
+    resident. Stage 0 is named; the others swap because the network says how much memory the
+    devices have: stage 3 does not fit under 1F1B, so the layout runs GPipe, and stage 2, which
+    fits 1F1B's two micro-batches in flight but not GPipe's four, swaps too."""
+    from atomc.distributed.runner import plan_resident_bytes
+
+    plan, ranges = work["plan"], load_layout(work["layouts"][(4, 1)]).stage_ranges
+    M = GLOBAL // MICRO
+
+    def need(j: int, schedule: str) -> int:
+        order = gpipe(M, j, 4) if schedule == "gpipe" else one_f_one_b(M, j, 4)
+        return plan_resident_bytes(plan, *ranges[j], max_in_flight(order))
+
+    memory = (need(2, "1f1b") + need(2, "gpipe")) // 2
+    assert need(2, "1f1b") <= memory < need(2, "gpipe") and need(3, "1f1b") > memory
+    assert need(1, "gpipe") <= memory and plan.reserve_bytes == 0
+    n = 4
+    net = network_from_data(
+        {"devices": [{"name": f"m{i}", "region": "r0", "memory_bytes": memory} for i in range(n)],
+         "delay_ms": [[0.0 if i == j else 10.0 for j in range(n)] for i in range(n)],
+         "bandwidth_gbps": [[0.0 if i == j else 10.0 for j in range(n)] for i in range(n)]},
+        "network with memory")
+    net_path, layout = work["dir"] / "net_memory.json", work["dir"] / "layout_memory.json"
+    net.save(net_path)
+    place(net, 4, 1, plan=plan, budget_s=0.2, compare_random=False).save(layout)
     out = work["dir"] / "run_swap"
-    argv, env = torchrun_command(work["layouts"][(4, 1)],
-                                 _train_args(work, out, "--dtype", "float64", "--swap-stages",
-                                             "0,2,3", "--schedule", "1f1b"))
+    argv, env = torchrun_command(layout, _train_args(work, out, "--dtype", "float64",
+                                                     "--swap-stages", "0", "--schedule", "1f1b"),
+                                 network=net_path)
     r = run_bounded(argv, env, 240)
     assert r.returncode == 0, r.stdout[-4000:]
     # ATOM's order inside a swapped stage: GPipe around it
-    assert r.stdout.count("swapped, gpipe") == 3
+    assert r.stdout.count("swapped, gpipe") == 3 and r.stdout.count("resident, gpipe") == 1
+    assert "stage 0 swapped: named in swap_stages" in r.stdout
+    assert "stage 1 resident: " in r.stdout
+    for j, schedule in ((3, "1f1b"), (2, "gpipe")):
+        line = next(x for x in r.stdout.splitlines() if f"stage {j} swapped: " in x)
+        assert f"under {schedule}, over " in line and "memory_bytes in the network" in line
+    assert "schedule gpipe instead of 1f1b" in r.stdout
     _compare(out, 4, STEPS, torch.float64, param_tol=1e-9, loss_tol=1e-9)
 
 

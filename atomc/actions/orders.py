@@ -2,8 +2,10 @@
 
 `atom_order` is the swap runtime's step (ATOM Fig. 12, DESIGN 7); `gpipe` and `one_f_one_b`
 are one pipeline stage's step in the layout runner (DESIGN 8); `swapped_stage_order` is a
-layout stage's step when its sub-models are swapped. The lists are in issue order:
-a runtime executes them front to back, and the simulator times them in that order.
+layout stage's step when its sub-models are swapped. `pipedream` is a baseline that only the
+simulator times (atomc.compare): asynchronous 1F1B over several steps, which no atomc runtime
+executes (it would have to stash weight versions). The lists are in issue order: a runtime
+executes them front to back, and the simulator times them in that order.
 """
 
 from __future__ import annotations
@@ -90,12 +92,38 @@ def one_f_one_b(num_micro: int, stage: int, num_stages: int) -> list[Action]:
     warm-up forwards, then alternates one forward and one backward, then drains backwards.
     At most D_PP - j micro-batches are in flight on stage j instead of GPipe's M."""
     _check(num_micro, num_stages, "stage", stage)
+    return _with_wires(_one_f_one_b_items(num_micro, stage, num_stages), stage, num_stages)
+
+
+def _one_f_one_b_items(num_micro: int, stage: int, num_stages: int) -> list[tuple[str, int]]:
     warm = min(num_stages - stage - 1, num_micro)
     order = [("F", m) for m in range(warm)]
     for m in range(num_micro - warm):
         order += [("F", warm + m), ("B", m)]
-    order += [("B", m) for m in range(num_micro - warm, num_micro)]
-    return _with_wires(order, stage, num_stages)
+    return order + [("B", m) for m in range(num_micro - warm, num_micro)]
+
+
+def pipedream(num_micro: int, stage: int, num_stages: int, num_steps: int) -> list[Action]:
+    """PipeDream (Narayanan et al., SOSP 2019): asynchronous 1F1B over `num_steps` steps of
+    `num_micro` micro-batches each, numbered on across the steps (step s holds s x num_micro
+    to (s + 1) x num_micro - 1). Stage j runs D_PP - j - 1 warm-up forwards once, then one
+    forward and one backward in turn across the step boundaries, with no flush between steps,
+    and drains only at the end. Each backward is followed by the stage's weight update (U):
+    PipeDream updates after every mini-batch, a micro-batch here, and stashes the weight
+    version each in-flight micro-batch's forward used for its backward, so stage j holds up to
+    D_PP - j versions and D_PP - j micro-batches' activations. The update comes after the
+    backward's gradients have gone back. A step ends on a stage at the U after its last
+    micro-batch's backward, the one numbered (s + 1) x num_micro - 1 for step s."""
+    _check(num_micro, num_stages, "stage", stage)
+    if num_steps < 1:
+        raise ValueError(f"a PipeDream order needs at least one step (got {num_steps})")
+    out = []
+    for kind, m in _one_f_one_b_items(num_micro * num_steps, stage, num_stages):
+        # the update after the gradients have gone back
+        out += _with_wires([(kind, m)], stage, num_stages)
+        if kind == "B":
+            out.append(Action("U", stage))
+    return out
 
 
 def pipeline_order(name: str, num_micro: int, stage: int, num_stages: int) -> list[Action]:
@@ -122,14 +150,18 @@ def swapped_stage_order(k: int, num_micro: int, stage: int,
                         holds_output: bool) -> list[Action]:
     """A swapped stage's step: receive every micro-batch, run ATOM's forward over the stage's k
     sub-models, send, then the same for the gradients in reverse. The stage's last sub-model
-    is the loss's (forward and backward per micro-batch) only when it holds the output."""
+    is the loss's (forward and backward per micro-batch) only when it holds the output.
+
+    An L for every load the swap executor makes, as in `atom_order`: sub-model i uses slot
+    i % 2, the previous step's updates changed every sub-model, so each is loaded before its
+    first forward (P_0 too, with k = 1); the last two are still in their slots for their
+    backward, and every other one is loaded again while the one after it runs its backward."""
     M = range(num_micro)
     first = stage == 0
     order = [] if first else [Action("R", stage, m) for m in M]
+    order.append(Action("L", 0))
     top = k - 1 if holds_output else k
     for i in range(top):
-        if i == 0:
-            order.append(Action("L", 0))
         if i + 1 < k:
             order.append(Action("L", i + 1))
         order += [Action("F", i, m) for m in M]
@@ -141,7 +173,7 @@ def swapped_stage_order(k: int, num_micro: int, stage: int,
         order += [Action("S", stage, m) for m in M]
         order += [Action("R", stage, m) for m in M]
     for i in range(top - 1 if holds_output else k - 1, -1, -1):
-        if i > 0:
+        if 0 < i < k - 1:  # P_{i-1} is in the slot P_{i+1} took over
             order.append(Action("L", i - 1))
         order += [Action("B", i, m) for m in M]
         order.append(Action("O", i))

@@ -52,7 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _launch_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--network", help="the layout's network JSON, passed on as $ATOMC_NETWORK")
+    p.add_argument("--network", help="the layout's network JSON, passed on as $ATOMC_NETWORK: "
+                   "its link delays, and its devices' memory_bytes, which stages that do not fit "
+                   "run swapped against")
     p.add_argument("--nnodes", type=int, default=1, help="machines taking part (default 1)")
     p.add_argument("--nproc-per-node", type=int,
                    help="processes on this machine (default: tasklets / nnodes)")

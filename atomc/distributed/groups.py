@@ -38,6 +38,8 @@ class LayoutView:
     # one-way delay (ms) and bandwidth (Gbit/s) between devices, when the layout carries its network
     delay_ms: dict[tuple[str, str], float] = field(default_factory=dict)
     bandwidth_gbps: dict[tuple[str, str], float] = field(default_factory=dict)
+    # device -> its memory, for the devices whose network entry gives `memory_bytes`
+    memory_bytes: dict[str, int] = field(default_factory=dict)
     predicted: dict[str, float] = field(default_factory=dict)  # atomc place's cost, seconds
     source: str = "<layout>"
     digest: str = ""
@@ -101,8 +103,8 @@ class LayoutView:
 def layout_view(obj: Any, source: str = "<layout>", network: Any = None) -> LayoutView:
     """A LayoutView from an `atomc.place` Layout document, its file, or a LayoutView.
 
-    `network` (a Network or its file) adds the link delays and bandwidths; it must be the
-    network the layout was placed on.
+    `network` (a Network or its file) adds the link delays and bandwidths and the devices'
+    memory; it must be the network the layout was placed on.
     """
     if isinstance(obj, LayoutView):
         return obj
@@ -141,7 +143,7 @@ def _from_document(doc: Any, source: str, network: Any = None) -> LayoutView:
     devices = tuple(tuple(doc.devices[j][i] for j in range(pp)) for i in range(dp))
     ranges = tuple(tuple(st.submodels) for st in doc.stages) if all(
         st.submodels is not None for st in doc.stages) else ()
-    delay, bandwidth = {}, {}
+    delay, bandwidth, memory = {}, {}, {}
     if network is not None:
         net = network if isinstance(network, Network) else load_network(network)
         if net.content_hash() != doc.network_hash:
@@ -155,10 +157,12 @@ def _from_document(doc: Any, source: str, network: Any = None) -> LayoutView:
                 if a != b:
                     delay[(na, nb)] = float(net.delay_ms[a][b])
                     bandwidth[(na, nb)] = float(net.bandwidth_gbps[a][b])
+        memory = {d.name: int(d.memory_bytes) for d in net.devices if d.memory_bytes is not None}
     predicted = {"dp_s": doc.cost.dp_s, "pp_s": doc.cost.pp_s, "total_s": doc.cost.total_s}
     view = LayoutView(pp=pp, dp=dp, stage_ranges=ranges, devices=devices,
                       plan_hash=doc.plan_hash or "", delay_ms=delay, bandwidth_gbps=bandwidth,
-                      predicted=predicted, source=source, digest=doc.content_hash())
+                      memory_bytes=memory, predicted=predicted, source=source,
+                      digest=doc.content_hash())
     return view.check() if ranges else view
 
 

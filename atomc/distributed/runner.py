@@ -16,6 +16,14 @@ One step on rank (replica i, stage j):
      an all-reduce, or DT-FM's sharded exchange over point-to-point sends) - not DDP;
   5. optional global-norm clipping (the norm summed over the stages), then the optimizer.
 
+Resident or swapped: a stage runs swapped when `swap_stages` names it or when, kept resident
+(weights, gradients, AdamW moments and the activations of its micro-batches in flight), it does
+not fit its device's memory budget: `memory_budget_bytes` when given, else the device's
+`memory_bytes` in the layout's network, else a CUDA device's total memory, each of the last two
+less a reserve (the plan's, as `atomc partition --reserve`). Any swapped stage makes the layout
+run GPipe, and the stages are decided again for GPipe's micro-batches in flight
+(`decide_swaps`); rank 0 logs each stage's decision and why.
+
 Checkpoints: every `checkpoint_every` steps each rank writes its tasklet's state (weights,
 optimizer, step) to `DIR/step_NNNNNNNN/replica_I.stage_J.pt` atomically (temporary file, fsync,
 rename, with a checksum), all ranks meet at a barrier, and each keeps its two newest files. A
@@ -59,9 +67,11 @@ from atomc.distributed.stage import (
 )
 from atomc.distributed.swapstage import make_stage
 from atomc.errors import AtomcError, LayoutError, RuntimeMismatchError, UsageError
+from atomc.ir import Plan
 from atomc.runtime.optim import AdamWConfig
 from atomc.runtime.package import SwapPackage, load_swap_package
 from atomc.runtime.rng import RNG_VALUE
+from atomc.units import format_bytes
 
 TAG_DP = 21
 TAG_TIED = 23
@@ -79,7 +89,10 @@ class LayoutConfig:
     device: str = "cpu"  # "cpu" or "cuda" (this rank's LOCAL_RANK-th GPU)
     dtype: str | None = None  # "float64" to train in double precision (tests)
     swap_stages: tuple[int, ...] = ()  # stages to run with the swap executor whatever their size
-    memory_budget_bytes: int | None = None  # per device; stages that do not fit are swapped
+    # per device; stages that do not fit are swapped. None: the device's memory (the network's
+    # memory_bytes, else a CUDA device's total) less `memory_reserve_bytes`
+    memory_budget_bytes: int | None = None
+    memory_reserve_bytes: int | None = None  # None: the plan's reserve (atomc partition --reserve)
     checkpoint_dir: str | Path | None = None
     checkpoint_every: int = 0  # steps; 0: never
     keep_checkpoints: int = 2
@@ -97,6 +110,10 @@ class LayoutConfig:
                              f"{', '.join(PIPELINE_ORDERS)}")
         if self.dp_reduce not in ("auto", "allreduce", "p2p"):
             raise UsageError(f"dp_reduce {self.dp_reduce!r}: choose auto, allreduce or p2p")
+        for name in ("memory_budget_bytes", "memory_reserve_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise UsageError(f"{name} is {value}; give a size of 0 bytes or more")
 
 
 def check_package(pkg: SwapPackage, layout: LayoutView) -> LayoutView:
@@ -127,6 +144,7 @@ class LayoutTrainer(TaskletCheckpoints):
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         world_rank = int(os.environ.get("RANK", "0"))
         check_world(self.layout, world_size, world_rank)  # before any rendezvous: fail fast
+        forced = self._forced_swaps()
         if cfg.emulate_delay and not self.layout.delay_ms:
             raise UsageError("emulating link delays needs the layout's network: "
                              "give --network NET.json")
@@ -134,6 +152,17 @@ class LayoutTrainer(TaskletCheckpoints):
         self.layout = check_package(self.pkg, self.layout)
         self.opt_cfg = AdamWConfig.coerce(cfg.optimizer)
         self.dtype = stage_dtype(cfg.dtype)
+        self._batch_split()  # a batch that does not split stops every rank here
+        self.plan = package_plan(self.pkg)
+        self.reserve = (cfg.memory_reserve_bytes if cfg.memory_reserve_bytes is not None
+                        else self.plan.reserve_bytes)
+        # the network's figures, on every rank before any rendezvous: a device the reserve
+        # leaves nothing of stops them all with the same line
+        in_layout = {d for row in self.layout.devices for d in row}
+        self.network_budgets = {
+            name: device_budget(name, cfg.memory_budget_bytes, memory,
+                                "memory_bytes in the network", self.reserve)
+            for name, memory in sorted(self.layout.memory_bytes.items()) if name in in_layout}
 
         self.device = self._device()
         if not dist.is_initialized():
@@ -146,21 +175,22 @@ class LayoutTrainer(TaskletCheckpoints):
         self._agree_on_package()
 
         j = self.place.stage
-        self.spec = cut_stages(self.pkg, self.layout.stage_ranges)[j]
+        self.specs = cut_stages(self.pkg, self.layout.stage_ranges)
+        self.spec = self.specs[j]
         tied_sets = self._tied_stage_sets()
         self.groups: Groups = build_groups(self.place, list(tied_sets.values()))
         self.tied_sets = tied_sets  # FQN -> stages holding it
 
-        swapped = self._decide_swap()
-        self.stage: LayoutStage = make_stage(swapped, self.pkg, self.spec, self.device, loss_fn,
-                                             self.opt_cfg, dtype=self.dtype, seed=cfg.seed)
-        flags: list[Any] = [None] * world_size
-        dist.all_gather_object(flags, swapped)
-        self.schedule_name = cfg.schedule
-        if any(flags) and cfg.schedule != "gpipe":
-            # a swapped stage runs each sub-model over all micro-batches (ATOM's order): only GPipe
-            # lets its neighbours wait for that without a deadlock
-            self.schedule_name = "gpipe"
+        # every rank decides every stage from the budgets of all devices: the same decision
+        budgets: list[Any] = [None] * world_size
+        dist.all_gather_object(budgets, self._device_budget())
+        by_stage = [[budgets[self.place.world(i, s)] for i in range(self.layout.dp)]
+                    for s in range(self.layout.pp)]
+        self.swap = decide_swaps(cfg.schedule, by_stage, forced, self.resident_need)
+        self.schedule_name = self.swap.schedule
+        self.stage: LayoutStage = make_stage(j in self.swap.swapped, self.pkg, self.spec,
+                                             self.device, loss_fn, self.opt_cfg, dtype=self.dtype,
+                                             seed=cfg.seed)
         self.params = self.stage.named_parameters()
 
         delays = {}
@@ -243,18 +273,32 @@ class LayoutTrainer(TaskletCheckpoints):
                 out[fqn] = stages
         return out
 
-    def _decide_swap(self) -> bool:
-        if self.place.stage in self.cfg.swap_stages:
-            return True
-        budget = self.cfg.memory_budget_bytes
-        if budget is None:
-            return False
-        return (stage_resident_bytes(self.pkg, self.spec, self.cfg, self.schedule_in_flight())
-                > budget)
+    def _forced_swaps(self) -> tuple[int, ...]:
+        pp = self.layout.pp
+        bad = sorted({s for s in self.cfg.swap_stages if not 0 <= s < pp})
+        if bad:
+            raise UsageError(f"swap_stages names stages {bad}, but {self.layout.source} has stages "
+                             f"0..{pp - 1}; name stages of the layout")
+        return tuple(self.cfg.swap_stages)
 
-    def schedule_in_flight(self) -> int:
-        return max_in_flight(pipeline_order(self.cfg.schedule, self.num_micro, self.spec.index,
-                                            self.spec.num_stages))
+    def _device_budget(self) -> DeviceBudget:
+        """This rank's memory budget (`device_budget`): its device's memory is the network's
+        `memory_bytes` for it, else a CUDA device's total memory."""
+        name = self.place.device_name
+        if name in self.network_budgets:
+            return self.network_budgets[name]
+        total = source = None
+        if self.device.type == "cuda":
+            props = torch.cuda.get_device_properties(self.device)
+            total, source = props.total_memory, f"the total memory of {self.device} ({props.name})"
+        return device_budget(name, self.cfg.memory_budget_bytes, total, source or "",
+                             self.reserve)
+
+    def resident_need(self, stage: int, schedule: str) -> tuple[int, int]:
+        """(bytes, micro-batches in flight) of stage `stage` kept resident under `schedule`."""
+        flight = max_in_flight(pipeline_order(schedule, self.num_micro, stage, self.layout.pp))
+        spec = self.specs[stage]
+        return plan_resident_bytes(self.plan, spec.start, spec.stop, flight), flight
 
     @property
     def num_micro(self) -> int:
@@ -440,13 +484,103 @@ class StageIO:
 
 def stage_resident_bytes(pkg: SwapPackage, spec: StageSpec, cfg: LayoutConfig,
                          in_flight: int) -> int:
-    """Device bytes a resident stage needs: weights, gradients and two AdamW moments of its
-    sub-models, plus the activations of the micro-batches in flight (the plan's peaks)."""
-    plan = package_plan(pkg)
-    subs = plan.submodels[spec.start:spec.stop]
+    """Device bytes a resident stage needs (`plan_resident_bytes` of the package's plan)."""
+    return plan_resident_bytes(package_plan(pkg), spec.start, spec.stop, in_flight)
+
+
+def plan_resident_bytes(plan: Plan, start: int, stop: int, in_flight: int) -> int:
+    """Device bytes a resident stage over sub-models [start, stop) needs: weights, gradients
+    and two AdamW moments, plus the activations of the micro-batches in flight (the plan's
+    peaks)."""
+    subs = plan.submodels[start:stop]
     weights = sum(s.param_bytes for s in subs)
     acts = sum(max(s.peak_bytes - s.param_bytes, 0) for s in subs) // max(plan.accum, 1)
     return 4 * weights + acts * max(in_flight, 1)
+
+
+@dataclass(frozen=True)
+class DeviceBudget:
+    """The device bytes one rank's stage may hold, and where that figure comes from."""
+
+    device: str  # the layout's name of the device
+    bytes: int | None  # None: no figure known
+    source: str
+
+
+def device_budget(device: str, configured: int | None, memory: int | None, source: str,
+                  reserve: int) -> DeviceBudget:
+    """A device's budget: the configured one as it is, else its `memory` (from `source`) less
+    `reserve`; no figure when neither is known. A memory the reserve leaves nothing of is an
+    error."""
+    if configured is not None:
+        return DeviceBudget(device, configured, "the configured memory budget")
+    if memory is None:
+        return DeviceBudget(device, None, "")
+    if memory <= reserve:
+        raise UsageError(f"device {device} has {format_bytes(memory)} ({source}), and "
+                         f"the reserve of {format_bytes(reserve)} leaves nothing of it; give a "
+                         f"smaller reserve (--memory-reserve) or a budget (--memory-budget)")
+    return DeviceBudget(device, memory - reserve, f"{format_bytes(memory)} from {source}, less "
+                                                  f"the reserve of {format_bytes(reserve)}")
+
+
+@dataclass(frozen=True)
+class SwapDecision:
+    """Which stages run swapped, the schedule every stage runs, and why (one line a stage)."""
+
+    swapped: frozenset[int]
+    schedule: str
+    reasons: tuple[str, ...]  # per stage
+
+    def lines(self, configured: str) -> list[str]:
+        out = [f"stage {j} {'swapped' if j in self.swapped else 'resident'}: {why}"
+               for j, why in enumerate(self.reasons)]
+        if self.schedule != configured:
+            out.append(f"schedule {self.schedule} instead of {configured}: a swapped stage runs "
+                       f"every micro-batch through each sub-model in turn, which only GPipe's "
+                       f"neighbours wait for")
+        return out
+
+
+def decide_swaps(schedule: str, budgets: list[list[DeviceBudget]], forced: tuple[int, ...],
+                 need: Callable[[int, str], tuple[int, int]]) -> SwapDecision:
+    """The stages that run swapped and the schedule that runs.
+
+    `budgets[j]`: the budgets of the devices of stage j's replicas; `need(j, schedule)`: the
+    bytes stage j needs resident under `schedule`, and its micro-batches in flight. A stage
+    swaps, on every replica (their gradients are reduced as one flat buffer, in the order its
+    kind of stage keeps them), when `forced` names it or it does not fit one replica's budget.
+    A swapped stage makes the layout run GPipe, where a resident stage holds every micro-batch
+    in flight, more than under 1F1B: the stages are then decided again under GPipe, so that
+    a stage that fits 1F1B but not GPipe swaps too. The swapped set only grows and the
+    schedule changes at most once, so this settles.
+    """
+    why: dict[int, str] = dict.fromkeys(forced, "named in swap_stages")
+    swapped = set(forced)
+    while True:
+        for j, devices in enumerate(budgets):
+            if j in swapped:
+                continue
+            known = sorted((b for b in devices if b.bytes is not None), key=lambda b: b.bytes)
+            if not known:
+                names = ", ".join(b.device for b in devices)
+                why[j] = (f"no memory budget for {names} (give --memory-budget, or --network "
+                          f"with the devices' memory_bytes)")
+                continue
+            nbytes, flight = need(j, schedule)
+            what = (f"needs {format_bytes(nbytes)} resident with {flight} micro-batch(es) in "
+                    f"flight under {schedule}")
+            if nbytes > known[0].bytes:
+                swapped.add(j)
+                why[j] = (f"{what}, over {known[0].device}'s budget of "
+                          f"{format_bytes(known[0].bytes)} ({known[0].source})")
+            else:
+                why[j] = (f"{what}, within {known[0].device}'s budget of "
+                          f"{format_bytes(known[0].bytes)} ({known[0].source})")
+        if not swapped or schedule == "gpipe":
+            return SwapDecision(frozenset(swapped), schedule,
+                                tuple(why[j] for j in range(len(budgets))))
+        schedule = "gpipe"
 
 
 def run_layout(cfg: LayoutConfig, loss_fn: Callable, initial_state: Any,
@@ -457,6 +591,8 @@ def run_layout(cfg: LayoutConfig, loss_fn: Callable, initial_state: Any,
     try:
         if trainer.place.world_rank == 0:
             log(trainer.layout.text())
+            for line in trainer.swap.lines(cfg.schedule):
+                log(line)
         log(trainer.place.describe() + f", {trainer.stage.kind}, "
             f"{trainer.schedule_name}, {trainer.num_micro} micro-batches"
             + (f", resumed at step {trainer.resumed_from}"
@@ -490,5 +626,7 @@ __all__ = [
     "LayoutTrainer",
     "StageIO",
     "check_package",
+    "decide_swaps",
+    "device_budget",
     "run_layout",
 ]
