@@ -25,6 +25,7 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -156,11 +157,58 @@ def worker_peer(a: argparse.Namespace) -> int:
         emulate(peer.trainer.executor,
                 lambda i: round(ms_to_ns(subs[i].fwd_ms) * a.slowdown),
                 lambda i: round(ms_to_ns(subs[i].bwd_ms) * a.slowdown))
+        time_rounds(peer)
+        if a.barrier:  # every peer has joined (and downloaded the state): all start together
+            barrier = Path(a.barrier)
+            (barrier / a.name).touch()
+            deadline = time.monotonic() + a.timeout
+            while len(list(barrier.iterdir())) < a.peers:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"{a.name}: not every peer joined within {a.timeout:g} s")
+                time.sleep(0.05)
         peer.train(batch_of)
         peer.linger(cfg.final_linger_s)
     finally:
         peer.close()
     return 0
+
+
+def time_rounds(peer) -> None:
+    """Record each averaging round's parts in the peer's metrics: when the peer asked for a
+    group (`call`), when hivemind's StepControl turned RUNNING_ALLREDUCE (`group`: the group
+    is assembled and this peer starts its all-reduce), when the round ended (`end`), the group
+    in hivemind's order, and how long the check for finished peers before it took."""
+    from hivemind.averaging.control import AveragingStage
+
+    step, finished = peer.averager.step, peer._finished_peers
+
+    def timed_step(*args, **kwargs):
+        t_call = time.time()
+        ctl = step(*args, **{**kwargs, "wait": False})
+        t_group = None
+        while not ctl.done():
+            if t_group is None and ctl.stage == AveragingStage.RUNNING_ALLREDUCE:
+                t_group = time.time()
+            time.sleep(0.002)
+        line = {"event": "averager", "call": t_call, "group": t_group, "end": time.time()}
+        try:
+            group = ctl.result()
+        except BaseException:
+            peer._metric({**line, "failed": True})  # PeerTrainer logs the round as failed
+            raise
+        line["order"] = [str(v.get("name")) for v in (group or {}).values()
+                         if isinstance(v, dict)]
+        peer._metric(line)
+        return group
+
+    def timed_finished():
+        t0 = time.time()
+        try:
+            return finished()
+        finally:
+            peer._metric({"event": "finished_check", "seconds": time.time() - t0})
+
+    peer.averager.step, peer._finished_peers = timed_step, timed_finished
 
 
 def worker_main(argv: list[str]) -> int:
@@ -184,6 +232,8 @@ def worker_main(argv: list[str]) -> int:
     p.add_argument("--maddr-file")
     p.add_argument("--matchmaking", type=float, default=B_MATCHMAKING_S)
     p.add_argument("--name", default="peer")
+    p.add_argument("--peers", type=int, default=4)
+    p.add_argument("--barrier", help="a folder: peers start training once all are in it")
     a = p.parse_args(argv)
     return worker_layout(a) if a.role == "layout" else worker_peer(a)
 
@@ -287,6 +337,9 @@ def run_peers(args, work: Path, emu, name: str, pkg: Path, global_batch: int) ->
     maddr.unlink(missing_ok=True)
     rounds = args.b_steps + 1
     run_id = "modes" + "".join(ch for ch in f"{os.getpid()}{name}" if ch.isalnum())
+    barrier = work / f"{name}.barrier"
+    shutil.rmtree(barrier, ignore_errors=True)
+    barrier.mkdir()
     try:
         for k in range(len(emu.network.devices)):
             log = work / f"{name}.{k}.log"
@@ -295,7 +348,8 @@ def run_peers(args, work: Path, emu, name: str, pkg: Path, global_batch: int) ->
                     "--global-batch", str(global_batch),
                     "--rounds", str(rounds), "--slowdown", str(args.b_slowdown),
                     "--metrics", str(metrics[k]), "--timeout", str(args.b_timeout / 2),
-                    "--run-id", run_id, "--host", emu.addr(k), "--name", f"peer{k}"]
+                    "--run-id", run_id, "--host", emu.addr(k), "--name", f"peer{k}",
+                    "--peers", str(len(emu.network.devices)), "--barrier", str(barrier)]
             if k == 0:
                 argv += ["--maddr-file", str(maddr)]
             else:
@@ -324,7 +378,59 @@ def run_peers(args, work: Path, emu, name: str, pkg: Path, global_batch: int) ->
         if len(ends) > 1:
             steps = sum(1 for e in events[ends[0]:ends[-1]] if e.get("event") == "step")
             samples += steps * B_ACCUM * B_MICRO / (len(ends) - 1)
-    return {"times": gaps, "samples_per_round": samples}
+    return {"times": gaps, "samples_per_round": samples, "parts": round_parts(metrics)}
+
+
+ROUND_PARTS = (
+    ("ready", "the peers' last local steps ended within (s)"),
+    ("check", "the check for finished peers before a round (DHT get, s)"),
+    ("assembly", "first peer asks hivemind for a group -> the first member starts its all-reduce"),
+    ("start", "first member starts -> the last member starts"),
+    ("allreduce", "first member starts -> the last member's round ends"),
+    ("after", "round ended -> the peer has loaded the averaged weights and counted the round (s)"),
+    ("full", "rounds with every peer in one group (share of the measured rounds)"),
+)
+
+
+def round_parts(metrics: list[Path]) -> dict[str, float]:
+    """The measured rounds (every round but the first and the final ones) taken apart, as
+    means over the rounds (see ROUND_PARTS), from what `time_rounds` recorded."""
+    by_epoch: dict[int, list[dict]] = {}
+    for m in metrics:
+        events = [json.loads(x) for x in m.read_text().splitlines()]
+        last_step = check = averager = None
+        for e in events:
+            kind = e.get("event")
+            if kind == "step":
+                last_step = e["time"]
+            elif kind == "finished_check":
+                check = e["seconds"]
+            elif kind == "averager":
+                averager = e
+            elif kind == "round" and not e.get("final") and averager and last_step:
+                by_epoch.setdefault(e["epoch"], []).append(
+                    {"ready": last_step, "check": check or 0.0, "round": e["time"],
+                     "size": len(e["group"]), **averager})
+                averager = None
+    parts: dict[str, list[float]] = {k: [] for k, _ in ROUND_PARTS}
+    full = 0
+    epochs = sorted(by_epoch)[1:]  # the first round holds the start
+    for epoch in epochs:
+        xs = by_epoch[epoch]
+        if len(xs) < len(metrics) or min(x["size"] for x in xs) < len(metrics) or any(
+                x["group"] is None for x in xs):
+            continue
+        full += 1
+        g0 = min(x["group"] for x in xs)
+        parts["ready"].append(max(x["ready"] for x in xs) - min(x["ready"] for x in xs))
+        parts["check"].append(statistics.mean(x["check"] for x in xs))
+        parts["assembly"].append(g0 - min(x["call"] for x in xs))
+        parts["start"].append(max(x["group"] for x in xs) - g0)
+        parts["allreduce"].append(max(x["end"] for x in xs) - g0)
+        parts["after"].append(statistics.mean(x["round"] - x["end"] for x in xs))
+    out = {k: statistics.mean(v) for k, v in parts.items() if v}
+    out["full"] = full / len(epochs) if epochs else 0.0
+    return out
 
 
 def part_b(args, work: Path) -> list[str]:
@@ -400,6 +506,9 @@ def part_b(args, work: Path) -> list[str]:
                 print(f"(b) {label}: {mode} measured {statistics.mean(xs['times']):.3f} s "
                       f"for {xs['samples_per_round']:.0f} samples (predicted "
                       f"{predicted[mode].step_s:.3f} s for {global_batch})", flush=True)
+                if "parts" in xs:
+                    print(f"(b) {label}: peers' rounds: " + ", ".join(
+                        f"{k} {v:.3f}" for k, v in xs["parts"].items()), flush=True)
         rows.append((label, net, predicted, measured, carried))
     return render_b(args, rows, profile, peer_plan, global_batch, t0)
 
@@ -419,7 +528,8 @@ def render_b(args, rows, profile, peer_plan, global_batch, t0) -> list[str]:
          f"at most 1500 bytes, no added delay. Global batch {global_batch} samples: the peers "
          f"({len(peer_plan.submodels)} sub-models, C = {peer_plan.accum}) take "
          f"{B_LOCAL_STEPS} local steps each and average (hivemind, matchmaking "
-         f"{B_MATCHMAKING_S:g} s); the layouts run 4 stages x 1 replica, "
+         f"{B_MATCHMAKING_S:g} s; the four start stepping together once all have joined); "
+         f"the layouts run 4 stages x 1 replica, "
          f"{global_batch // B_MICRO} micro-batches a step. Measured: mean ± sd over the global "
          f"batches after the first ({args.b_steps} steps per layout; every peer's rounds). "
          f"A peer's round may hold more than the global batch: it sees the others' steps "
@@ -428,7 +538,8 @@ def render_b(args, rows, profile, peer_plan, global_batch, t0) -> list[str]:
          f"side by side. Predicted: `atomc compare` for the same devices, links and slowdown. "
          f"Busiest link: the prediction's bytes per global batch on its busiest link beside "
          f"the bytes `tc` counted there per global batch (TCP/IP headers, and for the peers "
-         f"hivemind's DHT and state downloads, included)."),
+         f"hivemind's DHT and state downloads, included; the peers' prediction is the mean "
+         f"over hivemind's group orders, which puts the mean share on every link)."),
         "",
         ("| link | scaled | mode | samples a round: predicted / measured | predicted s "
          "| measured s | error | error per sample | busiest link: predicted / counted bytes "
@@ -455,6 +566,29 @@ def render_b(args, rows, profile, peer_plan, global_batch, t0) -> list[str]:
                        f"| {p.samples} / {m['samples_per_round']:.0f} | {p.step_s:.3f} "
                        f"| {mean:.3f} ± {sd:.3f} | **{err:+.1%}** | {err_sample:+.1%} | {link} "
                        f"| {p.binding} |")
+    out += ["", ("The peers' rounds taken apart (means over the measured rounds that held all four "
+                 "peers; s): predicted / measured where the model has the part, measured alone "
+                 "where it has none."), "",
+            ("| link (scaled) | last local steps end within | check for finished peers "
+             "| first call -> first member starts | first -> last member starts "
+             "| first member starts -> last ends | loading the average | rounds of all four |"),
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for label, net, predicted, measured, _ in rows:
+        parts = measured["peers"].get("parts", {})
+        p = predicted["peers"]
+        if not parts or not p.feasible:
+            continue
+        bps = net.bandwidth_gbps[0][1] * 1e9
+        window_s = p.detail["window_bytes"] * 8 / bps
+        allreduce_s = p.detail["round_ns"]["mean"] / 1e9
+
+        def got(k: str, parts: dict = parts) -> str:
+            return f"{parts[k]:.3f}" if k in parts else "-"
+
+        out.append(f"| {label} ({bps / 1e6:.1f} Mbit/s) | {got('ready')} | {got('check')} "
+                   f"| {B_MATCHMAKING_S:.3f} / {got('assembly')} "
+                   f"| {window_s:.3f} / {got('start')} | {allreduce_s:.3f} / {got('allreduce')} "
+                   f"| {got('after')} | {parts.get('full', 0.0):.0%} |")
     out.append("")
     return out
 

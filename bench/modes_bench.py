@@ -1,6 +1,6 @@
 """Which way to train: ATOM's comparison of peers and pipelines, predicted and measured.
 
-    python bench/modes_bench.py --part a        # Table III's settings, predicted (minutes)
+    python bench/modes_bench.py --part a        # Table III's settings, predicted (seconds)
     python bench/modes_bench.py --part c        # Fig. 16's setting, predicted
     python bench/modes_bench.py --part b        # small scale, measured (root, iproute2)
     python bench/modes_bench.py --part x        # where pipelines overtake peers, predicted
@@ -9,8 +9,9 @@
     Ti, V100) at 400 Mbit/s, 800 Mbit/s and 10 Gbit/s, GPT-3 Small to 13B (18 layers) and 175B
     (2 blocks), C = 4, forward and backward only (no averaging, no optimizer step: the paper
     disabled both). `atomc compare` on profiles estimated for each GPU: ATOM peers (each GPU
-    its own swap plan at C = 4), 4-stage GPipe and 4-stage 1F1B over the same global batch
-    (4 GPUs x C mini-batches). Per-mini-batch GPU time (the paper's "per result GPU time": the
+    its own swap plan at C = 4), 4-stage GPipe, 4-stage 1F1B and 4-stage PipeDream (the
+    modelled asynchronous baseline, `--modes pipedream`) over the same global batch (4 GPUs x C
+    mini-batches). Per-mini-batch GPU time (the paper's "per result GPU time": the
     reciprocal of mini-batches per GPU per second) and GPU utilisation (compute-busy share).
 (c) ATOM Section V-B2 (Fig. 16): three 4-GPU servers (V100, 1080 Ti, 1080) in three subnets;
     "local": GPUs of one server talk over a fast link, servers over a slow one; "remote":
@@ -166,13 +167,16 @@ def part_a(args, work: Path) -> list[str]:
                 net = uniform_network(f"4x{target}-{gbps:g}G", [target] * 4, gbps)
                 if models is None:
                     models = hardware_models([profile], machines_of(net), no_update=True)
-                c = compare([profile], net, setting, modes=("peers", "gpipe", "1f1b"),
-                            models=models)
+                c = compare([profile], net, setting, modes=A_MODES, models=models)
                 rows.append((target, label, bw_label, gbps, c))
                 print(f"(a) {target} {label} {bw_label}: " + ", ".join(
                     f"{k} {r.step_s:.2f} s" if r.feasible else f"{k} -"
                     for k, r in c.results.items()), flush=True)
     return render_a(args, rows, t0)
+
+
+A_MODES = ("peers", "gpipe", "1f1b", "pipedream")
+A_NAMES = {"peers": "ATOM", "gpipe": "GPipe", "1f1b": "1F1B", "pipedream": "PipeDream"}
 
 
 def per_minibatch_s(r, n_gpus: int, minibatches: int) -> float:
@@ -200,7 +204,10 @@ def cell_bound(r, k: str) -> str:
     x = r.get(k)
     if x is None:
         return "-"
-    return x.binding if x.feasible else "does not fit"
+    if not x.feasible:
+        return "does not fit"
+    swapped = x.detail.get("swapped")
+    return x.binding + (f"; stage(s) {','.join(map(str, swapped))} swapped" if swapped else "")
 
 
 def render_a(args, rows, t0) -> list[str]:
@@ -208,17 +215,21 @@ def render_a(args, rows, t0) -> list[str]:
         f" --configs {args.configs}" if args.configs else "") + (
         f" --gpus {args.gpus}" if args.gpus != ",".join(GPUS) else "")
     out = header("(a) Table III's settings, predicted", cmd, t0)
+    pipes = A_MODES[1:]
     out += [
         ("Per-mini-batch GPU time (s; 4 GPUs x step / mini-batches in the step) and GPU "
-         "utilisation (mean compute-busy share) of ATOM peers, 4-stage GPipe and 4-stage 1F1B "
+         "utilisation (mean compute-busy share) of ATOM peers, 4-stage GPipe, 4-stage 1F1B "
+         "(PipeDream-flush, what atomc's layout runner runs) and 4-stage PipeDream "
+         "(asynchronous 1F1B with weight stashing, a modelled baseline atomc does not run) "
          f"over a global batch of {4 * ACCUM} mini-batches (C = {ACCUM}; a pipeline step of "
          f"{4 * ACCUM} micro-batches), forward and backward only. `-`: does not fit. "
-         "GPipe/ATOM, 1F1B/ATOM: per-mini-batch time over ATOM's."),
+         "X/ATOM: per-mini-batch time over ATOM's."),
         "",
-        ("| GPU | model | link | ATOM s | GPipe s | 1F1B s | ATOM util | GPipe util "
-         "| 1F1B util | GPipe/ATOM | 1F1B/ATOM | ATOM bound by | GPipe bound by "
-         "| 1F1B bound by |"),
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
+        ("| GPU | model | link | " + " | ".join(f"{A_NAMES[k]} s" for k in A_MODES) + " | "
+         + " | ".join(f"{A_NAMES[k]} util" for k in A_MODES) + " | "
+         + " | ".join(f"{A_NAMES[k]}/ATOM" for k in pipes) + " | "
+         + " | ".join(f"{A_NAMES[k]} bound by" for k in A_MODES) + " |"),
+        "|---|---|---|" + "---:|" * (3 * len(A_MODES) - 1) + "---|" * len(A_MODES)]
     refused: dict[tuple[str, str, str], str] = {}
     for target, label, bw_label, _, c in rows:
         r = c.results
@@ -226,12 +237,11 @@ def render_a(args, rows, t0) -> list[str]:
         for k, x in r.items():
             if not x.feasible:
                 refused[(target, label, k)] = x.reason
-        out.append(f"| {target} | {label} | {bw_label} | {cell_time(r, 'peers', mb)} "
-                   f"| {cell_time(r, 'gpipe', mb)} | {cell_time(r, '1f1b', mb)} "
-                   f"| {cell_util(r, 'peers')} | {cell_util(r, 'gpipe')} "
-                   f"| {cell_util(r, '1f1b')} | {cell_factor(r, 'gpipe')} "
-                   f"| {cell_factor(r, '1f1b')} | {cell_bound(r, 'peers')} "
-                   f"| {cell_bound(r, 'gpipe')} | {cell_bound(r, '1f1b')} |")
+        out.append(f"| {target} | {label} | {bw_label} | "
+                   + " | ".join(cell_time(r, k, mb) for k in A_MODES) + " | "
+                   + " | ".join(cell_util(r, k) for k in A_MODES) + " | "
+                   + " | ".join(cell_factor(r, k) for k in pipes) + " | "
+                   + " | ".join(cell_bound(r, k) for k in A_MODES) + " |")
     out.append("")
     if refused:
         out.append("Does not fit (the same at every bandwidth):")
@@ -242,43 +252,87 @@ def render_a(args, rows, t0) -> list[str]:
 
 
 def summary_a(rows) -> list[str]:
-    """The ordering, the growth of the gap, and the paper's utilisations beside ours."""
-    order_ok = gap_ok = total = 0
-    pd_over_gp = []
+    """The orderings, the growth of the gaps, swapped stages, and the paper's utilisations
+    beside ours."""
+    fits = {}
+    for target, label, bw_label, gbps, c in rows:
+        fits[(target, label, bw_label, gbps)] = {k: x for k, x in c.results.items()
+                                                 if x.feasible}
+    out = []
+    # ATOM > PipeDream > GPipe, where the three fit
+    chain = [(key, r) for key, r in fits.items() if {"peers", "pipedream", "gpipe"} <= set(r)]
+    ok = [(key, r) for key, r in chain
+          if r["peers"].step_ns < r["pipedream"].step_ns < r["gpipe"].step_ns]
+    out.append(f"- **ATOM > PipeDream > GPipe** in **{len(ok)} of {len(chain)}** settings "
+               f"where all three fit.")
+    for (target, label, bw_label, _), r in chain:
+        a, p, g = (r[k] for k in ("peers", "pipedream", "gpipe"))
+        if not a.step_ns < p.step_ns < g.step_ns:
+            which = ("PipeDream is not slower than ATOM" if p.step_ns <= a.step_ns
+                     else "PipeDream is not faster than GPipe")
+            out.append(f"  - fails: {target}, {label}, {bw_label}: {which} (GPipe/PipeDream "
+                       f"{g.step_ns / p.step_ns:.2f}, PipeDream/ATOM "
+                       f"{p.step_ns / a.step_ns:.2f}); PipeDream bound by {p.binding}; GPipe "
+                       f"bound by {g.binding}")
+    gp = [r["gpipe"].step_ns / r["pipedream"].step_ns for _, r in chain]
+    if gp:
+        out.append(f"  - GPipe/PipeDream from {min(gp):.2f} to {max(gp):.2f}.")
+    only = [key for key, r in fits.items()
+            if "gpipe" in r and "pipedream" not in r and "peers" in r]
+    if only:
+        out.append(f"  - not checked where PipeDream does not fit but GPipe does ({len(only)} "
+                   f"settings: " + "; ".join(sorted({f"{t}, {lab}" for t, lab, _, _ in only}))
+                   + ").")
+    # ATOM faster than every pipeline that fits
+    total = sum(1 for r in fits.values() if "peers" in r and len(r) > 1)
+    faster = sum(1 for r in fits.values() if "peers" in r and len(r) > 1
+                 and all(r["peers"].step_ns < x.step_ns for k, x in r.items() if k != "peers"))
+    out.append(f"- ATOM faster than every pipeline that fits in **{faster} of {total}** "
+               f"settings.")
+    # the gaps as bandwidth falls
+    by: dict[tuple[str, str], dict[float, dict[str, float]]] = {}
     worst = (0.0, "")
-    by: dict[tuple[str, str], dict[float, tuple[float, float]]] = {}
-    for target, label, _, gbps, c in rows:
-        r = c.results
-        if not all(k in r and r[k].feasible for k in ("peers", "gpipe", "1f1b")):
+    for (target, label, _, gbps), r in fits.items():
+        if "peers" not in r:
             continue
-        total += 1
-        a, g, p = (r[k].step_ns for k in ("peers", "gpipe", "1f1b"))
-        order_ok += a < p and a < g
-        pd_over_gp.append(g / p)
-        if g / a > worst[0]:
-            worst = (g / a, f"{label} on {target}")
-        by.setdefault((target, label), {})[gbps] = (g / a, p / a)
-    for gaps in by.values():
-        xs = [gaps[b] for b, _ in BANDWIDTHS if b in gaps]
-        gap_ok += all(x[0] >= y[0] - 1e-9 and x[1] >= y[1] - 1e-9
-                      for x, y in itertools.pairwise(xs))
-    wins = sum(x > 1 for x in pd_over_gp)
-    out = [
-        (f"- ATOM faster than both pipelines in **{order_ok} of {total}** settings where all "
-         f"three fit; the gap grows (or stays) as bandwidth falls for **{gap_ok} of "
-         f"{len(by)}** (GPU, model) pairs. Largest GPipe/ATOM factor: **{worst[0]:.1f}x** "
-         f"({worst[1]}); the paper: up to 20x."),
-        (f"- 1F1B faster than GPipe in {wins} of {len(pd_over_gp)} settings "
-         f"(GPipe/1F1B from {min(pd_over_gp, default=0):.2f} to "
-         f"{max(pd_over_gp, default=0):.2f})."),
-    ]
+        gaps = {k: x.step_ns / r["peers"].step_ns for k, x in r.items() if k != "peers"}
+        by.setdefault((target, label), {})[gbps] = gaps
+        for k, f in gaps.items():
+            if f > worst[0]:
+                worst = (f, f"{A_NAMES[k]}, {label} on {target}")
+    grows = {k: [0, 0] for k in A_MODES[1:]}
+    for per_bw in by.values():
+        seq = [per_bw[b] for b, _ in BANDWIDTHS if b in per_bw]
+        for k in grows:
+            xs = [g[k] for g in seq if k in g]
+            if len(xs) == len(seq) and len(xs) > 1:
+                grows[k][1] += 1
+                grows[k][0] += all(x >= y - 1e-9 for x, y in itertools.pairwise(xs))
+    out.append("- The gap grows (or stays) as bandwidth falls, (GPU, model) pairs: "
+               + ", ".join(f"{A_NAMES[k]}/ATOM {n} of {t}" for k, (n, t) in grows.items())
+               + f". Largest factor over ATOM: **{worst[0]:.1f}x** ({worst[1]}); the paper: "
+               f"up to 20x.")
+    # 1F1B (PipeDream-flush, atomc's runner) against GPipe
+    both = [r for r in fits.values() if "gpipe" in r and "1f1b" in r]
+    wins = sum(r["1f1b"].step_ns < r["gpipe"].step_ns for r in both)
+    ratio = [r["gpipe"].step_ns / r["1f1b"].step_ns for r in both]
+    out.append(f"- 1F1B (with a flush) faster than GPipe in {wins} of {len(both)} settings "
+               f"where both fit (GPipe/1F1B from {min(ratio, default=0):.2f} to "
+               f"{max(ratio, default=0):.2f}).")
+    swapped = sorted({(t, lab, tuple(r["gpipe"].detail.get("swapped", ())))
+                      for (t, lab, _, _), r in fits.items()
+                      if "gpipe" in r and r["gpipe"].detail.get("swapped")})
+    if swapped:
+        out.append("- GPipe with swapped stages (they do not fit resident; the layout runner "
+                   "runs them swapped, and the layout as GPipe): "
+                   + "; ".join(f"{t}, {lab}: stage(s) {','.join(map(str, s))}"
+                               for t, lab, s in swapped) + ".")
     util = []
-    for target, label, _, gbps, c in rows:
+    for (target, label, _, gbps), r in fits.items():
         if label.startswith("GPT-3 175B") and gbps == BANDWIDTHS[-1][0]:
-            r = c.results
             util.append(f"{target}: " + ", ".join(
-                f"{k} {r[k].mean_busy():.1%}" if k in r and r[k].feasible else f"{k} -"
-                for k in ("peers", "1f1b", "gpipe")))
+                f"{A_NAMES[k]} {r[k].mean_busy():.1%}" if k in r else f"{A_NAMES[k]} -"
+                for k in ("peers", "pipedream", "1f1b", "gpipe")))
     if util:
         out.append("- GPT-3 175B (2 blocks) at 10 Gbit/s, GPU utilisation (paper, Fig. 15, "
                    "localhost: ATOM 91.9%, PipeDream 46.3%, GPipe 18.3%): " + "; ".join(util))

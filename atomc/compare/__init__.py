@@ -1,6 +1,6 @@
 """Compare: which way to train one model on these devices, predicted.
 
-    profiles + network (atomc network's JSON) -compare-> one ModeResult per mode
+    profiles or plans + network (atomc network's JSON) -compare-> one ModeResult per mode
 
 The same global batch trained four ways (ATOM peers, DT-FM layouts with GPipe or 1F1B, SWARM),
 each timed by the simulators of the action lists its runtime executes (atomc.simulate.events
@@ -12,24 +12,38 @@ Devices are the network file's: each names its hardware in `gpu` (a hardware pro
 `atomc profiles`, or `cpu` for a host CPU), optionally its device memory (`memory_bytes`, default
 the hardware profile's) and its host memory (`host_memory_bytes`: a peer must hold the whole
 model there; unchecked without it). Every kind of hardware a device names needs a profile of the
-model for it: estimated (`atomc profile MODEL --target NAME`) or measured on a CPU.
+model for it: estimated (`atomc profile MODEL --target NAME`) or measured on a CPU, or a plan
+(`GivenPlan`: one `atomc partition` wrote, with the profile it was made from), which gives that
+profile and the swap plan every peer of its hardware trains with instead of one partitioned for
+the device's memory (a device with less memory than the plan was made for is refused, as the
+swap runtime refuses it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from atomc.compare.costs import HardwareModel, hardware_model
+from atomc.compare.costs import GivenPlan, HardwareModel, hardware_model
 from atomc.compare.layouts import predict_layouts
-from atomc.compare.modes import MODES, Machine, ModeResult, Setting, links_of
+from atomc.compare.modes import (
+    BASELINES,
+    DEFAULT_MODES,
+    MODES,
+    Machine,
+    ModeResult,
+    Setting,
+    links_of,
+)
 from atomc.compare.peers import predict_peers
 from atomc.compare.swarm import predict_swarm
 from atomc.device import names_cpu
 from atomc.errors import NetworkError, UsageError
-from atomc.ir import Profile
+from atomc.ir import OpGraph, Profile
 from atomc.jsonio import read_json
+from atomc.partition import profile_hash
 from atomc.place.network import Network, network_from_data
 from atomc.profile.hardware import hardware_names, load_hardware
 from atomc.units import format_bytes
@@ -43,12 +57,14 @@ class Comparison:
     machines: list[Machine]
     setting: Setting
     results: dict[str, ModeResult]  # by mode, in MODES order
+    plans: dict[str, str] = field(default_factory=dict)  # device -> the given plan its peer uses
 
     def feasible(self) -> list[ModeResult]:
         return [r for r in self.results.values() if r.feasible]
 
     def fastest(self) -> ModeResult | None:
-        ok = self.feasible()
+        """The fastest mode atomc runs: a baseline it only models is never the answer."""
+        ok = [r for r in self.feasible() if r.mode not in BASELINES]
         return min(ok, key=lambda r: (r.step_ns, MODES.index(r.mode))) if ok else None
 
 
@@ -110,14 +126,54 @@ def machines_of(network: Network, host_memory: list[int | None] | None = None,
     return out
 
 
+def _model_words(g: OpGraph) -> str:
+    return f"{g.model_path}{' ' + g.config if g.config else ''} batch {g.batch_size}"
+
+
+def _check_plans(plans: Sequence[GivenPlan], profiles: list[Profile],
+                 machines: list[Machine]) -> dict[str, GivenPlan]:
+    """The given plans by hardware; UsageError for a plan of another model than the other
+    inputs, two plans for one kind of device, a plan for hardware no device is, or another
+    profile given for the plan's hardware."""
+    by_key: dict[str, GivenPlan] = {}
+    first = (profiles[0] if profiles else plans[0].profile).graph
+    kinds = sorted({m.hardware for m in machines})
+    for gp in plans:
+        if gp.plan.graph_hash != first.structure_hash() or \
+                gp.plan.batch_size != first.batch_size:
+            raise UsageError(
+                f"{gp.source} is a plan of {_model_words(gp.profile.graph)}, but the other "
+                f"inputs are of {_model_words(first)}; give plans and profiles of one model and "
+                f"one micro-batch")
+        key = profile_key(gp.profile)
+        if key in by_key:
+            raise UsageError(f"{by_key[key].source} and {gp.source} are both plans for {key}; "
+                             f"give one plan per kind of device")
+        if key not in kinds:
+            raise UsageError(f"{gp.source} is a plan for {key}, but no device is a {key} (the "
+                             f"devices are {', '.join(kinds)}); give plans made from the "
+                             f"profiles of the devices' hardware")
+        if any(profile_key(p) == key and profile_hash(p) != gp.plan.profile_hash
+               for p in profiles):
+            raise UsageError(f"two profiles for {key}: one given, and another that "
+                             f"{gp.source} was made from ({gp.plan.profile_hash}); give the "
+                             f"plan's profile, or leave the other out")
+        by_key[key] = gp
+    return by_key
+
+
 def hardware_models(profiles: list[Profile], machines: list[Machine], *, slowdown: float = 1.0,
-                    no_update: bool = False) -> dict[str, HardwareModel]:
-    """One HardwareModel per kind of device; UsageError when one has no profile, or the
-    profiles are of different models or micro-batches."""
-    if not profiles:
-        raise UsageError("give at least one profile of the model (atomc profile)")
-    by_key: dict[str, Profile] = {}
-    first = profiles[0].graph
+                    no_update: bool = False, plans: Sequence[GivenPlan] = ()
+                    ) -> dict[str, HardwareModel]:
+    """One HardwareModel per kind of device, with the given plan for its peers where there is
+    one; UsageError when a kind has no profile, or the profiles and plans are of different
+    models or micro-batches (see _check_plans for the plans)."""
+    if not profiles and not plans:
+        raise UsageError("give at least one profile of the model (atomc profile) or a plan "
+                         "(atomc partition)")
+    by_plan = _check_plans(plans, profiles, machines) if plans else {}
+    by_key: dict[str, Profile] = {k: gp.profile for k, gp in by_plan.items()}
+    first = (profiles[0] if profiles else plans[0].profile).graph
     for p in profiles:
         if p.graph.structure_hash() != first.structure_hash() or \
                 p.graph.batch_size != first.batch_size:
@@ -141,13 +197,13 @@ def hardware_models(profiles: list[Profile], machines: list[Machine], *, slowdow
             raise UsageError(f"device {m.name} is a {m.hardware}, but no profile given is for "
                              f"{m.hardware} (given: {given}); {how}, and give it too")
         models[m.hardware] = hardware_model(m.hardware, p, slowdown=slowdown,
-                                            no_update=no_update)
+                                            no_update=no_update, given=by_plan.get(m.hardware))
     return models
 
 
 def check_modes(text: str | None) -> tuple[str, ...]:
     if text is None:
-        return MODES
+        return DEFAULT_MODES
     modes = tuple(m.strip().lower() for m in text.split(",") if m.strip())
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
@@ -157,16 +213,20 @@ def check_modes(text: str | None) -> tuple[str, ...]:
 
 
 def compare(profiles: list[Profile], network: Network, setting: Setting, *,
-            modes: tuple[str, ...] = MODES, host_memory: list[int | None] | None = None,
+            modes: tuple[str, ...] = DEFAULT_MODES, host_memory: list[int | None] | None = None,
             slowdown: float = 1.0, source: str = "network",
-            models: dict[str, HardwareModel] | None = None) -> Comparison:
-    """Predict one global batch in each of `modes` (see the module docstring)."""
+            models: dict[str, HardwareModel] | None = None,
+            plans: Sequence[GivenPlan] = ()) -> Comparison:
+    """Predict one global batch in each of `modes` (see the module docstring). `plans`: the
+    peers' plans for their hardware (or attached to `models`); UsageError for a device that
+    cannot hold its plan, or an --accum other than a plan's C."""
     if setting.global_batch < 1:
         raise UsageError(f"--global-batch {setting.global_batch}: expected at least 1 sample")
     machines = machines_of(network, host_memory, source)
     if models is None:
         models = hardware_models(profiles, machines, slowdown=slowdown,
-                                 no_update=not setting.sync)
+                                 no_update=not setting.sync, plans=plans)
+    used = _plans_used(machines, models, setting)
     b = next(iter(models.values())).micro_batch
     if setting.global_batch % b:
         raise UsageError(f"--global-batch {setting.global_batch} is not a multiple of the "
@@ -174,13 +234,33 @@ def compare(profiles: list[Profile], network: Network, setting: Setting, *,
     results: dict[str, ModeResult] = {}
     if "peers" in modes:
         results["peers"] = predict_peers(machines, models, links_of(network), setting)
-    schedules = tuple(m for m in ("gpipe", "1f1b") if m in modes)
+    schedules = tuple(m for m in ("gpipe", "1f1b", "pipedream") if m in modes)
     if schedules:
         results.update(predict_layouts(machines, models, network, setting, schedules))
     if "swarm" in modes:
         results["swarm"] = predict_swarm(machines, models, network, setting)
     return Comparison(network=network, machines=machines, setting=setting,
-                      results={m: results[m] for m in MODES if m in results})
+                      results={m: results[m] for m in MODES if m in results}, plans=used)
+
+
+def _plans_used(machines: list[Machine], models: dict[str, HardwareModel],
+                setting: Setting) -> dict[str, str]:
+    """Device -> the file of the given plan its peer trains with; UsageError where a device
+    cannot hold it or --accum asks for another C."""
+    used = {}
+    for m in machines:
+        given = models[m.hardware].given
+        if given is None:
+            continue
+        line = given.misfit(f"device {m.name}", m.memory_bytes, m.host_memory_bytes)
+        if line:
+            raise UsageError(line)
+        if setting.accum is not None and setting.accum != given.plan.accum:
+            raise UsageError(f"--accum {setting.accum}, but {given.source} trains with "
+                             f"C={given.plan.accum} (a given plan keeps its C); leave --accum "
+                             f"out, or partition again with --accum {setting.accum}")
+        used[m.name] = given.source
+    return used
 
 
 def describe_machines(machines: list[Machine]) -> str:
@@ -195,7 +275,8 @@ def to_data(c: Comparison) -> dict[str, Any]:
         "kind": "atomc.comparison",
         "network": c.network.name,
         "devices": [{"name": m.name, "hardware": m.hardware, "memory_bytes": m.memory_bytes,
-                     "host_memory_bytes": m.host_memory_bytes} for m in c.machines],
+                     "host_memory_bytes": m.host_memory_bytes,
+                     "plan": c.plans.get(m.name)} for m in c.machines],
         "global_batch": c.setting.global_batch,
         "sync": c.setting.sync,
         "fastest": fastest.mode if fastest else None,
@@ -210,6 +291,7 @@ def to_data(c: Comparison) -> dict[str, Any]:
     }
 
 
-__all__ = ["MODES", "Comparison", "Machine", "ModeResult", "Setting", "check_modes", "compare",
+__all__ = ["MODES", "Comparison", "GivenPlan", "Machine", "ModeResult", "Setting", "check_modes",
+           "compare",
            "hardware_models", "machines_of", "profile_key", "read_network", "resolve_hardware",
            "to_data"]

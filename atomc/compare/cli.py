@@ -1,13 +1,25 @@
-"""`atomc compare PROFILE... --network NET.json --global-batch N`: which way to train, predicted.
+"""`atomc compare PROFILE|PLAN... --network NET.json --global-batch N`: which way to train,
+predicted.
 
 atomc compare gpt.gtx-1080.profile.json --network net.json --global-batch 64
 atomc compare a.profile.json b.profile.json --network net.json --global-batch 256 --accum 4 \
     --modes peers,1f1b --stages 4 --json comparison.json
+atomc compare gpt.gtx-1080.plan.json --network net.json --global-batch 64
+
+An input is told by its JSON kind: a profile, or a plan of `atomc partition`, whose profile
+(named by its hash) is one of the inputs or a file beside the plan (where `atomc partition`
+writes it by default); the plan is what the peers of its hardware train with.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from atomc.compare import Comparison, GivenPlan
+    from atomc.ir import Profile
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -18,16 +30,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "its own swap plan, averaging over the network), the best DT-FM layouts with GPipe and "
         "1F1B, and SWARM, by simulating the action lists each runtime executes with the "
         "network's links; print each mode's time, busy shares, traffic and binding resource.")
-    p.add_argument("profiles", nargs="+", metavar="PROFILE",
+    p.add_argument("inputs", nargs="+", metavar="PROFILE|PLAN",
                    help="the model's profile for each kind of device the network names "
-                        "(atomc profile --target NAME, or measured on a CPU)")
+                        "(atomc profile --target NAME, or measured on a CPU), or a plan "
+                        "(atomc partition) in its place: the peers of its hardware train with "
+                        "it, C included, and its profile is found by hash among the inputs or "
+                        "beside it")
     p.add_argument("--network", required=True,
                    help="network JSON (atomc network, or hand-written): every device names its "
                         "hardware in \"gpu\"; optional \"memory_bytes\", \"host_memory_bytes\"")
     p.add_argument("--global-batch", type=int, required=True, metavar="N",
                    help="samples in one global batch, all devices together")
-    p.add_argument("--modes", help="comma-separated: peers, gpipe, 1f1b, swarm (default all); "
-                   "a mode named here that the devices cannot hold is an error")
+    p.add_argument("--modes", help="comma-separated: peers, gpipe, 1f1b, swarm (the default), "
+                   "pipedream (a baseline atomc models but does not run); a mode named here "
+                   "that the devices cannot hold is an error")
     p.add_argument("--accum", type=int, metavar="C", help="the peers' C (default: the "
                    "partitioner's choice)")
     p.add_argument("--stages", help="comma-separated numbers of pipeline stages to try for "
@@ -67,12 +83,99 @@ def _ints(text: str | None, what: str) -> tuple[int, ...] | None:
     return values
 
 
+def read_inputs(paths: list[str]) -> tuple[list[Profile], list[GivenPlan], list[str]]:
+    """The profiles and plans given, told apart by their JSON kind, each plan with the profile
+    it was made from; and a line for each plan saying where its profile was found."""
+    from atomc.compare import GivenPlan
+    from atomc.errors import UsageError
+    from atomc.ir import Plan, Profile
+    from atomc.jsonio import read_json
+    from atomc.partition import profile_hash
+
+    profiles: list[tuple[str, Profile]] = []
+    plans: list[tuple[str, Plan]] = []
+    for path in paths:
+        data = read_json(path, "profile or plan")
+        kind = data.get("kind") if isinstance(data, dict) else None
+        if kind == Profile.KIND:
+            profiles.append((path, Profile.from_json(data, path)))
+        elif kind == Plan.KIND:
+            plans.append((path, Plan.from_json(data, path)))
+        else:
+            raise UsageError(f"{path} is {'a ' + str(kind) if kind else 'JSON without a kind'}, "
+                             f"neither a profile ({Profile.KIND}: atomc profile) nor a plan "
+                             f"({Plan.KIND}: atomc partition); give the model's profiles or "
+                             f"plans")
+    hashes = {profile_hash(p): (path, p) for path, p in profiles}
+    given = []
+    notes = []
+    for path, plan in plans:
+        found = hashes.get(plan.profile_hash)
+        where = "given"
+        if found is None:
+            found = _profile_beside(Path(path), plan.profile_hash, {Path(p).resolve()
+                                                                   for p in paths})
+            where = "found beside it"
+        if found is None:
+            raise UsageError(f"{path} was made from profile {plan.profile_hash}, which is "
+                             f"neither among the inputs nor beside {path}; give that profile "
+                             f"too (the one `atomc partition` read)")
+        given.append(GivenPlan(plan=plan, profile=found[1], source=path))
+        notes.append(f"{path}: made from {found[0]} ({where})")
+    return [p for _, p in profiles], given, notes
+
+
+def _profile_beside(plan_path: Path, wanted: str, skip: set[Path]
+                    ) -> tuple[str, Profile] | None:
+    """The profile of hash `wanted` among the JSON files in the plan's folder."""
+    from atomc.errors import AtomcError
+    from atomc.ir import Profile
+    from atomc.jsonio import read_json
+    from atomc.partition import profile_hash
+
+    for path in sorted(plan_path.parent.glob("*.json")):
+        if path.resolve() in skip:
+            continue
+        try:
+            data = read_json(path, "profile")
+        except AtomcError:  # a file that is not JSON is no profile
+            continue
+        if not isinstance(data, dict) or data.get("kind") != Profile.KIND:
+            continue
+        try:
+            profile = Profile.from_json(data, str(path))
+        except AtomcError:  # a profile of another schema version cannot be the plan's
+            continue
+        if profile_hash(profile) == wanted:
+            return str(path), profile
+    return None
+
+
+def describe_plans(result: Comparison, plans: list[GivenPlan]) -> list[str]:
+    """A line per plan: which devices' peers train with it, and on what memory."""
+    from atomc.units import format_bytes
+
+    lines = []
+    if "peers" not in result.results:
+        return lines
+    for gp in plans:
+        names = [d for d, src in result.plans.items() if src == gp.source]
+        plan = gp.plan
+        made = plan.capacity_bytes
+        more = sorted({m.memory_bytes for m in result.machines if m.name in names} - {made})
+        lines.append(
+            f"{gp.source}: the peers on {', '.join(names)} train with it (C={plan.accum}, "
+            f"{len(plan.submodels)} sub-models, made for {format_bytes(made)})"
+            + (f"; on {' and '.join(format_bytes(x) for x in more)} as it is"
+               if more else ""))
+    return lines
+
+
 def run_compare(args: argparse.Namespace) -> int:
     from atomc.compare import Setting, check_modes, compare, read_network, to_data
     from atomc.compare.report import LABELS, render
     from atomc.distributed.peer import PeerConfig
     from atomc.errors import UsageError
-    from atomc.ir import Profile
     from atomc.jsonio import write_json
 
     modes = check_modes(args.modes)
@@ -100,9 +203,9 @@ def run_compare(args: argparse.Namespace) -> int:
                       matchmaking_s=matchmaking, progress_lag_s=lag,
                       stages=_ints(args.stages, "--stages"), place_budget_s=args.budget_s,
                       swarm_trainer=trainer)
-    profiles = [Profile.load(p) for p in args.profiles]
+    profiles, plans, found = read_inputs(args.inputs)
     result = compare(profiles, network, setting, modes=modes, host_memory=host,
-                     slowdown=args.slowdown, source=args.network)
+                     slowdown=args.slowdown, source=args.network, plans=plans)
     if args.modes is not None:  # modes asked for by name must fit
         for r in result.results.values():
             if not r.feasible:
@@ -110,6 +213,8 @@ def run_compare(args: argparse.Namespace) -> int:
     if not result.feasible():
         first = next(iter(result.results.values()))
         raise UsageError(f"no mode fits these devices; {LABELS[first.mode]}: {first.reason}")
+    if plans:
+        print("\n".join(found + describe_plans(result, plans)) + "\n")
     print(render(result, links=args.links))
     if args.json:
         write_json(args.json, to_data(result))

@@ -5,7 +5,8 @@ input:  a profile (measured, or estimated for a hardware profile) and, for the p
 output: `HardwareModel`: the model cut at its repeated blocks into `Unit`s (the pieces pipeline
         stages and SWARM stages are made of: per micro-batch forward and backward, parameters,
         activations, the values that cross each cut) and the swap plan a peer trains with
-        (atomc.partition, cached by memory and C)
+        (atomc.partition, cached by memory and C; or a `GivenPlan`, one `atomc partition`
+        wrote, which every peer of that hardware trains with as it is)
 
 A resident stage (the layout runner's, a SWARM server's) keeps each micro-batch's autograd
 graph from its forward to its backward, so its backward is the operators' backward without the
@@ -25,7 +26,7 @@ from atomc.calibrate.host import resolve_cpu_adam
 from atomc.codegen.manual import plan_from_cuts
 from atomc.errors import InfeasiblePlanError, UsageError
 from atomc.ir import Plan, Profile
-from atomc.partition import DEFAULT_RESERVE_BYTES, partition
+from atomc.partition import DEFAULT_RESERVE_BYTES, partition, recost
 from atomc.partition.hostmem import plan_host_memory
 from atomc.simulate.events import StageTimes, copies_on_host, simulate_swap
 from atomc.simulate.plan import stage_times
@@ -56,6 +57,45 @@ class Unit:
     params: frozenset[str]  # canonical FQNs of the weights it reads
 
 
+@dataclass(frozen=True)
+class GivenPlan:
+    """A plan `atomc partition` wrote, given to compare, and the profile it was made from: the
+    swap plan every peer of the profile's hardware trains with, its C included."""
+
+    plan: Plan
+    profile: Profile
+    source: str  # the file it was read from
+
+    def host_bytes(self) -> int:
+        """Host bytes its run allocates: as the plan states them (its optimizer states'
+        dtype), else by the plan's formula."""
+        if self.plan.host is not None:
+            return self.plan.host.total()
+        return plan_host_memory(self.plan, self.profile.graph).total()
+
+    def misfit(self, device: str, memory_bytes: int, host_memory_bytes: int | None) -> str:
+        """Why `device` ("device g0") of this memory (and host memory, None: unchecked) cannot
+        train with the plan, in one line; "" when it can. The swap runtime refuses a device
+        with less memory than the plan was made for (atomc.runtime.trainer.
+        check_device_memory), so that is the test; a device with more runs the plan as it is."""
+        plan = self.plan
+        if plan.capacity_bytes > memory_bytes:
+            return (f"{self.source} was made for {format_bytes(plan.capacity_bytes)} "
+                    f"({plan.capacity_bytes} bytes) of GPU memory, but {device} has "
+                    f"{format_bytes(memory_bytes)} ({memory_bytes} bytes), and the swap runtime "
+                    f"refuses a plan made for more than the device has; partition the profile "
+                    f"for it (atomc partition PROFILE --gpu-mem {memory_bytes}) and give that "
+                    f"plan")
+        host = self.host_bytes()
+        if host_memory_bytes is not None and host > host_memory_bytes:
+            return (f"{self.source}: {device}'s host has {format_bytes(host_memory_bytes)} "
+                    f"({host_memory_bytes} bytes), but a peer with this plan keeps "
+                    f"{format_bytes(host)} ({host} bytes) there (fp32 masters, AdamW moments, "
+                    f"transfer copies); give it more host memory, or leave peers out "
+                    f"(--modes)")
+        return ""
+
+
 @dataclass
 class PeerPlan:
     """A peer's swap plan on one device, and its simulated step; or why there is none."""
@@ -78,6 +118,7 @@ class HardwareModel:
     block_plan: Plan  # the units as a plan: the cut values between them
     slowdown: float = 1.0
     no_update: bool = False  # ATOM Fig. 14: no optimizer step
+    given: GivenPlan | None = None  # the peers' plan, instead of partitioning for each memory
     _peers: dict[tuple[int, int | None], PeerPlan] = field(default_factory=dict)
 
     @property
@@ -170,7 +211,11 @@ class HardwareModel:
     def peer_plan(self, capacity_bytes: int, accum: int | None,
                   reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> PeerPlan:
         """The swap plan `atomc partition` makes for a device of `capacity_bytes` and its
-        simulated step (ATOM's order, the list the swap runtime runs)."""
+        simulated step (ATOM's order, the list the swap runtime runs). With a given plan: that
+        plan, its own C, on any device that holds it (`GivenPlan.misfit`); without an
+        optimizer step (`no_update`) recosted without its CPU update."""
+        if self.given is not None:
+            return self._given_peer(self.given, capacity_bytes)
         key = (capacity_bytes, accum)
         if key in self._peers:
             return self._peers[key]
@@ -186,15 +231,87 @@ class HardwareModel:
         self._peers[key] = found
         return found
 
-    def _simulate_peer(self, plan: Plan) -> PeerPlan:
+    def _given_peer(self, given: GivenPlan, capacity_bytes: int) -> PeerPlan:
+        line = given.misfit("the device", capacity_bytes, None)
+        if line:
+            return PeerPlan(plan=None, error=line)
+        key = (-1, None)
+        if key not in self._peers:
+            plan = given.plan
+            if self.no_update and plan.cpu_adam_gbps:
+                plan = recost(self.profile, plan, cpu_adam_gbps=0.0,
+                              cpu_adam_source="no update")
+            self._peers[key] = self._simulate_peer(plan, host=given.host_bytes())
+        return self._peers[key]
+
+    def _simulate_peer(self, plan: Plan, host: int | None = None) -> PeerPlan:
         times = [dataclasses.replace(t, fwd_ns=round(t.fwd_ns * self.slowdown),
                                      bwd_ns=round(t.bwd_ns * self.slowdown))
                  for t in stage_times(plan)]
         sim = peer_step(times, plan)
-        host = plan_host_memory(plan, self.profile.graph).total()
+        if host is None:
+            host = plan_host_memory(plan, self.profile.graph).total()
         return PeerPlan(plan=plan, step_ns=sim.step_ns, compute_ns=sim.compute_ns,
                         prefetch_busy_ns=round(sim.timeline.busy_ms("prefetch", step=0) * 1e6),
                         host_bytes=host)
+
+    # -- swapped layout stages ----------------------------------------------------------------
+
+    def swapped_stage_times(self, start: int, stop: int, num_micro: int) -> list[StageTimes]:
+        """Units [start, stop) as the sub-models of a swapped layout stage
+        (atomc.distributed.swapstage: the swap runtime's executor with activations recomputed
+        and its checkpoints kept on the device) over `num_micro` micro-batches: each unit's
+        forward and backward of them all (the backward repeats the forward, except in the
+        model's last unit, whose graphs are kept between its forward and backward of each
+        micro-batch), its weights loaded, its gradients offloaded; nothing streams back in for
+        the backward, and the list has no update (the runner steps the optimizer after the
+        step: `swapped_stage_optimizer_ns`)."""
+        last = len(self.units) - 1
+        out = []
+        for i in range(start, stop):
+            u, s = self.units[i], self.block_plan.submodels[i]
+            fwd = round(u.fwd_ns * self.slowdown)
+            bwd = round(u.bwd_ns * self.slowdown) + (fwd if i < last else 0)
+            out.append(StageTimes(fwd_ns=num_micro * fwd, bwd_ns=num_micro * bwd,
+                                  load_ns=ms_to_ns(s.load_ms), checkpoint_ns=0,
+                                  offload_ns=ms_to_ns(s.offload_ms), optimizer_ns=0))
+        return out
+
+    def swapped_stage_memory_bytes(self, start: int, stop: int, num_micro: int) -> int:
+        """Device bytes of a swapped layout stage over units [start, stop): the swap runtime's
+        two weight slots and two gradient slots, each as large as the largest unit; the values
+        crossing the stage's cuts (what it receives, what passes between its units, what it
+        sends) for all `num_micro` micro-batches, which stay on the device from the forward to
+        the backward; and one unit's saved activations and working memory (a backward after
+        recomputing one micro-batch)."""
+        units = self.units[start:stop]
+        slot = max(u.param_bytes for u in units)
+        cuts = sum(self.boundary_bytes(i)[0]
+                   for i in range(max(start, 1), min(stop + 1, len(self.units))))
+        one = max(u.saved_bytes + u.working_bytes for u in units)
+        return 4 * slot + num_micro * cuts + one
+
+    def swapped_stage_host_bytes(self, start: int, stop: int, num_micro: int) -> int:
+        """Host bytes of a swapped layout stage over units [start, stop): the swap runtime's
+        store for those sub-models (fp32 masters, AdamW moments, transfer copies; the
+        partitioner's formula, atomc.partition.hostmem)."""
+        plan = dataclasses.replace(self.block_plan, accum=num_micro,
+                                   submodels=self.block_plan.submodels[start:stop])
+        return plan_host_memory(plan, self.profile.graph).total()
+
+    def swapped_stage_optimizer_ns(self, fqns: set[str]) -> int:
+        """A swapped stage's update over `fqns`: CPU AdamW over their fp32 masters at the
+        rate the partitioner takes, without its fixed and per-tensor costs (0 without
+        updates)."""
+        if self.no_update or not fqns:
+            return 0
+        g = self.profile.graph
+        master = 8 if g.dtype == "float64" else 4
+        frozen = set(g.frozen or ())
+        nbytes = sum(g.params[f].num_bytes // max(DTYPE_BYTES.get(g.params[f].dtype, 4), 1)
+                     * master for f in fqns if f in g.params and f not in frozen)
+        rate = resolve_cpu_adam("auto", self.profile)[0]
+        return ms_to_ns(nbytes / (rate * 1e9) * 1e3) if rate > 0 else 0
 
 
 def peer_step(times: list[StageTimes], plan: Plan, num_steps: int = 1):
@@ -223,8 +340,9 @@ def block_cuts(profile: Profile) -> list[int]:
 
 
 def hardware_model(name: str, profile: Profile, *, slowdown: float = 1.0,
-                   no_update: bool = False) -> HardwareModel:
-    """The units of `profile`'s model (see the module docstring)."""
+                   no_update: bool = False, given: GivenPlan | None = None) -> HardwareModel:
+    """The units of `profile`'s model (see the module docstring); `given`: the plan its
+    peers train with, made from `profile`."""
     if not slowdown > 0:
         raise UsageError(f"--slowdown {slowdown:g} must be more than 0")
     cuts = block_cuts(profile)
@@ -244,7 +362,7 @@ def hardware_model(name: str, profile: Profile, *, slowdown: float = 1.0,
                               default=0),
             params=frozenset(f for n in nodes for f in (*n.param_fqns, *n.buffer_fqns))))
     return HardwareModel(name=name, profile=profile, units=units, block_plan=plan,
-                         slowdown=slowdown, no_update=no_update)
+                         slowdown=slowdown, no_update=no_update, given=given)
 
 
 def placement_plan(ref: HardwareModel, micro: int):
@@ -261,5 +379,5 @@ def host_memory_line(device: str, need: int, have: int) -> str:
             f"memory, or leave peers out (--modes)")
 
 
-__all__ = ["HardwareModel", "PeerPlan", "Unit", "block_cuts", "hardware_model",
+__all__ = ["GivenPlan", "HardwareModel", "PeerPlan", "Unit", "block_cuts", "hardware_model",
            "host_memory_line", "peer_step", "placement_plan"]

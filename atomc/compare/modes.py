@@ -21,9 +21,14 @@ import numpy as np
 
 from atomc.place.network import Network
 from atomc.simulate.network import Links
+from atomc.swarm.config import ServeConfig
 from atomc.units import NS_PER_MS
 
-MODES = ("peers", "gpipe", "1f1b", "swarm")
+MODES = ("peers", "gpipe", "1f1b", "swarm", "pipedream")
+# modelled only, as the papers' baselines: no atomc runtime trains them, so compare predicts
+# them when asked for by name (--modes), never by default, and never calls them the fastest
+BASELINES = ("pipedream",)
+DEFAULT_MODES = tuple(m for m in MODES if m not in BASELINES)
 BOUND = 0.6  # a resource busy this share of the step or more is what binds it
 
 
@@ -46,6 +51,16 @@ class Setting:
     # how late a peer sees the others' progress: the refresh period of the progress tracker
     # atomc peer runs (hivemind's ProgressTracker, default_refresh_period=0.5)
     progress_lag_s: float = 0.5
+    # how long a SWARM stage's servers look for their group at a commit (atomc swarm serve's
+    # matchmaking_s)
+    swarm_matchmaking_s: float = ServeConfig.matchmaking_s
+    # hivemind's all-reduce cuts the averaged vector into parts of this size (part_size_bytes:
+    # atomc peer keeps DecentralizedAverager's default, 2**19) and gives each member whole parts
+    averaging_part_bytes: int = 1 << 19
+    # how far the leader's parts run ahead of a member's start in an averaging round: one
+    # flow-control window of a libp2p stream (yamux's initial window, 256 KiB), which the
+    # member's own matchmaking messages wait behind (atomc.compare.peers)
+    stream_window_bytes: int = 256 << 10
     stages: tuple[int, ...] | None = None  # D_PP to try (None: every divisor)
     place_budget_s: float = 2.0
     place_patience: int = 2000
@@ -129,5 +144,5 @@ def resources_of(busy, links, extra=()) -> tuple[tuple[str, float], ...]:
     return tuple(sorted(out, key=lambda r: -r[1]))
 
 
-__all__ = ["BOUND", "MODES", "Machine", "ModeResult", "Setting", "infeasible", "link_rows",
-           "links_of", "resources_of"]
+__all__ = ["BASELINES", "BOUND", "DEFAULT_MODES", "MODES", "Machine", "ModeResult", "Setting",
+           "infeasible", "link_rows", "links_of", "resources_of"]

@@ -4,18 +4,45 @@
 swap plan (atomc.partition for its memory); one local step is the plan's schedule timed by
 events.simulate_swap. Local steps go on until the devices together have processed the
 global batch, as each sees it through the progress tracker, `progress_lag_s` late
-(`local_steps`: peers in step take one step more than the batch needs); the averaging round
-gathers them (hivemind waits `matchmaking_s` from the first device that is ready), and
-they average their fp32 weights in one sharded exchange over the links
-(network.exchange_jobs: the same bytes as averaging gradients).
+(`local_steps`: peers in step take one step more than the batch needs). Then one averaging
+round, as hivemind's DecentralizedAverager runs it with atomc peer's settings:
+
+- **group**: the first device that is ready leads; hivemind assembles the group when the
+  leader's `matchmaking_s` (min_matchmaking_time) has passed, with every device ready by
+  then (the model waits for the last one when it is later);
+- **start**: each member finishes its matchmaking's DHT messages (withdrawing its entry,
+  updating the group key) before it sends a part; those messages travel the peers' libp2p
+  connections behind the part data already on them, so the first member to start holds the
+  others back. The model lets the leader start as the group forms and every other member
+  when the leader's first `stream_window_bytes` to it (one flow-control window of a libp2p
+  stream, yamux's 256 KiB) have crossed the link (`averaging_programs`);
+- **butterfly all-reduce** (hivemind's AllReduceRunner) of the fp32 weights, one vector: the
+  vector is cut into parts of `averaging_part_bytes` and each member of the group, in an
+  order hivemind shuffles every round, reduces whole parts (`share_parts`: shares differ by
+  up to a part); every member streams each other member that member's parts, a reducer
+  sends each averaged part back to every sender once all senders' copies of it are in, and a
+  member is done when every averaged part has come back. Every part is a message on the
+  links (simulate_programs); the round is the mean over hivemind's group orders (all of
+  them for up to four peers, `ORDERS` seeded ones beyond).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+import random
+
+import numpy as np
+
 from atomc.compare.costs import HardwareModel, host_memory_line
 from atomc.compare.modes import Machine, ModeResult, Setting, infeasible, link_rows, resources_of
-from atomc.simulate.network import Links, exchange_jobs, simulate_programs
+from atomc.simulate.network import Job, Links, simulate_programs
 from atomc.units import format_bytes
+
+ORDERS = 24  # group orders a round is averaged over (every order for up to 4 peers)
+# messages per share at most: beyond, neighbouring parts travel as one message (a large
+# vector's parts stream; the simulated round then differs from part-by-part by a message's time)
+MAX_MESSAGES_PER_SHARE = 16
 
 
 def local_steps(steps_ns: list[int], samples: list[int], global_batch: int,
@@ -47,6 +74,91 @@ def local_steps(steps_ns: list[int], samples: list[int], global_batch: int,
     return done
 
 
+def share_parts(num_values: int, group_size: int, value_bytes: int,
+                part_bytes: int) -> list[list[int]]:
+    """Bytes of the parts each place of the group order reduces, as hivemind splits one vector
+    of `num_values` (its TensorPartContainer, uncompressed, with load_balance_peers for peers
+    that state no bandwidth): parts of `part_bytes`, the last one shorter, each given whole to
+    the place whose even share (hagenbach_bishoff's) it overlaps most."""
+    if num_values <= 0:
+        return [[] for _ in range(group_size)]
+    counts = [int(num_values * 1.0 / group_size)] * group_size
+    for i in range(num_values - sum(counts)):  # the remainder, one each from the first place
+        counts[i] += 1
+    pivots = (np.cumsum(counts) / np.sum(counts) * num_values).astype(np.int64)
+    pivots[-1] = num_values
+    per_part = int(part_bytes / value_bytes)
+    shares: list[list[int]] = [[] for _ in range(group_size)]
+    place = 0
+    for begin in range(0, num_values, per_part):
+        length = min(per_part, num_values - begin)
+        if begin + length > pivots[place]:
+            first = place
+            overlaps = [int(pivots[place]) - begin]
+            while begin + length > pivots[place]:
+                place += 1
+                overlaps.append(min(begin + length, int(pivots[place]))
+                                - int(pivots[place - 1]))
+            shares[first + int(np.argmax(overlaps))].append(length * value_bytes)
+        else:
+            shares[place].append(length * value_bytes)
+    return shares
+
+
+def _messages(parts: list[int]) -> list[int]:
+    """A share's parts as messages: every part, or neighbouring parts together beyond
+    MAX_MESSAGES_PER_SHARE."""
+    if len(parts) <= MAX_MESSAGES_PER_SHARE:
+        return list(parts)
+    cuts = [round(i * len(parts) / MAX_MESSAGES_PER_SHARE)
+            for i in range(MAX_MESSAGES_PER_SHARE + 1)]
+    return [sum(parts[a:b]) for a, b in itertools.pairwise(cuts)]
+
+
+def averaging_programs(order: list[int], leader: int, start_ns: int,
+                       shares: list[list[int]], window_bytes: int) -> dict[int, list[Job]]:
+    """Each member's jobs in one round (see the module docstring): `order` the devices in
+    hivemind's group order (place i reduces `shares[i]`, bytes by part), `leader` the device
+    that starts at `start_ns`; the others start when the leader's first `window_bytes` to them
+    have arrived."""
+    msgs = {d: _messages(shares[i]) for i, d in enumerate(order)}
+    jobs: dict[int, list[Job]] = {}
+    for d in order:
+        others = [o for o in order if o != d]
+        mine: list[Job] = [("until", start_ns)]
+        if d != leader:
+            mine.append(("recv", leader, ("go", d)))
+        for r in others:  # my copy of every other member's parts, in order
+            told = d != leader  # the leader's `go` to r follows its first window to r
+            left = window_bytes
+            for k, nbytes in enumerate(msgs[r]):
+                if not told and nbytes > left:
+                    if left:
+                        mine.append(("send", r, left, ("head", d, r)))
+                    mine.append(("send", r, 0, ("go", r)))
+                    told, nbytes = True, nbytes - left
+                elif not told:
+                    left -= nbytes
+                mine.append(("send", r, nbytes, ("in", d, r, k)))
+            if not told:
+                mine.append(("send", r, 0, ("go", r)))
+        for k, nbytes in enumerate(msgs[d]):  # my parts: averaged once every copy is in
+            mine += [("recv", s, ("in", s, d, k)) for s in others]
+            mine += [("send", s, nbytes, ("out", d, s, k)) for s in others]
+        mine += [("recv", r, ("out", r, d, k)) for r in others for k in range(len(msgs[r]))]
+        jobs[d] = mine
+    return jobs
+
+
+def group_orders(group: list[int], seed: int) -> list[list[int]]:
+    """The group orders a round is averaged over: every one for up to four members (hivemind
+    shuffles the order uniformly), else ORDERS drawn with `seed`."""
+    if math.factorial(len(group)) <= ORDERS:
+        return [list(p) for p in itertools.permutations(group)]
+    rng = random.Random(seed)
+    return [rng.sample(group, len(group)) for _ in range(ORDERS)]
+
+
 def predict_peers(machines: list[Machine], models: dict[str, HardwareModel], links: Links,
                   setting: Setting) -> ModeResult:
     names = [m.name for m in machines]
@@ -68,19 +180,26 @@ def predict_peers(machines: list[Machine], models: dict[str, HardwareModel], lin
     ready = [c * s for c, s in zip(counts, steps)]
     group = list(range(len(machines)))
     sync = setting.sync and len(machines) > 1
-    start = max(max(ready), min(ready) + round(setting.matchmaking_s * 1e9)) if sync else 0
-    programs = []
-    for d in group:
-        jobs = [("until", ready[d])]
-        if sync:
-            jobs += [("until", start),
-                     *exchange_jobs(d, group, models[machines[d].hardware].master_bytes,
-                                    ("average", 0))]
-        programs.append(jobs + [("mark", 0)])
-    sim = simulate_programs(programs, links)
-    span = sim.step_end(0)
+    leader = min(group, key=lambda d: (ready[d], d))
+    start = max(max(ready), ready[leader] + round(setting.matchmaking_s * 1e9)) if sync else 0
+    ref = models[machines[0].hardware]
+    value_bytes = 8 if ref.profile.graph.dtype == "float64" else 4
+    shares = share_parts(ref.master_bytes // value_bytes, len(group), value_bytes,
+                         setting.averaging_part_bytes)
+    orders = group_orders(group, setting.seed) if sync else [group]
+    ends, link_bytes, link_busy = [], {}, {}
+    for order in orders:
+        rounds = (averaging_programs(order, leader, start, shares, setting.stream_window_bytes)
+                  if sync else {})
+        programs = [[("until", ready[d]), *rounds.get(d, []), ("mark", 0)] for d in group]
+        sim = simulate_programs(programs, links)
+        ends.append(sim.step_end(0))
+        for lane, nbytes in sim.link_bytes.items():
+            link_bytes[lane] = link_bytes.get(lane, 0) + nbytes / len(orders)
+            link_busy[lane] = link_busy.get(lane, 0) + sim.link_busy_ns[lane] / len(orders)
+    span = round(sum(ends) / len(ends))
     busy = tuple((names[d], counts[d] * plans[d].compute_ns / span) for d in group)
-    rows = link_rows(names, sim.link_bytes, sim.link_busy_ns, span)
+    rows = link_rows(names, link_bytes, link_busy, span)
     prefetch = [(f"host-to-device copies on {names[d]}",
                  counts[d] * plans[d].prefetch_busy_ns / span) for d in group]
     accums = sorted({pp.plan.accum for pp in plans})
@@ -97,7 +216,12 @@ def predict_peers(machines: list[Machine], models: dict[str, HardwareModel], lin
         resources=resources_of(busy, rows, prefetch), phases=phases,
         detail={"local_step_ns": {names[d]: steps[d] for d in group},
                 "local_steps": {names[d]: counts[d] for d in group},
-                "averaging_start_ns": start, "ready_ns": max(ready)})
+                "averaging_start_ns": start, "ready_ns": max(ready),
+                "leader": names[leader], "window_bytes": setting.stream_window_bytes,
+                "shares_bytes": [sum(s) for s in shares],
+                "round_ns": {"min": min(ends) - start, "mean": span - start,
+                             "max": max(ends) - start} if sync else {}})
 
 
-__all__ = ["local_steps", "predict_peers"]
+__all__ = ["ORDERS", "averaging_programs", "group_orders", "local_steps", "predict_peers",
+           "share_parts"]

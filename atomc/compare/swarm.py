@@ -1,16 +1,35 @@
 """One global batch in SWARM, predicted.
 
-**swarm** (SWARM, atomc.swarm): the model in D_PP stages, every device a server of one stage,
-assigned so the slowest stage is as fast as it gets (swarm.balance.best_assignment); a
-server's time per micro-batch is the longer of its compute (a forward call, then a backward
-call that runs the forward again; one call on the last stage) and its traffic with the
-trainer (on device `swarm_trainer`), which sends every stage its inputs and takes its
-outputs. Stochastic wiring over those servers (swarm.simulate.simulate_wiring) gives the
-pipeline's throughput; after the global batch each stage's servers average their gradients
-(the sharded exchange) and step.
+**swarm** (SWARM, atomc.swarm): the model in D_PP stages, every device a server of one stage.
+A server's time per micro-batch is the longer of its compute and its traffic with the trainer
+(on device `swarm_trainer`), each direction of the link on its own. What the trainer's calls
+carry (atomc.swarm.client): every call the micro-batch's inputs (the model's, as the data
+gives them); a stage before the last gets a forward call (its input values in, its output
+values back), then a backward call that runs the forward again (its input values and its
+output gradients in, its input gradients back); the last stage one backward call (its input
+values in, its input gradients back).
+
+The servers are assigned as atomc's servers rebalance to (atomc.swarm.rebalance): where the
+assignments number `EXACT_ASSIGNMENTS` or fewer, the one whose slowest stage is fastest, each
+server at its own rate on each stage (a stage before the last costs a forward more than the
+last; a server on the trainer's device sends nothing over a link); beyond that, the servers
+fastest first, each onto the slowest stage it can hold (at its rate there), then Algorithm 2's
+moves (balance.choose_move) while one raises the slowest stages. A device that cannot hold a
+stage is not put on it; a stage no device can hold makes SWARM infeasible.
+
+Stochastic wiring over those servers (swarm.simulate.simulate_wiring) gives the pipeline's
+throughput, plus the fill (a micro-batch's first trip through the stages). Then each stage
+commits as atomc's servers do (atomc.swarm.commit): its servers form a group (hivemind's
+matchmaking, `swarm_matchmaking_s`: `atomc swarm serve`'s default), every server fetches every
+other server's whole gradient sums (and buffers) and adds them in one order, and each steps.
+The model sends each server's sums to the others at once; the servers fetch them one peer
+after another, which takes longer than this with three or more servers on a stage whose
+incoming links are not shared (`commit_jobs`).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 
@@ -27,10 +46,21 @@ from atomc.compare.modes import (
 from atomc.errors import UsageError
 from atomc.place.cost import stage_ranges
 from atomc.place.network import Network
-from atomc.simulate.network import Links, exchange_jobs, simulate_programs
-from atomc.swarm.balance import best_assignment
+from atomc.simulate.network import Job, Links, simulate_programs
+from atomc.swarm.balance import ServerLoad, choose_move
 from atomc.swarm.simulate import simulate_wiring
 from atomc.units import format_bytes
+
+# every assignment of servers to stages is tried up to this many (balance.plan_moves's bound)
+EXACT_ASSIGNMENTS = 4096
+
+
+def commit_jobs(me: int, group: list[int], num_bytes: int, key: object) -> list[Job]:
+    """`me`'s part in a stage's commit: its `num_bytes` of sums to every other server of the
+    stage, and every other server's sums in."""
+    others = [g for g in group if g != me]
+    return ([("send", o, num_bytes, (key, me, o)) for o in others]
+            + [("recv", o, (key, o, me)) for o in others])
 
 
 def predict_swarm(machines: list[Machine], models: dict[str, HardwareModel], network: Network,
@@ -62,70 +92,116 @@ def predict_swarm(machines: list[Machine], models: dict[str, HardwareModel], net
     return best if best is not None else infeasible("swarm", reason)
 
 
+def input_bytes(ref: HardwareModel) -> int:
+    """Bytes of one micro-batch's model inputs: every call to a server carries them."""
+    return sum(t.num_bytes for n in ref.profile.graph.nodes if n.op == "placeholder"
+               for t in n.outputs)
+
+
+def server_traffic(ref: HardwareModel, rng: tuple[int, int], last: bool) -> tuple[int, int]:
+    """(bytes trainer -> server, bytes server -> trainer) of one micro-batch on the stage of
+    units [a, b): see the module docstring for what each call carries."""
+    a, b = rng
+    batch = input_bytes(ref)
+    vin, gout = ref.boundary_bytes(a) if a > 0 else (0, 0)
+    if last:
+        return vin + batch, gout
+    vout, gin = ref.boundary_bytes(b)
+    return (vin + batch) + (vin + gin + batch), vout + gout
+
+
 def _server_ns(models, links: Links, m: Machine, d: int, trainer: int, ref: HardwareModel,
                rng: tuple[int, int], last: bool) -> tuple[int, int, int, int]:
     """(time per micro-batch, compute, bytes trainer -> server, bytes server -> trainer)."""
     hm = models[m.hardware]
-    a, b = rng
-    fwd, bwd = hm.stage_compute_ns(a, b)
+    fwd, bwd = hm.stage_compute_ns(*rng)
     compute = fwd + bwd if last else 2 * fwd + bwd
-    vin, gout = ref.boundary_bytes(a) if a > 0 else (0, 0)
-    vout, gin = ref.boundary_bytes(b) if not last else (0, 0)
-    down, up = vin + gin, vout + gout
+    down, up = server_traffic(ref, rng, last)
     wire = max(links.wire_ns(trainer, d, down), links.wire_ns(d, trainer, up))
     return max(compute, wire, 1), compute, down, up
+
+
+def assign_servers(rates: np.ndarray) -> list[int]:
+    """Servers -> stages, the slowest stage as fast as it gets; `rates[d][s]`: server d's
+    micro-batches/s on stage s, 0 where it cannot serve it (see the module docstring)."""
+    n, stages = rates.shape
+    if stages ** n <= EXACT_ASSIGNMENTS:
+        grid = np.array(list(itertools.product(range(stages), repeat=n)), dtype=np.int64)
+        gains = rates[np.arange(n), grid]
+        sums = np.stack([(gains * (grid == s)).sum(axis=1) for s in range(stages)], axis=1)
+        return [int(s) for s in grid[int(np.argmax(sums.min(axis=1)))]]
+    assign = [0] * n
+    sums = np.zeros(stages)
+    for d in sorted(range(n), key=lambda i: (-float(rates[i].max()), i)):
+        can = np.flatnonzero(rates[d] > 0)
+        can = can if len(can) else np.arange(stages)  # it holds none: the check after says so
+        s = int(can[np.argmin(sums[can])])
+        assign[d] = s
+        sums[s] += rates[d][s]
+    for _ in range(n * stages):  # each move raises the sorted stage rates: few are possible
+        loads = [ServerLoad(str(d), assign[d], float(rates[d][assign[d]]), 0.0,
+                            served=tuple(float(x) for x in rates[d])) for d in range(n)]
+        move = choose_move(loads, stages)
+        if move is None or rates[int(move.peer)][move.to_stage] <= 0:
+            break
+        assign[int(move.peer)] = move.to_stage
+    return assign
 
 
 def _swarm_with(stages: int, machines, models, links: Links, ref: HardwareModel, trainer: int,
                 micro_total: int, setting: Setting, names) -> ModeResult:
     n = len(machines)
     ranges = stage_ranges(placement_plan(ref, 1), stages)
-    # the rate each device would serve at, on a stage of average cost: to assign them
-    rate = []
-    for d, m in enumerate(machines):
-        times = [_server_ns(models, links, m, d, trainer, ref, r, j == stages - 1)[0]
-                 for j, r in enumerate(ranges)]
-        rate.append(1e9 / float(np.mean(times)))
-    assign = best_assignment(rate, stages)
-    speeds: list[list[float]] = [[] for _ in range(stages)]
-    members: list[list[int]] = [[] for _ in range(stages)]
-    per_server = {}
-    for d, s in enumerate(assign):
-        m = machines[d]
-        a, b = ranges[s]
-        need = models[m.hardware].stage_memory_bytes(a, b, 1)
-        if need > m.memory_bytes:
+    need = [[models[m.hardware].stage_memory_bytes(a, b, 1) for a, b in ranges]
+            for m in machines]
+    table = [[_server_ns(models, links, m, d, trainer, ref, r, j == stages - 1)
+              for j, r in enumerate(ranges)] for d, m in enumerate(machines)]
+    rates = np.array([[1e9 / table[d][s][0] if need[d][s] <= machines[d].memory_bytes else 0.0
+                       for s in range(stages)] for d in range(n)])
+    for s, (a, b) in enumerate(ranges):
+        if not np.any(rates[:, s] > 0):  # no device holds it: name the one that comes closest
+            d = max(range(n), key=lambda i: (machines[i].memory_bytes - need[i][s], -i))
+            m = machines[d]
             return infeasible("swarm", (
-                f"{stages} stages: stage {s} (blocks {a}..{b - 1}) needs {format_bytes(need)} "
-                f"({need} bytes) on device {m.name}, which has {format_bytes(m.memory_bytes)} "
-                f"({m.memory_bytes} bytes)"))
-        t, compute, down, up = _server_ns(models, links, m, d, trainer, ref, ranges[s],
-                                          s == stages - 1)
-        speeds[s].append(1e9 / t)
-        members[s].append(d)
-        per_server[d] = (compute, down, up)
-    if any(not s for s in speeds):
+                f"{stages} stages: stage {s} (blocks {a}..{b - 1}) needs "
+                f"{format_bytes(need[d][s])} ({need[d][s]} bytes) on device {m.name}, which has "
+                f"{format_bytes(m.memory_bytes)} ({m.memory_bytes} bytes)"))
+    assign = assign_servers(rates)
+    members: list[list[int]] = [[d for d in range(n) if assign[d] == s] for s in range(stages)]
+    if any(not x for x in members):
         return infeasible("swarm", f"{stages} stages for {n} devices leave a stage without "
                                     f"a server")
+    for d, s in enumerate(assign):
+        if rates[d][s] <= 0:  # Algorithm 2 had nowhere else for it
+            m = machines[d]
+            a, b = ranges[s]
+            return infeasible("swarm", (
+                f"{stages} stages: stage {s} (blocks {a}..{b - 1}) needs "
+                f"{format_bytes(need[d][s])} ({need[d][s]} bytes) on device {m.name}, which has "
+                f"{format_bytes(m.memory_bytes)} ({m.memory_bytes} bytes)"))
+    speeds = [[float(rates[d][s]) for d in members[s]] for s in range(stages)]
     fwd_ref, bwd_ref = ref.stage_compute_ns(0, len(ref.units))
     ratio = (fwd_ref + bwd_ref) / max(fwd_ref, 1)
     lat = [links.latency_ns[trainer][d] + links.latency_ns[d][trainer]
            for d in range(n) if d != trainer]
-    wiring = simulate_wiring([list(s) for s in speeds], microbatch_s=1.0,
-                             backward_ratio=ratio, latency_s=float(np.mean(lat or [0])) / 1e9,
+    wiring = simulate_wiring(speeds, microbatch_s=1.0, backward_ratio=ratio,
+                             latency_s=float(np.mean(lat or [0])) / 1e9,
                              num_microbatches=max(2000, 40 * n), seed=setting.seed)
     pipe_ns = round(micro_total / wiring.throughput * 1e9)
     # the fill: a micro-batch's first trip through the stages, before the flow is steady
     fill_ns = sum(min(1e9 / x for x in s) for s in speeds)
     pipe_ns += round(fill_ns)
     programs = []
+    commit_ns = pipe_ns + round(setting.swarm_matchmaking_s * 1e9)
     for d in range(n):
         s = assign[d]
-        jobs = [("until", pipe_ns)]
+        jobs: list[Job] = [("until", pipe_ns)]
         if setting.sync:
             a, b = ranges[s]
             fqns = set().union(*(u.params for u in ref.units[a:b]))
-            jobs += exchange_jobs(d, members[s], ref.param_bytes(fqns), ("swarm", s))
+            if len(members[s]) > 1:
+                jobs += [("until", commit_ns),
+                         *commit_jobs(d, members[s], ref.param_bytes(fqns), ("swarm", s))]
             opt = models[machines[d].hardware].optimizer_ns(fqns)
             if opt:
                 jobs.append(("compute", opt, "optimizer"))
@@ -143,7 +219,7 @@ def _swarm_with(stages: int, machines, models, links: Links, ref: HardwareModel,
         # the micro-batches it served: its share of its stage's
         stage_jobs = sum(served[x] for x in members[assign[d]]) or 1
         share = served[d] / stage_jobs * micro_total
-        compute, down, up = per_server[d]
+        _, compute, down, up = table[d][assign[d]]
         busy.append((names[d], share * compute / span))
         if d != trainer:
             for lane, nbytes in (((trainer, d), down), ((d, trainer), up)):
@@ -158,9 +234,13 @@ def _swarm_with(stages: int, machines, models, links: Links, ref: HardwareModel,
                       samples=micro_total * ref.micro_batch, config=config, busy=busy_t,
                       links=rows, resources=resources_of(busy_t, rows),
                       phases=(("the pipeline", pipe_ns / span), ("averaging", 1 - pipe_ns / span)),
-                      detail={"stages": stages, "assignment": [list(map(names.__getitem__, x))
-                                                               for x in members],
-                              "throughput_per_s": wiring.throughput})
+                      detail={"stages": stages, "ranges": [list(r) for r in ranges],
+                              "assignment": [list(map(names.__getitem__, x)) for x in members],
+                              "server_ns": {names[d]: table[d][assign[d]][0] for d in range(n)},
+                              "throughput_per_s": float(wiring.throughput),
+                              "efficiency": float(wiring.efficiency),
+                              "pipeline_ns": pipe_ns})
 
 
-__all__ = ["predict_swarm"]
+__all__ = ["EXACT_ASSIGNMENTS", "assign_servers", "input_bytes", "predict_swarm",
+           "server_traffic"]

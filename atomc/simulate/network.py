@@ -19,10 +19,14 @@ graph (atomc.place.network): a device sending to two others uses two links at on
 infinite bandwidth and no latency is free; a device never sends to itself over a link.
 
 `pipeline_jobs` compiles one pipeline stage's step (atomc.actions: GPipe, 1F1B) into jobs:
-F and B on the compute lane, S and R as messages to and from the neighbouring stages' devices.
-`exchange_jobs` is the sharded exchange that averages a vector over a group (hivemind's
-butterfly all-reduce, DT-FM's sharded parameter server): every member sends each other member
-that member's 1/n share, reduces its own share, and sends it back to everyone.
+F and B on the compute lane, S and R as messages to and from the neighbouring stages' devices;
+an order of several steps (PipeDream's) has its updates' jobs and step marks given by the
+caller.
+`exchange_jobs` is the sharded exchange that averages a vector over a group (DT-FM's sharded
+parameter server, the layout runner's data-parallel averaging): every member sends each other
+member that member's 1/n share, reduces its own share, and sends it back to everyone.
+hivemind's all-reduce cuts its shares at whole parts and starts its members apart
+(atomc.compare.peers.averaging_programs).
 
 All times are integer nanoseconds, as in events.py.
 """
@@ -30,7 +34,7 @@ All times are integer nanoseconds, as in events.py.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from atomc.actions import Action, directions
@@ -174,34 +178,52 @@ class StageCosts:
 
 
 def pipeline_jobs(actions: Sequence[Action], costs: StageCosts, *, step: int, replica: int,
-                  prev_device: int | None, next_device: int | None) -> list[Job]:
+                  prev_device: int | None, next_device: int | None,
+                  update: Callable[[int], list[Job]] | None = None) -> list[Job]:
     """One stage's step (F, B, S, R actions of atomc.actions.orders) as jobs. Message keys
     name (step, replica, stage, micro-batch, what): the neighbouring stages' jobs meet on
-    them."""
+    them. An order that updates the weights as it goes (U after a backward: PipeDream) needs
+    `update`, which gives the jobs of the U that follows micro-batch m's backward (the
+    averaging, the optimizer, a step's `mark`)."""
     jobs: list[Job] = []
+    last_backward = None
     for a, direction in zip(actions, directions(list(actions))):
-        j, m = a.index, a.micro
-        if a.kind == "F":
+        if a.kind == "U" and update is not None:
+            if last_backward is None:
+                raise ValueError(f"action {a} updates before any backward")
+            jobs += update(last_backward)
+        elif a.kind == "F":
             jobs.append(("compute", costs.fwd_ns, "forward"))
         elif a.kind == "B":
             jobs.append(("compute", costs.bwd_ns, "backward"))
-        elif a.kind == "S" and direction == "values":
-            _need(next_device, a)
-            jobs.append(("send", next_device, costs.values_out_bytes,
-                         (step, replica, j, m, "values")))
-        elif a.kind == "S":
-            _need(prev_device, a)
-            jobs.append(("send", prev_device, costs.grads_out_bytes,
-                         (step, replica, j - 1, m, "grads")))
-        elif a.kind == "R" and direction == "values":
-            _need(prev_device, a)
-            jobs.append(("recv", prev_device, (step, replica, j - 1, m, "values")))
-        elif a.kind == "R":
-            _need(next_device, a)
-            jobs.append(("recv", next_device, (step, replica, j, m, "grads")))
+            last_backward = a.micro
+        elif a.kind in ("S", "R"):
+            jobs.append(message_job(a, direction, costs, step=step, replica=replica,
+                                    prev_device=prev_device, next_device=next_device))
         else:
-            raise ValueError(f"action {a} is not one a resident pipeline stage runs (F B S R)")
+            raise ValueError(f"action {a} is not one a resident pipeline stage runs (F B S R, "
+                             f"U with `update`)")
     return jobs
+
+
+def message_job(a: Action, direction: str | None, costs: StageCosts, *, step: int, replica: int,
+                prev_device: int | None, next_device: int | None) -> Job:
+    """A stage's S or R action as a send or receive job (`direction`: "values" or "grads",
+    as atomc.actions.directions says of the stage's whole list)."""
+    j, m = a.index, a.micro
+    if a.kind == "S" and direction == "values":
+        _need(next_device, a)
+        return ("send", next_device, costs.values_out_bytes, (step, replica, j, m, "values"))
+    if a.kind == "S":
+        _need(prev_device, a)
+        return ("send", prev_device, costs.grads_out_bytes, (step, replica, j - 1, m, "grads"))
+    if a.kind == "R" and direction == "values":
+        _need(prev_device, a)
+        return ("recv", prev_device, (step, replica, j - 1, m, "values"))
+    if a.kind == "R":
+        _need(next_device, a)
+        return ("recv", next_device, (step, replica, j, m, "grads"))
+    raise ValueError(f"action {a} is no message (S or R)")
 
 
 def _need(device: int | None, a: Action) -> None:
@@ -233,4 +255,4 @@ def exchange_bytes_per_link(group_size: int, num_bytes: int) -> int:
 
 
 __all__ = ["INF", "Job", "Links", "NetworkSimulation", "StageCosts", "exchange_bytes_per_link",
-           "exchange_jobs", "pipeline_jobs", "simulate_programs"]
+           "exchange_jobs", "message_job", "pipeline_jobs", "simulate_programs"]
