@@ -26,9 +26,10 @@ its data-parallel group (PipeDream's replicated stages synchronise every mini-ba
 AdamW; with --no-sync none of that is timed. Stage j stashes D_PP - j weight versions (the one
 each in-flight micro-batch's forward used, for its backward) besides a gradient and, with
 updates, AdamW's two moments, and keeps the activations of its D_PP - j micro-batches in
-flight. Its step is the mean of `PIPEDREAM_WINDOW` steady-state steps, simulated after
-enough steps to fill the pipeline and followed by enough to drain it, so that neither the
-fill nor the drain is in it.
+flight; the versions count with --no-sync too, as PipeDream's weight-stashing optimizer clones
+them all when it is made. Its step is the mean of `PIPEDREAM_WINDOW` steady-state steps,
+simulated after enough steps to fill the pipeline and followed by enough to drain it, so that
+neither the fill nor the drain is in it.
 """
 
 from __future__ import annotations
