@@ -55,7 +55,6 @@ from helpers.model_chain import (
     HF,
     MICRO,
     MODELS,
-    C,
     batch_of,
     chain,
     check_bfloat16_plan_trains_within_one_percent,
@@ -189,15 +188,15 @@ def test_weight_tied_three_ways_sums_its_gradients_exactly(models_root):
     holders' gradients per micro-batch in the order the plain model's backward does: one step
     gives plain AdamW's weights in float64 (to rounding: the export graph's kernels are not
     the eager model's)."""
-    out, _, reference = chain("t5", models_root)
+    out, plan, reference = chain("t5", models_root)
     model = original(reference, torch.float64)
     trainer = SwapTrainer.from_package(out, device="cpu", state_dict=model.state_dict(),
                                        tied_grads="exact", optimizer=ADAM, dtype="float64")
     assert [len(h) for h in trainer.executor.ties.ties.values()] == [3]
     batch = tuple(x.to(torch.float64) if x.is_floating_point() else x
-                  for x in batch_of(reference, C, 0))
+                  for x in batch_of(reference, plan.accum, 0))
     trainer.step(batch)
-    plain_steps(model, reference.module.loss_fn, [batch])
+    plain_steps(model, reference.module.loss_fn, [batch], plan.accum)
     state = trainer.export_state_dict()
     for k, v in state.items():  # export's kernels round a little differently from eager ones
         torch.testing.assert_close(v, model.state_dict()[k], rtol=1e-12, atol=1e-14, msg=k)
