@@ -6,10 +6,12 @@ outputs and every parameter's gradient (a tied weight's gradient is the sum over
 
 from __future__ import annotations
 
+import ast
 import copy
 import importlib.util
 import itertools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -495,16 +497,9 @@ def test_identical_blocks_are_one_class(tmp_path):
     assert_equivalent(t, package, torch.float64, 1e-10)
 
 
-# what a reader of generated code would not write: ATen calls (none is one a reader writes),
-# lines over the project's 100 columns, and names made by fx's counters
-READER_ATEN_ALLOWED: frozenset[str] = frozenset()
-
-
 def _source_names(files: set[str]) -> set[str]:
     """Every name the model's own code binds: assignment and loop targets, parameters, and
     the attributes its modules set (`self.q_proj = ...`)."""
-    import ast
-
     names: set[str] = set()
     for file in files:
         for node in ast.walk(ast.parse(Path(file).read_text())):
@@ -518,18 +513,15 @@ def _source_names(files: set[str]) -> set[str]:
 
 
 def reader_counts(package_dir: Path, t) -> dict[str, list]:
-    """What in a generated package a reader would not write (see READER_ATEN_ALLOWED)."""
-    import ast
-    import re
-
+    """What in a generated package a reader would not write: ATen calls (none is one a reader
+    writes), lines over the project's 100 columns, and names made by fx's counters."""
     files = {f for n in t.gm.graph.nodes
              for f in re.findall(r'File "([^"<]+)"', n.meta.get("stack_trace") or "")}
     known = _source_names(files) | {"device", "dtype"}
     aten, long_lines, counters = [], [], []
     for path in sorted(package_dir.glob("submodel_*.py")):
         text = path.read_text()
-        aten += [c for c in re.findall(r"torch\.ops\.aten\.[\w.]+", text)
-                 if c not in READER_ATEN_ALLOWED]
+        aten += re.findall(r"torch\.ops\.aten\.[\w.]+", text)
         long_lines += [line for line in text.splitlines() if len(line) > 100]
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.FunctionDef) and node.name == "forward":

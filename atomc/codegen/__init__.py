@@ -160,7 +160,7 @@ def generate(plan: Plan, out_dir: str | Path, *, traced: Any = None, profile: Pr
         header = paragraphs(f"Tensors the sub-models hold that no state dict carries, with "
                             f"their values from {plan.model_path}.")
         text = env.get_template("constants.py.jinja").render(
-            header=header, model_path=plan.model_path, atomc_version=__version__,
+            header=header, atomc_version=__version__,
             names=py_literal(sorted(constants), indent=0))
         files["_constants.py"] = check_source(wrap_source(text), "_constants.py")
 

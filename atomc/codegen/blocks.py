@@ -66,7 +66,7 @@ def write_blocks(piece: Piece, traced: Any, op_nodes: dict[str, Any], render: An
     with their inputs named by position, so that a layer reading `embeddings` and one reading
     `hidden_states` are the same class."""
     candidates = [c for c in (_candidate(piece, traced, op_nodes, fqn)
-                              for fqn in _whole_blocks(piece, traced, op_nodes)) if c]
+                              for fqn in _whole_blocks(piece, traced)) if c]
     if len(candidates) < 2:
         return []
     for c in candidates:
@@ -112,7 +112,7 @@ def _attribute(fqn: str, taken: set[str]) -> str:
     return fresh(identifier_for(fqn, None), taken)
 
 
-def _whole_blocks(piece: Piece, traced: Any, op_nodes: dict[str, Any]) -> list[str]:
+def _whole_blocks(piece: Piece, traced: Any) -> list[str]:
     """The blocks all of whose nodes the piece's node range holds."""
     where: dict[str, list[int]] = {}
     for i, op in enumerate(traced.graph.nodes):

@@ -304,12 +304,11 @@ def lower_aten(op: torch._ops.OpOverload, args: tuple, kwargs: dict,
     if name == "einsum":
         return Form("function", "torch.einsum", (given["equation"], given["tensors"]),
                     imports=("import torch",))
-    if name in _FUNCTIONAL and not name.endswith("_"):
+    if name in _FUNCTIONAL:
         f_name, renames = _FUNCTIONAL[name]
-        form = _call_form("function", f"F.{f_name}", bound,
+        return _call_form("function", f"F.{f_name}", bound,
                           keywords_from=_F_KEYWORDS_FROM.get(name, 1), renames=renames,
                           imports=("import torch.nn.functional as F",))
-        return form
     if name.startswith("_"):
         return None
     schema = op._schema.arguments

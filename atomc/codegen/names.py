@@ -90,12 +90,20 @@ def _user_frames(stack_trace: str | None) -> tuple[tuple[str, int, str], ...]:
 
 
 @cache
+def _tree(file: str) -> ast.Module | None:
+    """A source file's syntax tree, parsed once for `_statements` and `_classes`; None if it
+    does not parse."""
+    try:
+        return ast.parse("".join(linecache.getlines(file)))
+    except (SyntaxError, ValueError):
+        return None
+
+
+@cache
 def _statements(file: str) -> dict[int, ast.stmt]:
     """Line -> innermost statement covering it, for a source file (empty if it does not parse)."""
-    text = "".join(linecache.getlines(file))
-    try:
-        tree = ast.parse(text)
-    except (SyntaxError, ValueError):
+    tree = _tree(file)
+    if tree is None:
         return {}
     found: dict[int, ast.stmt] = {}
     for node in ast.walk(tree):  # breadth first: inner statements come later and win
@@ -122,10 +130,8 @@ def _target_names(target: ast.expr) -> list[str | None]:
 @cache
 def _classes(file: str) -> dict[int, str]:
     """Line -> name of the innermost class whose body covers it, for a source file."""
-    text = "".join(linecache.getlines(file))
-    try:
-        tree = ast.parse(text)
-    except (SyntaxError, ValueError):
+    tree = _tree(file)
+    if tree is None:
         return {}
     found: dict[int, str] = {}
     for node in ast.walk(tree):  # breadth first: inner classes come later and win

@@ -523,9 +523,9 @@ class PieceRenderer:
         or it draws random numbers. A shape or dtype read (`x.shape`) is written where it is
         used. A tuple whose items are all taken out is unpacked (`q, k, v = ...split(...)`).
         """
-        graph = self.piece.graph
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        ops = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+        nodes = list(self.piece.graph.nodes)
+        order = {n: i for i, n in enumerate(nodes)}
+        ops = [n for n in nodes if n.op in ("call_function", "call_method", "call_module")]
         for node in ops:
             items = self._unpack_items(node)
             if items is not None:
@@ -537,7 +537,7 @@ class PieceRenderer:
             if self._repeatable(node):
                 self.repeated.add(node)
                 continue
-            user = self._inline_user(node, order)
+            user = self._inline_user(node, nodes, order)
             if user is not None:
                 self.inlined[node] = user
         return [n for n in ops if n not in self.inlined and n not in self.repeated
@@ -575,7 +575,8 @@ class PieceRenderer:
             return str(node.target) in ("size", "dim") and len(node.args) <= 2 and not node.kwargs
         return node.op == "call_function" and str(node.target) == "aten.sym_size.int"
 
-    def _inline_user(self, node: fx.Node, order: dict[fx.Node, int]) -> fx.Node | None:
+    def _inline_user(self, node: fx.Node, nodes: list[fx.Node],
+                     order: dict[fx.Node, int]) -> fx.Node | None:
         if len(node.users) != 1:
             return None
         user = next(iter(node.users))
@@ -590,7 +591,7 @@ class PieceRenderer:
             return None
         if self._limits_follow(user, node):
             return None  # `torch.finfo(x.dtype).min` reads x by name
-        between = list(self.piece.graph.nodes)[order[node] + 1:order[user]]
+        between = nodes[order[node] + 1:order[user]]
         if any(self._writes(n) for n in between):
             return None
         return user
