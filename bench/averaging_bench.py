@@ -88,14 +88,8 @@ def worker(a: argparse.Namespace) -> int:
     return 0
 
 
-def tc_bytes(emu) -> dict[tuple[int, int], int]:
-    from bench._modes_procs import link_bytes
-
-    return link_bytes(emu)
-
-
 def run(a: argparse.Namespace, mbit: float | None, work: Path) -> dict:
-    from bench._modes_procs import _env, _kill
+    from bench._modes_procs import _env, _kill, link_bytes
 
     n = a.peers
     tag = (f"{'lo' if mbit is None else f'{mbit:g}M'}-{a.bytes}-s{a.stagger:g}"
@@ -149,16 +143,16 @@ def run(a: argparse.Namespace, mbit: float | None, work: Path) -> dict:
             procs.append(subprocess.Popen(prefix + argv, env=_env({}), cwd=ROOT, stdout=log,
                                           stderr=subprocess.STDOUT, start_new_session=True))
             log.close()
-        before = tc_bytes(emu) if emu else {}
+        before = link_bytes(emu) if emu else {}
         deadline = start + a.rounds * a.period + 60
         trace = []  # (time, bytes each link has carried) every --trace seconds
         while any(p.poll() is None for p in procs) and time.time() < deadline:
             if emu and a.trace:
-                trace.append((time.time(), tc_bytes(emu)))
+                trace.append((time.time(), link_bytes(emu)))
                 time.sleep(a.trace)
             else:
                 time.sleep(0.5)
-        after = tc_bytes(emu) if emu else {}
+        after = link_bytes(emu) if emu else {}
     finally:
         _kill(procs)
         if emu:

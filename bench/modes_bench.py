@@ -357,6 +357,7 @@ def part_c(args, work: Path) -> list[str]:
             used = servers[:pipelines]
             gpus = [t for _, t in used for _ in range(4)]
             regions = [s for s, _ in used for _ in range(4)]
+            models = None  # the same GPUs in both settings: their peer plans are reused
             for setting_name, intra in (("local", FAST_GBPS), ("remote", None)):
                 net = uniform_network(f"{pipelines}srv-{setting_name}", gpus, slow, 1.0,
                                       regions, intra)
@@ -364,7 +365,7 @@ def part_c(args, work: Path) -> list[str]:
                 batch = 256 // pipelines * pipelines * b
                 setting = Setting(global_batch=batch, accum=ACCUM, sync=True, stages=(4,),
                                   place_budget_s=args.budget_s)
-                models = hardware_models(profiles, machines_of(net))
+                models = models or hardware_models(profiles, machines_of(net))
                 c = compare(profiles, net, setting, modes=("peers", "gpipe", "1f1b"),
                             models=models)
                 rows.append((config, pipelines, setting_name, c))

@@ -137,9 +137,10 @@ def _check_plans(plans: Sequence[GivenPlan], profiles: list[Profile],
     profile given for the plan's hardware."""
     by_key: dict[str, GivenPlan] = {}
     first = (profiles[0] if profiles else plans[0].profile).graph
+    first_hash = first.structure_hash()
     kinds = sorted({m.hardware for m in machines})
     for gp in plans:
-        if gp.plan.graph_hash != first.structure_hash() or \
+        if gp.plan.graph_hash != first_hash or \
                 gp.plan.batch_size != first.batch_size:
             raise UsageError(
                 f"{gp.source} is a plan of {_model_words(gp.profile.graph)}, but the other "
@@ -174,8 +175,9 @@ def hardware_models(profiles: list[Profile], machines: list[Machine], *, slowdow
     by_plan = _check_plans(plans, profiles, machines) if plans else {}
     by_key: dict[str, Profile] = {k: gp.profile for k, gp in by_plan.items()}
     first = (profiles[0] if profiles else plans[0].profile).graph
+    first_hash = first.structure_hash()
     for p in profiles:
-        if p.graph.structure_hash() != first.structure_hash() or \
+        if p.graph.structure_hash() != first_hash or \
                 p.graph.batch_size != first.batch_size:
             raise UsageError(
                 f"the profiles are of different models or micro-batches ({first.model_path} "

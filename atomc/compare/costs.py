@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -140,13 +141,28 @@ class HardwareModel:
                 + (CUDA_RNG_STATE_BYTES if gpu else 0))
 
     @property
+    def master_value_bytes(self) -> int:
+        """Bytes of one master value: float64 for a float64 model, else float32."""
+        return 8 if self.profile.graph.dtype == "float64" else 4
+
+    @property
     def master_bytes(self) -> int:
         """Bytes of the trainable weights in the master dtype: what peers average."""
+        return self.master_bytes_of(self.profile.graph.params)
+
+    def master_bytes_of(self, fqns) -> int:
+        """Bytes of the trainable weights among `fqns` in the master dtype."""
         g = self.profile.graph
-        master = 8 if g.dtype == "float64" else 4
+        master = self.master_value_bytes
         frozen = set(g.frozen or ())
-        return sum(s.num_bytes // max(DTYPE_BYTES.get(s.dtype, 4), 1) * master
-                   for k, s in g.params.items() if k not in frozen)
+        return sum(g.params[f].num_bytes // max(DTYPE_BYTES.get(g.params[f].dtype, 4), 1)
+                   * master for f in fqns if f in g.params and f not in frozen)
+
+    @cached_property
+    def cpu_adam(self) -> tuple[float, str]:
+        """The CPU AdamW rate the partitioner takes (resolve_cpu_adam "auto") and where it
+        comes from: once per model, as for a measured profile it reads this host's cache."""
+        return resolve_cpu_adam("auto", self.profile)
 
     def param_bytes(self, fqns: set[str]) -> int:
         specs = self.profile.graph.params
@@ -192,7 +208,7 @@ class HardwareModel:
         if hw is not None:
             rate = hw.mem_gbps / ADAM_BYTES_PER_MASTER_BYTE
         else:  # a CPU: its AdamW rate, as the partitioner takes it
-            rate = resolve_cpu_adam("auto", self.profile)[0]
+            rate = self.cpu_adam[0]
         return ms_to_ns(master / (rate * 1e9) * 1e3) if rate > 0 else 0
 
     def boundary_bytes(self, start: int) -> tuple[int, int]:
@@ -219,8 +235,7 @@ class HardwareModel:
         key = (capacity_bytes, accum)
         if key in self._peers:
             return self._peers[key]
-        cpu_adam, source = (0.0, "no update") if self.no_update else \
-            resolve_cpu_adam("auto", self.profile)
+        cpu_adam, source = (0.0, "no update") if self.no_update else self.cpu_adam
         try:
             plan = partition(self.profile, capacity_bytes, reserve_bytes=reserve_bytes,
                              accum=accum, cpu_adam_gbps=cpu_adam, cpu_adam_source=source)
@@ -305,12 +320,8 @@ class HardwareModel:
         updates)."""
         if self.no_update or not fqns:
             return 0
-        g = self.profile.graph
-        master = 8 if g.dtype == "float64" else 4
-        frozen = set(g.frozen or ())
-        nbytes = sum(g.params[f].num_bytes // max(DTYPE_BYTES.get(g.params[f].dtype, 4), 1)
-                     * master for f in fqns if f in g.params and f not in frozen)
-        rate = resolve_cpu_adam("auto", self.profile)[0]
+        nbytes = self.master_bytes_of(fqns)
+        rate = self.cpu_adam[0]
         return ms_to_ns(nbytes / (rate * 1e9) * 1e3) if rate > 0 else 0
 
 

@@ -183,7 +183,7 @@ def predict_peers(machines: list[Machine], models: dict[str, HardwareModel], lin
     leader = min(group, key=lambda d: (ready[d], d))
     start = max(max(ready), ready[leader] + round(setting.matchmaking_s * 1e9)) if sync else 0
     ref = models[machines[0].hardware]
-    value_bytes = 8 if ref.profile.graph.dtype == "float64" else 4
+    value_bytes = ref.master_value_bytes
     shares = share_parts(ref.master_bytes // value_bytes, len(group), value_bytes,
                          setting.averaging_part_bytes)
     orders = group_orders(group, setting.seed) if sync else [group]

@@ -82,9 +82,10 @@ def predict_swarm(machines: list[Machine], models: dict[str, HardwareModel], net
                                     f"of the micro-batch {ref.micro_batch}")
     best: ModeResult | None = None
     reason = ""
+    plan = placement_plan(ref, 1)
     for stages in counts:
-        result = _swarm_with(stages, machines, models, links, ref, trainer, micro_total,
-                             setting, names)
+        result = _swarm_with(stage_ranges(plan, stages), machines, models, links, ref, trainer,
+                             micro_total, setting, names)
         if not result.feasible:
             reason = result.reason
         elif best is None or result.step_ns < best.step_ns:
@@ -148,10 +149,11 @@ def assign_servers(rates: np.ndarray) -> list[int]:
     return assign
 
 
-def _swarm_with(stages: int, machines, models, links: Links, ref: HardwareModel, trainer: int,
-                micro_total: int, setting: Setting, names) -> ModeResult:
+def _swarm_with(ranges: tuple[tuple[int, int], ...], machines, models, links: Links,
+                ref: HardwareModel, trainer: int, micro_total: int, setting: Setting,
+                names) -> ModeResult:
     n = len(machines)
-    ranges = stage_ranges(placement_plan(ref, 1), stages)
+    stages = len(ranges)
     need = [[models[m.hardware].stage_memory_bytes(a, b, 1) for a, b in ranges]
             for m in machines]
     table = [[_server_ns(models, links, m, d, trainer, ref, r, j == stages - 1)

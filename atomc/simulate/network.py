@@ -79,10 +79,8 @@ class NetworkSimulation:
     num_devices: int
     step_ends_ns: list[dict[int, int]]  # per device: step -> when the device ended it
     busy_ns: list[int]  # per device: compute-lane busy time, all steps
-    busy_by_label: list[dict[str, int]]  # per device: busy time by compute label
     link_bytes: dict[tuple[int, int], int] = field(default_factory=dict)  # all steps
     link_busy_ns: dict[tuple[int, int], int] = field(default_factory=dict)
-    end_ns: list[int] = field(default_factory=list)  # per device: when its program ended
 
     def step_end(self, step: int) -> int:
         """When the last device ended `step`."""
@@ -102,7 +100,6 @@ def simulate_programs(programs: Sequence[Sequence[Job]], links: Links) -> Networ
     pos = [0] * n
     clock = [0] * n  # when each device's compute lane is next free
     busy = [0] * n
-    by_label: list[dict[str, int]] = [{} for _ in range(n)]
     last_arrival = [0] * n  # of the messages each device sent
     step_ends: list[dict[int, int]] = [{} for _ in range(n)]
     link_free: dict[tuple[int, int], int] = {}
@@ -120,7 +117,6 @@ def simulate_programs(programs: Sequence[Sequence[Job]], links: Links) -> Networ
                 if kind == "compute":
                     clock[d] += job[1]
                     busy[d] += job[1]
-                    by_label[d][job[2]] = by_label[d].get(job[2], 0) + job[1]
                 elif kind == "send":
                     _, dst, nbytes, key = job
                     if key in arrivals:
@@ -157,8 +153,7 @@ def simulate_programs(programs: Sequence[Sequence[Job]], links: Links) -> Networ
             where = ", ".join(f"device {d} waits at {j}" for d, j in waiting[:4])
             raise ValueError(f"the programs deadlock: {where}")
     return NetworkSimulation(num_devices=n, step_ends_ns=step_ends, busy_ns=busy,
-                             busy_by_label=by_label, link_bytes=link_bytes,
-                             link_busy_ns=link_busy, end_ns=clock)
+                             link_bytes=link_bytes, link_busy_ns=link_busy)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,8 +226,7 @@ def _need(device: int | None, a: Action) -> None:
         raise ValueError(f"action {a} talks past the end of the pipeline")
 
 
-def exchange_jobs(me: int, group: Sequence[int], num_bytes: int, key: object,
-                  reduce_ns: int = 0) -> list[Job]:
+def exchange_jobs(me: int, group: Sequence[int], num_bytes: int, key: object) -> list[Job]:
     """`me`'s part in averaging a vector of `num_bytes` over `group` (device indices, `me`
     among them): its shares out, the others' shares of its own part in, the reduced part
     back out, the others' reduced parts in. Nothing for a group of one."""
@@ -242,17 +236,10 @@ def exchange_jobs(me: int, group: Sequence[int], num_bytes: int, key: object,
     share = math.ceil(num_bytes / len(group))
     jobs: list[Job] = [("send", o, share, (key, "part", me, o)) for o in others]
     jobs += [("recv", o, (key, "part", o, me)) for o in others]
-    if reduce_ns:
-        jobs.append(("compute", reduce_ns, "reduce"))
     jobs += [("send", o, share, (key, "reduced", me, o)) for o in others]
     jobs += [("recv", o, (key, "reduced", o, me)) for o in others]
     return jobs
 
 
-def exchange_bytes_per_link(group_size: int, num_bytes: int) -> int:
-    """Bytes one exchange puts on each link between two members (both phases)."""
-    return 2 * math.ceil(num_bytes / group_size) if group_size > 1 else 0
-
-
-__all__ = ["INF", "Job", "Links", "NetworkSimulation", "StageCosts", "exchange_bytes_per_link",
-           "exchange_jobs", "message_job", "pipeline_jobs", "simulate_programs"]
+__all__ = ["INF", "Job", "Links", "NetworkSimulation", "StageCosts", "exchange_jobs",
+           "message_job", "pipeline_jobs", "simulate_programs"]
