@@ -295,10 +295,6 @@ def test_partition_cli_refuses_host_mem_below_the_need(estimated, capsys):
     assert "host      " in capsys.readouterr().out
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))
-
-
 def test_frozen_weights_cost_the_plan_no_gradient_offload_or_update(traced):
     """The partitioner charges a frozen weight (a LoRA model's base) what the runtime spends on
     it: its load, but no gradient slot, offload or CPU update; the checker agrees."""
@@ -315,3 +311,7 @@ def test_frozen_weights_cost_the_plan_no_gradient_offload_or_update(traced):
     assert any(s.optimizer_ms > 0 and s.offload_ms > 0 for s in trains.submodels)
     assert all(s.optimizer_ms == 0 and s.offload_ms == 0 for s in plan.submodels)
     assert check_plan(still, plan) == []
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -208,11 +208,6 @@ def host_adam_gbps(for_cuda: bool = False, states: str = "float32") -> tuple[flo
     kept in the cache file; machines that share a home directory keep separate entries. A
     cache that cannot be written still gives the rate.
     """
-    entry, where = _cached_entry(for_cuda, states)
-    return float(entry["adam_gbps"]), where
-
-
-def _cached_entry(for_cuda: bool, states: str) -> tuple[dict[str, Any], str]:
     import torch
 
     beside = for_cuda and torch.cuda.is_available()
@@ -221,20 +216,19 @@ def _cached_entry(for_cuda: bool, states: str) -> tuple[dict[str, Any], str]:
     key = _identity_key(identity)
     hosts = _read_cache(path)
     where = f"measured on this host ({_describe(identity)}), cached in {path}"
-    entry = hosts.get(key)
-    if _valid_rate(entry) is not None:
-        return entry, where
-    entry = {"adam_gbps": measure_adam_gbps(beside_copies=beside, states=states),
-             "identity": identity, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    rate = _valid_rate(hosts.get(key))
+    if rate is not None:
+        return rate, where
+    rate = measure_adam_gbps(beside_copies=beside, states=states)
     hosts = {k: v for k, v in hosts.items() if _valid_rate(v) is not None}
-    hosts[key] = entry
+    hosts[key] = {"adam_gbps": rate, "identity": identity,
+                  "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     try:
         write_atomic(path, json.dumps({"version": CACHE_VERSION, "hosts": hosts}, indent=1))
     except OSError as e:
-        return entry, (f"measured on this host ({_describe(identity)}); not cached: cannot "
-                       f"write {path} ({e.strerror or e}); set ${CACHE_ENV} to a writable "
-                       f"folder")
-    return entry, where
+        return rate, (f"measured on this host ({_describe(identity)}); not cached: cannot "
+                      f"write {path} ({e.strerror or e}); set ${CACHE_ENV} to a writable folder")
+    return rate, where
 
 
 def _host_source(hardware: HardwareProfile) -> str:

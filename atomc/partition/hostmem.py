@@ -115,8 +115,7 @@ def host_bytes_by_kind(subs: Sequence[SubmodelWeights], master_dtype: str, trans
         "gradient_buffers": (pinned_allocation_bytes(grads) if pin else grads)
                             + (sum(trainable) * mb if separate else 0),
         "activation_stash": pinned_allocation_bytes(stash_bytes) if pin else stash_bytes,
-        "activations_sent": pinned_allocation_bytes(sent_bytes) if pin and sent_bytes
-                            else sent_bytes,
+        "activations_sent": pinned_allocation_bytes(sent_bytes) if pin else sent_bytes,
     }
 
 

@@ -29,6 +29,7 @@ before its first backward. CPU: the same copies, synchronous.
 from __future__ import annotations
 
 import difflib
+import functools
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,14 @@ def _dropout(func: Any, args: tuple, kwargs: dict) -> float:
         return 1.0  # random by its tag, and no way to switch that off
     pos = names.index("dropout_p")
     return float(args[pos] if pos < len(args) else kwargs.get("dropout_p", 0.0))
+
+
+@functools.cache
+def _written_positions(func: Any) -> tuple[int, ...]:
+    """Positions of the arguments an operator writes in place (its schema's, read once: the
+    recorder asks on every mutating call)."""
+    return tuple(j for j, a in enumerate(func._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
 
 
 def _nbytes(out: Any) -> int:
@@ -166,12 +175,7 @@ class OpCache:
         self.held -= sum(_nbytes(s.value) for s in p.stored.values() if s.host is None)
         return _Replayer(self, i, p)
 
-    # ---- what the device holds (the plan's accounting is checked against these) ---------------
-
-    def kept_bytes(self) -> int:
-        """Device bytes of outputs kept until their backward (sent ones not counted)."""
-        return sum(_nbytes(s.value) for p in self.passes.values() for s in p.stored.values()
-                   if s.host is None)
+    # ---- what is stored (the plan's accounting is checked against these) ----------------------
 
     def sent_bytes(self) -> int:
         return sum(sum(h.numel() * h.element_size() for h in s.host)
@@ -291,10 +295,9 @@ class _Recorder(TorchDispatchMode):
         return out
 
     def _before_write(self, func: Any, args: tuple, kwargs: dict) -> None:
-        written = set()
-        for a, v in zip(func._schema.arguments, [*args, *kwargs.values()]):
-            if a.alias_info is not None and a.alias_info.is_write and isinstance(v, torch.Tensor):
-                written.add(v.untyped_storage().data_ptr())
+        values = [*args, *kwargs.values()]
+        written = {values[j].untyped_storage().data_ptr() for j in _written_positions(func)
+                   if j < len(values) and isinstance(values[j], torch.Tensor)}
         for s in self.p.stored.values():
             if s.host is not None:
                 continue

@@ -451,13 +451,14 @@ class HostStore:
 
 
 def planned_host_bytes(layouts: Sequence[SubLayout], master_dtype: torch.dtype,
-                       transfer_dtype: torch.dtype, pin: bool,
-                       optimizer_states: str = "float32") -> dict[str, int]:
-    """Host bytes by kind a store of `layouts` and its optimizer take (atomc.partition.hostmem):
+                       transfer_dtype: torch.dtype, pin: bool, optimizer_states: str = "float32",
+                       stash_bytes: int = 0, sent_bytes: int = 0) -> dict[str, int]:
+    """Host bytes by kind a store of `layouts` and its optimizer take, with `stash_bytes` of
+    stashed boundary values and `sent_bytes` of sent operator outputs (atomc.partition.hostmem):
     what `atomc train` checks before it allocates anything."""
     name = str(master_dtype).removeprefix("torch."), str(transfer_dtype).removeprefix("torch.")
     return host_bytes_by_kind([L.weights() for L in layouts], name[0], name[1], pin,
-                              optimizer_states)
+                              optimizer_states, stash_bytes, sent_bytes)
 
 
 def rebind_parameters(module: nn.Module, tensors: dict[str, torch.Tensor], requires_grad: bool,

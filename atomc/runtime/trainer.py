@@ -528,17 +528,14 @@ def _check_host_memory(pkg: SwapPackage, host_modules: list[nn.Module], run: Any
         return  # no figure on this system: the run is not checked (as before this check)
     layouts = plan_layouts(pkg, host_modules, run.optimizer.decays,
                            transfer_dtype=run.transfer_dtype)
+    stash = (hostmem.plan_stash_bytes(plan.submodels, run.accum, run.activations)
+             if run.offload_activations and plan is not None else 0)
+    # heavy operators' outputs the plan sends to host memory (atomc.runtime.opcache)
+    sent = (hostmem.plan_sent_bytes(plan.submodels, run.accum)
+            if run.activations == "auto" and plan is not None else 0)
     by_kind = planned_host_bytes(layouts, run.master_dtype, run.transfer_dtype,
-                                 run.device.type == "cuda", run.optimizer.states)
-    if run.offload_activations and plan is not None:
-        stash = hostmem.plan_stash_bytes(plan.submodels, run.accum, run.activations)
-        by_kind["activation_stash"] = (hostmem.pinned_allocation_bytes(stash)
-                                       if run.device.type == "cuda" else stash)
-    if run.activations == "auto" and plan is not None:
-        # heavy operators' outputs the plan sends to host memory (atomc.runtime.opcache)
-        sent = hostmem.plan_sent_bytes(plan.submodels, run.accum)
-        by_kind["activations_sent"] = (hostmem.pinned_allocation_bytes(sent)
-                                       if run.device.type == "cuda" and sent else sent)
+                                 run.device.type == "cuda", run.optimizer.states,
+                                 stash_bytes=stash, sent_bytes=sent)
     held = sum(p.numel() * p.element_size() for m in host_modules for p in m.parameters()
                if not p.is_meta)
     frozen = any(not L.trainable_numel == L.owned_numel for L in layouts)

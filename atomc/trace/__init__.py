@@ -328,9 +328,10 @@ class _GradRecorder(fx.Interpreter):
             # (max(dim=...)'s values and indices) that getattr reads next as a plain tuple
             if isinstance(a, torch.device) and a.type == "meta":
                 return self.device
-            if isinstance(a, list) or type(a) is tuple:  # fx's immutable_list is a list
-                return type(a)(on_device(x) for x in a) if type(a) is tuple else [
-                    on_device(x) for x in a]
+            if type(a) is tuple:
+                return tuple(on_device(x) for x in a)
+            if isinstance(a, list):  # fx's immutable_list is a list
+                return [on_device(x) for x in a]
             if isinstance(a, dict):
                 return {k: on_device(v) for k, v in a.items()}
             return a
