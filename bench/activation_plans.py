@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import platform
 import subprocess
 import sys
@@ -57,7 +58,7 @@ def main() -> int:
                           f"{done.stderr.strip().splitlines()[-1]} |")
                     continue
                 graph = json.loads(prof.read_text())["graph"]
-                params = sum(_numel(p["shape"]) for p in graph["params"].values())
+                params = sum(math.prod(p["shape"]) for p in graph["params"].values())
                 tokens = args.seq_len * int(graph["batch_size"])
                 for budget in args.budgets.split(","):
                     for policy in POLICIES:
@@ -85,13 +86,6 @@ def main() -> int:
                               f"| {6 * params * toks / 1e12:.1f} "
                               f"| {plan['predicted_utilisation']:.1%} | {stored} |")
     return 0
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 if __name__ == "__main__":

@@ -157,7 +157,6 @@ def hf_model(config_name: str, state_dict: dict[str, torch.Tensor] | None, dtype
 def make_optimizer(params: list[torch.nn.Parameter], lr: float) -> tuple[Any, str]:
     """MegaTrain's script's optimizer: DeepSpeed's CPU Adam when it imports (it compiles at
     first use), else torch's AdamW, as its script falls back; the name says which, and why."""
-    why = ""
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 

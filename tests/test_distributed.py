@@ -172,15 +172,13 @@ def test_bad_world_rank_and_devices(work: dict) -> None:
 
 
 def test_memory_budget_decides_which_stages_swap(work: dict) -> None:
-    from atomc.distributed.runner import LayoutConfig, stage_resident_bytes
-    from atomc.distributed.stage import StageSpec
+    from atomc.distributed.runner import plan_resident_bytes
+    from atomc.distributed.stage import package_plan
 
     pkg = load_swap_package(work["pkg"])
     view = check_package(pkg, load_layout(work["layouts"][(4, 1)]))
-    cfg = LayoutConfig(package=work["pkg"], layout=view, global_batch=GLOBAL, micro_batch=MICRO)
-    need = [stage_resident_bytes(pkg, StageSpec(j, 4, a, b, (), (), j == 3, pkg.num_submodels),
-                                 cfg, 2)
-            for j, (a, b) in enumerate(view.stage_ranges)]
+    plan = package_plan(pkg)
+    need = [plan_resident_bytes(plan, a, b, 2) for a, b in view.stage_ranges]
     params = [sum(s.param_bytes for s in work["plan"].submodels[a:b]) for a, b in view.stage_ranges]
     assert all(n >= 4 * p for n, p in zip(need, params))  # weights, gradients, two AdamW moments
     budget = sorted(need)[1]  # the two smallest stages fit, the others would be swapped

@@ -60,7 +60,6 @@ from atomc.distributed.groups import (
 from atomc.distributed.pipeline import Link, Transport
 from atomc.distributed.stage import (
     LayoutStage,
-    StageSpec,
     cut_stages,
     package_plan,
     stage_dtype,
@@ -482,12 +481,6 @@ class StageIO:
         self.link_in.send_grads(grads, received)
 
 
-def stage_resident_bytes(pkg: SwapPackage, spec: StageSpec, cfg: LayoutConfig,
-                         in_flight: int) -> int:
-    """Device bytes a resident stage needs (`plan_resident_bytes` of the package's plan)."""
-    return plan_resident_bytes(package_plan(pkg), spec.start, spec.stop, in_flight)
-
-
 def plan_resident_bytes(plan: Plan, start: int, stop: int, in_flight: int) -> int:
     """Device bytes a resident stage over sub-models [start, stop) needs: weights, gradients
     and two AdamW moments, plus the activations of the micro-batches in flight (the plan's
@@ -561,22 +554,20 @@ def decide_swaps(schedule: str, budgets: list[list[DeviceBudget]], forced: tuple
         for j, devices in enumerate(budgets):
             if j in swapped:
                 continue
-            known = sorted((b for b in devices if b.bytes is not None), key=lambda b: b.bytes)
+            known = [b for b in devices if b.bytes is not None]
             if not known:
                 names = ", ".join(b.device for b in devices)
                 why[j] = (f"no memory budget for {names} (give --memory-budget, or --network "
                           f"with the devices' memory_bytes)")
                 continue
+            tight = min(known, key=lambda b: b.bytes)
             nbytes, flight = need(j, schedule)
-            what = (f"needs {format_bytes(nbytes)} resident with {flight} micro-batch(es) in "
-                    f"flight under {schedule}")
-            if nbytes > known[0].bytes:
+            over = nbytes > tight.bytes
+            if over:
                 swapped.add(j)
-                why[j] = (f"{what}, over {known[0].device}'s budget of "
-                          f"{format_bytes(known[0].bytes)} ({known[0].source})")
-            else:
-                why[j] = (f"{what}, within {known[0].device}'s budget of "
-                          f"{format_bytes(known[0].bytes)} ({known[0].source})")
+            why[j] = (f"needs {format_bytes(nbytes)} resident with {flight} micro-batch(es) in "
+                      f"flight under {schedule}, {'over' if over else 'within'} {tight.device}'s "
+                      f"budget of {format_bytes(tight.bytes)} ({tight.source})")
         if not swapped or schedule == "gpipe":
             return SwapDecision(frozenset(swapped), schedule,
                                 tuple(why[j] for j in range(len(budgets))))

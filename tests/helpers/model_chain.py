@@ -132,15 +132,18 @@ def _cut_plan(profile, transfer_dtype, accum):
     budget = limit = plan.capacity_bytes
     while len(plan.submodels) < 3 and budget < 16 * limit:
         budget = budget * 5 // 4
-        plan = partition(profile, budget, reserve_bytes=0, accum=accum, cpu_adam_gbps=8.0,
-                         transfer_dtype=transfer_dtype)
+        plan = _plan_at(profile, budget, transfer_dtype, accum)
     return plan
+
+
+def _plan_at(profile, budget: int, transfer_dtype, accum):
+    return partition(profile, budget, reserve_bytes=0, accum=accum, cpu_adam_gbps=8.0,
+                     transfer_dtype=transfer_dtype)
 
 
 def _smallest_plan(profile, transfer_dtype, accum=C):
     def plan_for(budget: int):
-        return partition(profile, budget, reserve_bytes=0, accum=accum, cpu_adam_gbps=8.0,
-                         transfer_dtype=transfer_dtype)
+        return _plan_at(profile, budget, transfer_dtype, accum)
 
     # doubling up from a budget nothing fits in, then bisecting: the partitioner takes longest
     # over budgets far above the smallest, which bisecting down from 1 GiB tried ten of
