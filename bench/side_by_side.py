@@ -403,10 +403,10 @@ def deepspeed_zero3(config: str, state_dict: dict, batches, C: int, args, device
 def accepted_policies() -> tuple[str, ...] | None:
     """The activation policies the installed atomc plans (None: it does not say)."""
     try:
-        from atomc.partition.cost import ACTIVATIONS
+        from atomc.partition import POLICIES
     except ImportError:
         return None
-    return tuple(ACTIVATIONS)
+    return tuple(POLICIES)
 
 
 class AtomcPlans:

@@ -70,6 +70,8 @@ def test_every_policy_mix_trains_bitwise_equal_to_plain_training(traced, tmp_pat
     trainer = SwapTrainer.from_package(pkg, device="cpu", state_dict=ref.state_dict(),
                                        tied_grads="exact", optimizer={"lr": 1e-2})
     assert trainer.executor.opcache.quotas == quotas
+    stores = [str(i) for i, q in enumerate(quotas) if any(q)]
+    assert f"activations auto (sub-models {', '.join(stores)} store" in trainer.describe()
     batches = _batches(3, C)
     swapped = [trainer.step(b) for b in batches]
     assert swapped == plain_run(ref, gpt.loss_fn, batches, C)

@@ -181,7 +181,7 @@ class HardwareModel:
     def stage_memory_bytes(self, start: int, stop: int, in_flight: int,
                            recompute: bool = False) -> int:
         """Device bytes a resident stage over units [start, stop) needs with `in_flight`
-        micro-batches in flight. Keeping graphs (the layout runner's stage_resident_bytes):
+        micro-batches in flight. Keeping graphs (the layout runner's plan_resident_bytes):
         every micro-batch's activations. Recomputing (GPipe's re-materialisation, Petals'
         servers): each micro-batch's values at the block cuts, and one block's activations
         at a time."""

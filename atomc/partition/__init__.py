@@ -67,10 +67,13 @@ from atomc.partition.tables import (
 from atomc.simulate.events import copies_on_host, simulate_swap
 from atomc.units import format_bytes
 
-__all__ = ["DEFAULT_MAX_ACCUM", "DEFAULT_RESERVE_BYTES", "build_plan", "partition", "recost"]
+__all__ = ["DEFAULT_MAX_ACCUM", "DEFAULT_RESERVE_BYTES", "POLICIES", "build_plan", "partition",
+           "recost"]
 
 DEFAULT_RESERVE_BYTES = 1 << 30  # CUDA context, allocator fragmentation, the loss
 DEFAULT_MAX_ACCUM = 64
+# what `partition(activations=...)` takes: "auto" chooses per operator (partition.activations)
+POLICIES = ("auto", *ACTIVATIONS)
 _MIB = 1 << 20
 # caps on the largest sub-model tried at one C: each at most this fraction of the one before
 # (snapped down to a range's size), then the smallest that can hold the largest operator

@@ -9,8 +9,7 @@ from atomc.units import parse_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from atomc.partition import DEFAULT_MAX_ACCUM
-    from atomc.partition.cost import ACTIVATIONS
+    from atomc.partition import DEFAULT_MAX_ACCUM, POLICIES
 
     p = sub.add_parser(
         "partition", help="cut a profiled model into swappable sub-models",
@@ -24,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--accum", type=int, metavar="C", help="fix the accumulation degree C")
     p.add_argument("--max-accum", type=int, default=DEFAULT_MAX_ACCUM, metavar="N",
                    help=f"largest C the search may choose (default {DEFAULT_MAX_ACCUM})")
-    p.add_argument("--activations", choices=("auto", *ACTIVATIONS), default="auto",
+    p.add_argument("--activations", choices=POLICIES, default="auto",
                    help="auto (default): keep or send to host memory the heavy operators' "
                         "outputs the memory and link slack allow, recompute the rest; "
                         "recompute: every sub-model's internals in its backward; keep: every "

@@ -259,8 +259,9 @@ class SwapExecutor:
         return self.modules[i]
 
     def pinned_bytes(self) -> int:
-        """Pinned host memory of the activation stash (0 before the first offloading step)."""
-        return self.stash.pinned_bytes()
+        """Pinned host memory of the activation stash and of the operator outputs sent to host
+        (each 0 before its first step that uses it)."""
+        return self.stash.pinned_bytes() + self.opcache.pinned_bytes()
 
     # ---- slots and streams ---------------------------------------------------------------------
     #

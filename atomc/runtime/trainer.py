@@ -379,7 +379,10 @@ class SwapTrainer:
         from atomc.units import format_bytes
         s = self.store
         pinned = s.pinned_bytes() + self.executor.pinned_bytes()
-        acts = "keep" if self.executor.keep else "recompute"
+        stores = [i for i in range(len(s.layouts)) if self.executor.opcache.active(i)]
+        acts = ("keep" if self.executor.keep else
+                f"auto (sub-models {', '.join(map(str, stores))} store operator outputs)"
+                if stores else "recompute")
         if self.executor.offload_activations:
             acts += " (boundary activations offloaded)"
         lines = [(f"swap trainer: {len(s.layouts)} sub-models on {self.device}, C = {self.accum}, "
