@@ -29,6 +29,8 @@ from atomc.ir import Plan
 from atomc.profile import profile_model
 from atomc.trace import trace_model
 
+from helpers.detached import run_detached
+
 REPO = Path(__file__).resolve().parent.parent
 GPT = REPO / "examples" / "gpt.py"
 MODELS = REPO / "tests" / "models"
@@ -65,7 +67,8 @@ def run_chain(package, submodels, inputs):
 
 
 def assert_equivalent(t, package, dtype: torch.dtype, tol: float, seed: int = 0) -> None:
-    """Chained sub-models vs the original model: outputs and parameter gradients."""
+    """Sub-models run as the runtimes run them (helpers.detached) vs the original model:
+    outputs and parameter gradients."""
     torch.manual_seed(seed)
     model = copy.deepcopy(t.model).to(dtype)
     submodels = [s.to(dtype) for s in package.build_submodels()]
@@ -76,7 +79,8 @@ def assert_equivalent(t, package, dtype: torch.dtype, tol: float, seed: int = 0)
     loss_fn = t.module.loss_fn
 
     expected = model(*inputs)
-    got = run_chain(package, submodels, inputs)
+    loss_fn(expected, inputs).backward()
+    got, _ = run_detached(package, submodels, inputs, loss_fn)
     exp_leaves, exp_spec = tree_flatten(expected)
     got_leaves, got_spec = tree_flatten(got)
     assert exp_spec == got_spec
@@ -84,8 +88,6 @@ def assert_equivalent(t, package, dtype: torch.dtype, tol: float, seed: int = 0)
         assert g.dtype == e.dtype and g.shape == e.shape
         torch.testing.assert_close(g, e, rtol=tol, atol=tol)
 
-    loss_fn(expected, inputs).backward()
-    loss_fn(got, inputs).backward()
     grads: dict[str, dict[int, torch.Tensor]] = {}
     for sub, names in zip(submodels, package.PARAM_NAMES):
         params = dict(sub.named_parameters())
@@ -266,35 +268,24 @@ def test_helpers_are_copied(tmp_path):
 
 
 def test_runtime_style_detached_boundaries(tmp_path):
-    """Each sub-model run alone on detached inputs, gradients handed back by name (the swap
-    runtime's view), gives the same parameter gradients as one autograd graph."""
+    """Each sub-model run alone on detached inputs, gradients handed back by name as the
+    package's flags say (the runtimes' view: helpers.detached), gives the same parameter
+    gradients as one autograd graph over the sub-models."""
     t = traced(MODELS / "skip.py", batch_size=3)
     _, package = build_package(t, cuts_at(t, "a_1", "c"), tmp_path / "pkg")
-    model = copy.deepcopy(t.model).double()
-    submodels = [s.double() for s in package.build_submodels()]
-    package.load_original_state_dict(submodels, model.state_dict())
     inputs = tuple(x.double() for x in t.inputs)
-    t.module.loss_fn(model(*inputs), inputs).backward()
-
-    boundary_in, boundary_out = [], []
-    values = inputs
-    for sub in submodels:
-        leaves = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in values)
-        boundary_in.append(leaves)
-        values = sub(*leaves)
-        boundary_out.append(values)
-    t.module.loss_fn(values, inputs).backward()
-    for i in range(len(submodels) - 2, -1, -1):
-        outs, grads = [], []
-        for out, nxt in zip(boundary_out[i], boundary_in[i + 1]):
-            if nxt.grad is not None:
-                outs.append(out)
-                grads.append(nxt.grad)
-        torch.autograd.backward(outs, grads)
-    for fqn, p in model.named_parameters():
-        held = [s.get_parameter(local) for s, names in zip(submodels, package.PARAM_NAMES)
-                for local, f in names.items() if f == fqn]
-        torch.testing.assert_close(sum(h.grad for h in held), p.grad, rtol=1e-10, atol=1e-10)
+    grads = []
+    for detached in (False, True):
+        submodels = [s.double() for s in package.build_submodels()]
+        package.load_original_state_dict(submodels, copy.deepcopy(t.model).double().state_dict())
+        if detached:
+            run_detached(package, submodels, inputs, t.module.loss_fn)
+        else:
+            t.module.loss_fn(run_chain(package, submodels, inputs), inputs).backward()
+        grads.append([p.grad for s in submodels for p in s.parameters()])
+    assert len(grads[0]) == len(grads[1]) > 0
+    for one_graph, detached in zip(*grads):
+        torch.testing.assert_close(detached, one_graph, rtol=1e-10, atol=1e-10)
 
 
 def test_inputs_written_in_place_are_copied(tmp_path):
@@ -355,6 +346,24 @@ def test_weight_cast_twice_is_the_same_graph_in_float64(tmp_path):
     reads = {n.name: [a.op for a in n.all_input_nodes] for n in meta.gm.graph.nodes}
     assert reads["to_1"] == reads["select_6"] == ["get_attr"]  # the weight, not the first cast
     assert "u * self.mixers_0_A_log[..., 0]" in (tmp_path / "pkg" / "submodel_3.py").read_text()
+    cpu = traced(path)
+    assert_equivalent(cpu, package, torch.float64, 1e-10)
+    assert_equivalent(cpu, package, torch.float32, 1e-6)
+
+
+def test_a_weightless_sub_model_takes_its_dtype_from_a_value_that_follows_the_weights(tmp_path):
+    """The residual stream kept in float32 by the model (`.to(torch.float32)`, as Mamba keeps
+    it) is the first floating input of a sub-model that holds only the scan: its `dtype` is
+    read from an input that follows the weights, so the package computes the model in float64
+    and float32 (with the residual's, the float64 run met a float32 operand in a matmul)."""
+    path = MODELS / "upcast_scan.py"
+    meta = trace_model(path, None, 2, device="meta", frontend="export")
+    _, package = build_package(meta, cuts_at(meta, "zeros", "blocks_0_out_proj_weight_1"),
+                               tmp_path / "pkg")
+    scan = (tmp_path / "pkg" / "submodel_1.py").read_text()
+    inputs = type(package.build_submodels()[1]).INPUTS
+    assert inputs[0] == "residual" and "state.to(dtype)" in scan
+    assert "dtype = residual.dtype" not in scan and "dtype = z.dtype" in scan
     cpu = traced(path)
     assert_equivalent(cpu, package, torch.float64, 1e-10)
     assert_equivalent(cpu, package, torch.float32, 1e-6)

@@ -322,6 +322,25 @@ def test_bad_input_is_one_line(tmp_path, tokenizer_dir, capsys):
                                  str(tokenizer_dir), "--text-field", "body"], capsys)[::2])
     assert "no text field 'body' (it has text, id)" in err
 
+    # an option the data's format does not read, and data shorter than one sequence
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"note": "' + "x" * 200 + '"}\n')
+    err = one_line_error(*train([pkg, "--steps", "1", "--data", str(notes), "--data-dtype",
+                                 "uint16"], capsys)[::2])
+    assert "--data-dtype is read only for a flat token-id file" in err
+    assert "notes.json as text" in err and "--data-format" in err
+    with pytest.raises(UsageError, match="--text-field is read only for JSONL"):
+        open_source(str(notes), text_field="body")
+    np.arange(200, dtype=np.uint16).tofile(tmp_path / "ids.bin")
+    err = one_line_error(*train([pkg, "--steps", "1", "--data", str(tmp_path / "ids.bin"),
+                                 "--data-dtype", "uint16", "--tokenizer", str(tokenizer_dir)],
+                                capsys)[::2])
+    assert "--tokenizer is read only for text" in err
+    short = tmp_path / "short.txt"
+    short.write_bytes(b"12345678")
+    err = one_line_error(*train([pkg, "--steps", "1", "--data", str(short)], capsys)[::2])
+    assert "holds 8 token ids, fewer than one sequence of the plan" in err
+
     err = one_line_error(*train([pkg, "--steps", "1", "--eval-every", "2"], capsys)[::2])
     assert "--eval-every evaluates on --eval-data" in err
     err = one_line_error(*train(["--steps", "1"], capsys)[::2])

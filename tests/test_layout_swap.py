@@ -3,15 +3,12 @@ the configured budget or the device's memory), and a swapped stage's list names 
 swap executor makes, for one sub-model too; one-sub-model swapped stages (first, middle, last)
 train as plain training does, in float64.
 
-The pipelines here run their stages on threads of this process, one at a time (a stage hands
-on the turn only while it waits for a neighbour): the generators that dropout draws from are
-the process's, which two stages computing at once would share.
+The pipelines here run their stages on threads of this process, one at a time
+(helpers.threaded).
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +24,8 @@ from atomc.errors import UsageError
 from atomc.runtime import micro_batch_rng
 from atomc.trace import trace_model
 from atomc.trace.load import load_model_file
+
+from helpers.threaded import train_on_threads
 
 FIXTURE = Path(__file__).parent / "fixtures" / "bn_mlp_model.py"
 MICRO, M, STEPS, DATA_SEED = 4, 4, 2, 77
@@ -147,46 +146,6 @@ def test_swapped_stage_order_names_each_load_once(holds_output: bool) -> None:
 # swapped stages on threads: loads, and training equal to plain training
 
 
-class _Turn:
-    """One stage computes at a time; a stage gives the turn up while it waits."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-
-    def wait(self, q: queue.Queue) -> Any:
-        self.lock.release()
-        try:
-            return q.get(timeout=10)
-        finally:
-            self.lock.acquire()
-
-
-class _Wire:
-    def __init__(self) -> None:
-        self.values: queue.Queue = queue.Queue()
-        self.grads: queue.Queue = queue.Queue()
-
-
-class _Links:
-    """A stage's S and R over in-process queues (copies, as a wire would make)."""
-
-    def __init__(self, before: _Wire | None, after: _Wire | None, turn: _Turn):
-        self.before, self.after, self.turn = before, after, turn
-
-    def recv(self, m: int) -> dict[str, Any]:
-        return self.turn.wait(self.before.values)
-
-    def send(self, m: int, values: dict[str, Any]) -> None:
-        self.after.values.put({n: v.detach().clone() if isinstance(v, torch.Tensor) else v
-                               for n, v in values.items()})
-
-    def recv_grads(self, m: int) -> dict[str, torch.Tensor]:
-        return self.turn.wait(self.after.grads)
-
-    def send_grads(self, m: int, grads: dict[str, Any], received: dict[str, Any]) -> None:
-        self.before.grads.put({n: g.detach().clone() for n, g in grads.items() if g is not None})
-
-
 def _record_loads(ex: Any) -> list[tuple]:
     """Every copy into a weight slot, and whether an L action made it; every L, after."""
     events: list[tuple] = []
@@ -258,36 +217,9 @@ def test_swapped_stages_load_what_their_lists_say_and_train_as_plain_training(
     for st in stages:
         st.load_original(initial)
     events = [_record_loads(st.ex) for st in stages]
-    wires = [_Wire() for _ in range(len(stages) - 1)]
-    turn = _Turn()
-    links = [_Links(wires[j - 1] if j > 0 else None, wires[j] if j < len(wires) else None, turn)
-             for j in range(len(stages))]
     lists = [st.order("gpipe", M) for st in stages]
-    losses: list[float] = []
-    errors: list[BaseException | None] = [None] * len(stages)
-
-    def run(j: int) -> None:
-        st = stages[j]
-        turn.lock.acquire()
-        try:
-            for s in range(STEPS):
-                st.begin_step(s, M)
-                out = st.run(lists[j], [(x,) for x in _batch(s).chunk(M)], links[j])
-                st.optimizer_step(None)
-                if st.spec.holds_output:
-                    losses.append(float(torch.stack(out).to(torch.float64).sum()) / M)
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            errors[j] = e
-        finally:
-            turn.lock.release()
-
-    threads = [threading.Thread(target=run, args=(j,), daemon=True) for j in range(len(stages))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=60)
-    assert not any(th.is_alive() for th in threads)
-    assert errors == [None] * len(stages)
+    losses = train_on_threads(stages, lists, M, STEPS,
+                              lambda s: [(x,) for x in _batch(s).chunk(M)])
 
     for j, (st, ev) in enumerate(zip(stages, events)):
         # every copy into a slot is an L's, and every L copies: the list says what executes

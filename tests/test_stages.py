@@ -240,16 +240,16 @@ def test_stage_inputs_take_gradients_exactly_when_the_model_gives_them_one(
     out = generate(plan_from_cuts(traced, [index["cumsum"]]), tmp_path / "pkg", traced=traced)
     pkg = load_swap_package(out)
     _, second = cut_stages(pkg, ((0, 1), (1, 2)))
-    assert "counts" in second.recv and not pkg.carries_grad("counts")  # the histc counts
+    assert "counts" in second.recv and not pkg.carries_grad("counts", 1)  # the histc counts
     subs = pkg.build_submodels()
     pkg.load_original_state_dict(subs, traced.model.state_dict())
     (ids,) = traced.inputs
     with torch.no_grad():
         values = dict(zip(pkg.outputs[0], subs[0](ids)))
-    wire = {e.name: e.grad for e in describe(values, second.recv, pkg.grad_names)}
+    wire = {e.name: e.grad for e in describe(values, second.recv, pkg.grads_at(1))}
     assert wire["h"] and not wire["counts"] and not wire["chosen"]  # int64 indices
 
-    leaves = {n: v.detach().requires_grad_(pkg.carries_grad(n)) for n, v in values.items()}
+    leaves = {n: v.detach().requires_grad_(pkg.carries_grad(n, 1)) for n, v in values.items()}
     traced.module.loss_fn(subs[1](*(leaves[n] for n in pkg.inputs[1])), (ids,)).backward()
     stage = make_stage(swapped, pkg, second, torch.device("cpu"), traced.module.loss_fn,
                        AdamWConfig.coerce({"lr": 1e-2}))
@@ -260,9 +260,9 @@ def test_stage_inputs_take_gradients_exactly_when_the_model_gives_them_one(
                                                        "micro": 0}, 0)
     assert loss is not None
     for n, g in grads.items():
-        if pkg.carries_grad(n):
+        if pkg.carries_grad(n, 1):
             torch.testing.assert_close(g, leaves[n].grad, rtol=1e-6, atol=1e-7, msg=n)
         else:  # a stage may answer zeros for a value that takes no gradient
             assert not g.any(), n
-    assert {n for n in second.recv if pkg.carries_grad(n)} <= set(grads)
+    assert {n for n in second.recv if pkg.carries_grad(n, 1)} <= set(grads)
     stage.close()

@@ -239,6 +239,36 @@ def test_untraceable_code_of_a_library_is_named_beside_the_model_files_call(tmp_
     assert "mylib.py:2: if x.sum() > 0:" in text, text
 
 
+def test_a_refusal_on_the_export_path_names_the_model_files_line(tmp_path):
+    """torch.export traces a value-dependent shape (nonzero) that atomc's run on meta tensors
+    then refuses: the operator failed inside the interpreter, whose traceback holds no line of
+    the model, so the line comes from the failing node's recorded stack."""
+    path = write_model(tmp_path, """
+        class Keep(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = nn.Linear(8, 8)
+
+            def forward(self, x):
+                if x.shape[0] > 0:  # symbolic tracing cannot branch on a shape
+                    x = self.a(x)
+                keep = torch.nonzero(x[:, 0] > 0)
+                return x[keep[:, 0]].sum()
+
+        def build_model(config=None):
+            return Keep()
+
+        def example_inputs(model, batch_size):
+            return (torch.randn(batch_size, 8),)
+        """)
+    with pytest.raises(TraceError) as info:
+        trace_model(path, batch_size=4)
+    text = str(info.value)
+    line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if "nonzero" in t)
+    assert f"(at model.py:{line}: keep = torch.nonzero(x[:, 0] > 0))" in text, text
+    assert "\n" not in text
+
+
 def test_a_forward_that_differentiates_itself_is_refused_with_a_reason(tmp_path):
     """A gradient penalty (torch.autograd.grad inside forward) cannot be cut into sub-models;
     the error says so, not that the graph failed on meta tensors."""

@@ -229,7 +229,8 @@ def test_sharded_checkpoint_loads_within_the_store_and_one_tensor(root, tmp_path
 def test_export_loads_in_transformers_with_the_trainers_logits(root, tmp_path, config):
     """The model's own save_pretrained directory (sharded) in, two steps, exported: the same
     initial weights as state_dict=, and from_pretrained gives the trained sub-models' logits
-    (GPT-2's output layer is tied to its input embedding: both names are written)."""
+    (GPT-2's output layer is tied to its input embedding: written once, as transformers
+    writes it)."""
     pkg = package(HF, config, root, parts=2, accum=2)
     model = hf_model(config)
     ckpt = tmp_path / "hf"
@@ -248,7 +249,10 @@ def test_export_loads_in_transformers_with_the_trainers_logits(root, tmp_path, c
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = {out / f for f in index["weight_map"].values()}
     on_disk = {k: v for f in files for k, v in load_file(f).items()}
-    assert set(on_disk) == set(index["weight_map"]) == set(model.model.state_dict())
+    tied = json.loads((out / "atomc-export.json").read_text())["tied"]
+    assert tied == ({"lm_head.weight": "transformer.wte.weight"} if config == "tiny-gpt2"
+                    else {})
+    assert set(on_disk) == set(index["weight_map"]) == set(model.model.state_dict()) - set(tied)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert loaded.dtype == torch.float32
     ids = token_ids(MICRO, 7)
@@ -266,7 +270,7 @@ def test_export_loads_in_transformers_with_the_trainers_logits(root, tmp_path, c
     assert digest(trainer.export_state_dict()) == digest(trained)
     trainer.save_pretrained(out, dtype="bfloat16")
     assert {f.name for f in out.iterdir()} >= {"model.safetensors", "config.json"}
-    assert load_file(out / "model.safetensors")["lm_head.weight"].dtype == torch.bfloat16
+    assert all(t.dtype == torch.bfloat16 for t in load_file(out / "model.safetensors").values())
     with pytest.raises(RuntimeMismatchError, match="not a directory atomc exported"):
         trainer.save_pretrained(ckpt)
     trainer.close()
@@ -304,6 +308,45 @@ def test_cli_train_from_weights_then_export(root, tmp_path, capsys):
     again = tmp_path / "again"
     assert atomc_main(["export", str(pkg), "--weights", str(ckpt), "-o", str(again)]) == 0
     assert load_file(again / "model.safetensors").keys() == model.model.state_dict().keys()
+
+
+def test_export_writes_a_tied_weight_once_and_loading_ties_it_again(root, tmp_path, capsys):
+    """The README's mini GPT (its output layer tied to the embedding), not a transformers
+    model: `atomc export` writes the tied weight once and records the other name (the
+    safetensors writer refused two names over one memory); the files read back with safetensors
+    and tied again are the trainer's weights exactly, and `--weights` takes them back."""
+    from safetensors import safe_open
+
+    from atomc.weights import tied_names
+
+    gpt = REPO / "examples" / "gpt.py"
+    pkg = package(gpt, "mini", root, parts=3)
+    torch.manual_seed(0)
+    trainer = SwapTrainer.from_package(pkg, device="cpu",
+                                       state_dict=load_model_file(gpt).build_model("mini")
+                                       .state_dict())
+    trainer.step(torch.randint(0, 256, (MICRO, 64), generator=torch.Generator().manual_seed(1)))
+    run = tmp_path / "run.pt"
+    trainer.save_checkpoint(run)
+    expected = trainer.export_state_dict()
+    trainer.close()
+    out = tmp_path / "out"
+    assert atomc_main(["export", str(pkg), "--checkpoint", str(run), "-o", str(out)]) == 0
+    tied = tied_names(out)
+    assert tied == {"lm_head.weight": "wte.weight"}
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert json.loads(f.metadata()["atomc.tied"]) == tied
+    state = load_file(out / "model.safetensors")
+    assert "lm_head.weight" not in state
+    state.update({other: state[name] for other, name in tied.items()})
+    assert state.keys() == expected.keys()
+    assert all(torch.equal(state[k], v) for k, v in expected.items())
+    model = load_model_file(gpt).build_model("mini")
+    model.load_state_dict(state, strict=True)
+    assert model.lm_head.weight is model.wte.weight
+    back = SwapTrainer.from_package(pkg, device="cpu", weights=out)
+    assert digest(back.export_state_dict()) == digest(expected)
+    back.close()
 
 
 # ---------------------------------------------------------------------------------------------

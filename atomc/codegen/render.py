@@ -33,7 +33,7 @@ from atomc.codegen.split import Piece
 from atomc.codegen.statements import PieceRenderer
 from atomc.codegen.tidy import tidy
 from atomc.ir import OpGraph, Plan
-from atomc.trace import TracedModel, dtype_args, grad_values
+from atomc.trace import TracedModel, dtype_args, grad_values, requires_grad_at
 
 
 @dataclass
@@ -153,9 +153,13 @@ def render_submodel(piece: Piece, traced: TracedModel, plan: Plan, plan_hash: st
     num = len(plan.submodels)
     values = traced.values
     grads = grad_values(traced)
-    inputs = {boundary[name]: boundary_spec(values.get(name), grads.get(name, False))
+    # a value filled in place across the piece (`out[:, t] = h`) may take a gradient at its
+    # end and none at its start: each side says what holds at its own cut
+    inputs = {boundary[name]: boundary_spec(values.get(name),
+                                            requires_grad_at(grads, name, piece.start))
               for name in piece.inputs}
-    outputs = {boundary[name]: boundary_spec(values.get(name), grads.get(name, False))
+    outputs = {boundary[name]: boundary_spec(values.get(name),
+                                             requires_grad_at(grads, name, piece.stop))
                for name in piece.outputs}
     config = f"config {plan.config}, " if plan.config is not None else ""
     options = "".join(f", {k} {v}" for k, v in plan.options.items())

@@ -36,7 +36,7 @@ from atomc.codegen.split import Piece
 from atomc.dtypes import dtype_name
 from atomc.ir import Plan
 from atomc.profile.ops import is_inplace, written_in_place
-from atomc.trace import TracedModel, model_dtype
+from atomc.trace import TracedModel, dtype_values, model_dtype
 from atomc.trace.normalise import MODES
 
 _DROPOUT_OPS = {"aten.dropout.default", "aten.native_dropout.default",
@@ -756,11 +756,13 @@ class PieceRenderer:
                     best, size = f"self.{local}.{name}", p.numel()
         if best is not None:
             return f"{best}.dtype"
-        for name in self.piece.inputs:
-            v = self.values.get(name)
-            if isinstance(v, torch.Tensor) and v.is_floating_point():
-                return f"{self.names[name]}.dtype"
-        return "torch.get_default_dtype()"
+        # no weights: an input whose dtype follows the weights', before one the model casts
+        # itself (Mamba's residual, kept in float32)
+        floating = [n for n in self.piece.inputs
+                    if isinstance(v := self.values.get(n), torch.Tensor) and v.is_floating_point()]
+        follows = dtype_values(self.traced)
+        name = min(floating, key=lambda n: n not in follows, default=None)
+        return f"{self.names[name]}.dtype" if name else "torch.get_default_dtype()"
 
     def _dtype_note(self) -> str:
         traced = dtype_name(model_dtype(self.traced.model))

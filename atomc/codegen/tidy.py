@@ -112,9 +112,10 @@ def _key(node: fx.Node) -> Any:
             tuple(node.meta.get(MODES, ())))
 
 
-def merge_repeats(piece: Piece, grads: dict[str, bool]) -> None:
+def merge_repeats(piece: Piece, grads: dict[str, int]) -> None:
     """One node for an ATen operator computed again from the same inputs, where the value
-    takes no gradient, neither result is written in place and nothing is written in between."""
+    never takes a gradient (`grads`: atomc.trace.grad_values), neither result is written in place
+    and nothing is written in between."""
     graph = piece.graph
     outputs = set(piece.outputs)
     seen: dict[Any, fx.Node] = {}
@@ -128,7 +129,7 @@ def merge_repeats(piece: Piece, grads: dict[str, bool]) -> None:
         if not (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
                 and torch.Tag.nondeterministic_seeded not in target.tags):
             continue
-        if grads.get(node.name, True):
+        if node.name in grads:  # it requires gradients, now or once written
             continue
         key = _key(node)
         first = seen.get(key)

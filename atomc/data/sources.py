@@ -338,12 +338,50 @@ def data_format(path: str, fmt: str | None = None) -> str:
     return "text"
 
 
+# what each format reads of the data options (a .npy array's header names its dtype)
+_OPTIONS = {"tokens": ("--data-dtype",), "text": ("--tokenizer",),
+            "jsonl": ("--tokenizer", "--text-field"), "dataset": ("--tokenizer", "--text-field"),
+            "stdlib": ()}
+
+
+def used_options(path: str, fmt: str | None = None) -> tuple[str, ...]:
+    """The data options (`--data-dtype`, `--tokenizer`, `--text-field`) the reader of `path`
+    reads: a flat token file its dtype, text a tokenizer, JSONL and datasets both of those
+    and the text field."""
+    if path == "stdlib":
+        return _OPTIONS["stdlib"]
+    kind = data_format(path, fmt)
+    if kind == "tokens" and Path(path).suffix == ".npy":
+        return ()
+    return _OPTIONS[kind]
+
+
+def check_options(paths: list[str], fmt: str | None, given: dict[str, bool]) -> None:
+    """Refuse a data option (`given`: option -> whether it was given) that none of `paths`
+    is read with: `--data-dtype uint16` beside a JSON file read as text would otherwise be
+    dropped without a word."""
+    used = {o for p in paths for o in used_options(p, fmt)}
+    for option, was_given in given.items():
+        if was_given and option not in used:
+            kinds = ", ".join(f"{p} as {'bytes' if p == 'stdlib' else data_format(p, fmt)}"
+                              for p in paths)
+            readers = {"--data-dtype": "a flat token-id file (.bin)",
+                       "--tokenizer": "text, JSONL or a dataset of text",
+                       "--text-field": "JSONL or a dataset"}[option]
+            raise UsageError(f"{option} is read only for {readers}, and the data is read "
+                             f"{kinds}; leave {option} out, or give --data-format for the "
+                             f"data's real format")
+
+
 def open_source(path: str, *, fmt: str | None = None, dtype: str | None = None,
                 tokenizer: Any = None, text_field: str = "text", role: str = "train") -> Source:
     """The reader for `path` ("stdlib": the Python standard library's sources, as bytes).
     `role` ("train" or "eval") picks a DatasetDict's split. Its first piece is read here, so
     that data a reader refuses (a record without its text field, no ids at all) is refused
-    before anything else is built."""
+    before anything else is built. An option its format does not read is refused."""
+    check_options([path], fmt, {"--data-dtype": dtype is not None,
+                                "--tokenizer": tokenizer is not None,
+                                "--text-field": text_field != "text"})
     source = _open(path, fmt=fmt, dtype=dtype, tokenizer=tokenizer, text_field=text_field,
                    role=role)
     if not any(len(ids) for _, ids in itertools.islice(source.pieces(0), 64)):
@@ -383,6 +421,6 @@ def _open(path: str, *, fmt: str | None, dtype: str | None, tokenizer: Any, text
     return tokenized_text(p, tokenizer)
 
 
-__all__ = ["FORMATS", "TOKEN_DTYPES", "Source", "byte_text", "data_format", "jsonl_documents",
-           "load_tokenizer", "open_source", "saved_dataset", "stdlib_bytes", "token_file",
-           "tokenized_text"]
+__all__ = ["FORMATS", "TOKEN_DTYPES", "Source", "byte_text", "check_options", "data_format",
+           "jsonl_documents", "load_tokenizer", "open_source", "saved_dataset", "stdlib_bytes",
+           "token_file", "tokenized_text", "used_options"]

@@ -29,8 +29,11 @@ POSITION_KIND = "atomc.data-position"
 class TokenStream:
     """The ids of `source`, piece after piece, epoch after epoch (see the module docstring)."""
 
-    def __init__(self, source: Source):
+    def __init__(self, source: Source, min_ids: int = 1):
         self.source = source
+        # fewer ids than this in the whole source are refused when it first ends: one
+        # sequence of a packed batch would be the data repeated (an 8-byte file as 64 bytes)
+        self.min_ids = min_ids
         self.epoch = 0
         self.tokens = 0  # ids taken so far, over every epoch
         self._pieces: Iterator[tuple[int, np.ndarray]] | None = None
@@ -38,6 +41,7 @@ class TokenStream:
         self._piece = np.zeros(0, dtype=np.int64)
         self._offset = 0  # ids of the current piece already taken
         self._taken_this_epoch = 0
+        self._resumed = False  # by seek: ids before the position were not counted
 
     def position(self) -> dict[str, int]:
         return {"epoch": self.epoch, "piece": self._start, "offset": self._offset,
@@ -50,6 +54,7 @@ class TokenStream:
         self.tokens = int(position["tokens"])
         self._pieces = self.source.pieces(int(position["piece"]))
         self._taken_this_epoch = 1  # not an empty source: ids were taken from it before
+        self._resumed = True
         self._piece = np.zeros(0, dtype=np.int64)
         self._offset = 0
         want = int(position["offset"])
@@ -71,6 +76,11 @@ class TokenStream:
                 return
         if not self._taken_this_epoch:
             raise UsageError(f"{self.source.description} holds no token ids")
+        if self.epoch == 0 and not self._resumed and self._taken_this_epoch < self.min_ids:
+            raise UsageError(
+                f"{self.source.description} holds {self._taken_this_epoch} token ids, fewer "
+                f"than one sequence of the plan ({self.min_ids} ids): give more data (or a "
+                f"package planned for shorter sequences)")
         self.epoch += 1
         self._taken_this_epoch = 0
         self._pieces = self.source.pieces(0)
@@ -130,7 +140,7 @@ class PackedBatches:
                  dtype: torch.dtype = torch.int64, vocab: int | None = None,
                  model: str = "the model"):
         self.source = source
-        self.stream = TokenStream(source)
+        self.stream = TokenStream(source, min_ids=seq_len)
         self.rows = rows
         self.seq_len = seq_len
         self.dtype = dtype

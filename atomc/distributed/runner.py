@@ -204,12 +204,15 @@ class LayoutTrainer(TaskletCheckpoints):
         self.collectives = Collectives(dist, self.device, self.dp_mode, self.transport)
         where = f"replica {self.place.replica} stage {j}"
         # every link carries the micro-batch's RNG state besides the boundary values
-        # and says which values carry a gradient back (those the model computes with them)
-        grads = self.pkg.grad_names
-        self.link_in = Link(self.transport, self.place.prev, self.spec.recv + (RNG_VALUE,),
-                            window=cfg.window, where=where, grads=grads) if j > 0 else None
-        self.link_out = (Link(self.transport, self.place.next, self.spec.send + (RNG_VALUE,),
-                              window=cfg.window, where=where, grads=grads)
+        # and says which values carry a gradient back (those the model computes with them at
+        # the link's cut)
+        spec = self.spec
+        self.link_in = Link(self.transport, self.place.prev, spec.recv + (RNG_VALUE,),
+                            window=cfg.window, where=where,
+                            grads=self.pkg.grads_at(spec.start)) if j > 0 else None
+        self.link_out = (Link(self.transport, self.place.next, spec.send + (RNG_VALUE,),
+                              window=cfg.window, where=where,
+                              grads=self.pkg.grads_at(spec.stop))
                          if self.place.next is not None else None)
         self.step_count = 0
         self.step_ms: list[float] = []

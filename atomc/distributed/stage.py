@@ -193,8 +193,9 @@ class ResidentStage:
                 mod = cast_floating(mod, dtype)
             self.modules[i] = mod.train()
         self._tie_within()
-        # received values that carry a gradient back: those the model computes with them
-        self.grad_inputs = {n for n in spec.recv if pkg.carries_grad(n)}
+        # received values that carry a gradient back: those the model computes with them at
+        # the cut before this stage
+        self.grad_inputs = {n for n in spec.recv if pkg.carries_grad(n, spec.start)}
         self._params = param_fqns(pkg, self.modules)
         self.optimizer = self._make_optimizer()
         self.step = 0

@@ -188,6 +188,7 @@ def run_train(args: argparse.Namespace) -> int:
         open_source,
         token_input,
     )
+    from atomc.data.sources import check_options, used_options
     from atomc.runtime import SwapTrainer, warmup_cosine
     from atomc.runtime.evaluate import eval_loss
     from atomc.runtime.record import RunRecord, summary_writer_class
@@ -200,9 +201,19 @@ def run_train(args: argparse.Namespace) -> int:
     # the data first: a bad path, tokenizer or token file is refused before the model is built
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
 
+    paths = [args.data, *([args.eval_data] if args.eval_data else [])]
+    check_options(paths, args.data_format, {"--data-dtype": args.data_dtype is not None,
+                                            "--tokenizer": tokenizer is not None,
+                                            "--text-field": args.text_field != "text"})
+
     def source(path: str, role: str) -> Any:
-        return open_source(path, fmt=args.data_format, dtype=args.data_dtype,
-                           tokenizer=tokenizer, text_field=args.text_field, role=role)
+        # each file with the options its format reads (the other file may read the rest)
+        used = used_options(path, args.data_format)
+        return open_source(path, fmt=args.data_format,
+                           dtype=args.data_dtype if "--data-dtype" in used else None,
+                           tokenizer=tokenizer if "--tokenizer" in used else None,
+                           text_field=args.text_field if "--text-field" in used else "text",
+                           role=role)
 
     train_source = source(args.data, "train")
     eval_source = source(args.eval_data, "eval") if args.eval_data else None

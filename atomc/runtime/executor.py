@@ -168,10 +168,13 @@ class SwapExecutor:
         self.holds_output = holds_output
         self.recv_names = recv_names
         self.send_names = send_names
-        # boundary values that take gradients: those the model computes with them (the
-        # package's BOUNDARIES say which), never the model's own inputs
-        self.grad_inputs = {n for n in ({n for n, p in self.producer.items() if p >= 0}
-                                        | set(recv_names)) if package.carries_grad(n)}
+        # per sub-model, the boundary values it receives that take gradients: those the model
+        # computes with them at that cut (the package's BOUNDARIES say which), never the
+        # model's own inputs
+        computed = {n for n, p in self.producer.items() if p >= 0} | set(recv_names)
+        self.grad_inputs = [frozenset(n for n in package.inputs[i]
+                                      if n in computed and package.carries_grad(n, i))
+                            for i in range(self.k)]
         self.early_prefetch = early_prefetch and self.k > 1
         # the loss's backward: divided by the step's micro-batches (None: the list's), then
         # multiplied by the loss scale of the step
@@ -610,7 +613,7 @@ class SwapExecutor:
         names = self.pkg.inputs[i]
         args = [self._value(self._run.envs[m], n) for n in names]
         if leaves:
-            args = [boundary_leaf(v, n in self.grad_inputs) for v, n in zip(args, names)]
+            args = [boundary_leaf(v, n in self.grad_inputs[i]) for v, n in zip(args, names)]
         return args
 
     def _forward(self, i: int, m: int) -> None:
@@ -698,7 +701,8 @@ class SwapExecutor:
     def _collect_input_grads(self, grads: dict[str, torch.Tensor], i: int,
                              args: list[Any]) -> None:
         for n, a in zip(self.pkg.inputs[i], args):
-            if n not in self.grad_inputs or not isinstance(a, torch.Tensor) or a.grad is None:
+            if (n not in self.grad_inputs[i] or not isinstance(a, torch.Tensor)
+                    or a.grad is None):
                 continue
             grads[n] = a.grad if n not in grads else grads[n] + a.grad
 

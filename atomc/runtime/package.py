@@ -105,23 +105,27 @@ class SwapPackage:
     full_precision: tuple[str, ...] = ()  # weights kept float32 in half-precision runs (norms)
 
     @functools.cached_property
-    def grad_names(self) -> frozenset[str]:
-        """The boundary values that require gradients when the model trains (BOUNDARIES'
-        "grad", from atomc.trace.grad_values): the only ones a runtime makes leaves that take
-        gradients. A package from before atomc recorded it: every floating tensor, as then."""
-        names = set()
+    def _grad_inputs(self) -> tuple[frozenset[str], ...]:
+        out = []
         for boundary in self.boundaries:
-            for name, spec in (*boundary.get("inputs", {}).items(),
-                               *boundary.get("outputs", {}).items()):
+            out.append(frozenset(
+                name for name, spec in boundary.get("inputs", {}).items()
                 if spec.get("grad", str(spec.get("dtype", "")).startswith(
-                        ("float", "bfloat", "complex"))):
-                    names.add(name)
-        return frozenset(names)
+                    ("float", "bfloat", "complex")))))
+        return tuple(out)
 
-    def carries_grad(self, name: str) -> bool:
-        """Whether the boundary value `name` takes a gradient (the one rule of every runtime
-        that receives boundary values as autograd leaves)."""
-        return name in self.grad_names
+    def grads_at(self, i: int) -> frozenset[str]:
+        """The boundary values that take a gradient as sub-model i receives them (BOUNDARIES'
+        "grad", from atomc.trace.grad_values, as it holds at the cut before i): the only ones
+        a runtime makes leaves that take gradients. It depends on the cut: a value made without
+        gradients and filled in place later takes one only at the cuts after the first write.
+        A package from before atomc recorded it: every floating tensor, as then."""
+        return self._grad_inputs[i] if i < len(self._grad_inputs) else frozenset()
+
+    def carries_grad(self, name: str, i: int) -> bool:
+        """Whether the boundary value `name`, as sub-model i receives it, takes a gradient (the
+        one rule of every runtime that receives boundary values as autograd leaves)."""
+        return name in self.grads_at(i)
 
     def unread_names(self, state_dict: dict[str, Any]) -> list[str]:
         """Names in an original state dict that no sub-model holds (weights the traced graph

@@ -45,10 +45,12 @@ __all__ = [
     "build_and_inputs",
     "constant_values",
     "dtype_args",
+    "dtype_values",
     "grad_values",
     "load_model_file",
     "model_dtype",
     "parameters_on_meta",
+    "requires_grad_at",
     "runs_on_for",
     "trace_model",
 ]
@@ -70,7 +72,8 @@ class TracedModel:
     runs_on: str | None = "cpu"  # the device type a meta-device model's code saw (atomc.trace.fake)
     # node name -> argument paths whose dtype follows the model's (see `dtype_args`)
     _dtype_args: dict[str, tuple[tuple, ...]] | None = field(default=None, repr=False)
-    _grad_values: dict[str, bool] | None = field(default=None, repr=False)  # see `grad_values`
+    _grad_values: dict[str, int] | None = field(default=None, repr=False)  # see `grad_values`
+    _dtype_values: frozenset[str] | None = field(default=None, repr=False)  # see `dtype_values`
 
 
 def build_and_inputs(path: str | Path, config: str | None, batch_size: int, options: dict[str, int],
@@ -153,7 +156,7 @@ def _run_failure(exc: Exception, node: fx.Node | None, gm: fx.GraphModule,
     """One line for a traced graph that did not run: the operator, what failed where, and
     advice that fits: marking a module as a leaf does not help when it reads tensor values, nor
     when the module already is one."""
-    what = describe_failure(exc, path)
+    what = describe_failure(exc, path, node)
     name, leaf = "", False
     if node is not None and node.op == "call_module":
         module = gm.get_submodule(str(node.target))
@@ -267,7 +270,7 @@ def dtype_args(traced: TracedModel) -> dict[str, tuple[tuple, ...]]:
     if traced._dtype_args is not None:
         return traced._dtype_args
     if traced.graph.frontend != "export":
-        traced._dtype_args = {}
+        traced._dtype_args, traced._dtype_values = {}, frozenset()
         return traced._dtype_args
     g = traced.graph
     path = Path(g.model_path)
@@ -291,8 +294,8 @@ def dtype_args(traced: TracedModel) -> dict[str, tuple[tuple, ...]]:
             torch.set_rng_state(rng)
 
     try:
-        traced._dtype_args = mark_dtype_args(traced.gm, traced.values, model_dtype(traced.model),
-                                             retrace)
+        traced._dtype_args, traced._dtype_values = mark_dtype_args(
+            traced.gm, traced.values, model_dtype(traced.model), retrace)
     except ValueError as e:
         raise TraceError(f"{path}: {e}: generated code could only run in the dtype it was traced "
                          f"in; remove Python branches on dtypes from forward, or mark the module "
@@ -300,24 +303,50 @@ def dtype_args(traced: TracedModel) -> dict[str, tuple[tuple, ...]]:
     return traced._dtype_args
 
 
+def dtype_values(traced: TracedModel) -> frozenset[str]:
+    """The nodes whose floating value has the model's dtype in any dtype the model runs in (a
+    weight-less sub-model takes its `dtype` from such an input, not from a value the model
+    casts to float32 itself); empty where no argument follows the model's dtype (`dtype_args`
+    is empty, and generated code reads no `dtype`)."""
+    dtype_args(traced)
+    assert traced._dtype_values is not None
+    return traced._dtype_values
+
+
 class _GradRecorder(fx.Interpreter):
     """Runs the graph with autograd on, each node under the grad mode of its region (MODES),
-    and notes which nodes' values require gradients. `device`: what a meta device named in
-    the graph stands for (the device type the trace ran its fakes on: strides, and so which
-    views work, follow that device's kernels)."""
+    and notes from which node on each value requires gradients. `device`: what a meta device
+    named in the graph stands for (the device type the trace ran its fakes on: strides, and so
+    which views work, follow that device's kernels)."""
 
     def __init__(self, gm: fx.GraphModule, device: torch.device):
         super().__init__(gm)
         self.device = device
-        self.requires_grad: dict[str, bool] = {}
+        self.grad_since: dict[str, int] = {}
         self.current: fx.Node | None = None
+        self._position = -1
+        # floating values that do not require gradients yet: a later in-place write of a value
+        # that does (`out[:, t] = h` into a `zeros_like`) makes them, and views of them, require
+        # one from that node on
+        self._waiting: dict[str, list[torch.Tensor]] = {}
 
     def run_node(self, n: fx.Node) -> Any:
         self.current = n
+        self._position += 1
         grad = [m[1] for m in n.meta.get(MODES, ()) if m[0] == "grad"]
         with torch.set_grad_enabled(grad[-1] if grad else True):
             result = super().run_node(n)
-        self.requires_grad[n.name] = any(t.requires_grad for t in tensors_in(result))
+        tensors = tensors_in(result)
+        if any(t.requires_grad for t in tensors):
+            self.grad_since[n.name] = -1  # from the start: before every cut the value crosses
+        else:
+            floating = [t for t in tensors if t.is_floating_point() or t.is_complex()]
+            if floating:
+                self._waiting[n.name] = floating
+        for name, waiting in list(self._waiting.items()):
+            if name != n.name and any(t.requires_grad for t in waiting):
+                self.grad_since[name] = self._position
+                del self._waiting[name]
         return result
 
     def fetch_args_kwargs_from_env(self, n: fx.Node) -> tuple[tuple, dict]:
@@ -339,18 +368,25 @@ class _GradRecorder(fx.Interpreter):
         return on_device(args), on_device(kwargs)
 
 
-def grad_values(traced: TracedModel) -> dict[str, bool]:
-    """Node name -> whether its value requires gradients when the model trains: what autograd
-    itself says when the traced graph runs once with gradients on (each node under its
+def grad_values(traced: TracedModel) -> dict[str, int]:
+    """Node name -> -1 where its value requires gradients when the model trains from the node
+    that makes it on; the position (in the graph's node order) of the in-place write from
+    which on it does, where it is made without and written later; absent where it never
+    does. A value's maker may run in a later sub-model than its range says (the items of a
+    tuple are taken where the tuple is made), an in-place write never does. What
+    autograd itself says when the traced graph runs once with gradients on (each node under its
     region's grad mode, the parameters trainable as the model's are, the inputs as the model
     file gives them), on fake tensors, so that no weight is allocated or written.
 
     A runtime makes a value that crosses a cut an autograd leaf; it takes a gradient exactly
-    when this says so. A router's expert counts (`histc` of the chosen experts, float, computed
-    from integers), what a no_grad region or `detach` computes, comparisons and `zeros_like`
-    carry none, and a leaf that required one would be refused by the integer `cumsum` that
-    reads it (autograd has no integer gradients). Asking autograd, not a list of operators,
-    keeps the answer right for every operator and custom Function.
+    when the value requires one at that cut (`requires_grad_at`). A value made without one
+    can come to require one later: `out = torch.zeros_like(x)` filled by `out[:, t] = h` step
+    by step requires one from the first write on, so a cut between writes hands a gradient
+    back. A router's expert counts (`histc` of the chosen experts, float, computed from
+    integers), what a no_grad region or `detach` computes and comparisons never do, and a leaf
+    that required one would be refused by the integer `cumsum` that reads it (autograd has no
+    integer gradients). Asking autograd, not a list of operators, keeps the answer right for
+    every operator and custom Function.
     """
     if traced._grad_values is not None:
         return traced._grad_values
@@ -366,8 +402,14 @@ def grad_values(traced: TracedModel) -> dict[str, bool]:
         node = recorder.current if recorder is not None else None
         raise TraceError(_run_failure(e, node, gm, traced.leaf_types, path, traced.device,
                                       "with autograd ")) from e
-    traced._grad_values = recorder.requires_grad
+    traced._grad_values = recorder.grad_since
     return traced._grad_values
+
+
+def requires_grad_at(grads: dict[str, int], name: str, cut: int) -> bool:
+    """Whether value `name`, crossing the cut before node position `cut` (every node before it
+    has run), requires gradients there, from `grad_values`."""
+    return grads.get(name, cut) < cut
 
 
 @contextlib.contextmanager

@@ -12,7 +12,9 @@ import contextlib
 import functools
 import inspect
 import io
+import linecache
 import logging
+import re
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -284,26 +286,54 @@ def reads_values(exc: BaseException) -> bool:
     return any(m in str(exc) for m in _VALUE_MESSAGES)
 
 
-def describe_failure(exc: BaseException, model_path: Path) -> str:
+def describe_failure(exc: BaseException, model_path: Path, node: fx.Node | None = None) -> str:
+    """The exception in one line, with the model file's line it came from: from its traceback,
+    or, where that holds none (an operator of a traced graph failed when atomc ran it), from
+    the stack `node` was recorded with."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     message = f"{type(exc).__name__}: {first}"[:300]
     if "in output, which is not a known type" in first:
         # the usual cause: a Hugging Face model returning its key/value cache
         message += (" [the model returns an object torch.export cannot flatten: return tensors, "
                     "tuples or dicts of them (for Hugging Face models pass use_cache=False)]")
+    frames = [(f.filename, f.lineno or 0, f.line or "")
+              for f in traceback.extract_tb(exc.__traceback__)]
+    if node is not None and not any(_same_file(f[0], model_path) for f in frames):
+        frames = _recorded_frames(node)
+    return message + _location(frames, model_path)
+
+
+def _recorded_frames(node: fx.Node) -> list[tuple[str, int, str]]:
+    """The model's frames that made a graph node, outermost first, from the stack recorded
+    with it (torch.export's `stack_trace`, and symbolic tracing's as atomc records it)."""
+    frames = []
+    for match in _FRAME.finditer(node.meta.get("stack_trace") or ""):
+        file, line = match["file"], int(match["line"])
+        frames.append((file, line, linecache.getline(file, line)))
+    return frames
+
+
+def _same_file(filename: str, path: Path) -> bool:
+    return Path(filename).resolve() == path.resolve()
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
+
+
+def _location(frames: list[tuple[str, int, str]], model_path: Path) -> str:
+    """The model file's innermost line among `frames` (outermost first), and the line of a
+    library that failed beyond it."""
     where = ""
-    frames = traceback.extract_tb(exc.__traceback__)
-    for frame in frames:
-        if Path(frame.filename).resolve() == model_path.resolve():
-            where = f" (at {model_path.name}:{frame.lineno}: {(frame.line or '').strip()})"
+    for file, line, code in frames:
+        if _same_file(file, model_path):
+            where = f" (at {model_path.name}:{line}: {code.strip()})"
     # the line that failed, where it is the code of a library the model calls (a Hugging Face
     # model's forward): the model file's own line alone names only the call into it
-    libraries = [f for f in frames if not is_internal(f.filename)]
-    if libraries and Path(libraries[-1].filename).resolve() != model_path.resolve():
-        last = libraries[-1]
-        where += (f" (failed in {_short_path(last.filename)}:{last.lineno}: "
-                  f"{(last.line or '').strip()})")
-    return message + where
+    libraries = [f for f in frames if not is_internal(f[0])]
+    if libraries and not _same_file(libraries[-1][0], model_path):
+        file, line, code = libraries[-1]
+        where += f" (failed in {_short_path(file)}:{line}: {code.strip()})"
+    return where
 
 
 def _short_path(filename: str) -> str:

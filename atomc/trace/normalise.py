@@ -160,12 +160,19 @@ def _dtype_slots(node: fx.Node) -> dict[tuple, torch.dtype]:
 
 def mark_dtype_args(gm: fx.GraphModule, values: dict[str, Any], model_dtype: torch.dtype,
                     retrace: Callable[[torch.dtype], fx.GraphModule],
-                    ) -> dict[str, tuple[tuple, ...]]:
-    """Node name -> argument paths whose dtype is the model's own (it changes with the model's).
+                    ) -> tuple[dict[str, tuple[tuple, ...]], frozenset[str]]:
+    """(node name -> argument paths whose dtype is the model's own (it changes with the
+    model's), the nodes whose floating value has the model's dtype in either trace).
 
     `retrace(dtype)` traces the model again with its weights and floating inputs in `dtype`.
-    Returns {} when no argument names `model_dtype` (nothing to tell apart). Raises ValueError
-    when the second trace is a different graph: the model takes other paths in other dtypes.
+    Returns nothing when no argument names `model_dtype` (nothing to tell apart). Raises
+    ValueError when the second trace is a different graph: the model takes other paths in
+    other dtypes.
+
+    The second set tells a value that follows the weights (`x @ w`) from one the model casts
+    itself (`residual.to(torch.float32)`, kept in float32 whatever the weights are): both are
+    float32 when a float32 model is traced; torch.export's `val` of each node in the second
+    trace says which one changed.
 
     The two graphs are compared modulo casts that were no-ops when traced: `y = x.to(float32)`
     returns `x` itself for a float32 `x`, and torch.export then records later reads of `x` as
@@ -175,7 +182,7 @@ def mark_dtype_args(gm: fx.GraphModule, values: dict[str, Any], model_dtype: tor
     candidates = {n.name: s for n in gm.graph.nodes
                   if (s := {p: d for p, d in _dtype_slots(n).items() if d == model_dtype})}
     if not candidates:
-        return {}
+        return {}, frozenset()
     other = torch.float64 if model_dtype != torch.float64 else torch.float32
     second = retrace(other)
     # weights are compared by what they name where they are read (see _repair_aliased_reads):
@@ -193,7 +200,11 @@ def mark_dtype_args(gm: fx.GraphModule, values: dict[str, Any], model_dtype: tor
         changed = tuple(p for p in candidates[a.name] if _dtype_slots(b).get(p) == other)
         if changed:
             marks[a.name] = changed
-    return marks
+    follows = frozenset(
+        a.name for a, b in zip(mine, theirs)
+        if getattr(values.get(a.name), "dtype", None) == model_dtype
+        and getattr(b.meta.get("val"), "dtype", None) == other)
+    return marks, follows
 
 
 _CASTS = {"aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten.to.other",

@@ -11,7 +11,7 @@
 
 from atomc.weights.names import ModelNames, package_names
 from atomc.weights.read import CheckpointFiles, WeightsIn, open_weights
-from atomc.weights.write import save_pretrained
+from atomc.weights.write import save_pretrained, tied_names
 
 __all__ = ["CheckpointFiles", "ModelNames", "WeightsIn", "open_weights", "package_names",
-           "save_pretrained"]
+           "save_pretrained", "tied_names"]

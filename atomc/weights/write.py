@@ -16,8 +16,14 @@ What `save_pretrained(trainer, DIR)` writes:
   own): the weights under the original model's state-dict names in the same shards, which
   `safetensors.torch.load_file` reads back into a state dict.
 
-Every name of a tied weight is written (each a copy on disk), so the files load with
-`load_state_dict(strict=True)`. `atomc-export.json` records what was exported.
+A tied weight is written once, under the name the package holds it by, as transformers' and
+safetensors' own `save_model` write it (two names over one memory are refused by the
+safetensors writer, and would be two copies on disk). Its other names are recorded: in each
+shard's metadata (`atomc.tied`: other name -> written name, JSON) and in `atomc-export.json`.
+`safetensors.torch.load_model`, transformers' `from_pretrained` and `atomc train --weights` tie
+them again; a plain state dict is completed with `tied_names` (or `load_state_dict(...,
+strict=False)` into a model that ties them itself). `atomc-export.json` records what was
+exported.
 
 Memory: the shards are written from the host masters directly (no copy of the model); the
 safetensors writer holds one shard's bytes at a time, so the peak is the trainer's memory
@@ -62,6 +68,10 @@ def save_pretrained(trainer: Any, directory: str | Path, *,
     trainer.persistent_buffers()  # waits for pending updates; buffers as of the last step
     state = {**trainer.unread, **trainer.package.export_state_dict(trainer.host_modules)}
     state = {n: state[n] for n in _model_order(names, state)}
+    # a tied weight once, under its held name
+    tied = {n: names.canonical(n) for n in state
+            if names.canonical(n) != n and names.canonical(n) in state}
+    state = {n: t for n, t in state.items() if n not in tied}
     written_dtype = cast or trainer.store.master_dtype
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     external = names.external(TRANSFORMERS)
@@ -72,17 +82,19 @@ def save_pretrained(trainer: Any, directory: str | Path, *,
             _write_adapter(names, state, tmp, cast)
             if trained - names.adapter:  # trained weights outside the adapter: all of them too
                 kind += f" and {ORIGINAL} names"
-                _write_shards(state, tmp, max_shard_size, cast)
-        elif names.hf_model is not None and all(n in external for n in state):
+                _write_shards(state, tmp, max_shard_size, cast, tied)
+        elif names.hf_model is not None and all(n in external for n in (*state, *tied)):
             kind = TRANSFORMERS
-            _write_shards({external[n]: t for n, t in state.items()}, tmp, max_shard_size, cast)
+            tied = {external[a]: external[n] for a, n in tied.items()}
+            _write_shards({external[n]: t for n, t in state.items()}, tmp, max_shard_size, cast,
+                          tied)
             _write_hf_config(names, tmp, written_dtype)
         else:  # (a model with weights outside its transformers model: all of them, as named)
             kind = ORIGINAL
-            _write_shards(state, tmp, max_shard_size, cast)
+            _write_shards(state, tmp, max_shard_size, cast, tied)
         record = {"kind": "atomc.export", "names": kind, "package": str(trainer.package.path),
                   "plan_hash": trainer.package.plan_hash, "step": trainer.step_count,
-                  "dtype": str(written_dtype).replace("torch.", "")}
+                  "dtype": str(written_dtype).replace("torch.", ""), "tied": tied}
         (tmp / MARKER).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
@@ -100,10 +112,20 @@ def _model_order(names: ModelNames, state: dict[str, torch.Tensor]) -> list[str]
     return first + [n for n in state if n not in placed]
 
 
+def tied_names(directory: str | Path) -> dict[str, str]:
+    """What an export wrote once for tied weights: each other name -> the name written."""
+    marker = Path(directory) / MARKER
+    try:
+        return dict(json.loads(marker.read_text(encoding="utf-8")).get("tied") or {})
+    except (OSError, ValueError, AttributeError) as e:
+        raise RuntimeMismatchError(f"{marker} cannot be read ({e}); give a directory written "
+                                   f"by atomc export") from None
+
+
 def _write_shards(state: dict[str, torch.Tensor], out: Path, max_shard_size: int | str,
-                  cast: torch.dtype | None) -> None:
+                  cast: torch.dtype | None, tied: dict[str, str]) -> None:
     """safetensors shards as huggingface_hub splits them, and their index when there are
-    several."""
+    several; `tied` (other name -> written name) goes in each shard's metadata."""
     split = require("huggingface_hub").split_torch_state_dict_into_shards
     save_file = require("safetensors.torch").save_file
 
@@ -120,16 +142,12 @@ def _write_shards(state: dict[str, torch.Tensor], out: Path, max_shard_size: int
     except ValueError as e:
         raise UsageError(f"max shard size {max_shard_size!r}: {e}; give a size such as 2GB or "
                          f"500MB") from None
+    metadata = {"format": "pt"}
+    if tied:
+        metadata["atomc.tied"] = json.dumps(tied, sort_keys=True)
     for filename, keys in shards.filename_to_tensors.items():
-        shard: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()
-        for k in keys:
-            t = state[k].detach().to(dtype_of(state[k])).contiguous()
-            if id(t) in seen:  # another name of a tied weight: a copy of its own on disk
-                t = t.clone()
-            seen.add(id(t))
-            shard[k] = t
-        save_file(shard, str(out / filename), metadata={"format": "pt"})
+        shard = {k: state[k].detach().to(dtype_of(state[k])).contiguous() for k in keys}
+        save_file(shard, str(out / filename), metadata=metadata)
     if shards.is_sharded:
         index = {"metadata": dict(shards.metadata), "weight_map": dict(shards.tensor_to_filename)}
         (out / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n",

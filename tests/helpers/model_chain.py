@@ -26,6 +26,7 @@ from atomc.runtime import SwapTrainer, micro_batch_rng
 from atomc.runtime.trace import replay_residency
 from atomc.trace import trace_model
 
+from helpers.detached import run_detached
 from shims import import_timm
 
 REPO = Path(__file__).resolve().parents[2]
@@ -218,8 +219,8 @@ def original(reference, dtype=torch.float32):
 
 def check_chained_submodels_equal_the_model(root: Path, name: str, dtype: torch.dtype,
                                             tol: float) -> None:
-    """The chained sub-models give the original model's outputs and every parameter's
-    gradient to `tol` in `dtype`."""
+    """The sub-models, run as the runtimes run them (helpers.detached), give the original
+    model's outputs and every parameter's gradient to `tol` in `dtype`."""
     out, plan, reference = chain(name, root)
     assert len(plan.submodels) >= 3
     package = load_package(out)
@@ -234,12 +235,8 @@ def check_chained_submodels_equal_the_model(root: Path, name: str, dtype: torch.
     with micro_batch_rng(0, 0, 0):  # dropout draws the same masks in both
         expected = model(*inputs)
         loss_fn(expected, inputs).backward()
-    with micro_batch_rng(0, 0, 0):
-        values = inputs
-        for sub in subs[:-1]:
-            values = sub(*values)
-        got = subs[-1](*values)
-        loss_fn(got, inputs).backward()
+    with micro_batch_rng(0, 0, 0):  # detached at every cut, as the runtimes run them
+        got, _ = run_detached(out, subs, inputs, loss_fn)
     # the only weights no sub-model holds are parameters the model's own step does not read
     # (a classifier's unused pooler, a mask token for masks it is not given)
     params = dict(model.named_parameters(remove_duplicate=False))
