@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 # the CPU one; the tests import timm through a stand-in (tests/shims/README.md)
 TIMM   ?= timm>=1.0.20,<1.1
 
-.PHONY: install demo test families lint golden bench tables clean
+.PHONY: install demo test families survey lint golden bench tables clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,29 @@ test: install lint
 families: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m families tests/test_families.py
 
+# the coverage surveys (bench/survey.py): SUITE=timm|hf|torchvision, one row per model in
+# bench/survey/SUITE.csv, then the table of all three in docs/model-files.md (each up to 2
+# hours; not part of make test). torchvision imports only beside the CUDA torch it was built
+# for, so its suite runs in a virtual environment of its own, never in .venv
+SUITE    ?= timm
+TV_VENV  ?= .venv-tv
+TV_STAMP := $(TV_VENV)/.atomc-installed
+TV_TORCH ?= torch==2.14.1 torchvision==0.29.1
+
+$(TV_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(TV_VENV)
+	$(TV_VENV)/bin/python -m pip install -q -e ".[dev]" $(TV_TORCH)
+	touch $(TV_STAMP)
+
+survey: install
+ifeq ($(SUITE),torchvision)
+	$(MAKE) $(TV_STAMP)
+	$(TV_VENV)/bin/python bench/survey.py --suite torchvision
+else
+	$(BIN)/python bench/survey.py --suite $(SUITE)
+endif
+	$(BIN)/python bench/survey.py --summary
+
 # ruff, pinned in pyproject.toml's dev extra, with the rules chosen there
 lint: install
 	$(BIN)/ruff check --no-cache .
@@ -58,4 +81,4 @@ bench: install
 	$(BIN)/python bench/swarm_bench.py --part b
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(TV_VENV) build *.egg-info

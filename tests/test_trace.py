@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import textwrap
 from pathlib import Path
@@ -11,7 +12,7 @@ import torch
 
 from atomc.cli import main
 from atomc.errors import ModelFileError, TraceError
-from atomc.trace import trace_model
+from atomc.trace import dynamic, trace_model
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -430,6 +431,25 @@ def test_custom_autograd_functions_keep_their_backward(tmp_path):
     traced = trace_model(write_model(tmp_path, square, "square.py"), batch_size=2,
                          frontend="export", device="cpu")
     assert not any("Reverse" in n.target for n in traced.graph.nodes)
+
+
+def test_custom_functions_trace_where_torch_defines_apply_in_c(tmp_path, monkeypatch):
+    """torch 2.14's `Function.apply` is torch._C._FunctionBase's, a C classmethod without
+    `__func__`, and atomc.trace failed to import there (the torchvision survey's
+    torch). Loaded afresh with torch's apply as 2.14 has it, atomc.trace.dynamic keeps the
+    Function whole and runs its own backward."""
+    monkeypatch.setattr(torch.autograd.Function, "apply",
+                        torch._C._FunctionBase.__dict__["apply"])
+    assert not hasattr(torch.autograd.Function.__dict__["apply"], "__func__")
+    spec = importlib.util.spec_from_file_location("fresh_dynamic", dynamic.__file__)
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    monkeypatch.setattr("atomc.trace.frontends.functions_kept_whole", fresh.functions_kept_whole)
+    traced = trace_model(write_model(tmp_path, CUSTOM_BACKWARD), batch_size=2, device="cpu")
+    (call,) = [n for n in traced.graph.nodes if n.op == "call_function"]
+    assert call.target.endswith(".Reverse.apply")
+    traced.gm(traced.inputs[0]).sum().backward()
+    assert (traced.model.a.bias.grad == -2).all()
 
 
 CONVERTS_ITSELF = """

@@ -12,6 +12,7 @@ import re
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import torch
@@ -57,7 +58,15 @@ def caller() -> str:
 # Custom autograd Functions
 
 
-_APPLY = torch.autograd.Function.__dict__["apply"].__func__
+# torch's own `Function.apply`, a classmethod (a C-level classmethod descriptor from torch
+# 2.14 on, which has no __func__): `_torch_apply(cls, ...)` binds it to `cls` either way
+_TORCH_APPLY = torch.autograd.Function.__dict__["apply"]
+
+
+def _torch_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+    return _TORCH_APPLY.__get__(None, cls)(*args, **kwargs)
+
+
 _SETUP_CONTEXT = torch.autograd.Function.setup_context
 
 
@@ -102,7 +111,7 @@ def functions_kept_whole() -> contextlib.AbstractContextManager:
     def apply(cls, *args, **kwargs):
         proxies = [v for v in tree_leaves((args, kwargs)) if isinstance(v, fx.Proxy)]
         if not proxies or not _custom(cls):
-            return _APPLY(cls, *args, **kwargs)
+            return _torch_apply(cls, *args, **kwargs)
         # named after the Function (round_straight_through), not "apply"
         name = re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower()
         return proxies[0].tracer.create_proxy("call_function", FunctionCall(cls), args, kwargs,
@@ -123,7 +132,7 @@ def functions_checked() -> Iterator[None]:
     def apply(cls, *args, **kwargs):
         if _custom(cls):
             seen.setdefault(cls, (caller(), args, kwargs))
-        return _APPLY(cls, *args, **kwargs)
+        return _torch_apply(cls, *args, **kwargs)
 
     with _apply_patched(apply):
         yield
@@ -159,7 +168,7 @@ def _backward_is_derivative(cls: type, args: tuple, kwargs: dict) -> bool:
         same_args, same_kwargs = tree_map(
             lambda v: v.detach().clone().requires_grad_() if isinstance(v, torch.Tensor)
             and v.is_floating_point() else v, (own_args, own_kwargs))
-        own = _APPLY(cls, *own_args, **own_kwargs)
+        own = _torch_apply(cls, *own_args, **own_kwargs)
         if cls.setup_context is not _SETUP_CONTEXT:  # forward(*args) with setup_context
             derived = cls.forward(*same_args, **same_kwargs)
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -87,11 +88,15 @@ FAMILIES = MODELS / "hf_families.py"
 
 
 def case(name: str) -> tuple[Path, str | None]:
-    """(model file, configuration) of case `name`: one of CASES or a family "hf-NAME"."""
+    """(model file, configuration) of case `name`: one of CASES, a family "hf-NAME", or a
+    "FILE::CONFIG" of any model file (bench/survey.py's models)."""
     if name in CASES:
         return CASES[name]
     if name.startswith("hf-"):
         return FAMILIES, name.removeprefix("hf-")
+    if "::" in name:
+        path, config = name.split("::", 1)
+        return Path(path), config or None
     raise KeyError(f"no model case {name!r}")
 
 
@@ -183,7 +188,8 @@ def chain(name: str, tmp_root: Path, transfer_dtype: str | None = None):
         # a bfloat16 plan at the float32 plan's C: the checks give both packages one batch
         accums = (chain(name, tmp_root)[1].accum,) if transfer_dtype else ACCUMS
         plan, profile = three_way_plan(_PROFILES[name], transfer_dtype, accums)
-        tag = f"{name}-{transfer_dtype}" if transfer_dtype else name
+        # a folder name, also for a "FILE::CONFIG" case
+        tag = re.sub(r"[^\w.-]", "_", f"{name}-{transfer_dtype}" if transfer_dtype else name)
         plan_path = tmp_root / f"{tag}.plan.json"
         plan.save(plan_path)
         out = generate(plan, tmp_root / tag, profile=profile, plan_path=plan_path)
@@ -218,9 +224,10 @@ def original(reference, dtype=torch.float32):
 
 
 def check_chained_submodels_equal_the_model(root: Path, name: str, dtype: torch.dtype,
-                                            tol: float) -> None:
+                                            tol: float) -> float:
     """The sub-models, run as the runtimes run them (helpers.detached), give the original
-    model's outputs and every parameter's gradient to `tol` in `dtype`."""
+    model's outputs and every parameter's gradient to `tol` in `dtype`; returns the largest
+    gradient difference."""
     out, plan, reference = chain(name, root)
     assert len(plan.submodels) >= 3
     package = load_package(out)
@@ -255,10 +262,13 @@ def check_chained_submodels_equal_the_model(root: Path, name: str, dtype: torch.
             if p.grad is not None and id(p) not in seen:
                 seen.add(id(p))
                 grads[names[local]] = grads.get(names[local], 0) + p.grad
+    largest = 0.0
     for fqn, p in model.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(grads[fqn], p.grad, rtol=tol, atol=tol,
-                                       msg=f"gradient of {fqn}")
+                                       msg=lambda m, fqn=fqn: f"gradient of {fqn}: {m}")
+            largest = max(largest, _largest_difference(grads[fqn], p.grad))
+    return largest
 
 
 # Adam divides each gradient element by its own running size, so an element whose gradient is
@@ -286,25 +296,38 @@ def plain_steps(model, loss_fn, batches, accum=C):
 
 
 def check_swap_trainer_equals_adamw(root: Path, name: str, rel: float = 1e-6,
-                                    atol: float = 1e-6) -> None:
-    """SwapTrainer gives plain torch.optim.AdamW's losses, weights and buffers after 3 steps."""
+                                    atol: float = 1e-6,
+                                    dtype: torch.dtype = torch.float32) -> float:
+    """SwapTrainer gives plain torch.optim.AdamW's losses, weights and buffers after 3 steps,
+    both run in `dtype`; returns the largest weight or buffer difference."""
     out, plan, reference = chain(name, root)
-    model = original(reference)
+    model = original(reference, dtype)
     trainer = SwapTrainer.from_package(out, device="cpu", state_dict=model.state_dict(),
-                                       tied_grads="exact", optimizer=ADAM)
+                                       tied_grads="exact", optimizer=ADAM,
+                                       dtype=str(dtype).removeprefix("torch."))
     assert trainer.accum == plan.accum and len(trainer.store.layouts) >= 3
-    batches = [batch_of(reference, plan.accum, seed) for seed in range(3)]
+    batches = [tuple(x.to(dtype) if x.is_floating_point() else x
+                     for x in batch_of(reference, plan.accum, seed)) for seed in range(3)]
     swapped = [trainer.step(b) for b in batches]
     plain = plain_steps(model, reference.module.loss_fn, batches, plan.accum)
-    assert swapped == pytest.approx(plain, rel=rel, abs=1e-7)
+    assert swapped == pytest.approx(plain, rel=rel, abs=1e-7), "losses of the 3 steps"
     state = trainer.export_state_dict()
     expected = model.state_dict()
     assert set(state) == set(expected)  # weights the graph never reads too: a strict load works
+    largest = 0.0
     for k, v in state.items():  # weights and persistent buffers (BatchNorm statistics)
         torch.testing.assert_close(v, expected[k], rtol=1e-5, atol=atol,
                                    msg=lambda m, k=k: f"{k}: {m}")
-    original(reference).load_state_dict(state)
+        largest = max(largest, _largest_difference(v, expected[k]))
+    original(reference, dtype).load_state_dict(state)
     trainer.close()
+    return largest
+
+
+def _largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    if not a.is_floating_point() or a.numel() == 0:
+        return 0.0 if torch.equal(a, b) else float("inf")
+    return float((a.double() - b.double()).abs().max())
 
 
 def eager_loss(model, loss_fn, batch, autocast: torch.dtype | None = None,

@@ -12,8 +12,11 @@ configurations (`--config NAME`); nothing is downloaded.
   timm resamples them through float32 when torch.export traces the model, and not when it
   runs, so the float64 check sees float32 rounding in their gradient).
 
-Any other registered name is made with its default configuration, num_classes=5 and the image
-size of its pretrained configuration.
+Any other registered name (bench/survey.py's timm suite) is made with its default
+configuration and num_classes=5, at the smallest of SIZES, up to the image size of its
+pretrained configuration, at which it builds and runs on the meta device: models with learned
+position embeddings take the size as `img_size`, convolutional ones any size their strides
+leave at least one pixel of.
 
 timm imports torchvision; the tests import timm through the stand-in in tests/shims where no
 torchvision is installed (tests/shims/README.md)."""
@@ -55,11 +58,36 @@ def loss_fn(logits, batch):
     return F.cross_entropy(logits, labels)
 
 
+# the reduced image sizes tried, smallest first
+SIZES = (64, 96, 128, 160, 192, 224, 256)
+# what timm raises for an image size an architecture does not take: an unknown `img_size`
+# keyword (TypeError), a size its position embeddings, windows or strides do not fit
+_SIZE_ERRORS = (TypeError, ValueError, AssertionError, RuntimeError, IndexError)
+
+
 def _config(config):
     if config in CONFIGS:
         return CONFIGS[config]
     if config is not None and timm.is_model(config):
-        size = timm.get_pretrained_cfg_value(config, "input_size") or (3, 224, 224)
-        return config, {}, size[-1]
+        with torch.device("meta"):  # deprecated names too (adv_inception_v3)
+            cfg = timm.create_model(config, pretrained=False, num_classes=CLASSES).pretrained_cfg
+        full = cfg.get("input_size", (3, 224, 224))[-1]
+        for size in (s for s in SIZES if s < full):
+            for kwargs in ({"img_size": size}, {}):
+                if _runs_at(config, kwargs, size):
+                    return config, kwargs, size
+        return config, {}, full
     raise ValueError(f"unknown configuration {config!r}: give one of {', '.join(CONFIGS)} or "
                      f"a timm model name (timm.list_models())")
+
+
+def _runs_at(name, kwargs, size):
+    """Whether timm model `name`, made with `kwargs`, runs a batch of `size` images (on the
+    meta device: shapes only, nothing computed)."""
+    try:
+        with torch.device("meta"):
+            model = timm.create_model(name, pretrained=False, num_classes=CLASSES, **kwargs)
+            model(torch.empty(1, 3, size, size))
+    except _SIZE_ERRORS:
+        return False
+    return True

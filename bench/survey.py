@@ -1,0 +1,350 @@
+"""The coverage surveys: every model of a suite through atomc's whole chain, one CSV row each.
+
+    python bench/survey.py --suite timm|hf|torchvision [--only NAME ...] [--slice K/N]
+    python bench/survey.py --summary
+
+A model passes when all of these hold: it profiles on the CPU from a meta-device trace, the
+partitioner plans it in 3 or more sub-models, codegen generates the package from the plan,
+the sub-models run as the runtimes run them (detached at every cut, gradient flags from the
+package) give the model's outputs and every parameter's gradient in float64 (float32 where
+the eager model does not run in float64), SwapTrainer gives plain AdamW's losses and weights
+after 3 steps in that dtype, and a plan for bfloat16 weights trains (tests/helpers/
+model_chain.py has each check; the tests run the same ones). A model is `refused` when atomc
+stops with one line that names a documented limit (docs/model-files.md, Limits; LIMITS here)
+and a source line; anything else is `fail`, and a fail whose check found different numbers
+without an error says `differs` in its reason.
+
+Each model runs in a process of its own (a crash or a timeout is that model's row); rows are
+merged into bench/survey/SUITE.csv by model, so slices can run one after another. `--summary`
+writes the table of the three CSVs into docs/model-files.md.
+
+The suites:
+- timm: PyTorch's timm benchmark list (benchmarks/dynamo/timm_models_list.txt at pytorch/
+  pytorch 06d9861d) and every `test_*` model timm registers, at the smallest image size each
+  architecture takes (tests/models/timm_zoo.py);
+- hf: PyTorch's Hugging Face benchmark list (benchmarks/dynamo/huggingface_models_list.txt at
+  pytorch/pytorch 0fb2b95f) from tiny configurations of the same classes
+  (tests/models/hf_benchmark.py), and the 95 families of tests/models/hf_families.py;
+- torchvision: its classification, segmentation and detection models of at most
+  LARGEST_TORCHVISION parameters (tests/models/torchvision_zoo.py); it runs in a virtual
+  environment of its own, with the CUDA torch torchvision is built for (make survey).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import datetime
+import faulthandler
+import io
+import json
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+MODELS = REPO / "tests" / "models"
+OUT = REPO / "bench" / "survey"
+DOC = REPO / "docs" / "model-files.md"
+SUITES = ("timm", "hf", "torchvision")
+COLUMNS = ("model", "source", "status", "reason", "submodels", "seconds", "dtype", "grad_diff",
+           "weight_diff", "date", "commit")
+# PyTorch's timm benchmark list (pytorch/pytorch 06d9861d, October 2025), batch sizes left out
+TIMM_LIST = ("adv_inception_v3", "beit_base_patch16_224", "convnextv2_nano.fcmae_ft_in22k_in1k",
+             "deit_base_distilled_patch16_224", "deit_tiny_patch16_224.fb_in1k", "dm_nfnet_f0",
+             "ghostnet_100", "inception_v3", "mobilenetv2_100", "mobilenetv3_large_100",
+             "mobilevit_s", "nfnet_l0", "repvgg_a2", "swin_base_patch4_window7_224",
+             "tf_efficientnet_b0", "visformer_small", "vit_base_patch14_dinov2.lvd142m",
+             "vit_base_patch16_siglip_256")
+# torchvision models above this many parameters (ViT-H/14, ViT-L, RegNetY-128GF, ConvNeXt-L)
+# hold more than this 24 GiB machine has room for in the float64 checks, beside the others
+LARGEST_TORCHVISION = 150e6
+# the documented limits a refusal may name (docs/model-files.md): name -> what its message says
+LIMITS = {
+    "values read in forward (control flow on tensor values, value-dependent shapes)":
+        r"data-dependent|Compute without reading tensor values|value-dependent",
+    "a forward that computes a gradient": r"computes a gradient",
+    "a forward that writes a parameter in place": r"writes .*parameter.* in place",
+    "LayerDrop": r"layerdrop",
+    "a custom autograd Function torch.export cannot keep": r"backward is not .*derivative",
+    "different Python paths in float64 and float32": r"different graph in torch\.float64",
+    "parametrizations.orthogonal": r"orthogonal",
+}
+SOURCE_LINE = re.compile(r"[\w./-]+\.py:\d+")
+# float64 checks to rounding; float32 as the tests hold them (tests/test_models.py)
+TOLERANCES = {"float64": {"chain": 1e-10, "rel": 1e-9, "atol": 1e-9},
+              "float32": {"chain": 1e-5, "rel": 1e-6, "atol": 1e-6}}
+
+
+def cases(suite: str) -> list[tuple[str, str, Path]]:
+    """(row name, where the model comes from, model file) of every model of `suite`; the row
+    name is the model file's configuration."""
+    if suite == "timm":
+        from shims import import_timm
+
+        timm = import_timm()
+        zoo = MODELS / "timm_zoo.py"
+        return ([(n, "pytorch timm list", zoo) for n in TIMM_LIST] +
+                [(n, "timm test_*", zoo) for n in timm.list_models("test_*")])
+    if suite == "hf":
+        from atomc.trace import load_model_file
+
+        bench, families = MODELS / "hf_benchmark.py", MODELS / "hf_families.py"
+        return ([(n, "pytorch hf list", bench) for n in load_model_file(bench).NAMES] +
+                [(n, "families", families) for n in load_model_file(families).NAMES])
+    if suite == "torchvision":
+        from atomc.trace import load_model_file
+
+        zoo = load_model_file(MODELS / "torchvision_zoo.py")
+        return [(n, zoo.kind_of(n), MODELS / "torchvision_zoo.py") for n in zoo.NAMES
+                if sum(p.numel() for p in zoo.on_meta(n).parameters()) <= LARGEST_TORCHVISION]
+    raise SystemExit(f"survey: unknown suite {suite!r}; give one of {', '.join(SUITES)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# one model, in a process of its own
+
+
+def survey_one(path: Path, config: str) -> dict:
+    """The row of one model: its status, reason, sub-models, seconds and largest differences."""
+    import torch
+
+    from atomc.errors import AtomcError
+
+    from helpers import model_chain as mc
+
+    name = f"{path}::{config}"
+    row = {"submodels": "", "dtype": "", "grad_diff": "", "weight_diff": ""}
+    start = time.perf_counter()
+    step = "profile, partition, codegen"
+    try:
+        with tempfile.TemporaryDirectory(prefix="atomc-survey-") as root, \
+                contextlib.redirect_stdout(io.StringIO()):
+            _out, plan, reference = mc.chain(name, Path(root))
+            row["submodels"] = len(plan.submodels)
+            _log_time("profile, partition, codegen", start)
+            step = "plan of 3+ sub-models"
+            assert len(plan.submodels) >= 3, f"{len(plan.submodels)} sub-models"
+            dtype = torch.float64 if _eager_runs_in(mc, reference, torch.float64) else \
+                torch.float32
+            tol = TOLERANCES[str(dtype).removeprefix("torch.")]
+            row["dtype"] = str(dtype).removeprefix("torch.")
+            step = f"chained sub-models against the model in {row['dtype']}"
+            grad = mc.check_chained_submodels_equal_the_model(Path(root), name, dtype,
+                                                              tol["chain"])
+            row["grad_diff"] = f"{grad:.3g}"
+            _log_time("chained", start)
+            step = f"SwapTrainer against AdamW in {row['dtype']}"
+            weight = mc.check_swap_trainer_equals_adamw(Path(root), name, tol["rel"],
+                                                        tol["atol"], dtype)
+            row["weight_diff"] = f"{weight:.3g}"
+            _log_time("swap", start)
+            step = "bfloat16 plan"
+            mc.check_bfloat16_plan_trains_within_one_percent(Path(root), name)
+            _log_time("bfloat16", start)
+        row.update(status="pass", reason="")
+    except AtomcError as e:
+        traceback.print_exc()  # into the model's log
+        row.update(_refusal(str(e)))
+    except AssertionError as e:
+        traceback.print_exc()
+        what = "differs" if step.startswith(("chained", "SwapTrainer")) else "fails"
+        row.update(status="fail", reason=f"{step} {what}: {_one_line(e)}")
+    except Exception as e:  # noqa: BLE001 - any other failure is this model's row
+        traceback.print_exc()
+        row.update(status="fail", reason=f"{step}: {type(e).__name__}: {_one_line(e)}"
+                                         f"{_where(e)}")
+    row["seconds"] = f"{time.perf_counter() - start:.0f}"
+    return row
+
+
+def _log_time(what: str, start: float) -> None:
+    print(f"survey: {what} done at {time.perf_counter() - start:.1f} s", file=sys.stderr,
+          flush=True)
+
+
+def _eager_runs_in(mc, reference, dtype) -> bool:
+    """Whether the eager model's forward, loss and backward run in `dtype` (some of
+    transformers' kernels have no float64 CPU version)."""
+    model = mc.original(reference, dtype)
+    inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in reference.inputs)
+    try:
+        reference.module.loss_fn(model(*inputs), inputs).backward()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _refusal(message: str) -> dict:
+    """A refusal's row: `refused` when its message is one line naming a documented limit and
+    a source line, `fail` otherwise."""
+    line = _one_line(message)
+    limit = next((k for k, pattern in LIMITS.items() if re.search(pattern, message, re.I)),
+                 None)
+    if "\n" in message.strip():
+        return {"status": "fail", "reason": f"refusal of more than one line: {line}"}
+    if limit is None:
+        return {"status": "fail", "reason": f"refusal naming no documented limit: {line}"}
+    if not SOURCE_LINE.search(message):
+        return {"status": "fail", "reason": f"refusal naming no source line: {line}"}
+    return {"status": "refused", "reason": f"{limit}: {line}"}
+
+
+def _one_line(e: BaseException | str, limit: int = 400) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _where(e: BaseException) -> str:
+    """The innermost line of atomc's own that the failure passed through."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if Path(f.filename).is_relative_to(REPO)]
+    if not frames:
+        return ""
+    return f" (at {Path(frames[-1].filename).relative_to(REPO)}:{frames[-1].lineno})"
+
+
+# ---------------------------------------------------------------------------------------------
+# the suite, model by model
+
+
+def run_suite(suite: str, only: list[str], part: tuple[int, int], timeout: float) -> Path:
+    todo = cases(suite)
+    if only:
+        unknown = set(only) - {n for n, _, _ in todo}
+        if unknown:
+            raise SystemExit(f"survey: {', '.join(sorted(unknown))} not in the {suite} suite")
+        todo = [c for c in todo if c[0] in only]
+    k, n = part
+    todo = todo[k - 1::n]
+    csv_path = OUT / f"{suite}.csv"
+    logs = REPO / "out" / "survey" / suite
+    logs.mkdir(parents=True, exist_ok=True)
+    commit = _commit()
+    for i, (name, source, path) in enumerate(todo, 1):
+        log = logs / (re.sub(r"[^\w.-]", "_", name) + ".log")
+        row = _run_child(path, name, timeout, log)
+        row.update(model=name, source=source, date=datetime.date.today().isoformat(),
+                   commit=commit)
+        _merge(csv_path, suite, row)
+        print(f"[{i}/{len(todo)}] {name}: {row['status']} {row['seconds']} s "
+              f"{row['reason'][:160]}", flush=True)
+    return csv_path
+
+
+def _run_child(path: Path, config: str, timeout: float, log: Path) -> dict:
+    start = time.perf_counter()
+    cmd = [sys.executable, __file__, "--one", str(path), config]
+    with log.open("w") as err:
+        try:
+            done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                                  timeout=timeout, cwd=REPO)
+        except subprocess.TimeoutExpired:
+            return {"status": "fail", "reason": f"timed out after {timeout:.0f} s",
+                    "seconds": f"{timeout:.0f}"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        why = f"signal {-done.returncode}" if done.returncode < 0 else f"exit {done.returncode}"
+        tail = log.read_text().strip().splitlines()[-1:] or [""]
+        return {"status": "fail", "reason": f"the process ended ({why}): {_one_line(tail[0])}",
+                "seconds": f"{time.perf_counter() - start:.0f}"}
+    return json.loads(lines[-1])
+
+
+def _merge(csv_path: Path, suite: str, row: dict) -> None:
+    """Writes `row` into the suite's CSV in place of that model's earlier row, in suite order
+    for the models surveyed so far."""
+    rows = {r["model"]: r for r in _read(csv_path)}
+    rows[row["model"]] = {c: row.get(c, "") for c in COLUMNS}
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = csv_path.with_suffix(".tmp")
+    with tmp.open("w", newline="") as f:
+        w = csv.DictWriter(f, COLUMNS)
+        w.writeheader()
+        w.writerows(rows.values())
+    tmp.replace(csv_path)
+
+
+def _read(csv_path: Path) -> list[dict]:
+    if not csv_path.exists():
+        return []
+    with csv_path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, cwd=REPO)
+    return done.stdout.strip()
+
+
+# ---------------------------------------------------------------------------------------------
+# the summary in docs/model-files.md
+
+BEGIN, END = "<!-- survey table: bench/survey.py --summary -->", "<!-- end of survey table -->"
+
+
+def summary_table() -> str:
+    lines = [("| suite | models | pass | refused | fail | differs without an error | "
+             "seconds | date | commit |"), "|---|---|---|---|---|---|---|---|---|"]
+    for suite in SUITES:
+        rows = _read(OUT / f"{suite}.csv")
+        if not rows:
+            lines.append(f"| {suite} | not surveyed | | | | | | | |")
+            continue
+        count = {s: sum(r["status"] == s for r in rows) for s in ("pass", "refused", "fail")}
+        differs = sum("differs" in r["reason"] for r in rows)
+        seconds = sum(float(r["seconds"] or 0) for r in rows)
+        dates = sorted({r["date"] for r in rows})
+        commits = sorted({r["commit"] for r in rows})
+        lines.append(f"| [{suite}](../bench/survey/{suite}.csv) | {len(rows)} | {count['pass']} "
+                     f"({100 * count['pass'] / len(rows):.0f}%) | {count['refused']} | "
+                     f"{count['fail']} | {differs} | {seconds:.0f} | "
+                     f"{dates[0] if len(dates) == 1 else dates[0] + ' to ' + dates[-1]} | "
+                     f"{', '.join(commits)} |")
+    return "\n".join(lines)
+
+
+def write_summary() -> None:
+    text = DOC.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"survey: {DOC} has no survey table markers ({BEGIN} ... {END})")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    DOC.write_text(f"{head}{BEGIN}\n{summary_table()}\n{END}{tail}")
+    print(summary_table())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--suite", choices=SUITES)
+    ap.add_argument("--only", nargs="+", default=[], help="these models of the suite alone")
+    ap.add_argument("--slice", default="1/1", help="K/N: every N-th model from the K-th")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per model")
+    ap.add_argument("--summary", action="store_true", help="write docs/model-files.md's table")
+    ap.add_argument("--one", nargs=2, metavar=("FILE", "CONFIG"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.one:
+        faulthandler.register(signal.SIGUSR1)  # kill -USR1 PID: where a slow model is
+        print(json.dumps(survey_one(Path(args.one[0]), args.one[1])))
+        return 0
+    if args.suite:
+        k, n = (int(x) for x in args.slice.split("/"))
+        print(f"wrote {run_suite(args.suite, args.only, (k, n), args.timeout)}")
+    if args.summary:
+        write_summary()
+    if not (args.suite or args.summary):
+        ap.error("give --suite or --summary")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
