@@ -446,6 +446,8 @@ class HostMemory:
     frozen_params: int  # no gradient buffer, moments or update
     limit_bytes: int  # 0: not checked
     limit_source: str  # "--host-mem", "available on <host>", a hardware profile's figure, ""
+    # host gradient buffers taken in turn (a ring; 0: one per sub-model, as clipping needs)
+    grad_slots: int = 0
 
     def total(self) -> int:
         return sum(self.by_kind.values())

@@ -36,7 +36,8 @@ def measured(monkeypatch):
     """Replace the benchmark with a counter; each call returns the next rate."""
     calls = []
 
-    def fake(beside_copies: bool = False, states: str = "float32") -> float:
+    def fake(beside_copies: bool = False, states: str = "float32",
+             transfer: str = "float32") -> float:
         calls.append(beside_copies)
         return (5.0 + len(calls)) / (2 if states == "bfloat16" else 1)
 
@@ -63,7 +64,7 @@ def test_another_machine_identity_measures_again_and_both_are_kept(cache_dir, me
     other = {**real, "hostname": real["hostname"] + "-other", "torch_threads": 64}
     identity = [real]
     monkeypatch.setattr(host, "machine_identity",
-                        lambda beside=False, states="float32": identity[0])
+                        lambda beside=False, states="float32", transfer="float32": identity[0])
     assert host_adam_gbps()[0] == 6.0
     identity[0] = other
     assert host_adam_gbps()[0] == 7.0
@@ -191,7 +192,8 @@ def test_bfloat16_moments_on_an_estimated_profile_say_the_figure_is_for_float32(
     profile = replace(block_profile(num_blocks=1), hardware=load_hardware("a100-80gb"))
     rate, source = resolve_cpu_adam("auto", profile, "bfloat16")
     assert rate == pytest.approx(21.1)
-    assert ", for float32 moments (the bfloat16-moment update was not measured" in source
+    assert (", for float32 moments and masters (the chunked update of bfloat16 moments"
+            in source)
     assert "bfloat16" not in resolve_cpu_adam("auto", profile)[1]
     assert not measured  # this host is not the target's
 
@@ -218,17 +220,20 @@ def test_the_real_benchmark_gives_a_finite_positive_rate_quickly():
 
 
 @SERIAL
-def test_the_real_benchmark_of_bfloat16_moments_runs_the_runtimes_chunked_update(monkeypatch):
+@pytest.mark.parametrize("states, transfer", [("bfloat16", "float32"), ("float32", "bfloat16")])
+def test_the_real_benchmark_runs_the_runtimes_chunked_update(monkeypatch, states, transfer):
+    """bfloat16 moments, or masters split beside bfloat16 images: the benchmark times the
+    runtime's own chunked update, two warm-up steps and the timed ones."""
     from atomc.runtime import optim
 
     calls = []
-    original = optim.LowMomentAdamW.step
+    original = optim.ChunkedAdamW.step
 
-    def counted(self):
+    def counted(self, *args, **kwargs):
         calls.append(1)
-        return original(self)
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(optim.LowMomentAdamW, "step", counted)
-    rate = measure_adam_gbps(num_params=1 << 22, states="bfloat16")
+    monkeypatch.setattr(optim.ChunkedAdamW, "step", counted)
+    rate = measure_adam_gbps(num_params=1 << 22, states=states, transfer=transfer)
     assert math.isfinite(rate) and rate > 0
     assert len(calls) == 2 + host.BENCH_STEPS

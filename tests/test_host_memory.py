@@ -32,8 +32,8 @@ def traced():
 @pytest.fixture(scope="module")
 def package(traced, tmp_path_factory):
     index = {n.name: i for i, n in enumerate(traced.graph.nodes)}
-    cuts = [i for n, i in index.items() if n.startswith("blocks_1")][:1]
-    plan = plan_from_cuts(traced, cuts, 2)
+    # three sub-models; the output layer's weight (tied to the embedding) in the last
+    plan = plan_from_cuts(traced, [index["h_1_ln_1"], index["ln_f"]], 2)
     out = generate(plan, tmp_path_factory.mktemp("pkg") / "gpt", traced=traced)
     return plan, out
 
@@ -43,30 +43,83 @@ def batches(steps, C, seed=1):
     return [torch.randint(0, 256, (C * MICRO, SEQ), generator=g) for _ in range(steps)]
 
 
-def test_plan_host_bytes_are_what_the_store_and_optimizer_allocate(traced, package):
+@pytest.mark.parametrize("transfer, states, slots", [
+    ("float32", "float32", None), ("float32", "bfloat16", 2), ("bfloat16", "float32", None),
+    ("bfloat16", "bfloat16", 2)], ids=["direct", "direct-bf16-moments-ring", "split",
+                                       "split-bf16-moments-ring"])
+def test_plan_host_bytes_are_what_the_store_and_optimizer_allocate(traced, package, transfer,
+                                                                   states, slots):
+    """Kind by kind, the formula's bytes are what the store and the optimizer allocate: images,
+    gradient buffers (a ring of two, the tied weights' sums), masters beyond the images (a
+    split store's residuals), moments and the update's scratch."""
     plan, out = package
-    host = hostmem.plan_host_memory(plan, traced.graph, pin=False)  # a CPU run pins nothing
-    trainer = SwapTrainer.from_package(out, device="cpu", optimizer={"lr": 1e-3})
-    try:
-        trainer.step(batches(1, plan.accum)[0])
-        store = trainer.store
-        real_states = sum(t.numel() * t.element_size() for o in trainer.optimizer.optims
-                          if o is not None for s in o.state.values()
-                          for k, t in s.items() if k != "step")
-        planned = host.by_kind
-        # exactly the store's arenas and the optimizer's moments (ties: replicas in the image)
-        assert planned["transfer_copies"] == store.image_arena.nbytes
-        assert planned["gradient_buffers"] == store.grad_arena.nbytes
-        assert planned["optimizer_states"] == real_states
-        assert sum(planned.values()) == store.host_bytes() + real_states
-        assert store.planned_bytes() == {**planned, "activation_stash": 0}
-    finally:
-        trainer.close()
+    trainer = SwapTrainer.from_package(out, device="cpu", transfer_dtype=transfer,
+                                       optimizer={"lr": 1e-3, "states": states})
+    trainer.close()
+    if slots is not None:  # the same run with a ring of gradient buffers
+        from atomc.runtime.executor import SwapExecutor
+        from atomc.runtime.optim import AdamWConfig
+        from atomc.runtime.trace import Tracer
+
+        modules = trainer.package.build_submodels()
+        ex = SwapExecutor.assemble(
+            trainer.package, modules, AdamWConfig(lr=1e-3, states=states), device=torch.device(
+                "cpu"), master_dtype=torch.float32, transfer_dtype=getattr(torch, transfer),
+            tracer=Tracer(torch.device("cpu"), enabled=False), threaded=False, grad_slots=slots,
+            accum=plan.accum, activations="recompute", offload_activations=False,
+            autocast_dtype=None, loss_fn=trainer.executor.loss_fn, seed=0)
+        store, opt = ex.store, ex.opt
+        assert store.grads.ring and store.grads.num_slots == slots
+    else:
+        store, opt = trainer.store, trainer.optimizer
+    planned = store.planned_bytes(states)
+    scratch = sum(t.numel() * t.element_size() for t in opt.scratch)
+    moments = sum(m.numel() * m.element_size() for pair in store.moments for m in pair)
+    tied = sum(t.numel() * t.element_size() for t in store.tied_sums.values())
+    assert planned["transfer_copies"] == store.image_arena.nbytes
+    assert planned["gradient_buffers"] == store.grads.arena.nbytes + tied
+    assert planned["optimizer_states"] == moments + scratch
+    assert planned["masters"] == (
+        sum(r.numel() * 2 for r in store.residual) if transfer == "bfloat16" else 0)
+    assert sum(planned.values()) == store.host_bytes() + scratch
+    if slots is not None:
+        assert tied > 0  # the tiny GPT ties its output layer to its embedding
+    if (transfer, states) == ("float32", "float32"):  # the plan's own figure
+        host = hostmem.plan_host_memory(plan, traced.graph, pin=False)  # a CPU run pins nothing
+        assert host.by_kind == {**planned, "activation_stash": 0}
 
 
-def test_plan_over_host_mem_is_refused_with_the_numbers_and_bf16_moments_fit(traced):
-    # a cut before every block: bfloat16 moments save when no one sub-model holds most weights
-    # (the update's float32 scratch is the largest sub-model's)
+def test_split_masters_are_exact_and_their_images_round_to_nearest():
+    """A float32 master kept as its bfloat16 image and an int16 residual comes back exactly;
+    the image is round-to-nearest (ties away from zero, where .to(bfloat16) breaks them to
+    even), over the float32 range and its specials."""
+    from atomc.runtime.store import join_master, split_master
+
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(1 << 16, generator=g) * torch.logspace(-38, 38, 1 << 16)
+    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e-45, -1e-45,
+                             3.4028235e38, -3.4028235e38, 1.0, -1.0])
+    ties = torch.tensor([0x3F808000, 0x3F818000, -0x407F8000], dtype=torch.int32)
+    master = torch.cat([values, specials, ties.view(torch.float32)])
+    image = torch.empty(master.numel(), dtype=torch.int16)
+    residual = torch.empty_like(image)
+    split_master(master, image, residual)
+    back = torch.empty_like(master)
+    join_master(image, residual, back)
+    assert torch.equal(back.view(torch.int32), master.view(torch.int32))
+    rne = master.to(torch.bfloat16).view(torch.int16)
+    ties = (master.view(torch.int32) & 0xFFFF) == 0x8000
+    assert ((rne != image) <= ties).all() and (rne != image)[-3:].tolist() == [True, False, True]
+    finite = master.isfinite()
+    error = (image.view(torch.bfloat16).float() - master).abs()[finite]
+    assert (error <= (rne.view(torch.bfloat16).float() - master).abs()[finite]).all()
+
+
+def test_plan_over_host_mem_is_refused_with_the_numbers_and_bf16_moments_fit(traced,
+                                                                             monkeypatch):
+    # bfloat16 moments save what their update's float32 scratch does not take back: a chunk
+    # of 16 MiB beside a real model's gigabytes, here a chunk of 4096 elements
+    monkeypatch.setattr(hostmem, "UPDATE_CHUNK", 4096)
     starts = [i for i, n in enumerate(traced.graph.nodes)
               if n.block and (i == 0 or traced.graph.nodes[i - 1].block != n.block)]
     plan = plan_from_cuts(traced, starts + [starts[-1] + 3], 2)
@@ -95,7 +148,7 @@ def test_bf16_moments_train_like_fp32_moments(package):
         try:
             losses[states] = [trainer.step(b) for b in data]
             if states == "bfloat16":
-                moments = trainer.optimizer.moments
+                moments = trainer.store.moments
                 assert all(m.dtype == torch.bfloat16 for ms in moments for m in ms)
                 state = trainer.optimizer.state_dict()
                 assert any(s is not None for s in state)
@@ -110,7 +163,7 @@ def test_bf16_moments_train_like_fp32_moments(package):
 def bf16_run(out, accum, steps, chunk, monkeypatch, impl="fused"):
     """A bfloat16-moment trainer whose updates go in chunks of `chunk` elements, after
     `steps` steps (the caller closes it)."""
-    monkeypatch.setattr(hostmem, "MOMENT_CHUNK", chunk)
+    monkeypatch.setattr(hostmem, "UPDATE_CHUNK", chunk)
     trainer = SwapTrainer.from_package(out, device="cpu", optimizer={
         "lr": 3e-3, "states": "bfloat16", "impl": impl})
     for b in batches(steps, accum):
@@ -131,12 +184,12 @@ def test_bf16_moments_update_in_chunks_with_the_bits_of_one_update(package, monk
         assert all(len(o.chunks) == 1 for o in whole.optimizer.optims if o is not None)
         assert sum(len(o.chunks) for o in opt.optims if o is not None) > 2 * len(opt.optims)
         assert any(len(pieces) > 1 for o in opt.optims if o is not None for pieces in o.steps)
-        assert [s.numel() for s in opt.scratch] == [1600, 1600]
+        assert [s.numel() for s in opt.scratch] == [1600] * 4
         for i in range(len(opt.optims)):
-            assert torch.equal(chunked.store.master[i], whole.store.master[i])
-            for a, b in zip(opt.moments[i], whole.optimizer.moments[i]):
+            assert torch.equal(chunked.store.read_master(i), whole.store.read_master(i))
+            for a, b in zip(chunked.store.moments[i], whole.store.moments[i]):
                 assert a.dtype == torch.bfloat16 and torch.equal(a, b)
-        assert chunked.store.master[0].abs().sum() > 0
+        assert chunked.store.read_master(0).abs().sum() > 0
     finally:
         whole.close()
         chunked.close()
@@ -151,7 +204,7 @@ def test_bf16_moment_bytes_are_the_plans_and_survive_a_state_dict(traced, packag
     wide = SwapTrainer.from_package(out, device="cpu", optimizer={"lr": 3e-3})
     try:
         opt = trainer.optimizer
-        allocated = (sum(m.nbytes for ms in opt.moments for m in ms)
+        allocated = (sum(m.nbytes for ms in trainer.store.moments for m in ms)
                      + sum(s.nbytes for s in opt.scratch))
         planned = hostmem.plan_host_memory(plan, traced.graph, "bfloat16", pin=False)
         assert planned.by_kind["optimizer_states"] == allocated
@@ -162,15 +215,15 @@ def test_bf16_moment_bytes_are_the_plans_and_survive_a_state_dict(traced, packag
         for i, o in enumerate(opt.optims):
             if o is None:
                 continue
-            for a, b in zip(fresh.optimizer.moments[i], opt.moments[i]):
+            for a, b in zip(fresh.store.moments[i], trainer.store.moments[i]):
                 assert torch.equal(a, b)
             assert all(float(t) == 2.0 for pieces in fresh.optimizer.optims[i].steps
                        for t in pieces)
-            loaded = wide.optimizer.optims[i].state
-            for p, where in zip(wide.optimizer.params[i], o.wheres):
-                assert loaded[p]["exp_avg"].dtype == torch.float32
-                assert torch.equal(loaded[p]["exp_avg_sq"].view(-1),
-                                   opt.moments[i][1][where].float())
+            direct = wide.optimizer.optims[i]
+            for p, where in zip(direct.params, o.wheres):
+                assert direct.opt.state[p]["exp_avg"].dtype == torch.float32
+                assert torch.equal(direct.opt.state[p]["exp_avg_sq"].view(-1),
+                                   trainer.store.moments[i][1][where].float())
     finally:
         for t in (trainer, fresh, wide):
             t.close()

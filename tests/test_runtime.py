@@ -454,7 +454,8 @@ def test_host_buffers_are_views_of_one_arena_per_kind(gpt_traced, pkg_root):
     pkg = gpt_package(gpt_traced, pkg_root, ("add", "add_1", "add_3"), 3)
     trainer = SwapTrainer.from_package(pkg, device="cpu", transfer_dtype="bfloat16")
     store = trainer.store
-    for bufs, kind in ((store.image, store.image_arena), (store.grad, store.grad_arena)):
+    for bufs, kind in ((store.image, store.image_arena),
+                       (store.grads.arena.buffers, store.grads.arena)):
         base = kind.storage.data_ptr()
         assert len(bufs) == 4 and all(b.dtype == torch.bfloat16 and b.dim() == 1 for b in bufs)
         assert all(b.untyped_storage().data_ptr() == base and
@@ -723,7 +724,7 @@ def test_norm_weights_stay_float32_in_a_bfloat16_image(gpt_traced, pkg_root):
             assert device_params[e.local].dtype == want
             if e.wide:
                 assert e.offset % 2 == 0 and e.span == 2 * e.numel
-                master = store.master[e.owner][e.owner_offset:e.owner_offset + e.numel]
+                master = store.read_entry(i, e).view(-1)
                 assert torch.equal(e.image_view(store.image[i]).view(-1), master)
     trainer.close()
 

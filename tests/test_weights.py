@@ -411,12 +411,13 @@ def test_frozen_weights_get_no_gradient_buffer_copy_state_or_update(root, tmp_pa
     trainer = SwapTrainer.from_package(pkg, device="cpu", state_dict=ref.state_dict(),
                                        transfer_dtype="float32")
     store, slots = trainer.store, trainer.executor.slots
-    assert store.separate_master
+    assert store.mode == "separate"
     trainable = [sum(e.span or e.numel for e in L.entries if e.trainable) for L in store.layouts]
     frozen = [sum(e.numel for e in L.entries if not e.trainable) for L in store.layouts]
     assert all(f > 10 * t for f, t in zip(frozen, trainable))
-    assert [g.numel() for g in store.grad] == trainable
-    assert [g.numel() for g in store.grad_master] == trainable
+    assert [store.grad(i).numel() for i in range(len(store.layouts))] == trainable
+    owned = [L.trainable_numel for L in store.layouts]  # moments: owned trainable weights only
+    assert [m.numel() for pair in store.moments for m in pair] == [n for n in owned for _ in "mv"]
     assert all(g.numel() == max(trainable) for g in slots.grads)
     for i, module in enumerate(trainer.executor.modules):
         for name, p in module.named_parameters():
@@ -429,16 +430,16 @@ def test_frozen_weights_get_no_gradient_buffer_copy_state_or_update(root, tmp_pa
     image = entry.image_view(store.image[0])
     image.add_(1.0)
     perturbed = image.clone()
-    before = {e.key: store.master_param(0, e).clone() for e in layout.entries if e.owned}
+    before = {e.key: store.read_entry(0, e).clone() for e in layout.entries if e.owned}
     trainer.step(token_ids(2 * MICRO, 0))
     trainer.wait()
     assert torch.equal(image, perturbed)  # no cast of a frozen master into the image
     for e in layout.entries:
         if e.owned:
-            changed = not torch.equal(store.master_param(0, e), before[e.key])
+            changed = not torch.equal(store.read_entry(0, e), before[e.key])
             assert changed == e.trainable, e.key
-    states = [o.state for o in trainer.optimizer.optims if o is not None]
-    assert sum(len(s) for s in states) == owned_trainable
+    assert sum(len(o.wheres) for o in trainer.optimizer.optims if o is not None) == \
+        owned_trainable
     trainer.close()
 
 

@@ -26,6 +26,7 @@ import socket
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -46,61 +47,56 @@ BENCH_TENSORS = 4
 BENCH_STEPS = 5
 
 
-def _bench_optimizer(master, grad, size: int, states: str):
-    """The runtime's optimizer over BENCH_TENSORS weights of `size`, views of `master`."""
+def _bench_update(size: int, states: str, transfer: str) -> Callable[[], None]:
+    """One sub-model's update exactly as the runtime runs it: BENCH_TENSORS weights of `size`
+    in a host store of `transfer` images (float32: the image is the master; bfloat16: its
+    high half, beside the residual), moments kept in `states`, the gradients in the store's
+    buffer. Returns a function that runs one update."""
     import torch
 
-    from atomc.partition import hostmem
-    from atomc.runtime.optim import AdamWConfig, LowMomentAdamW
+    from atomc.runtime.optim import AdamWConfig, CpuOptimizer
+    from atomc.runtime.store import HostStore, ParamEntry, SubLayout, moment_dtype
+    from atomc.runtime.trace import Tracer
 
-    params = []
-    for i in range(BENCH_TENSORS):
-        p = torch.nn.Parameter(master[i * size:(i + 1) * size])
-        p.grad = grad[i * size:(i + 1) * size]
-        params.append(p)
+    n = size * BENCH_TENSORS
+    entries = tuple(ParamEntry(f"w{k}", f"w{k}", (size,), size, k * size, 0, k * size, True,
+                               True, size, False, True, k * size) for k in range(BENCH_TENSORS))
+    layout = SubLayout(0, entries, n, n, n, n, n)
     config = AdamWConfig(states=states)
-    if states == "float32":
-        return torch.optim.AdamW(params, **config.torch_kwargs())
-    n = master.numel()
-    moments = [torch.zeros(n, dtype=getattr(torch, states))
-               for _ in range(hostmem.MOMENTS_PER_WEIGHT)]
-    scratch = [torch.zeros(hostmem.moment_scratch_numel([n]), dtype=master.dtype)
-               for _ in range(hostmem.MOMENTS_PER_WEIGHT)]
-    wheres = [slice(i * size, (i + 1) * size) for i in range(BENCH_TENSORS)]
-    return LowMomentAdamW([{"params": params, "weight_decay": config.weight_decay}], wheres,
-                          master, grad, moments, scratch, config, hostmem.MOMENT_CHUNK)
+    store = HostStore([layout], torch.float32, getattr(torch, transfer), pin=False,
+                      moment_dtype=moment_dtype(states, torch.float32))
+    # a normal-range gradient: subnormal moments would time the CPU's slow path
+    store.grad(0).fill_(1e-3)
+    optimizer = CpuOptimizer(store, config, None, Tracer(torch.device("cpu"), enabled=False),
+                             threaded=False)
+    return lambda: optimizer.update_now(0, 0)
 
 
 def measure_adam_gbps(num_params: int = BENCH_PARAMS, num_steps: int = BENCH_STEPS,
-                      beside_copies: bool = False, states: str = "float32") -> float:
+                      beside_copies: bool = False, states: str = "float32",
+                      transfer: str = "float32") -> float:
     """GB/s of fp32 master bytes that the runtime's CPU AdamW updates on this machine.
 
-    The runtime's path exactly: `torch.optim.AdamW` with the runtime's default settings
-    (AdamWConfig: the fused CPU kernel), parameters that are views of one flat master with
-    gradients that are views of one flat gradient buffer; with `states="bfloat16"`, the
-    runtime's LowMomentAdamW over the same views. Two steps first (the first allocates the
-    moments), then the median of `num_steps` timed steps.
+    The runtime's path exactly (`_bench_update`): its host store and optimizer, with the
+    runtime's default settings (AdamWConfig: the fused CPU kernel), over float32 masters kept
+    as a float32 or a bfloat16 (`transfer`) store keeps them, moments in `states`. Two steps
+    first, then the median of `num_steps` timed steps.
 
     `beside_copies` (CUDA): while pinned copies run to and from the GPU, as the swap runtime's
     loads and gradient offloads do through the backward its updates overlap. Both read and
     write host memory: on an H200's host the updates ran at 8.7-12.7 GB/s in training steps
     against 14.5-19.6 measured alone, and plans from the lone figure came out 13% fast.
     """
-    import torch
-
     size = max(1, num_params // BENCH_TENSORS)
-    master = torch.zeros(size * BENCH_TENSORS, dtype=torch.float32)
-    # a normal-range gradient: subnormal moments would time the CPU's slow path
-    grad = torch.full_like(master, 1e-3)
-    optimizer = _bench_optimizer(master, grad, size, states)
+    update = _bench_update(size, states, transfer)
 
     def timed_steps() -> list[float]:
         for _ in range(2):
-            optimizer.step()
+            update()
         times = []
         for _ in range(num_steps):
             t0 = time.perf_counter()
-            optimizer.step()
+            update()
             times.append(time.perf_counter() - t0)
         return times
 
@@ -150,7 +146,8 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def machine_identity(beside_copies: bool = False, states: str = "float32") -> dict[str, Any]:
+def machine_identity(beside_copies: bool = False, states: str = "float32",
+                     transfer: str = "float32") -> dict[str, Any]:
     """What the rate depends on: a cached rate is reused only for the same values."""
     import torch
 
@@ -160,7 +157,7 @@ def machine_identity(beside_copies: bool = False, states: str = "float32") -> di
             "processor": _cpu_model(), "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "adamw_impl": AdamWConfig().impl, "beside_copies": beside_copies,
-            "states": states}
+            "states": states, "transfer": transfer}
 
 
 def _identity_key(identity: dict[str, Any]) -> str:
@@ -172,6 +169,8 @@ def _describe(identity: dict[str, Any]) -> str:
     return (f"{identity['hostname']}: {identity['processor'] or identity['machine']}, "
             f"{identity['torch_threads']} torch threads, torch {identity['torch']}"
             + (f", {states} moments" if states != "float32" else "")
+            + (f", {identity['transfer']} images" if identity.get("transfer", "float32")
+               != "float32" else "")
             + (", beside copies to and from the GPU" if identity.get("beside_copies") else ""))
 
 
@@ -199,9 +198,10 @@ def _valid_rate(entry: Any) -> float | None:
     return float(rate) if math.isfinite(rate) and rate > 0 else None
 
 
-def host_adam_gbps(for_cuda: bool = False, states: str = "float32") -> tuple[float, str]:
+def host_adam_gbps(for_cuda: bool = False, states: str = "float32",
+                   transfer: str = "float32") -> tuple[float, str]:
     """This machine's CPU AdamW rate (GB/s of fp32 masters) and where it comes from, for
-    moments kept in `states`.
+    moments kept in `states` and masters kept beside `transfer` images.
 
     `for_cuda`: the plan swaps to a GPU, so the updates are timed beside copies to and from
     it where CUDA is here (see measure_adam_gbps). Measured once per machine identity and
@@ -212,14 +212,14 @@ def host_adam_gbps(for_cuda: bool = False, states: str = "float32") -> tuple[flo
 
     beside = for_cuda and torch.cuda.is_available()
     path = cache_path()
-    identity = machine_identity(beside, states)
+    identity = machine_identity(beside, states, transfer)
     key = _identity_key(identity)
     hosts = _read_cache(path)
     where = f"measured on this host ({_describe(identity)}), cached in {path}"
     rate = _valid_rate(hosts.get(key))
     if rate is not None:
         return rate, where
-    rate = measure_adam_gbps(beside_copies=beside, states=states)
+    rate = measure_adam_gbps(beside_copies=beside, states=states, transfer=transfer)
     hosts = {k: v for k, v in hosts.items() if _valid_rate(v) is not None}
     hosts[key] = {"adam_gbps": rate, "identity": identity,
                   "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -238,10 +238,11 @@ def _host_source(hardware: HardwareProfile) -> str:
     return ""
 
 
-def resolve_cpu_adam(value: str | float, profile: Profile,
-                     states: str = "float32") -> tuple[float, str]:
+def resolve_cpu_adam(value: str | float, profile: Profile, states: str = "float32",
+                     transfer: str = "float32") -> tuple[float, str]:
     """`--cpu-adam-gbps` -> (rate in GB/s of fp32 masters, where it comes from), for AdamW's
-    moments kept in `states` (`--optimizer-states`)."""
+    moments kept in `states` (`--optimizer-states`) and masters kept beside `transfer`
+    images (bfloat16: split, see atomc.runtime.store)."""
     expected = ('give "auto" (measure this host, or take an estimated profile\'s host figure) '
                 'or a rate in GB/s of fp32 master weights (0 leaves the optimizer out of the '
                 'model)')
@@ -252,7 +253,8 @@ def resolve_cpu_adam(value: str | float, profile: Profile,
                                        f"{cal.num_steps} steps of plan {cal.plan_hash} on "
                                        f"{cal.device}")
         if profile.mode != "estimated":
-            return host_adam_gbps(for_cuda=profile.device.startswith("cuda"), states=states)
+            return host_adam_gbps(for_cuda=profile.device.startswith("cuda"), states=states,
+                                  transfer="bfloat16" if transfer == "bfloat16" else "float32")
         hw = profile.hardware
         if hw is None:
             raise UsageError(f"--cpu-adam-gbps auto: the profile is estimated for "
@@ -267,12 +269,13 @@ def resolve_cpu_adam(value: str | float, profile: Profile,
         source = f"host figure of hardware profile {hw.name}"
         sentence = _host_source(hw)
         rate = float(hw.host_adam_gbps)
-        if states != "float32":
+        if states != "float32" or transfer == "bfloat16":
             # that host's chunked update was not measured, and this host's ratio says little
             # of it: the fused update is memory-bound there, while the chunked one moves
             # fewer DRAM bytes (its float32 scratch stays in cache) in more passes
-            source += (f", for float32 moments (the {states}-moment update was not measured "
-                       f"on that host; `atomc calibrate` measures the run's own)")
+            source += (", for float32 moments and masters (the chunked update of "
+                       f"{states} moments and {transfer} images was not measured on that "
+                       "host; `atomc calibrate` measures the run's own)")
         return rate, f"{source}: {sentence}" if sentence else source
     if isinstance(value, bool):
         raise UsageError(f"--cpu-adam-gbps {value!r} is not a rate; {expected}")

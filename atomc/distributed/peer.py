@@ -79,7 +79,8 @@ def round_vector(trainer: Any) -> torch.Tensor:
     by samples). Optimizer state stays local, as in ATOM."""
     buffers = trainer.persistent_buffers()  # first: it waits for the step's updates
     dtype = trainer.store.master_dtype
-    parts = [m.detach().reshape(-1).to(dtype) for m in trainer.store.master]
+    store = trainer.store
+    parts = [store.read_master(i).reshape(-1).to(dtype) for i in range(len(store.layouts))]
     parts += [b.detach().reshape(-1).to(dtype) for _, _, b in buffers]
     return torch.cat(parts)
 
@@ -105,7 +106,8 @@ def set_round_vector(trainer: Any, flat: torch.Tensor) -> None:
 def weights_digest(trainer: Any) -> str:
     from atomc.runtime.checkpoint import digest
 
-    return digest(list(trainer.store.master))
+    store = trainer.store
+    return digest([store.read_master(i) for i in range(len(store.layouts))])
 
 
 class PeerTrainer:

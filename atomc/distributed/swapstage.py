@@ -109,9 +109,9 @@ class SwappedStage:
             for e in L.entries:
                 if not e.owned:
                     continue
-                p = nn.Parameter(self.store.master_param(i, e), requires_grad=False)
+                p = nn.Parameter(self.store.read_entry(i, e), requires_grad=False)
                 if e.trainable:  # a frozen weight has no gradient buffer
-                    grad = self.store.grad_master[i][e.owner_offset:e.owner_offset + e.numel]
+                    grad = self.store.master_grad(i)[e.owner_offset:e.owner_offset + e.numel]
                     p.grad = grad.view(e.shape)
                 out.append((e.key, p))
         return out
@@ -124,13 +124,12 @@ class SwappedStage:
                 for e in L.entries:
                     if e.owned:
                         src = original_tensor(self.full, state_dict, names.get(e.local, e.key))
-                        dst = self.store.master_param(i, e)
-                        if tuple(src.shape) != tuple(dst.shape):
+                        if tuple(src.shape) != tuple(e.shape):
                             raise RuntimeMismatchError(
                                 f"{e.key} has shape {tuple(src.shape)} in the initial state, "
-                                f"sub-model {gi} holds {tuple(dst.shape)}; regenerate the package "
+                                f"sub-model {gi} holds {tuple(e.shape)}; regenerate the package "
                                 f"for this model")
-                        dst.copy_(src)
+                        self.store.write_entry(i, e, src)
                 for local, b in self.host_modules[i].named_buffers():
                     fqn = names.get(local)
                     if fqn is not None and fqn in state_dict:
@@ -153,7 +152,7 @@ class SwappedStage:
         return {fqn: p.detach().cpu().clone() for fqn, p in self._grad_views}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"masters": [m.detach().clone() for m in self.store.master],
+        return {"masters": [self.store.read_master(i).clone() for i in range(self.k)],
                 "optimizer": self.opt.state_dict(),
                 "buffers": [{n: b.detach().cpu().clone()
                              for n, b in self.ex.module(i).named_buffers()}
@@ -162,11 +161,11 @@ class SwappedStage:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
             for i, m in enumerate(state["masters"]):
-                if m.shape != self.store.master[i].shape:
+                want = (self.store.layouts[i].owned_numel,)
+                if tuple(m.shape) != want:
                     raise RuntimeMismatchError(f"checkpoint weights of stage sub-model {i} have "
-                                               f"shape {tuple(m.shape)}, expected "
-                                               f"{tuple(self.store.master[i].shape)}")
-                self.store.master[i].copy_(m)
+                                               f"shape {tuple(m.shape)}, expected {want}")
+                self.store.write_master(i, m)
             for i, bufs in enumerate(state["buffers"]):
                 own = dict(self.ex.module(i).named_buffers())
                 for n, b in bufs.items():
@@ -184,10 +183,8 @@ class SwappedStage:
         self.step = step
         self.first_micro = first_micro
         self.ex.loss_divisor = num_micro  # the mean over the step's micro-batches, all calls
-        for g in self.store.grad:
-            g.zero_()
-        for g in self.store.grad_master:
-            g.zero_()
+        for i in range(self.k):
+            self.store.grad(i).zero_()
 
     def run(self, actions: list[Action], micro: list[tuple], io: Links | None, *,
             recomputing: bool = False) -> list[torch.Tensor]:
@@ -199,7 +196,7 @@ class SwappedStage:
         self.ex.wait_offloads()
         for i in range(self.k):
             # replicas of tied weights inside the stage into their master
-            self.store.reduce_grads(i)
+            self.store.add_replica_grads(i)
         return losses
 
     def order(self, schedule: str, num_micro: int) -> list[Action]:
@@ -224,7 +221,7 @@ class SwappedStage:
         (each sub-model's slot loads again before its next use)."""
         for i in range(self.k):
             if coef is not None:
-                self.store.grad_master[i].mul_(coef)
+                self.store.master_grad(i).mul_(coef)
             self.ex.update_submodel(i, self.step)
 
     def close(self) -> None:

@@ -77,13 +77,15 @@ def run_partition(args: argparse.Namespace) -> int:
     from atomc.calibrate.host import resolve_cpu_adam
     from atomc.ir import Profile
     from atomc.partition import partition
+    from atomc.partition.precision import resolve_precision
     from atomc.partition.report import render_plan
 
     capacity = parse_size(args.gpu_mem, "--gpu-mem")
     reserve = parse_size(args.reserve, "--reserve")
     profile = Profile.load(args.profile)
+    transfer = resolve_precision(profile, args.transfer_dtype, args.autocast).transfer_dtype
     cpu_adam, cpu_adam_source = resolve_cpu_adam(args.cpu_adam_gbps, profile,
-                                                args.optimizer_states)
+                                                args.optimizer_states, transfer)
     plan = partition(profile, capacity, reserve_bytes=reserve, accum=args.accum,
                      max_accum=args.max_accum, activations=args.activations,
                      fold_blocks=not args.no_fold, cpu_adam_gbps=cpu_adam,

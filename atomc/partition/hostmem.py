@@ -5,19 +5,30 @@ One formula for the plan (`atomc partition` states and checks it against `--host
 (atomc.runtime.store.HostStore, atomc.runtime.optim.CpuOptimizer size their buffers with
 the functions here), so the plan's figure is what the run takes.
 
+Only AdamW's state lives for the whole step: the masters and the two moments. How the store
+keeps the masters beside the images the GPU loads (atomc.runtime.store.store_mode):
+"direct" (the same dtype: the image is the master), "split" (float32 masters, bfloat16 images:
+the image is each master's high half and a 2-byte residual its low half, so a weight costs 4
+bytes for both), "separate" (float16 images: a float32 master of its own).
+
 Kinds (bytes):
-- `masters`: the full-precision weights the optimizer updates (float32): every owned weight,
-  frozen ones included. When the transfer dtype is the master dtype the master IS the image,
-  and this is 0 (the image counts it).
-- `optimizer_states`: AdamW's two moments per trainable weight, in the moments' dtype
-  (float32, or bfloat16 with `--optimizer-states bfloat16`), plus, for bfloat16 moments, the
-  float32 scratch the update computes in, a chunk of at most MOMENT_CHUNK elements at a time
-  (`moment_scratch_numel`); frozen weights have none.
+- `masters`: what the masters take beyond the images: nothing (direct), the residuals
+  (split: 2 bytes per owned weight), or the float32 masters (separate); frozen weights
+  included.
+- `optimizer_states`: AdamW's two moments per trainable weight, in the master dtype (or
+  bfloat16 with `--optimizer-states bfloat16`), plus, where the update cannot run on plain
+  master-dtype tensors (split or separate masters, bfloat16 moments), the scratch it computes
+  in a chunk at a time: master, gradient and two moments, UPDATE_CHUNK elements each at most
+  (`update_scratch_numel`); frozen weights have none.
 - `transfer_copies`: the images the GPU loads in one copy per sub-model (the transfer dtype,
   tied replicas included), in one pinned arena as the pinned allocator rounds it (a power of
   two) on CUDA.
-- `gradient_buffers`: the pinned arena the gradients come back into (trainable weights only)
-  and, when it is half precision, the float32 gradients the optimizer reads.
+- `gradient_buffers`: the pinned arena the gradients come back into (trainable weights only):
+  one buffer per sub-model where every gradient must be in before any update (clipping, fp16
+  loss scaling), else a ring of `grad_slots` buffers of the largest sub-model's size, taken
+  when a sub-model's gradients arrive and given back when its update has consumed them; with
+  a ring, the tied weights' gradient sums in the master dtype (their holders give their
+  buffers back before the owner's update).
 - `activation_stash`: boundary values kept on the host between forward and backward
   (offloaded checkpoints; recompute only), C micro-batches, pinned.
 - `activations_sent`: heavy operators' outputs sent to host memory between forward and backward
@@ -39,18 +50,20 @@ from atomc.units import format_bytes, parse_size
 
 ARENA_ALIGN = 512  # bytes: where each buffer of an arena starts; a multiple of every dtype's size
 MOMENTS_PER_WEIGHT = 2  # AdamW: exp_avg and exp_avg_sq
-# elements of the float32 scratch that low-precision moments are updated in, a chunk at a time:
-# 2 x 4 MiB stays in a CPU's cache between the widening copy, the update and the rounding copy
-# (a shared 2-core EPYC, 16.8M weights: 2.6-2.9 GB/s of fp32 masters per CPU-second in chunks
-# of 1M, 1.7-2.1 in one piece; docs/runtime.md). A multiple of 64: a weight split there keeps
-# every element on the same (vector or scalar) path of the CPU kernels: the same bits.
-MOMENT_CHUNK = 1 << 20
+# elements of the update's scratch buffers (master, gradient, two moments), a chunk at a time:
+# 4 x 4 MiB stays in a CPU's cache between the widening copies, the update and the narrowing
+# ones (a shared 2-core EPYC, 16.8M weights, bfloat16 moments: 2.6-2.9 GB/s of fp32 masters
+# per CPU-second in chunks of 1M, 1.7-2.1 in one piece; docs/runtime.md). A multiple of 64: a
+# weight split there keeps every element on the same (vector or scalar) path of the CPU
+# kernels: the same bits.
+UPDATE_CHUNK = 1 << 20
+UPDATE_SCRATCH_BUFFERS = 4  # master, gradient, exp_avg, exp_avg_sq
 OPTIMIZER_STATES = ("float32", "bfloat16")
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 KINDS = ("masters", "optimizer_states", "transfer_copies", "gradient_buffers",
          "activation_stash", "activations_sent")
-KIND_WORDS = {"masters": "fp32 masters", "optimizer_states": "optimizer moments",
-              "transfer_copies": "pinned transfer copies", "gradient_buffers": "gradient buffers",
+KIND_WORDS = {"masters": "masters beyond the images", "optimizer_states": "optimizer moments",
+              "transfer_copies": "pinned transfer images", "gradient_buffers": "gradient buffers",
               "activation_stash": "activation stash",
               "activations_sent": "activations sent to host"}
 
@@ -80,40 +93,66 @@ class SubmodelWeights:
     owned: int  # the masters it owns (frozen included)
     trainable: int  # owned trainable weights: gradients, moments, updates
     grad: int  # its gradient buffer (trainable owned and replicas; wide: their span)
+    shared: int = 0  # owned trainable weights that later sub-models hold replicas of (ties)
 
 
-def moment_bytes(states: str) -> int:
+def moment_bytes(states: str, master_dtype: str = "float32") -> int:
+    """Bytes of one moment: the master dtype's ("float32": the masters' own; a float64 run's
+    moments are float64), or bfloat16's."""
     if states not in OPTIMIZER_STATES:
         raise UsageError(f"--optimizer-states {states!r} is not one of "
                          f"{', '.join(OPTIMIZER_STATES)}; give float32 (default) or bfloat16 "
                          f"(half the optimizer's host memory)")
-    return DTYPE_BYTES[states]
+    return DTYPE_BYTES[master_dtype] if states == "float32" else DTYPE_BYTES[states]
 
 
-def moment_scratch_numel(trainable: Sequence[int]) -> int:
-    """Elements of each float32 scratch moment that low-precision moments are updated in: a
-    chunk, or the largest sub-model's trainable weights when they are fewer."""
-    return min(MOMENT_CHUNK, max(trainable, default=0))
+def store_mode(master_dtype: str, transfer_dtype: str) -> str:
+    """"direct", "split" or "separate" (see the module docstring; the runtime's
+    atomc.runtime.store.store_mode, by dtype names)."""
+    if master_dtype == transfer_dtype:
+        return "direct"
+    if master_dtype == "float32" and transfer_dtype == "bfloat16":
+        return "split"
+    return "separate"
+
+
+def update_scratch_numel(trainable: Sequence[int]) -> int:
+    """Elements of each scratch buffer the chunked update computes in: a chunk, or the largest
+    sub-model's trainable weights when they are fewer."""
+    return min(UPDATE_CHUNK, max(trainable, default=0))
+
+
+def chunked_update(master_dtype: str, transfer_dtype: str, optimizer_states: str) -> bool:
+    """Whether the update runs a chunk at a time in scratch (atomc.runtime.optim.ChunkedAdamW):
+    unless masters, gradients and moments are all plain master-dtype tensors."""
+    return store_mode(master_dtype, transfer_dtype) != "direct" or optimizer_states != "float32"
 
 
 def host_bytes_by_kind(subs: Sequence[SubmodelWeights], master_dtype: str, transfer_dtype: str,
                        pin: bool, optimizer_states: str = "float32",
-                       stash_bytes: int = 0, sent_bytes: int = 0) -> dict[str, int]:
-    """Host bytes of a swap run by kind (see the module docstring); the runtime's sizes."""
+                       stash_bytes: int = 0, sent_bytes: int = 0,
+                       grad_slots: int | None = None) -> dict[str, int]:
+    """Host bytes of a swap run by kind (see the module docstring); the runtime's sizes.
+    `grad_slots`: a ring of that many gradient buffers (None or k and more: one per
+    sub-model)."""
     mb, tb = DTYPE_BYTES[master_dtype], DTYPE_BYTES[transfer_dtype]
-    separate = master_dtype != transfer_dtype
-    images = arena_bytes([s.image * tb for s in subs])
-    grads = arena_bytes([s.grad * tb for s in subs])
+    mode = store_mode(master_dtype, transfer_dtype)
+    owned = sum(s.owned for s in subs)
     trainable = [s.trainable for s in subs]
-    states = MOMENTS_PER_WEIGHT * sum(trainable) * moment_bytes(optimizer_states)
-    if optimizer_states != master_dtype:  # the update computes in the master dtype
-        states += MOMENTS_PER_WEIGHT * moment_scratch_numel(trainable) * mb
+    images = arena_bytes([s.image * tb for s in subs])
+    ring = grad_slots is not None and grad_slots < len(subs)
+    grads = arena_bytes([max((s.grad for s in subs), default=0) * tb] * grad_slots if ring
+                        else [s.grad * tb for s in subs])
+    states = MOMENTS_PER_WEIGHT * sum(trainable) * moment_bytes(optimizer_states, master_dtype)
+    if chunked_update(master_dtype, transfer_dtype, optimizer_states):
+        states += UPDATE_SCRATCH_BUFFERS * update_scratch_numel(trainable) * mb
+    masters = {"direct": 0, "split": owned * 2, "separate": owned * mb}[mode]
     return {
-        "masters": sum(s.owned for s in subs) * mb if separate else 0,
+        "masters": masters,
         "optimizer_states": states,
         "transfer_copies": pinned_allocation_bytes(images) if pin else images,
-        "gradient_buffers": (pinned_allocation_bytes(grads) if pin else grads)
-                            + (sum(trainable) * mb if separate else 0),
+        "gradient_buffers": ((pinned_allocation_bytes(grads) if pin else grads)
+                             + (sum(s.shared for s in subs) * mb if ring else 0)),
         "activation_stash": pinned_allocation_bytes(stash_bytes) if pin else stash_bytes,
         "activations_sent": pinned_allocation_bytes(sent_bytes) if pin else sent_bytes,
     }
@@ -171,7 +210,8 @@ def plan_weights(graph: OpGraph, submodels: Sequence[Submodel],
     frozen = set(graph.frozen or ())
     ratio = max(1, 4 // DTYPE_BYTES.get(transfer_dtype, 4))
     owner: dict[str, int] = {}
-    out = []
+    replicated: set[str] = set()  # read again by a later sub-model than its owner
+    sizes = []
     for s in submodels:
         seen: dict[str, None] = {}
         for node in graph.nodes[s.start:s.stop]:
@@ -190,8 +230,13 @@ def plan_weights(graph: OpGraph, submodels: Sequence[Submodel],
             if owner.setdefault(fqn, s.index) == s.index:
                 owned += n
                 trainable += 0 if fqn in frozen else n
-        out.append(SubmodelWeights(image, owned, trainable, grad))
-    return out
+            else:
+                replicated.add(fqn)
+        sizes.append((image, owned, trainable, grad))
+    shared = [0] * len(sizes)
+    for fqn in replicated - frozen:
+        shared[owner[fqn]] += math.prod(graph.params[fqn].shape)
+    return [SubmodelWeights(*size, shared=n) for size, n in zip(sizes, shared)]
 
 
 def plan_stash_bytes(plan_submodels: Sequence[Submodel], accum: int, activations: str) -> int:

@@ -61,7 +61,13 @@ from atomc.runtime.package import SwapPackage
 from atomc.runtime.slots import WeightSlots
 from atomc.runtime.stage import boundary_leaf
 from atomc.runtime.stash import ActivationStash, Stashed
-from atomc.runtime.store import HostStore, SubLayout, plan_layouts, rebind_parameters
+from atomc.runtime.store import (
+    HostStore,
+    SubLayout,
+    moment_dtype,
+    plan_layouts,
+    rebind_parameters,
+)
 from atomc.runtime.ties import TiedGrads
 from atomc.runtime.trace import StepTrace, Tracer
 
@@ -215,14 +221,20 @@ class SwapExecutor:
                  scaler: LossScaler | None = None, threaded: bool,
                  param_order: list[str] | None = None,
                  check_store: Callable[[HostStore], None] | None = None,
+                 grad_slots: int | None = None,
                  **options: Any) -> SwapExecutor:
         """Host store -> CPU optimizer -> executor over `host_modules` (one copy of the
-        package's sub-models with the initial weights): the masters take their weights and
-        they become views of the masters (`HostStore.bind`). `check_store` sees the store
-        before anything is allocated on the device; `options` are the executor's."""
+        package's sub-models with the initial weights): the masters take their weights
+        (`HostStore.bind`). `check_store` sees the store before anything is allocated on the
+        device; `grad_slots`: a ring of that many host gradient buffers (None: one per
+        sub-model; always so with clipping or loss scaling); `options` are the executor's."""
         transfer = transfer_dtype or master_dtype
         layouts = plan_layouts(package, host_modules, config.decays, transfer_dtype=transfer)
-        store = HostStore(layouts, master_dtype, transfer, pin=device.type == "cuda")
+        # clipping and loss scaling update once every gradient is in: one buffer each
+        deferred = config.max_grad_norm is not None or scaler is not None
+        store = HostStore(layouts, master_dtype, transfer, pin=device.type == "cuda",
+                          moment_dtype=moment_dtype(config.states, master_dtype),
+                          grad_slots=None if deferred else grad_slots)
         store.bind(host_modules)
         if check_store is not None:
             check_store(store)
@@ -345,12 +357,13 @@ class SwapExecutor:
         return value
 
     def _grads_to_host(self, i: int) -> Any:
-        """Copy sub-model i's gradient slot into the host store (store.grad[i]), after the
+        """Copy sub-model i's gradient slot into the host store (store.grad(i)), after the
         compute issued so far. CUDA: on the offload stream; returns the event after which the
         host copy is complete; the slot's next zeroing waits for it too. CPU: done, None."""
         s = self.slots.slot(i)
         grads = self.slots.grads[s][:self.layouts[i].grad_numel]
-        host = self.store.grad[i]
+        # a ring's buffer: taken now, given back by the update that consumes it
+        host = self.store.grads.acquire(i, lambda held: self.opt.wait_update([held]))
         nbytes = grads.numel() * host.element_size()
         if self.cuda:
             done = torch.cuda.Event()
@@ -398,16 +411,12 @@ class SwapExecutor:
 
     def update_submodel(self, i: int, step: int) -> None:
         """AdamW on sub-model i's masters now, on the calling thread, with the gradients as they
-        are in store.grad_master[i] (the caller gathered, reduced and clipped them; they must be
+        are in its host buffer (the caller gathered, reduced and clipped them; they must be
         on the host: `wait_offloads` first), at step `step`'s learning rate; then fresh images
         of its weights (after wait_loads: no load still reads them), and every slot whose
         content depends on them loads again before its next use."""
         self.wait_loads()
-        opt = self.opt.optims[i]
-        if opt is not None:
-            self.opt.config.set_lr(opt, step)
-            opt.step()
-        self.store.refresh_trained(i)
+        self.opt.update_now(i, step)
         self.slots.bump(i)
 
     # ---- the step ------------------------------------------------------------------------------

@@ -33,14 +33,14 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from atomc.errors import UsageError
 from atomc.partition import hostmem
-from atomc.partition.hostmem import MOMENTS_PER_WEIGHT, moment_bytes
+from atomc.partition.hostmem import moment_bytes
 from atomc.runtime.store import DecayFilter, HostStore
 from atomc.runtime.trace import Tracer
 
@@ -160,33 +160,39 @@ class LossScaler:
             setattr(self, k, v)
 
 
-class LowMomentAdamW:
-    """AdamW over one sub-model's trainable weights with both moments kept in a low dtype
-    (bfloat16), updated a chunk at a time in a float32 scratch that all sub-models share.
+class ChunkedAdamW:
+    """AdamW over one sub-model's trainable weights a chunk at a time, in float32 (the master
+    dtype) scratch that all sub-models share: for weights whose masters, gradients or moments
+    the store does not keep as plain master-dtype tensors (a "split" store's masters, half-
+    precision gradients, bfloat16 moments).
 
     It stands where a `torch.optim.AdamW` over the per-weight views stands (CpuOptimizer.optims,
     the executor's update): `param_groups`, whose learning rate the runtime sets each step,
     `step()`, and `state_dict()`/`load_state_dict()` in torch AdamW's format, the moments saved
-    in the low dtype (a run with float32 moments loads them widened, and the other way round).
+    in the store's dtype (a run with float32 moments loads bfloat16 ones widened, and the other
+    way round).
 
     The weights are cut into chunks of at most `chunk` elements in master order; a weight
-    larger than a chunk is split at multiples of `chunk` from its start (see MOMENT_CHUNK: the
-    CPU kernels give the split weight the same bits). Each chunk has a torch AdamW (the
-    configured implementation) over views of the flat master and gradient whose moments are
-    views of the scratch: a step widens the chunk's moments into the scratch, runs the kernel,
-    and rounds them back to nearest. No stochastic rounding: with beta2 = 0.999 the second
-    moment's change per step falls below a bfloat16 ulp only once gradients are steady, where
-    it stays near its value anyway. Updates run one at a time (one worker thread), so one
-    scratch serves every sub-model.
+    larger than a chunk is split at multiples of `chunk` from its start (see
+    hostmem.UPDATE_CHUNK: the CPU kernels give the split weight the same bits). Each chunk has
+    a torch AdamW (the configured implementation) over views of the scratch: a step widens the
+    chunk's masters, gradients (its own, its tied replicas', times the step's loss-scale and
+    clipping factors, in that order, as the whole-tensor path multiplies them) and moments
+    into the scratch, runs the kernel, and writes masters and moments back (bfloat16 moments
+    rounded to nearest; no stochastic rounding: with beta2 = 0.999 the second moment's change
+    per step falls below a bfloat16 ulp only once gradients are steady, where it stays near its
+    value anyway). Updates run one at a time (one worker thread), so one scratch serves every
+    sub-model.
     """
 
-    def __init__(self, groups: list[dict[str, Any]], wheres: list[slice], master: torch.Tensor,
-                 grad: torch.Tensor, moments: list[torch.Tensor], scratch: list[torch.Tensor],
-                 config: AdamWConfig, chunk: int):
+    def __init__(self, store: HostStore, index: int, groups: list[dict[str, Any]],
+                 wheres: list[slice], scratch: list[torch.Tensor], config: AdamWConfig,
+                 chunk: int):
         # the per-weight optimizer it stands for: its groups, settings and state-dict format
         self.canonical = torch.optim.AdamW(groups, **config.torch_kwargs())
         self.param_groups = self.canonical.param_groups
-        self.moments, self.scratch = moments, scratch
+        self.store, self.index = store, index
+        self.scratch = scratch  # master, gradient and two moments, `chunk` elements each
         self.wheres = wheres
         self.shapes = [p.shape for g in self.param_groups for p in g["params"]]
         kinds = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
@@ -197,30 +203,34 @@ class LowMomentAdamW:
         self.steps: list[list[torch.Tensor]] = [
             [] if where.stop > where.start else [torch.zeros((), dtype=torch.float32)]
             for where in wheres]
-        # per chunk: (runs of (master offset, scratch offset, numel), its AdamW, group indices)
-        self.chunks: list[tuple[list[list[int]], torch.optim.AdamW, list[int]]] = []
+        # per chunk: (runs of (master offset, scratch offset, numel), its AdamW, group indices,
+        # (weight, scratch offset, numel) of its pieces)
+        self.chunks: list[tuple[list[list[int]], torch.optim.AdamW, list[int],
+                                list[tuple[int, int, int]]]] = []
         batch: list[tuple[int, int, int, int]] = []
         filled = 0
         for piece in pieces:
             if batch and filled + piece[1] > chunk:
-                self._add_chunk(batch, master, grad, config)
+                self._add_chunk(batch, config)
                 batch, filled = [], 0
             batch.append(piece)
             filled += piece[1]
         if batch:
-            self._add_chunk(batch, master, grad, config)
+            self._add_chunk(batch, config)
 
-    def _add_chunk(self, batch: list[tuple[int, int, int, int]], master: torch.Tensor,
-                   grad: torch.Tensor, config: AdamWConfig) -> None:
+    def _add_chunk(self, batch: list[tuple[int, int, int, int]], config: AdamWConfig) -> None:
+        master, grad, first, second = self.scratch
+        parts = []
         by_group: dict[int, list[tuple[torch.nn.Parameter, int, int, torch.Tensor]]] = {}
         runs: list[list[int]] = []
         pos = 0
         for start, n, gi, k in batch:
-            p = torch.nn.Parameter(master[start:start + n])
-            p.grad = grad[start:start + n]
+            p = torch.nn.Parameter(master[pos:pos + n])
+            p.grad = grad[pos:pos + n]
             step = torch.zeros((), dtype=torch.float32)
             self.steps[k].append(step)
             by_group.setdefault(gi, []).append((p, pos, n, step))
+            parts.append((k, pos, n))
             if runs and runs[-1][0] + runs[-1][2] == start:
                 runs[-1][2] += n
             else:
@@ -232,51 +242,116 @@ class LowMomentAdamW:
                                  for gi in kinds], **config.torch_kwargs())
         for gi in kinds:
             for p, at, n, step in by_group[gi]:
-                opt.state[p] = {"step": step, "exp_avg": self.scratch[0][at:at + n],
-                                "exp_avg_sq": self.scratch[1][at:at + n]}
-        self.chunks.append((runs, opt, kinds))
+                opt.state[p] = {"step": step, "exp_avg": first[at:at + n],
+                                "exp_avg_sq": second[at:at + n]}
+        self.chunks.append((runs, opt, kinds, parts))
 
-    def step(self) -> None:
-        for runs, opt, kinds in self.chunks:
+    def step(self, inv_scale: float = 1.0, coef: torch.Tensor | None = None,
+             norms: dict[int, list[torch.Tensor]] | None = None) -> None:
+        """One update; `norms` (weight -> norms of its pieces) takes the norm of each piece
+        of gradient as the update reads it."""
+        store, i = self.store, self.index
+        master, grad, *wide_moments = self.scratch
+        moments = store.moments[i]
+        for runs, opt, kinds, parts in self.chunks:
             for group, gi in zip(opt.param_groups, kinds):
                 source = self.param_groups[gi]
                 group.update(lr=source["lr"], betas=source["betas"], eps=source["eps"],
                              weight_decay=source["weight_decay"])
-            for low, wide in zip(self.moments, self.scratch):
-                for start, at, n in runs:
+            for start, at, n in runs:
+                store.widen_master(i, start, n, master[at:at + n])
+                g = grad[at:at + n]
+                store.widen_grad(i, start, n, g)
+                if inv_scale != 1.0:
+                    g.mul_(inv_scale)
+                if coef is not None:
+                    g.mul_(coef)
+                for low, wide in zip(moments, wide_moments):
                     wide[at:at + n].copy_(low[start:start + n])
+            if norms is not None:
+                for k, at, n in parts:
+                    norms.setdefault(k, []).append(torch.linalg.vector_norm(grad[at:at + n], 2))
             opt.step()
-            for low, wide in zip(self.moments, self.scratch):
-                for start, at, n in runs:
+            for start, at, n in runs:
+                store.narrow_master(i, start, n, master[at:at + n])
+                for low, wide in zip(moments, wide_moments):
                     low[start:start + n].copy_(wide[at:at + n])  # round to nearest
 
     def state_dict(self) -> dict[str, Any]:
+        moments = self.store.moments[self.index]
         out = self.canonical.state_dict()  # the groups; its own state stays empty
         out["state"] = {
             k: {"step": self.steps[k][0].clone(),
-                "exp_avg": self.moments[0][where].clone().view(shape),
-                "exp_avg_sq": self.moments[1][where].clone().view(shape)}
+                "exp_avg": moments[0][where].clone().view(shape),
+                "exp_avg_sq": moments[1][where].clone().view(shape)}
             for k, (where, shape) in enumerate(zip(self.wheres, self.shapes))}
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Moments and steps from a torch AdamW state dict, cast into the low dtype in place
+        """Moments and steps from a torch AdamW state dict, cast into the store's dtype in place
         (no float32 copy of them); a weight the state has no entry for starts afresh."""
-        saved_groups = state["param_groups"]
-        if [len(g["params"]) for g in saved_groups] != [len(g["params"])
-                                                        for g in self.param_groups]:
-            raise ValueError("loaded state dict contains a parameter group that doesn't match "
-                             "the size of optimizer's group")
-        ids = [i for g in saved_groups for i in g["params"]]
-        for k, where in enumerate(self.wheres):
-            saved = state["state"].get(ids[k])
-            for m, key in enumerate(("exp_avg", "exp_avg_sq")):
-                if saved is None:
-                    self.moments[m][where].zero_()
-                else:
-                    self.moments[m][where].copy_(saved[key].reshape(-1))
-            for step in self.steps[k]:
-                step.fill_(0.0 if saved is None else float(saved["step"]))
+        load_moments(self.param_groups, state, self.wheres, self.store.moments[self.index],
+                     self.steps)
+
+
+def load_moments(param_groups: list[dict[str, Any]], state: dict[str, Any],
+                 wheres: list[slice], moments: tuple[torch.Tensor, ...],
+                 steps: list[list[torch.Tensor]]) -> None:
+    """A torch AdamW state dict's moments into the flat `moments` (each weight at its
+    `wheres`) and its step counts into `steps`, in place."""
+    saved_groups = state["param_groups"]
+    if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in param_groups]:
+        raise ValueError("loaded state dict contains a parameter group that doesn't match "
+                         "the size of optimizer's group")
+    ids = [i for g in saved_groups for i in g["params"]]
+    for k, where in enumerate(wheres):
+        saved = state["state"].get(ids[k])
+        for m, key in enumerate(("exp_avg", "exp_avg_sq")):
+            if saved is None:
+                moments[m][where].zero_()
+            else:
+                moments[m][where].copy_(saved[key].reshape(-1))
+        for step in steps[k]:
+            step.fill_(0.0 if saved is None else float(saved["step"]))
+
+
+class DirectAdamW:
+    """torch's AdamW over per-weight views of one sub-model's flat masters, whose gradients
+    are views of its host gradient buffer and whose moments are views of the store's: where
+    the store keeps masters, gradients and moments as plain master-dtype tensors (a "direct"
+    store with master-dtype moments). The same bits as the optimizer on the original tensors.
+    The gradients are bound anew at each step: a ring hands a sub-model another buffer each
+    time."""
+
+    def __init__(self, store: HostStore, index: int, groups: list[dict[str, Any]],
+                 wheres: list[slice], config: AdamWConfig):
+        self.store, self.index, self.wheres = store, index, wheres
+        self.opt = torch.optim.AdamW(groups, **config.torch_kwargs())
+        self.param_groups = self.opt.param_groups
+        self.params = [p for g in self.param_groups for p in g["params"]]
+        first, second = store.moments[index]
+        self.steps = []
+        for p, where in zip(self.params, wheres):
+            step = torch.zeros((), dtype=torch.float32)
+            self.steps.append([step])
+            self.opt.state[p] = {"step": step, "exp_avg": first[where].view(p.shape),
+                                 "exp_avg_sq": second[where].view(p.shape)}
+
+    def bind_grads(self) -> None:
+        grad = self.store.grad(self.index)
+        for p, where in zip(self.params, self.wheres):
+            p.grad = grad[where].view(p.shape)
+
+    def step(self) -> None:
+        self.bind_grads()
+        self.opt.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.opt.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load_moments(self.param_groups, state, self.wheres, self.store.moments[self.index],
+                     self.steps)
 
 
 @dataclass
@@ -288,6 +363,9 @@ class _StepState:
     arrived: int = 0
     grad_norm: float | None = None
     skipped: bool = False
+    coef: torch.Tensor | None = None  # the clipping factor the chunked updates multiply by
+    # (owner, offset) -> the norm of that weight's gradient, taken by eager updates
+    norms: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
 
 def updates_on_a_thread(device: torch.device) -> bool:
@@ -310,6 +388,9 @@ class CpuOptimizer:
         self.tracer = tracer
         self.k = len(store.layouts)
         self.deferred = config.max_grad_norm is not None or scaler is not None
+        if self.deferred and store.grads.ring:
+            raise ValueError("clipping and loss scaling update after every gradient is in: "
+                             "give the store one gradient buffer per sub-model")
         # (owner, offset, numel, shape) of every trainable master, in the original model's
         # parameter order (clip_grad_norm_ skips a frozen weight: it has no gradient)
         masters = {e.key: (L.index, e.owner_offset, e.numel, e.shape) for L in store.layouts
@@ -317,45 +398,38 @@ class CpuOptimizer:
         order = [k for k in dict.fromkeys(param_order or []) if k in masters]
         order += [k for k in masters if k not in set(order)]
         self.norm_order = [masters[k] for k in order]
-        self.params: list[list[torch.nn.Parameter]] = []
-        self.optims: list[torch.optim.AdamW | LowMomentAdamW | None] = []
-        if config.states != "float32":
-            # one flat buffer per sub-model and moment, in master order, and one float32
-            # scratch per moment, a chunk's size (hostmem: the plan's figure)
-            dtype = getattr(torch, config.states)
-            sizes = [L.trainable_numel for L in store.layouts]
-            self.moments = [[torch.zeros(n, dtype=dtype) for _ in range(MOMENTS_PER_WEIGHT)]
-                            for n in sizes]
-            self.scratch = [torch.zeros(hostmem.moment_scratch_numel(sizes),
-                                        dtype=store.master_dtype)
-                            for _ in range(MOMENTS_PER_WEIGHT)]
+        # masters, gradients and moments as plain master-dtype tensors: torch's AdamW over
+        # views of them; anything else a chunk at a time in a shared scratch
+        self.direct = (store.mode == "direct" and store.moment_dtype == store.master_dtype)
+        sizes = [L.trainable_numel for L in store.layouts]
+        self.scratch = [] if self.direct else [
+            torch.zeros(hostmem.update_scratch_numel(sizes), dtype=store.master_dtype)
+            for _ in range(hostmem.UPDATE_SCRATCH_BUFFERS)]
+        self.optims: list[DirectAdamW | ChunkedAdamW | None] = []
         for i, L in enumerate(store.layouts):
             decayed, plain = [], []
             wheres: dict[bool, list[slice]] = {True: [], False: []}
             for e in L.entries:
                 if not e.owned or not e.trainable:  # torch's AdamW skips a frozen weight too
                     continue
-                # a view per original parameter, over the flat master and gradient: the kernels
-                # then split the work as they do on the original tensors (same bits), and
-                # nothing is copied
+                # a view per original parameter: the kernels then split the work as they do
+                # on the original tensors (same bits), and nothing is copied
                 where = slice(e.owner_offset, e.owner_offset + e.numel)
-                p = torch.nn.Parameter(store.master[i][where].view(e.shape))
-                p.grad = store.grad_master[i][where].view(e.shape)
+                p = torch.nn.Parameter(store.read_master(i)[where].view(e.shape) if self.direct
+                                       else torch.empty(e.shape, device="meta"))
                 (decayed if e.decay else plain).append(p)
                 wheres[e.decay].append(where)
             groups = [{"params": ps, "weight_decay": wd}
                       for ps, wd in ((decayed, config.weight_decay), (plain, 0.0)) if ps]
-            self.params.append(decayed + plain)
+            places = wheres[True] + wheres[False]
             # a sub-model that owns nothing (all its weights are replicas) has no optimizer
             if not groups:
                 self.optims.append(None)
-            elif config.states == "float32":
-                self.optims.append(torch.optim.AdamW(groups, **config.torch_kwargs()))
+            elif self.direct:
+                self.optims.append(DirectAdamW(store, i, groups, places, config))
             else:
-                self.optims.append(LowMomentAdamW(
-                    groups, wheres[True] + wheres[False], store.master[i],
-                    store.grad_master[i], self.moments[i], self.scratch, config,
-                    hostmem.MOMENT_CHUNK))
+                self.optims.append(ChunkedAdamW(store, i, groups, places, self.scratch, config,
+                                                hostmem.UPDATE_CHUNK))
         self._pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomc-cpu-adamw")
                       if threaded else None)
         self.update_future: list[Future | None] = [None] * self.k
@@ -456,10 +530,14 @@ class CpuOptimizer:
             event.synchronize()  # this copy only: not a device-wide synchronisation
 
     def _gather(self, st: _StepState, i: int) -> None:
-        self.store.reduce_grads(i)
-        g = self.store.grad_master[i]
+        """Where the gradient buffer is the masters' gradient (direct): the replicas' gradients
+        and the loss scale into it, in place. Elsewhere the update widens them a chunk at a
+        time (ChunkedAdamW), and the global norm reads them as it does."""
+        if not self.direct:
+            return
+        self.store.add_replica_grads(i)
         if st.scale != 1.0:
-            g.mul_(1.0 / st.scale)
+            self.store.grad(i)[:self.store.layouts[i].trainable_numel].mul_(1.0 / st.scale)
 
     def _prepare_and_update(self, st: _StepState, i: int, event: Any) -> None:
         self._wait_ready(event)
@@ -485,7 +563,7 @@ class CpuOptimizer:
         clipping gives the same bits as on the unpartitioned model.
         """
         t0 = time.perf_counter()
-        total_t = self.grad_norm()
+        total_t = self.grad_norm(1.0 / st.scale)
         total = float(total_t)
         st.grad_norm = total
         self.last_grad_norm = total
@@ -495,27 +573,52 @@ class CpuOptimizer:
             self.scaler.update(found_inf)
         self.last_skipped = st.skipped
         if not st.skipped and self.config.max_grad_norm is not None:
-            coef = self.config.clip_coefficient(total_t)
-            for i in range(self.k):
-                self.store.grad_master[i].mul_(coef)
+            st.coef = self.config.clip_coefficient(total_t)
+            if self.direct:  # into the buffers, as clip_grad_norm_ does
+                for i in range(self.k):
+                    self.store.grad(i)[:self.store.layouts[i].trainable_numel].mul_(st.coef)
+                st.coef = None
         self.tracer.host_event(st.step, "optimizer", -1, "grad_norm", t0, time.perf_counter())
 
-    def grad_norm(self) -> torch.Tensor:
+    def grad_norm(self, inv_scale: float = 1.0) -> torch.Tensor:
         """The global norm of the gradients in the host store (one norm per original
         parameter, in the original model's order, then the norm of those: as
-        torch.nn.utils.clip_grad_norm_ computes it)."""
-        norms = [torch.linalg.vector_norm(self.store.grad_master[o][off:off + n].view(shape), 2)
-                 for o, off, n, shape in self.norm_order]
+        torch.nn.utils.clip_grad_norm_ computes it), each as the update reads it: replicas
+        summed, times `inv_scale` (the loss scale divided out; direct stores did it in place)."""
+        norms = []
+        for o, off, n, shape in self.norm_order:
+            if self.direct:
+                g = self.store.grad(o)[off:off + n]
+            else:
+                g = torch.empty(n, dtype=self.store.master_dtype)
+                self.store.widen_grad(o, off, n, g)
+                if inv_scale != 1.0:
+                    g.mul_(inv_scale)
+            norms.append(torch.linalg.vector_norm(g.view(shape), 2))
         return torch.linalg.vector_norm(torch.stack(norms), 2) if norms else torch.zeros(())
 
     def step_grad_norm(self) -> float:
         """The last step's global gradient norm, before clipping; waits for the step's updates.
-        Clipping and loss scaling take it anyway; otherwise it is computed here, from the
-        gradients the updates left in the host store."""
+        Clipping and loss scaling take it anyway; otherwise it is taken from the gradient
+        buffers, or, from a ring (whose buffers went back), combined from the norms the
+        updates took of each weight's gradient as they read it, as clip_grad_norm_ does."""
         self.wait_all()
-        if self.deferred and self.last_grad_norm is not None:
+        if self.deferred:
+            if self.last_grad_norm is None:
+                raise RuntimeError("no step has run: there is no gradient norm yet")
             return self.last_grad_norm
-        return float(self.grad_norm())
+        if not self.store.grads.ring:  # the gradients are still in their buffers
+            return float(self.grad_norm())
+        st = self._current  # the step that ran last (the next has not begun)
+        if st is None:
+            raise RuntimeError("no step has run: there is no gradient norm yet")
+        norms = [st.norms[(o, off)] for o, off, _, _ in self.norm_order]
+        return float(torch.linalg.vector_norm(torch.stack(norms), 2)) if norms else 0.0
+
+    def update_now(self, i: int, step: int) -> None:
+        """Sub-model i's update on the calling thread, at step `step`'s learning rate, with the
+        gradients as its buffer holds them (the caller reduced and clipped them)."""
+        self._step_one(_StepState(step, 1.0), i)
 
     def _update(self, st: _StepState, i: int) -> None:
         if st.skipped:
@@ -530,8 +633,33 @@ class CpuOptimizer:
         opt = self.optims[i]
         if opt is not None:
             self.config.set_lr(opt, st.step)
-            opt.step()
-        self.store.refresh_trained(i)  # frozen weights never change
+            # a ring gives its buffer back after the update: the gradients' norms are taken as
+            # the update reads them, for step_grad_norm
+            pieces: dict[int, list[torch.Tensor]] | None = {} if self.store.grads.ring else None
+            if isinstance(opt, ChunkedAdamW):
+                opt.step(1.0 / st.scale, st.coef, pieces)
+            else:
+                opt.bind_grads()
+                if pieces is not None:
+                    pieces.update({k: [torch.linalg.vector_norm(p.grad, 2)]
+                                   for k, p in enumerate(opt.params)})
+                opt.opt.step()
+            if pieces is not None:
+                for k, where in enumerate(opt.wheres):
+                    parts = pieces.get(k) or [torch.zeros(())]
+                    st.norms[(i, where.start)] = (parts[0] if len(parts) == 1 else
+                                                  torch.linalg.vector_norm(torch.stack(parts)))
+        self.finish_update(i)
+
+    def finish_update(self, i: int) -> None:
+        """After sub-model i's update: the replicas of its weights refreshed (frozen ones never
+        change), its tied sums cleared, its replicas' gradients folded into their owners'
+        sums and its gradient buffer given back (a ring's slot)."""
+        store = self.store
+        store.refresh_replicas(i, trained_only=True)
+        store.clear_tied_sums(i)
+        store.fold_replicas(i)
+        store.grads.release(i)
 
     # ---- state -----------------------------------------------------------------------------------
 

@@ -32,7 +32,9 @@ copy are not pinned (the device never reads them).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +45,7 @@ from torch import nn
 from atomc.errors import RuntimeMismatchError
 from atomc.partition.hostmem import (
     ARENA_ALIGN,
+    MOMENTS_PER_WEIGHT,
     SubmodelWeights,
     host_bytes_by_kind,
     pinned_allocation_bytes,
@@ -96,11 +99,12 @@ class SubLayout:
     decay_numel: int
     trainable_numel: int
     grad_numel: int  # gradient buffer elements: the trainable entries only
+    shared_numel: int = 0  # owned trainable elements that later sub-models hold replicas of
 
     def weights(self) -> SubmodelWeights:
         """Its sizes as the host-memory formula (atomc.partition.hostmem) takes them."""
         return SubmodelWeights(self.numel, self.owned_numel, self.trainable_numel,
-                               self.grad_numel)
+                               self.grad_numel, self.shared_numel)
 
     def signature(self) -> list[tuple[str, list[int], int, bool]]:
         return [(e.key, list(e.shape), e.owner, e.decay) for e in self.entries]
@@ -235,7 +239,10 @@ def plan_layouts(package: SwapPackage, modules: list[nn.Module],
                                       span, wide, trainable, g_start))
         layouts.append(SubLayout(i, tuple(entries), offset, owned, decay_numel, trainable_numel,
                                  grad_end))
-    return layouts
+    replicated = {e.key for L in layouts for e in L.entries if not e.owned and e.trainable}
+    return [dataclasses.replace(L, shared_numel=sum(e.numel for e in L.entries if e.owned
+                                                    and e.key in replicated))
+            for L in layouts]
 
 
 def _entry_shape(layouts: list[SubLayout], current: list[ParamEntry], owner: int,
@@ -323,36 +330,160 @@ class HostBuffers:
         return self.arena.pinned_bytes() if self.arena is not None else 0
 
 
+def split_master(master: torch.Tensor, image: torch.Tensor, residual: torch.Tensor) -> None:
+    """float32 `master` -> its bfloat16 `image` (int16 bits: round to nearest, ties away from
+    zero) and the int16 `residual` that makes it whole again (`join_master`).
+
+    A float32's bits are its bfloat16 truncation (high half) and 16 more bits (low half). The
+    image is the high half plus one where the low half is 0x8000 or more: rounding to nearest,
+    which differs from `.to(torch.bfloat16)` only at exact ties (ties to even there). The
+    residual is the low half read as a signed int16, which is negative exactly where one was
+    added: high = image - (residual < 0), and the float32 is exact again. The image is thus
+    the half of the master the GPU loads, and no separate float32 copy is kept.
+    """
+    halves = master.view(torch.int16).view(-1, 2)  # little-endian: [low, high] per float32
+    residual.copy_(halves[:, 0])
+    image.copy_(halves[:, 1])
+    image.add_(residual.lt(0).view(torch.int8))
+
+
+def join_master(image: torch.Tensor, residual: torch.Tensor, out: torch.Tensor) -> None:
+    """The float32 masters of `image` (int16 bits of bfloat16) and `residual` into `out`."""
+    halves = out.view(torch.int16).view(-1, 2)
+    halves[:, 0].copy_(residual)
+    torch.sub(image, residual.lt(0).view(torch.int8), out=halves[:, 1])
+
+
+def moment_dtype(states: str, master_dtype: torch.dtype) -> torch.dtype:
+    """The dtype AdamW's moments are kept in: the masters' ("float32" names the default, full
+    precision: a float64 run's moments are float64), or bfloat16."""
+    return master_dtype if states == "float32" else getattr(torch, states)
+
+
+def store_mode(master_dtype: torch.dtype, transfer_dtype: torch.dtype) -> str:
+    """How a store keeps the masters beside the images the GPU loads: "direct" (the same
+    dtype: the image is the master), "split" (float32 masters, bfloat16 images: the image is
+    the master's high half, a residual its low half; see split_master), "separate" (any other
+    pair, float16 images: a master of its own, cast into the image after each update)."""
+    if master_dtype == transfer_dtype:
+        return "direct"
+    if master_dtype == torch.float32 and transfer_dtype == torch.bfloat16:
+        return "split"
+    return "separate"
+
+
+class GradBuffers:
+    """The pinned host buffers the device's gradients come back into, in one arena.
+
+    Whole (`slots=None`): one buffer per sub-model, held from its gradients' arrival to its
+    update; what clipping and loss scaling need (no update before every gradient is in, for
+    the global norm). A ring (`slots=R`): R buffers of the largest sub-model's size, each
+    taken by a sub-model when its gradients come back and given back when its update has
+    consumed them, so that only the sub-models in flight hold one.
+    """
+
+    def __init__(self, layouts: Sequence[SubLayout], dtype: torch.dtype, pin: bool,
+                 slots: int | None):
+        self.sizes = [L.grad_numel for L in layouts]
+        self.ring = slots is not None and slots < len(layouts)
+        count = slots if self.ring else len(layouts)
+        shapes = [(max(self.sizes),)] * count if self.ring else [(n,) for n in self.sizes]
+        self.arena = HostArena([(shape, dtype) for shape in shapes], pin)
+        self.holder: list[int | None] = list(range(count)) if not self.ring else [None] * count
+        self.slot_of: dict[int, int] = {} if self.ring else {i: i for i in range(len(layouts))}
+        self._order: list[int] = []  # ring: holders in the order they took their slots
+        self._lock = threading.Condition()
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.arena.buffers)
+
+    def acquire(self, i: int, wait_for: Callable[[int], None]) -> torch.Tensor:
+        """The buffer sub-model i's gradients come back into. In a ring, a free slot; when
+        none is, `wait_for(h)` waits for the update of the sub-model h that has held one
+        longest, which gives it back."""
+        if not self.ring:
+            return self.tensor(i)
+        while True:
+            with self._lock:
+                if i in self.slot_of:
+                    return self.tensor(i)
+                free = next((s for s, h in enumerate(self.holder) if h is None), None)
+                if free is not None:
+                    self.holder[free] = i
+                    self.slot_of[i] = free
+                    self._order.append(i)
+                    return self.tensor(i)
+                oldest = self._order[0]
+            wait_for(oldest)
+            with self._lock:
+                if oldest in self.slot_of:  # its update did not give it back: a failure
+                    raise RuntimeError(f"sub-model {oldest}'s update ended without giving back "
+                                       f"its gradient buffer")
+
+    def tensor(self, i: int) -> torch.Tensor:
+        return self.arena.buffers[self.slot_of[i]][:self.sizes[i]]
+
+    def release(self, i: int) -> None:
+        """Sub-model i's update has consumed its gradients (a ring slot goes back)."""
+        if not self.ring:
+            return
+        with self._lock:
+            slot = self.slot_of.pop(i, None)
+            if slot is not None:
+                self.holder[slot] = None
+                self._order.remove(i)
+                self._lock.notify_all()
+
+    def pinned_bytes(self) -> int:
+        return self.arena.pinned_bytes()
+
+
 class HostStore:
     """The flat host buffers of all sub-models (see the module docstring)."""
 
     def __init__(self, layouts: list[SubLayout], master_dtype: torch.dtype,
-                 transfer_dtype: torch.dtype, pin: bool):
+                 transfer_dtype: torch.dtype, pin: bool, *, moment_dtype: torch.dtype | None = None,
+                 grad_slots: int | None = None):
         self.layouts = layouts
         self.master_dtype = master_dtype
         self.transfer_dtype = transfer_dtype
+        self.moment_dtype = moment_dtype or master_dtype
         self.pin = pin
-        self.separate_master = master_dtype != transfer_dtype
-        # one flat buffer per sub-model and direction (one copy each), all of a kind in one arena
+        self.mode = store_mode(master_dtype, transfer_dtype)
+        # one flat buffer per sub-model (one copy each), all in one pinned arena
         self.image_arena = HostArena([((L.numel,), transfer_dtype) for L in layouts], pin)
-        self.grad_arena = HostArena([((L.grad_numel,), transfer_dtype) for L in layouts], pin)
         self.image: list[torch.Tensor] = self.image_arena.buffers
-        self.grad: list[torch.Tensor] = self.grad_arena.buffers
-        self.master: list[torch.Tensor] = []
-        self.grad_master: list[torch.Tensor] = []
-        for L, image, grad in zip(layouts, self.image, self.grad):
-            if self.separate_master:
-                self.master.append(torch.zeros(L.owned_numel, dtype=master_dtype))
-                self.grad_master.append(torch.zeros(L.trainable_numel, dtype=master_dtype))
+        # the masters: views of the images ("direct"), buffers of their own ("separate"), or
+        # the images' high halves and these low halves ("split")
+        self._masters: list[torch.Tensor] = []
+        self.residual: list[torch.Tensor] = []
+        for L, image in zip(layouts, self.image):
+            if self.mode == "direct":
+                self._masters.append(image[:L.owned_numel])
+            elif self.mode == "separate":
+                self._masters.append(torch.zeros(L.owned_numel, dtype=master_dtype))
             else:
-                self.master.append(image[:L.owned_numel])
-                self.grad_master.append(grad[:L.trainable_numel])
+                self.residual.append(torch.zeros(L.owned_numel, dtype=torch.int16))
+        # AdamW's two moments per trainable owned weight, flat in master order
+        self.moments = [tuple(torch.zeros(L.trainable_numel, dtype=self.moment_dtype)
+                              for _ in range(MOMENTS_PER_WEIGHT)) for L in layouts]
+        self.grads = GradBuffers(layouts, transfer_dtype, pin, grad_slots)
+        self._owned = [{e.key: e for e in L.entries if e.owned} for L in layouts]
         # owner -> [(holder, entry)] for every replica
         self.replicas_of: list[list[tuple[int, ParamEntry]]] = [[] for _ in layouts]
         for L in layouts:
             for e in L.entries:
                 if not e.owned:
                     self.replicas_of[e.owner].append((L.index, e))
+        # a ring gives a holder's buffer back before its owner's update: the replicas'
+        # gradients are summed into the owner's tied weights here first (one per tied weight)
+        self.tied_sums: dict[str, torch.Tensor] = {}
+        if self.grads.ring:
+            for holders in self.replicas_of:
+                for _, e in holders:
+                    if e.trainable and e.key not in self.tied_sums:
+                        self.tied_sums[e.key] = torch.zeros(e.numel, dtype=master_dtype)
         self.runs = [L.runs() for L in layouts]
         self.trained_runs = [L.runs(trainable_only=True) for L in layouts]
         # ties the executor sums on the device (tied_grads="exact")
@@ -361,68 +492,252 @@ class HostStore:
         self.load_deps: list[tuple[int, ...]] = [
             tuple(sorted({L.index} | {e.owner for e in L.entries})) for L in layouts]
 
-    # ---- views -----------------------------------------------------------------------------
+    # ---- masters -------------------------------------------------------------------------------
 
-    def master_param(self, i: int, entry: ParamEntry) -> torch.Tensor:
-        """The master tensor behind `entry` of sub-model i (the owner's, for a replica)."""
-        m = self.master[entry.owner]
-        return m[entry.owner_offset:entry.owner_offset + entry.numel].view(entry.shape)
+    def read_master(self, i: int) -> torch.Tensor:
+        """Sub-model i's owned masters, flat in master order (read only: a view where the
+        store keeps them whole, a new tensor where it splits them)."""
+        if self.mode != "split":
+            return self._masters[i]
+        out = torch.empty(self.layouts[i].owned_numel, dtype=self.master_dtype)
+        self._widen_runs(i, self.runs[i], 0, out.numel(), out)
+        return out
+
+    def read_entry(self, i: int, entry: ParamEntry) -> torch.Tensor:
+        """The master tensor of `entry` of sub-model i (the owner's, for a replica): a view
+        where the store keeps masters whole, a new tensor where it splits them."""
+        o, a, n = entry.owner, entry.owner_offset, entry.numel
+        if self.mode != "split":
+            return self._masters[o][a:a + n].view(entry.shape)
+        out = torch.empty(n, dtype=self.master_dtype)
+        self._widen_runs(o, self.runs[o], a, n, out)
+        return out.view(entry.shape)
+
+    def write_master(self, i: int, values: torch.Tensor) -> None:
+        """Set sub-model i's owned masters (flat, master order) and its own images; replicas
+        of them elsewhere follow with `refresh_images(i)`."""
+        values = values.reshape(-1).to(self.master_dtype)
+        if self.mode == "split":
+            self._narrow_runs(i, self.runs[i], 0, values.numel(), values)
+        else:
+            self._masters[i].copy_(values)
+
+    def write_entry(self, i: int, entry: ParamEntry, value: torch.Tensor) -> None:
+        """Set the master of owned `entry` of sub-model i (`refresh_images(i)` after)."""
+        flat = value.reshape(-1).to(self.master_dtype)
+        if self.mode == "split":
+            self._narrow_runs(i, self.runs[i], entry.owner_offset, entry.numel, flat)
+            return
+        target = self._masters[i][entry.owner_offset:entry.owner_offset + entry.numel]
+        if target.data_ptr() != flat.data_ptr():  # (not the view read_entry gave)
+            target.copy_(flat)
+
+    def widen_master(self, i: int, start: int, n: int, out: torch.Tensor) -> None:
+        """Masters [start, start + n) of sub-model i (master order) into `out`."""
+        if self.mode == "split":
+            self._widen_runs(i, self.runs[i], start, n, out)
+        else:
+            out.copy_(self._masters[i][start:start + n])
+
+    def narrow_master(self, i: int, start: int, n: int, values: torch.Tensor) -> None:
+        """Masters [start, start + n) of sub-model i from `values`, and their own images."""
+        if self.mode == "split":
+            self._narrow_runs(i, self.runs[i], start, n, values)
+            return
+        self._masters[i][start:start + n].copy_(values)
+        if self.mode == "separate":
+            for image, piece in self._run_pieces(i, self.image[i], start, n):
+                image.copy_(values[piece])
+
+    def checkpoint_masters(self, copy: bool) -> dict[str, list[Any]]:
+        """The masters as a checkpoint holds them: per sub-model, its owned masters (copies
+        with `copy`, else views where the store keeps them whole), or, from a split store
+        without `copy`, its image and residual as they are (no float32 copy of the model at
+        save time)."""
+        if self.mode == "split" and not copy:
+            return {"masters": [{"image": image, "residual": residual}
+                                for image, residual in zip(self.image, self.residual)]}
+        return {"masters": [self.read_master(i).clone() if copy or self.mode == "split"
+                            else self.read_master(i) for i in range(len(self.layouts))]}
+
+    def check_checkpoint_masters(self, state: dict[str, Any]) -> str:
+        """What is wrong with a checkpoint's masters for this store, or ""."""
+        masters = state["masters"]
+        if len(masters) != len(self.layouts):
+            return f"it has masters of {len(masters)} sub-models, expected {len(self.layouts)}"
+        for i, (m, L) in enumerate(zip(masters, self.layouts)):
+            if isinstance(m, dict):
+                if self.mode != "split":
+                    return ("its masters are bfloat16 images with their residuals (a run with "
+                            "--transfer-dtype bfloat16); resume with that transfer dtype")
+                image, residual = m.get("image"), m.get("residual")
+                if (not isinstance(image, torch.Tensor) or not isinstance(residual, torch.Tensor)
+                        or image.shape != self.image[i].shape
+                        or residual.shape != self.residual[i].shape):
+                    return f"the image or residual of sub-model {i} has another size"
+            elif not isinstance(m, torch.Tensor) or tuple(m.shape) != (L.owned_numel,):
+                return (f"master weights of sub-model {i} have shape "
+                        f"{getattr(m, 'shape', None)}, expected ({L.owned_numel},)")
+        return ""
+
+    def load_checkpoint_masters(self, state: dict[str, Any]) -> None:
+        """Set the masters from a checkpoint's (check_checkpoint_masters first), then every
+        image and replica (refresh_images)."""
+        for i, m in enumerate(state["masters"]):
+            if isinstance(m, dict):
+                self.image[i].copy_(m["image"])
+                self.residual[i].copy_(m["residual"])
+            else:
+                self.write_master(i, m)
+        for i in range(len(self.layouts)):
+            self.refresh_images(i)
 
     def bind(self, host_modules: list[nn.Module]) -> None:
         """The masters take the weights of `host_modules` (one copy of the package's
-        sub-models), whose parameters then become views of the masters (what export and state
-        dicts read); the images are made from the masters. A parameter on the meta device
-        has no value to take: its master stays zero until the caller fills it (weights read
-        from files straight into the masters, or a resumed checkpoint)."""
+        sub-models). Their parameters then become views of the masters where the store keeps
+        them whole (what state dicts of them read), and meta tensors where it splits them
+        (the store is read instead: read_entry); the images are made from the masters. A
+        parameter on the meta device has no value to take: its master stays zero until the
+        caller fills it (weights read from files straight into the masters, or a resumed
+        checkpoint)."""
         for i, (mod, L) in enumerate(zip(host_modules, self.layouts)):
             params = dict(mod.named_parameters())
             with torch.no_grad():
                 for e in L.entries:
                     if e.owned and not params[e.local].is_meta:
-                        self.master_param(i, e).copy_(params[e.local])
-            rebind_parameters(mod, {e.local: self.master_param(i, e) for e in L.entries},
-                              requires_grad=False)
+                        self.write_entry(i, e, params[e.local])
+            views = {e.local: (self.read_entry(i, e) if self.mode != "split"
+                               else torch.empty(e.shape, dtype=self.master_dtype, device="meta"))
+                     for e in L.entries}
+            rebind_parameters(mod, views, requires_grad=False)
         for i in range(len(self.layouts)):
             self.refresh_images(i)
 
-    # ---- after an optimizer update / before one -----------------------------------------------
+    # ---- images --------------------------------------------------------------------------------
 
     def refresh_images(self, i: int) -> None:
         """Bring images up to date with sub-model i's master: its own, and every replica of it."""
-        if self.separate_master:  # cast into the transfer dtype (wide runs: into float32)
+        if self.mode == "separate":  # cast into the transfer dtype (wide runs: into float32)
             for start, span, m_off, n, wide in self.runs[i]:
                 image = self._image_run(self.image[i], start, span, wide)
-                image.copy_(self.master[i][m_off:m_off + n])
-        for j, e in self.replicas_of[i]:
-            master = self.master[i][e.owner_offset:e.owner_offset + e.numel]
-            e.image_view(self.image[j]).view(-1).copy_(master)
+                image.copy_(self._masters[i][m_off:m_off + n])
+        self.refresh_replicas(i)
 
-    def refresh_trained(self, i: int) -> None:
-        """`refresh_images` after an optimizer update of sub-model i: its trainable weights only
-        (frozen ones never change, so their images are not cast again)."""
-        if self.separate_master:
-            for start, span, m_off, n, wide in self.trained_runs[i]:
-                image = self._image_run(self.image[i], start, span, wide)
-                image.copy_(self.master[i][m_off:m_off + n])
+    def refresh_replicas(self, i: int, trained_only: bool = False) -> None:
+        """The replicas of sub-model i's weights in later images, from its own image (frozen
+        ones never change: `trained_only` skips them)."""
+        owned = self._owned[i]
         for j, e in self.replicas_of[i]:
-            if e.trainable:
-                master = self.master[i][e.owner_offset:e.owner_offset + e.numel]
-                e.image_view(self.image[j]).view(-1).copy_(master)
+            if trained_only and not e.trainable:
+                continue
+            e.image_view(self.image[j]).copy_(owned[e.key].image_view(self.image[i]))
 
-    def reduce_grads(self, i: int) -> None:
-        """Gradients of sub-model i's masters: its own plus those of every replica of them.
+    # ---- gradients -----------------------------------------------------------------------------
 
-        Called when i's gradients are on the host; replicas live in later sub-models, whose
-        backward (and gradient copy) came before i's.
-        """
-        if self.separate_master:
-            for start, span, m_off, n, wide in self.trained_runs[i]:
-                grad = self._image_run(self.grad[i], start, span, wide)
-                self.grad_master[i][m_off:m_off + n].copy_(grad)
+    def grad(self, i: int) -> torch.Tensor:
+        """Sub-model i's host gradient buffer (taken with `grads.acquire`)."""
+        return self.grads.tensor(i)
+
+    def master_grad(self, i: int) -> torch.Tensor:
+        """The gradient of sub-model i's trainable masters as one flat tensor: a view of its
+        gradient buffer, in a "direct" store only (elsewhere the update widens it)."""
+        assert self.mode == "direct", "only a direct store keeps its masters' gradient whole"
+        return self.grad(i)[:self.layouts[i].trainable_numel]
+
+    def fold_replicas(self, j: int) -> None:
+        """In a ring: the gradients of sub-model j's trainable replicas (tied weights owned by
+        an earlier sub-model) into their owners' tied sums, before j's buffer goes back."""
+        if not self.grads.ring:
+            return
+        grad = self.grad(j)
+        for e in self.layouts[j].entries:
+            if not e.owned and e.trainable and e.key not in self.exact_keys:
+                self.tied_sums[e.key] += e.grad_view(grad).reshape(-1)
+
+    def widen_grad(self, i: int, start: int, n: int, out: torch.Tensor) -> None:
+        """Gradients of sub-model i's trainable masters [start, start + n) (master order) into
+        `out` in the master dtype: its own, plus those of every replica of them (a tie's
+        holders; one rounding away from the model's own sum, see atomc.runtime.ties)."""
+        grad = self.grad(i)
+        for image, piece in self._run_pieces(i, grad, start, n, trained=True):
+            out[piece].copy_(image)
+        self._add_replicas(i, start, n, out)
+
+    def add_replica_grads(self, i: int) -> None:
+        """Where sub-model i's gradient buffer is its masters' gradient ("direct" store): its
+        replicas' gradients added into it in place, before its update."""
+        L = self.layouts[i]
+        self._add_replicas(i, 0, L.trainable_numel, self.grad(i)[:L.trainable_numel])
+
+    def _add_replicas(self, i: int, start: int, n: int, out: torch.Tensor) -> None:
+        stop = start + n
+        if self.grads.ring:
+            for e in self.layouts[i].entries:
+                tied = self.tied_sums.get(e.key) if e.owned and e.trainable else None
+                if tied is None:
+                    continue
+                a, b = max(start, e.owner_offset), min(stop, e.owner_offset + e.numel)
+                if a < b:
+                    out[a - start:b - start] += tied[a - e.owner_offset:b - e.owner_offset]
+            return
         for j, e in self.replicas_of[i]:
-            if e.trainable and e.key not in self.exact_keys:
-                self.grad_master[i][e.owner_offset:e.owner_offset + e.numel] += \
-                    e.grad_view(self.grad[j]).view(-1)
+            if not e.trainable or e.key in self.exact_keys:
+                continue
+            a, b = max(start, e.owner_offset), min(stop, e.owner_offset + e.numel)
+            if a < b:
+                view = e.grad_view(self.grad(j)).reshape(-1)
+                out[a - start:b - start] += view[a - e.owner_offset:b - e.owner_offset]
+
+    def clear_tied_sums(self, i: int) -> None:
+        """After sub-model i's update: its tied weights' sums start the next step at zero."""
+        for e in self.layouts[i].entries:
+            tied = self.tied_sums.get(e.key) if e.owned else None
+            if tied is not None:
+                tied.zero_()
+
+    # ---- runs ----------------------------------------------------------------------------------
+
+    def _run_pieces(self, i: int, flat: torch.Tensor, start: int, n: int,
+                    trained: bool = False) -> list[tuple[torch.Tensor, slice]]:
+        """(part of `flat` in image layout, its slice of [start, start + n) in master order)
+        for every owned run (trainable only: `trained`) overlapping it."""
+        out = []
+        stop = start + n
+        for i_off, span, m_off, count, wide in (self.trained_runs if trained else self.runs)[i]:
+            a, b = max(start, m_off), min(stop, m_off + count)
+            if a >= b:
+                continue
+            run = self._image_run(flat, i_off, span, wide)
+            out.append((run[a - m_off:b - m_off], slice(a - start, b - start)))
+        return out
+
+    def _widen_runs(self, i: int, runs: list, start: int, n: int, out: torch.Tensor) -> None:
+        image = self.image[i]
+        residual = self.residual[i]
+        for i_off, span, m_off, count, wide in runs:
+            a, b = max(start, m_off), min(start + n, m_off + count)
+            if a >= b:
+                continue
+            target = out[a - start:b - start]
+            if wide:  # kept whole in the image
+                target.copy_(self._image_run(image, i_off, span, True)[a - m_off:b - m_off])
+            else:
+                high = image[i_off + a - m_off:i_off + b - m_off].view(torch.int16)
+                join_master(high, residual[a:b], target)
+
+    def _narrow_runs(self, i: int, runs: list, start: int, n: int, values: torch.Tensor) -> None:
+        image = self.image[i]
+        residual = self.residual[i]
+        for i_off, span, m_off, count, wide in runs:
+            a, b = max(start, m_off), min(start + n, m_off + count)
+            if a >= b:
+                continue
+            source = values[a - start:b - start]
+            if wide:
+                self._image_run(image, i_off, span, True)[a - m_off:b - m_off].copy_(source)
+            else:
+                high = image[i_off + a - m_off:i_off + b - m_off].view(torch.int16)
+                split_master(source.contiguous(), high, residual[a:b])
 
     @staticmethod
     def _image_run(flat: torch.Tensor, start: int, span: int, wide: bool) -> torch.Tensor:
@@ -436,29 +751,38 @@ class HostStore:
 
     def pinned_bytes(self) -> int:
         """Pinned host memory the store's arenas took (their bytes as the allocator rounds them)."""
-        return self.image_arena.pinned_bytes() + self.grad_arena.pinned_bytes()
+        return self.image_arena.pinned_bytes() + self.grads.pinned_bytes()
 
     def planned_bytes(self, optimizer_states: str = "float32") -> dict[str, int]:
-        """Host bytes by kind by the plan's formula for these layouts (no activation stash)."""
+        """Host bytes by kind by the plan's formula for this store (no activation stash)."""
         return planned_host_bytes(self.layouts, self.master_dtype, self.transfer_dtype,
-                                  self.pin, optimizer_states)
+                                  self.pin, optimizer_states,
+                                  grad_slots=self.grads.num_slots if self.grads.ring else None)
 
     def host_bytes(self) -> int:
-        total = self.image_arena.nbytes + self.grad_arena.nbytes
-        if self.separate_master:
-            total += sum(t.numel() * t.element_size() for t in self.master + self.grad_master)
+        """Bytes the store allocated on the host: images, gradient buffers, masters or
+        residuals, moments and tied sums."""
+        def size(ts: Any) -> int:
+            return sum(t.numel() * t.element_size() for t in ts)
+
+        total = self.image_arena.nbytes + self.grads.arena.nbytes
+        total += size(self.residual) + size(m for pair in self.moments for m in pair)
+        total += size(self.tied_sums.values())
+        if self.mode == "separate":
+            total += size(self._masters)
         return total
 
 
 def planned_host_bytes(layouts: Sequence[SubLayout], master_dtype: torch.dtype,
                        transfer_dtype: torch.dtype, pin: bool, optimizer_states: str = "float32",
-                       stash_bytes: int = 0, sent_bytes: int = 0) -> dict[str, int]:
+                       stash_bytes: int = 0, sent_bytes: int = 0,
+                       grad_slots: int | None = None) -> dict[str, int]:
     """Host bytes by kind a store of `layouts` and its optimizer take, with `stash_bytes` of
     stashed boundary values and `sent_bytes` of sent operator outputs (atomc.partition.hostmem):
     what `atomc train` checks before it allocates anything."""
     name = str(master_dtype).removeprefix("torch."), str(transfer_dtype).removeprefix("torch.")
     return host_bytes_by_kind([L.weights() for L in layouts], name[0], name[1], pin,
-                              optimizer_states, stash_bytes, sent_bytes)
+                              optimizer_states, stash_bytes, sent_bytes, grad_slots)
 
 
 def rebind_parameters(module: nn.Module, tensors: dict[str, torch.Tensor], requires_grad: bool,

@@ -17,8 +17,8 @@ was made for (PLAN["batch_size"]): memory was planned for them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from atomc.runtime.config import TrainerConfig
 from atomc.runtime.executor import SwapExecutor
 from atomc.runtime.optim import CpuOptimizer, LossScaler
 from atomc.runtime.package import SwapPackage, load_swap_package
-from atomc.runtime.store import HostStore, plan_layouts, planned_host_bytes
+from atomc.runtime.store import HostStore, plan_layouts, planned_host_bytes, rebind_parameters
 from atomc.runtime.trace import StepTrace, Tracer
 from atomc.trace import parameters_on_meta
 
@@ -144,7 +144,8 @@ class SwapTrainer:
                 raise RuntimeMismatchError(
                     f"the initial state dict lacks {e}, which {pkg.path} needs; give the original "
                     f"model's state_dict()") from None
-        _check_host_memory(pkg, host_modules, run, typed_plan)  # before anything is pinned
+        grad_slots = _grad_slots(typed_plan, run)
+        _check_host_memory(pkg, host_modules, run, typed_plan, grad_slots)  # before any pinning
         executor = SwapExecutor.assemble(
             pkg, host_modules, run.optimizer, device=dev, master_dtype=run.master_dtype,
             transfer_dtype=run.transfer_dtype, tracer=Tracer(dev, enabled=run.trace),
@@ -152,7 +153,7 @@ class SwapTrainer:
             param_order=_original_order(pkg),
             check_store=lambda store: _check_device_memory(dev, store, typed_plan,
                                                            run.capacity_bytes),
-            accum=run.accum, activations=run.activations,
+            grad_slots=grad_slots, accum=run.accum, activations=run.activations,
             offload_activations=run.offload_activations, autocast_dtype=run.autocast,
             loss_fn=loss_fn, seed=run.seed, tied_grads=run.tied_grads,
             early_prefetch=run.early_prefetch)
@@ -259,13 +260,34 @@ class SwapTrainer:
             out += [(i, n, b) for n, b in m.named_buffers() if n in persistent]
         return out
 
-    def export_state_dict(self) -> dict[str, torch.Tensor]:
-        """The trained weights by the original model's names (tied names included), on the CPU."""
+    @contextmanager
+    def weights_in_host_modules(self) -> Iterator[list[nn.Module]]:
+        """The host sub-models with their parameters holding the masters' values: views where
+        the store keeps masters whole (always so), copies made for the block where it splits
+        them (a bfloat16 run keeps no float32 copy of the model otherwise)."""
         self.wait()
         self._sync_buffers_to_host()
-        state = self.package.export_state_dict(self.host_modules)
-        return {**{k: v.clone() for k, v in self.unread.items()},
-                **{k: v.detach().clone() for k, v in state.items()}}
+        store = self.store
+        if store.mode != "split":
+            yield self.host_modules
+            return
+        for i, (mod, L) in enumerate(zip(self.host_modules, store.layouts)):
+            rebind_parameters(mod, {e.local: store.read_entry(i, e) for e in L.entries},
+                              requires_grad=False)
+        try:
+            yield self.host_modules
+        finally:
+            for mod, L in zip(self.host_modules, store.layouts):
+                rebind_parameters(mod, {e.local: torch.empty(e.shape, dtype=store.master_dtype,
+                                                             device="meta")
+                                        for e in L.entries}, requires_grad=False)
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained weights by the original model's names (tied names included), on the CPU."""
+        with self.weights_in_host_modules() as modules:
+            state = self.package.export_state_dict(modules)
+            return {**{k: v.clone() for k, v in self.unread.items()},
+                    **{k: v.detach().clone() for k, v in state.items()}}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resume needs (copies): weights, optimizer state, step, loss scale."""
@@ -286,7 +308,7 @@ class SwapTrainer:
             "step": self.step_count,
             "seed": self.seed,
             "accum": self.accum,
-            "masters": [c(m) for m in self.store.master],
+            **self.store.checkpoint_masters(copy),
             "optimizer": opt_states,
             "scaler": (self.optimizer.scaler.state_dict() if self.optimizer.scaler is not None
                        else None),
@@ -300,15 +322,12 @@ class SwapTrainer:
         self._validate_state(state, source)
         self.wait()
         with torch.no_grad():
-            for i, m in enumerate(state["masters"]):
-                self.store.master[i].copy_(m)
+            self.store.load_checkpoint_masters(state)
             for host, dev, bufs in zip(self.host_modules, self.executor.modules, state["buffers"]):
                 hb, db = dict(host.named_buffers()), dict(dev.named_buffers())
                 for n, b in bufs.items():
                     hb[n].copy_(b)
                     db[n].copy_(b)
-        for i in range(len(self.store.layouts)):
-            self.store.refresh_images(i)
         self.optimizer.load_state_dict(state["optimizer"])
         if self.optimizer.scaler is not None and state.get("scaler"):
             self.optimizer.scaler.load_state_dict(state["scaler"])
@@ -340,12 +359,9 @@ class SwapTrainer:
         if _plain(state["layout"]) != _plain(layout):
             raise RuntimeMismatchError(f"{source} has another parameter layout than "
                                        f"{self.package.path}; nothing was loaded")
-        for i, m in enumerate(state["masters"]):
-            want = self.store.master[i]
-            if not isinstance(m, torch.Tensor) or m.shape != want.shape:
-                raise RuntimeMismatchError(f"{source}: master weights of sub-model {i} have shape "
-                                           f"{getattr(m, 'shape', None)}, expected "
-                                           f"{tuple(want.shape)}; nothing was loaded")
+        problem = self.store.check_checkpoint_masters(state)
+        if problem:
+            raise RuntimeMismatchError(f"{source}: {problem}; nothing was loaded")
         if len(state["optimizer"]) != len(self.store.layouts):
             raise RuntimeMismatchError(f"{source} has optimizer state for "
                                        f"{len(state['optimizer'])} sub-models, expected "
@@ -519,8 +535,18 @@ def check_device_memory(capacity_bytes: int, device_bytes: int, submodel_bytes: 
             f"held), or re-plan with --gpu-mem {fmt(free_bytes)} or less")
 
 
+def _grad_slots(plan: Plan | None, run: Any) -> int | None:
+    """The host gradient buffers a run takes in turn: the plan's ring, unless the run clips or
+    scales its loss (every gradient must be in before any update) or has no plan (one buffer
+    per sub-model, then)."""
+    if run.optimizer.max_grad_norm is not None or run.loss_scale:
+        return None
+    host = plan.host if plan is not None else None
+    return host.grad_slots if host is not None and host.grad_slots else None
+
+
 def _check_host_memory(pkg: SwapPackage, host_modules: list[nn.Module], run: Any,
-                       plan: Plan | None) -> None:
+                       plan: Plan | None, grad_slots: int | None) -> None:
     """Refuse in one line when the host store, the optimizer's moments and the activation
     stash (the plan's formula, atomc.partition.hostmem) exceed this machine's available
     memory; the weights already read count as available, since the store takes them over."""
@@ -538,7 +564,7 @@ def _check_host_memory(pkg: SwapPackage, host_modules: list[nn.Module], run: Any
             if run.activations == "auto" and plan is not None else 0)
     by_kind = planned_host_bytes(layouts, run.master_dtype, run.transfer_dtype,
                                  run.device.type == "cuda", run.optimizer.states,
-                                 stash_bytes=stash, sent_bytes=sent)
+                                 stash_bytes=stash, sent_bytes=sent, grad_slots=grad_slots)
     held = sum(p.numel() * p.element_size() for m in host_modules for p in m.parameters()
                if not p.is_meta)
     frozen = any(not L.trainable_numel == L.owned_numel for L in layouts)

@@ -298,7 +298,9 @@ class WeightsIn:
             for i, layout in enumerate(store.layouts):
                 for e in layout.entries:
                     if e.owned:
-                        self._copy(e.key, store.master_param(i, e))
+                        value = store.read_entry(i, e)  # a view where the store keeps it whole
+                        self._copy(e.key, value)
+                        store.write_entry(i, e, value)
         for i in range(len(store.layouts)):
             store.refresh_images(i)
         return {n: ck.read(k) for n, (ck, k) in self.unread.items()}

@@ -65,8 +65,13 @@ def save_pretrained(trainer: Any, directory: str | Path, *,
     _check_target(out)
     cast = parse_dtype(dtype, "dtype")
     names = package_names(trainer.package, trainer.host_modules)
-    trainer.persistent_buffers()  # waits for pending updates; buffers as of the last step
-    state = {**trainer.unread, **trainer.package.export_state_dict(trainer.host_modules)}
+    with trainer.weights_in_host_modules() as modules:  # waits for pending updates
+        return _save(trainer, names, modules, out, max_shard_size, cast)
+
+
+def _save(trainer: Any, names: ModelNames, modules: list[Any], out: Path,
+          max_shard_size: int | str, cast: torch.dtype | None) -> Path:
+    state = {**trainer.unread, **trainer.package.export_state_dict(modules)}
     state = {n: state[n] for n in _model_order(names, state)}
     # a tied weight once, under its held name
     tied = {n: names.canonical(n) for n in state
