@@ -35,10 +35,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import dataclasses
 import datetime
 import faulthandler
 import io
 import json
+import os
 import re
 import signal
 import subprocess
@@ -78,6 +80,8 @@ LIMITS = {
     "different Python paths in float64 and float32": r"different graph in torch\.float64",
     "parametrizations.orthogonal": r"orthogonal",
 }
+# the file of the runtime's costs the parent measured, for its model processes
+COSTS = "ATOMC_SURVEY_RUNTIME_COSTS"
 SOURCE_LINE = re.compile(r"[\w./-]+\.py:\d+")
 # the chained sub-models to float64's rounding (float32's as the tests hold them)
 TOLERANCES = {"float64": {"chain": 1e-10}, "float32": {"chain": 1e-5}}
@@ -123,9 +127,14 @@ def survey_one(path: Path, config: str) -> dict:
     import torch
 
     from atomc.errors import AtomcError
+    from atomc.ir import RuntimeCosts
 
     from helpers import model_chain as mc
 
+    costs = os.environ.get(COSTS)
+    if costs:  # the parent's one measurement of the runtime's own costs on this machine
+        measured = RuntimeCosts(**json.loads(Path(costs).read_text()))
+        mc.RUNTIME_COSTS = lambda device: measured
     name = f"{path}::{config}"
     row = {"submodels": "", "dtype": "", "grad_diff": "", "weight_diff": ""}
     start = time.perf_counter()
@@ -249,6 +258,15 @@ def run_suite(suite: str, only: list[str], part: tuple[int, int], timeout: float
     logs = REPO / "out" / "survey" / suite
     logs.mkdir(parents=True, exist_ok=True)
     commit = _commit()
+    # measured once for the whole run: the runtime's costs are this machine's, not a model's
+    # (each profile holds them), and measuring them took 10-30 s a model
+    import torch
+
+    from atomc.calibrate import measure_runtime_costs
+
+    costs = logs / "runtime_costs.json"
+    costs.write_text(json.dumps(dataclasses.asdict(measure_runtime_costs(torch.device("cpu")))))
+    os.environ[COSTS] = str(costs)
     for i, (name, source, path) in enumerate(todo, 1):
         log = logs / (re.sub(r"[^\w.-]", "_", name) + ".log")
         row = _run_child(path, name, timeout, log)

@@ -135,7 +135,7 @@ def test_batch_norm_in_export_graphs_follows_the_mode(models_root):
     """export resolves `self.training` when it traces; BatchNorm in generated code follows the
     sub-model's mode again: running statistics in evaluation, batch statistics in training."""
     out, _, reference = chain("resnet-bn-export", models_root)
-    assert reference.graph.frontend == "export"
+    assert reference.frontend == "export"
     package = load_package(out)
     model = original(reference, torch.float64)
     subs = [s.to(torch.float64) for s in package.build_submodels()]

@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import re
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from atomc.partition import partition
 from atomc.profile import profile_model
 from atomc.runtime import SwapTrainer, micro_batch_rng
 from atomc.runtime.trace import replay_residency
-from atomc.trace import trace_model
+from atomc.trace import build_and_inputs, trace_model
 
 from helpers.detached import run_detached
 from shims import import_timm
@@ -175,16 +176,32 @@ _PROFILES: dict = {}
 _REFERENCES: dict = {}
 
 
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """A case's eager model, built on the CPU as its model file builds it (not traced again),
+    with the model file's example inputs, the model file, and the frontend that traced it."""
+
+    module: ModuleType
+    model: torch.nn.Module
+    inputs: tuple
+    frontend: str
+
+
+# the runtime's own costs a CPU profile holds (atomc.calibrate.measure_runtime_costs): the
+# machine's, measured once per process; bench/survey.py gives its processes one measurement
+RUNTIME_COSTS = measure_runtime_costs
+
+
 def chain(name: str, tmp_root: Path, transfer_dtype: str | None = None):
-    """(package dir, plan, CPU trace of the original) for a case and a planned transfer dtype,
-    made once per process (per pytest-xdist worker: on_the_worker_of)."""
+    """(package dir, plan, Reference) for a case and a planned transfer dtype, made once per
+    process (per pytest-xdist worker: on_the_worker_of)."""
     key = (name, transfer_dtype)
     if key not in _CHAINS:
         path, config = case(name)
         if name not in _PROFILES:
             meta = trace_model(path, config, MICRO, device="meta")
             _PROFILES[name] = profile_model(meta, device="cpu", repeats=1, progress=False,
-                                            runtime_costs=measure_runtime_costs)
+                                            runtime_costs=RUNTIME_COSTS)
         # a bfloat16 plan at the float32 plan's C: the checks give both packages one batch
         accums = (chain(name, tmp_root)[1].accum,) if transfer_dtype else ACCUMS
         plan, profile = three_way_plan(_PROFILES[name], transfer_dtype, accums)
@@ -194,7 +211,9 @@ def chain(name: str, tmp_root: Path, transfer_dtype: str | None = None):
         plan.save(plan_path)
         out = generate(plan, tmp_root / tag, profile=profile, plan_path=plan_path)
         if name not in _REFERENCES:
-            _REFERENCES[name] = trace_model(path, config, MICRO, device="cpu")
+            module, model, inputs = build_and_inputs(path, config, MICRO, {}, device="cpu")
+            _REFERENCES[name] = Reference(module, model.train(),
+                                          inputs, _PROFILES[name].graph.frontend)
         _CHAINS[key] = (out, plan, _REFERENCES[name])
     return _CHAINS[key]
 
