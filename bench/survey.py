@@ -245,7 +245,8 @@ def _where(e: BaseException) -> str:
 # the suite, model by model
 
 
-def run_suite(suite: str, only: list[str], part: tuple[int, int], timeout: float) -> Path:
+def run_suite(suite: str, only: list[str], part: tuple[int, int], timeout: float,
+              resume: bool = False) -> Path:
     todo = cases(suite)
     if only:
         unknown = set(only) - {n for n, _, _ in todo}
@@ -255,6 +256,9 @@ def run_suite(suite: str, only: list[str], part: tuple[int, int], timeout: float
     k, n = part
     todo = todo[k - 1::n]
     csv_path = OUT / f"{suite}.csv"
+    if resume:
+        done = {r["model"] for r in _read(csv_path)}
+        todo = [c for c in todo if c[0] not in done]
     logs = REPO / "out" / "survey" / suite
     logs.mkdir(parents=True, exist_ok=True)
     commit = _commit()
@@ -367,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", default=[], help="these models of the suite alone")
     ap.add_argument("--slice", default="1/1", help="K/N: every N-th model from the K-th")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per model")
+    ap.add_argument("--resume", action="store_true", help="skip models the CSV has a row for")
     ap.add_argument("--summary", action="store_true", help="write docs/model-files.md's table")
     ap.add_argument("--one", nargs=2, metavar=("FILE", "CONFIG"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -376,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.suite:
         k, n = (int(x) for x in args.slice.split("/"))
-        print(f"wrote {run_suite(args.suite, args.only, (k, n), args.timeout)}")
+        path = run_suite(args.suite, args.only, (k, n), args.timeout, args.resume)
+        print(f"wrote {path}")
     if args.summary:
         write_summary()
     if not (args.suite or args.summary):
