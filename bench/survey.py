@@ -135,6 +135,7 @@ def survey_one(path: Path, config: str) -> dict:
     if costs:  # the parent's one measurement of the runtime's own costs on this machine
         measured = RuntimeCosts(**json.loads(Path(costs).read_text()))
         mc.RUNTIME_COSTS = lambda device: measured
+    mc.PROFILE_ROUNDS = 1
     name = f"{path}::{config}"
     row = {"submodels": "", "dtype": "", "grad_diff": "", "weight_diff": ""}
     start = time.perf_counter()

@@ -190,6 +190,9 @@ class Reference:
 # the runtime's own costs a CPU profile holds (atomc.calibrate.measure_runtime_costs): the
 # machine's, measured once per process; bench/survey.py gives its processes one measurement
 RUNTIME_COSTS = measure_runtime_costs
+# rounds of CPU timing per operator (None: the profiler's default); the survey takes one, its
+# plans need 3+ sub-models rather than the best times
+PROFILE_ROUNDS: int | None = None
 
 
 def chain(name: str, tmp_root: Path, transfer_dtype: str | None = None):
@@ -201,7 +204,7 @@ def chain(name: str, tmp_root: Path, transfer_dtype: str | None = None):
         if name not in _PROFILES:
             meta = trace_model(path, config, MICRO, device="meta")
             _PROFILES[name] = profile_model(meta, device="cpu", repeats=1, progress=False,
-                                            runtime_costs=RUNTIME_COSTS)
+                                            rounds=PROFILE_ROUNDS, runtime_costs=RUNTIME_COSTS)
         # a bfloat16 plan at the float32 plan's C: the checks give both packages one batch
         accums = (chain(name, tmp_root)[1].accum,) if transfer_dtype else ACCUMS
         plan, profile = three_way_plan(_PROFILES[name], transfer_dtype, accums)
