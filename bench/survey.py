@@ -249,6 +249,7 @@ def _where(e: BaseException) -> str:
 def run_suite(suite: str, only: list[str], part: tuple[int, int], timeout: float,
               resume: bool = False) -> Path:
     todo = cases(suite)
+    order = [n for n, _, _ in todo]
     if only:
         unknown = set(only) - {n for n, _, _ in todo}
         if unknown:
@@ -277,7 +278,7 @@ def run_suite(suite: str, only: list[str], part: tuple[int, int], timeout: float
         row = _run_child(path, name, timeout, log)
         row.update(model=name, source=source, date=datetime.date.today().isoformat(),
                    commit=commit)
-        _merge(csv_path, suite, row)
+        _merge(csv_path, order, row)
         print(f"[{i}/{len(todo)}] {name}: {row['status']} {row['seconds']} s "
               f"{row['reason'][:160]}", flush=True)
     return csv_path
@@ -302,11 +303,13 @@ def _run_child(path: Path, config: str, timeout: float, log: Path) -> dict:
     return json.loads(lines[-1])
 
 
-def _merge(csv_path: Path, suite: str, row: dict) -> None:
-    """Writes `row` into the suite's CSV in place of that model's earlier row, in suite order
-    for the models surveyed so far."""
+def _merge(csv_path: Path, order: list[str], row: dict) -> None:
+    """Writes `row` into the suite's CSV in place of that model's earlier row, the rows in the
+    suite's order (`order`: its models' names)."""
     rows = {r["model"]: r for r in _read(csv_path)}
     rows[row["model"]] = {c: row.get(c, "") for c in COLUMNS}
+    rank = {n: i for i, n in enumerate(order)}
+    rows = dict(sorted(rows.items(), key=lambda kv: rank.get(kv[0], len(rank))))
     csv_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = csv_path.with_suffix(".tmp")
     with tmp.open("w", newline="") as f:
