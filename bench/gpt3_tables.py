@@ -398,8 +398,9 @@ moves them fails a test.
 The CPU AdamW rate is each hardware profile's host figure (`--cpu-adam-gbps auto`): 13.2 GB/s
 of fp32 masters for the V100's server host, 5.3 GB/s for the RTX 3090's desktop. `--gpu-mem`
 as listed, with the default 1 GiB reserve. C is the smallest accumulation degree whose best
-plan meets every constraint (DESIGN 4): every load hidden behind compute, every gradient
-offload and CPU update keeping pace with the backward, and memory, counting the runtime's two
+plan meets every constraint ([design](design.md#partition-algorithm-1-exact)): every load
+hidden behind compute, every gradient offload and CPU update keeping pace with the backward, and
+memory, counting the runtime's two
 weight and two gradient slots, each the size of the largest sub-model (atomc.runtime.slots).
 At the step boundary the GPU always waits for sub-model 0's gradients, CPU update and refresh;
 when sub-model 1's update is still running then, that wait grows, and the predicted step

@@ -21,9 +21,9 @@ traced step, the CPU optimizer's time, and the predicted step times: the first p
 the profile alone and re-costed on the calibrated profile (against its traced steps), and the
 re-plan's against its untraced steps in 2 (steps the calibration never saw).
 
-Goals (DESIGN 7, issues 5 and 14): swapped >= 0.9 x resident at the planner's C; >= 2x FSDP2
-CPU offload; transfers >= 85% of the pinned-copy peak; prediction within 10% (5% after
-calibration).
+Goals (docs/design.md, section "Runtime: one core for every way of training"; issues 5 and
+14): swapped >= 0.9 x resident at the planner's C; >= 2x FSDP2 CPU offload; transfers >= 85% of
+the pinned-copy peak; prediction within 10% (5% after calibration).
 
 Precision (`--dtype`, default bfloat16): float32 master weights and optimizer state for every
 contender, bfloat16 device copies of weights and gradients under torch.autocast(bfloat16) for

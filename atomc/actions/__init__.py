@@ -1,4 +1,5 @@
-"""Schedule IR (DESIGN 7a): one training step as a list of actions, with a compact text form.
+"""Schedule IR (docs/design.md, section "Runtime: one core for every way of training"):
+one training step as a list of actions, with a compact text form.
 
 Input of the runtimes that execute a schedule and of the simulator that times it, so that the
 two cannot disagree on what happens, only on how long it takes. `atomc.actions.orders` writes

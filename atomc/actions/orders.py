@@ -1,7 +1,8 @@
 """Schedule generators: (sub-models or stages, micro-batches) -> one step's list of actions.
 
-`atom_order` is the swap runtime's step (ATOM Fig. 12, DESIGN 7); `gpipe` and `one_f_one_b`
-are one pipeline stage's step in the layout runner (DESIGN 8); `swapped_stage_order` is a
+`atom_order` is the swap runtime's step (ATOM Fig. 12; docs/design.md, section "Runtime: one
+core for every way of training"); `gpipe` and `one_f_one_b` are one pipeline stage's step in
+the layout runner (docs/design.md, section "Place: DT-FM layouts"); `swapped_stage_order` is a
 layout stage's step when its sub-models are swapped. `pipedream` is a baseline that only the
 simulator times (atomc.compare): asynchronous 1F1B over several steps, which no atomc runtime
 executes (it would have to stash weight versions). The lists are in issue order: a runtime

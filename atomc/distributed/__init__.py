@@ -1,6 +1,6 @@
 """Stage 7, beyond one machine: a generated package trained over many processes.
 
-Two modes (DESIGN 8 and 9):
+Two modes (docs/design.md, sections "Place: DT-FM layouts" and "Peers and SWARM"):
 
 - **Layouts** (DT-FM): `atomc launch layout.json -- examples/train_layout.py ...` starts the
   layout's D_PP x D_DP processes under torchrun (elastic, c10d rendezvous). Each rank finds its

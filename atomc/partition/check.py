@@ -2,7 +2,8 @@
 
 It shares no code with cost.py or search.py: it walks the graph node by node with plain
 Python sets and sums, recomputes every sub-model's bytes and times from the profile, and tests
-the constraints of DESIGN 4 as the search states them (see search.py's docstring):
+the constraints of docs/design.md, section "Partition: Algorithm 1, exact", as the search
+states them (see search.py's docstring):
 
     memory     forward  mem_fwd(P_i) + params(P_{i+1})           <= M
                backward mem_bwd(P_{i+1}) + params(P_i)           <= M

@@ -1,5 +1,6 @@
-"""The constraints a partition plan must meet (DESIGN 4, plus the two gradient-lane ones), as
-slack per sub-model and constraint, with the message that names what is compared.
+"""The constraints a partition plan must meet (docs/design.md, section "Partition: Algorithm 1,
+exact", plus the two gradient-lane ones), as slack per sub-model and constraint, with the message
+that names what is compared.
 
 The search applies the same constraints as masks over all ranges (search.py lists them);
 `plan_slacks` lists them for one plan's `RangeCost`s, for the plan's report and messages.
@@ -41,7 +42,8 @@ class Slack:
 
 def plan_slacks(costs: list[RangeCost], usable_bytes: int,
                 early_prefetch: bool = False) -> list[Slack]:
-    """Every constraint of DESIGN 4 (plus the two gradient-lane ones) for a plan's ranges.
+    """Every constraint of docs/design.md, section "Partition: Algorithm 1, exact"
+    (plus the two gradient-lane ones) for a plan's ranges.
 
     With `early_prefetch` sub-model 1 loads during sub-model 0's update tail, so sub-model 0's
     forward overlap compares that tail with the load, and the tail has a memory requirement.

@@ -2,7 +2,8 @@
 step time the search adds up from them.
 
 A sub-model is a node range [start, stop) of the profile's graph; `atomc.partition.tables` holds
-its C-independent quantities. For the swap schedule (DESIGN 4 and 7, ATOM Fig. 12) each range
+its C-independent quantities. For the swap schedule (docs/design.md, sections "Partition:
+Algorithm 1, exact" and "Runtime: one core for every way of training"; ATOM Fig. 12) each range
 needs, for C micro-batches (`derive` over all ranges, `plan_costs` for a plan's):
 
 - forward and backward time of one micro-batch; with activations="recompute" the backward

@@ -26,7 +26,8 @@ backward of P_{i-1} (O_i <= B_{i-1}), and P_i's CPU update ends before P_{i-1}'s
 arrive (O_i + A_i <= B_{i-1} + O_{i-1}), for i >= 2 (i = 1 is the handover's). Then every lane
 starts each job when the compute lane asks for it, and the identity above holds exactly
 (integers, ns); test_partition checks it against the simulator. Each term depends on one range
-or two neighbouring ranges, and so does every constraint (DESIGN 4):
+or two neighbouring ranges, and so does every constraint (docs/design.md, section "Partition:
+Algorithm 1, exact"):
 
     memory   forward  mem_fwd(P_i) + params(P_{i+1})          <= M
              backward mem_bwd(P_{i+1}) + params(P_i)          <= M
