@@ -225,7 +225,8 @@ def _refusal(message: str) -> dict:
         return {"status": "fail", "reason": f"refusal naming no documented limit: {line}"}
     if not SOURCE_LINE.search(message):
         return {"status": "fail", "reason": f"refusal naming no source line: {line}"}
-    return {"status": "refused", "reason": f"{limit}: {line}"}
+    lines = list(dict.fromkeys(Path(m).name for m in SOURCE_LINE.findall(message)))
+    return {"status": "refused", "reason": f"{limit} (at {', '.join(lines[:4])}): {line}"}
 
 
 def _one_line(e: BaseException | str, limit: int = 400) -> str:

@@ -27,7 +27,10 @@ its codebook buffer in place (an EMA), and hand-written running statistics and a
 that the forward assigns to its buffers, and a VAE that samples with torch.distributions.
 From timm's zoo (timm.create_model, tiny configurations): an EfficientNet (BatchNorm,
 squeeze-excitation), a ConvNeXt, a Swin transformer (shifted windows) and a ViT; from
-diffusers: the conditional UNet of Stable Diffusion and the diffusion transformer DiT.
+diffusers: the conditional UNet of Stable Diffusion and the diffusion transformer DiT. From
+the coverage surveys (bench/survey.py), PyTorch's Hugging Face benchmark list's ALBERT with a
+question-answering head, from a tiny configuration. torchvision's models, the third survey,
+do not import beside this CPU torch (tests/shims/README.md) and run in the survey alone.
 """
 
 from __future__ import annotations

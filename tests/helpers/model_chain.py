@@ -83,6 +83,9 @@ CASES = {
     "timm-zoo-vit": (MODELS / "timm_zoo.py", "vit"),
     "diffusers-unet": (MODELS / "diffusers_zoo.py", "unet"),
     "diffusers-dit": (MODELS / "diffusers_zoo.py", "dit"),
+    # representatives of bench/survey.py's suites: PyTorch's Hugging Face list's ALBERT with a
+    # question-answering head (one layer's weights read at every depth, two logits out)
+    "albert-qa": (MODELS / "hf_benchmark.py", "AlbertForQuestionAnswering"),
 }
 # the survey's Hugging Face families (test_families), case "hf-NAME" for NAME of this file
 FAMILIES = MODELS / "hf_families.py"
