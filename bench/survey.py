@@ -251,6 +251,8 @@ def run_suite(suite: str, only: list[str], part: tuple[int, int], timeout: float
               resume: bool = False) -> Path:
     todo = cases(suite)
     order = [n for n, _, _ in todo]
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"{suite}.models").write_text("".join(f"{n}\n" for n in order))  # the summary's
     if only:
         unknown = set(only) - {n for n, _, _ in todo}
         if unknown:
@@ -340,19 +342,22 @@ BEGIN, END = "<!-- survey table: bench/survey.py --summary -->", "<!-- end of su
 
 
 def summary_table() -> str:
-    lines = [("| suite | models | pass | refused | fail | differs without an error | "
-             "seconds | date | commit |"), "|---|---|---|---|---|---|---|---|---|"]
+    lines = [("| suite | surveyed | pass | refused | fail | differs without an error | "
+              "seconds | date | commit |"), "|---|---|---|---|---|---|---|---|---|"]
     for suite in SUITES:
         rows = _read(OUT / f"{suite}.csv")
+        listed = OUT / f"{suite}.models"
+        size = len(listed.read_text().split()) if listed.exists() else len(rows)
         if not rows:
-            lines.append(f"| {suite} | not surveyed | | | | | | | |")
+            lines.append(f"| {suite} | 0 of {size} | | | | | | | |")
             continue
         count = {s: sum(r["status"] == s for r in rows) for s in ("pass", "refused", "fail")}
-        differs = sum("differs" in r["reason"] for r in rows)
+        differs = sum(r["status"] == "fail" and " differs: " in r["reason"] for r in rows)
         seconds = sum(float(r["seconds"] or 0) for r in rows)
         dates = sorted({r["date"] for r in rows})
         commits = sorted({r["commit"] for r in rows})
-        lines.append(f"| [{suite}](../bench/survey/{suite}.csv) | {len(rows)} | {count['pass']} "
+        lines.append(f"| [{suite}](../bench/survey/{suite}.csv) | {len(rows)} of {size} | "
+                     f"{count['pass']} "
                      f"({100 * count['pass'] / len(rows):.0f}%) | {count['refused']} | "
                      f"{count['fail']} | {differs} | {seconds:.0f} | "
                      f"{dates[0] if len(dates) == 1 else dates[0] + ' to ' + dates[-1]} | "
