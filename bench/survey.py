@@ -248,7 +248,7 @@ def _where(e: BaseException) -> str:
 
 
 def run_suite(suite: str, only: list[str], part: tuple[int, int], timeout: float,
-              resume: bool = False) -> Path:
+              resume: bool = False, csv_path: Path | None = None) -> Path:
     todo = cases(suite)
     order = [n for n, _, _ in todo]
     OUT.mkdir(parents=True, exist_ok=True)
@@ -260,7 +260,7 @@ def run_suite(suite: str, only: list[str], part: tuple[int, int], timeout: float
         todo = [c for c in todo if c[0] in only]
     k, n = part
     todo = todo[k - 1::n]
-    csv_path = OUT / f"{suite}.csv"
+    csv_path = csv_path or OUT / f"{suite}.csv"
     if resume:
         done = {r["model"] for r in _read(csv_path)}
         todo = [c for c in todo if c[0] not in done]
@@ -382,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slice", default="1/1", help="K/N: every N-th model from the K-th")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per model")
     ap.add_argument("--resume", action="store_true", help="skip models the CSV has a row for")
+    ap.add_argument("--csv", type=Path, help="write the rows here (default: bench/survey/SUITE"
+                                             ".csv), for slices run side by side")
     ap.add_argument("--summary", action="store_true", help="write docs/model-files.md's table")
     ap.add_argument("--one", nargs=2, metavar=("FILE", "CONFIG"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -391,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.suite:
         k, n = (int(x) for x in args.slice.split("/"))
-        path = run_suite(args.suite, args.only, (k, n), args.timeout, args.resume)
+        path = run_suite(args.suite, args.only, (k, n), args.timeout, args.resume, args.csv)
         print(f"wrote {path}")
     if args.summary:
         write_summary()
