@@ -454,6 +454,21 @@ class HostMemory:
 
 
 @dataclass(frozen=True)
+class SweepPoint:
+    """One accumulation degree C the partitioner weighed for throughput: the step it predicts,
+    the tokens a second that gives, and the resource that binds the step."""
+
+    accum: int
+    step_ms: float
+    tokens_per_s: float
+    gpu_busy: float  # compute-lane busy fraction of the step
+    binding: str  # the lane busiest over the step: "GPU compute", "CPU update", ...
+    feasible: bool  # every constraint met (else loads or lanes stall, or the host is short)
+    searched: bool  # its own search's plan (else a smaller C's cuts costed at this C)
+    host_bytes: int = 0  # host memory the run takes
+
+
+@dataclass(frozen=True)
 class Plan(Document):
     KIND: ClassVar[str] = "atomc.plan"
     OPTIONAL: ClassVar[tuple[str, ...]] = ("host_gap_ms", "host", "recompute_step_ms")
@@ -474,7 +489,9 @@ class Plan(Document):
     cut_bytes: int  # bytes crossing all cuts, one micro-batch
     predicted_step_ms: float
     predicted_utilisation: float  # GPU compute-busy fraction of the step
-    physical_bound_accum: float  # the C the per-block FLOP/byte argument asks for (DESIGN 4)
+    # the C the per-block FLOP/byte argument asks for (docs/design.md, section "Partition:
+    # Algorithm 1, exact")
+    physical_bound_accum: float
     feasible: bool
     binding: str  # "" when feasible; else the sub-model and constraint that fail
     atomc_version: str = ""
@@ -497,3 +514,7 @@ class Plan(Document):
     host: HostMemory | None = None
     # activations="auto": the predicted step had every sub-model recomputed its activations
     recompute_step_ms: float | None = None
+    # the degrees C weighed for tokens a second (empty: C was given, or the smallest
+    # feasible one was asked for with --accum min)
+    sweep: tuple[SweepPoint, ...] = ()
+    tokens_per_step: int = 0  # C micro-batches' tokens (samples where the model takes no ids)

@@ -293,12 +293,31 @@ def _feasible_at(profile, usable, accum):
             is not None)
 
 
-def test_searched_accum_is_the_smallest_feasible():
+def test_accum_min_is_the_smallest_feasible():
     profile = block_profile(num_blocks=8, h2d_gbps=2.0)
-    plan = partition(profile, 80 * MB, reserve_bytes=0)
-    assert plan.feasible and not plan.accum_fixed and plan.accum > 1
+    plan = partition(profile, 80 * MB, reserve_bytes=0, accum="min")
+    assert plan.feasible and not plan.accum_fixed and plan.accum > 1 and not plan.sweep
     assert not any(_feasible_at(profile, 80 * MB, c) for c in range(1, plan.accum))
     assert not check_plan(profile, plan)
+
+
+def test_searched_accum_trains_the_most_tokens_a_second_of_its_sweep():
+    """From the smallest feasible C up: the chosen C's plan predicts at least the tokens a
+    second of every C the sweep weighed, of the smallest feasible one's plan among them, and
+    more than it where the CPU update weighs on the step."""
+    profile = block_profile(num_blocks=8, h2d_gbps=2.0)
+    smallest = partition(profile, 80 * MB, reserve_bytes=0, accum="min", cpu_adam_gbps=0.5)
+    plan = partition(profile, 80 * MB, reserve_bytes=0, cpu_adam_gbps=0.5)
+    rate = plan.tokens_per_step / (plan.predicted_step_ms / 1e3)
+    assert plan.sweep and plan.sweep[0].accum == smallest.accum
+    assert all(rate >= pt.tokens_per_s * (1 - 1e-9) for pt in plan.sweep)
+    assert plan.accum > smallest.accum and rate > smallest.tokens_per_step / (
+        smallest.predicted_step_ms / 1e3)
+    assert [pt.accum for pt in plan.sweep] == sorted(pt.accum for pt in plan.sweep)
+    assert plan.feasible and not check_plan(profile, plan)
+    bound = partition(profile, 80 * MB, reserve_bytes=0, cpu_adam_gbps=0.5,
+                      max_global_batch=str(smallest.accum * profile.graph.batch_size))
+    assert bound.accum == smallest.accum
 
 
 def test_sub_model_1s_update_outlasting_the_first_backward_is_priced_not_refused():

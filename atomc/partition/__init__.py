@@ -1,27 +1,36 @@
-"""Partition: Profile -> Plan (DESIGN 4, ATOM III-D and Algorithm 1).
+"""Partition: Profile -> Plan (docs/design.md, section "Partition: Algorithm 1, exact"; ATOM
+III-D and Algorithm 1).
 
 `partition(profile, capacity_bytes, ...)` cuts the profiled graph into consecutive sub-models
 that can be swapped through a GPU of `capacity_bytes` (less a reserve) while the next one
 loads, chooses the accumulation degree C, and returns a Plan whose predicted step time and GPU
 utilisation come from the swap simulator (atomc.simulate).
 
-The decision is split as DESIGN 10 asks: tables.py (the C-independent prefix tables of every
-node range), cost.py (one run's cost formulas: per-sub-model times and bytes, the step's
-handover), constraints.py (each plan constraint's slack and message), search.py (exact dynamic
-programme with block folding), accum.py (choice of C), check.py (an independent checker).
+The decision is split as docs/design.md, section "Style" asks: tables.py (the C-independent
+prefix tables of every node range), cost.py (one run's cost formulas: per-sub-model times and
+bytes, the step's handover), constraints.py (each plan constraint's slack and message),
+search.py (exact dynamic programme with block folding), accum.py (choice of C), check.py (an
+independent checker).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
 
 from atomc import __version__
 from atomc.errors import InfeasiblePlanError, UsageError
-from atomc.ir import SCHEMA_VERSION, CutTensor, OpGraph, Plan, Profile, Submodel
+from atomc.ir import SCHEMA_VERSION, CutTensor, OpGraph, Plan, Profile, Submodel, SweepPoint
 from atomc.jsonio import canonical_hash
-from atomc.partition.accum import Outcome, choose_accum, physical_bound_accum
+from atomc.partition.accum import (
+    Outcome,
+    choose_accum,
+    physical_bound_accum,
+    takes_tokens,
+    tokens_per_microbatch,
+)
 from atomc.partition.activations import apply_policy, choose_policy
 from atomc.partition.constraints import (
     BACKWARD_OVERLAP,
@@ -46,6 +55,7 @@ from atomc.partition.cost import (
     slot_fits,
     with_slot_cap,
 )
+from atomc.partition.hostmem import HostBudget, check_plan_host, plan_host_memory
 from atomc.partition.precision import Precision, device_view, model_dtype, resolve_precision
 from atomc.partition.search import (
     Folding,
@@ -64,6 +74,8 @@ from atomc.partition.tables import (
     max_width_for,
     node_facts,
 )
+from atomc.partition.throughput import Candidate, parse_global_batch, sweep_accum
+from atomc.simulate import binding_lane, simulate_plan
 from atomc.simulate.events import copies_on_host, simulate_swap
 from atomc.units import format_bytes
 
@@ -81,24 +93,93 @@ _CAP_STEP = 0.85
 
 
 def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAULT_RESERVE_BYTES,
-              accum: int | None = None, max_accum: int = DEFAULT_MAX_ACCUM,
+              accum: int | str | None = None, max_accum: int = DEFAULT_MAX_ACCUM,
               activations: str = "auto", fold_blocks: bool = True,
               cpu_adam_gbps: float = DEFAULT_CPU_ADAM_GBPS, transfer_dtype: str | None = None,
-              autocast: str | None = None, cpu_adam_source: str = "given") -> Plan:
+              autocast: str | None = None, cpu_adam_source: str = "given",
+              max_global_batch: str | None = None, host: HostBudget | None = None) -> Plan:
     """The best plan for a GPU of `capacity_bytes`; InfeasiblePlanError when nothing fits.
 
     `transfer_dtype` is the dtype of the device copies of weights and gradients and `autocast`
     the compute dtype (atomc.partition.precision.resolve_precision gives the defaults).
 
-    C is the smallest that has a plan meeting every constraint (accum.choose_accum). The
-    runtime's two weight and two gradient slots are sized for the largest sub-model and held
-    all step (atomc.runtime.slots), a bound no pair of neighbours sees: at each C the search
-    runs with caps on the largest sub-model's parameters (every range within the cap, its
-    working memory beside four slots of the cap), and the best plan over the caps is kept."""
+    C (`accum`): given, or (None) the one that trains the most tokens a second
+    (partition.throughput), from the smallest that has a plan meeting every constraint
+    (accum.choose_accum: "min" stops there) up to `max_accum` and `max_global_batch` (samples,
+    or tokens with a "tokens" suffix), among those whose host memory fits `host` (the plan
+    states its bytes by kind; UsageError when no C fits). The runtime's two weight and two
+    gradient slots are
+    sized for the largest sub-model and held all step (atomc.runtime.slots), a bound no pair
+    of neighbours sees: at each C the search runs with caps on the largest sub-model's
+    parameters (every range within the cap, its working memory beside four slots of the cap),
+    and the best plan over the caps is kept."""
+    weighed = _weigh(profile, capacity_bytes, reserve_bytes, accum, max_accum,
+                     "recompute" if activations == "auto" else activations, fold_blocks,
+                     cpu_adam_gbps, transfer_dtype, autocast, cpu_adam_source, max_global_batch)
+    host = host or HostBudget()
+    view = device_view(profile, resolve_precision(profile, transfer_dtype, autocast))
+
+    def with_host(plan: Plan) -> Plan:
+        return dataclasses.replace(plan, host=plan_host_memory(
+            plan, profile.graph, host.optimizer_states, host.limit_bytes, host.source,
+            clipping=host.clipping))
+
+    weighed = [(with_host(plan), searched) for plan, searched in weighed]
     if activations == "auto":  # cut for recomputation, then the policy (partition.activations)
-        plan = partition(profile, capacity_bytes, reserve_bytes, accum, max_accum, "recompute",
-                         fold_blocks, cpu_adam_gbps, transfer_dtype, autocast, cpu_adam_source)
-        return choose_policy(plan, profile)
+        # the operators' outputs sent to the host take what the host has left
+        weighed = [(with_host(choose_policy(
+                        plan, profile, view=view,
+                        host_room_bytes=(host.limit_bytes - plan.host.total()
+                                         if host.limit_bytes else None))), searched)
+                   for plan, searched in weighed]
+    fitting = [w for w in weighed if not host.limit_bytes or w[0].host.total() <= host.limit_bytes]
+    if not fitting:
+        smallest = weighed[0][0]
+        check_plan_host(smallest.host, frozen=smallest.host.frozen_params > 0)
+    best = max(fitting, key=lambda w: (tokens_per_s(w[0]), -w[0].accum))[0]
+    if len(weighed) == 1:
+        return best
+    sweep = tuple(sweep_point(plan, searched) for plan, searched in weighed)
+    smallest = weighed[0][0]
+    notes = best.notes
+    if best.accum != smallest.accum:
+        notes = (*notes, (f"C={best.accum} trains the most tokens a second "
+                          f"({tokens_per_s(best):,.0f}); the smallest C that meets every "
+                          f"constraint is {smallest.accum} ({tokens_per_s(smallest):,.0f})"))
+    return dataclasses.replace(best, sweep=sweep, notes=notes)
+
+
+def tokens_per_s(plan: Plan) -> float:
+    """A plan's predicted tokens a second (samples where the model takes no token ids)."""
+    return plan.tokens_per_step / (plan.predicted_step_ms / 1e3) if plan.predicted_step_ms else 0.0
+
+
+def sweep_point(plan: Plan, searched: bool) -> SweepPoint:
+    """What `atomc show --sweep` prints of a plan weighed for C."""
+    sim = simulate_plan(plan)
+    host = plan.host
+    over = host is not None and host.limit_bytes and host.total() > host.limit_bytes
+    return SweepPoint(accum=plan.accum, step_ms=plan.predicted_step_ms,
+                      tokens_per_s=tokens_per_s(plan), gpu_busy=plan.predicted_utilisation,
+                      binding=("host memory" if over else binding_lane(sim.timeline)),
+                      feasible=plan.feasible and not over, searched=searched,
+                      host_bytes=host.total() if host is not None else 0)
+
+
+def _weigh(profile: Profile, capacity_bytes: int, reserve_bytes: int, accum: int | str | None,
+           max_accum: int, activations: str, fold_blocks: bool, cpu_adam_gbps: float,
+           transfer_dtype: str | None, autocast: str | None, cpu_adam_source: str,
+           max_global_batch: str | None) -> list[tuple[Plan, bool]]:
+    """The plans weighed for C, by C (the smallest feasible one first), each with whether its
+    own search found it (else: another C's cuts costed at its C); one plan when C is given
+    or the smallest feasible one is asked for ("min")."""
+    smallest = accum == "min"
+    if isinstance(accum, str):
+        if not smallest:
+            raise UsageError(f"--accum {accum!r}: give a number C, or min (the smallest C that "
+                             f"meets every constraint; default: the C of the most tokens a "
+                             f"second)")
+        accum = None
     if activations not in ACTIVATIONS:
         raise UsageError(f"activations {activations!r}: expected one of auto, "
                          f"{', '.join(ACTIVATIONS)}")
@@ -165,22 +246,93 @@ def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAUL
                        with_slot_cap(d, _largest_params(tables, p, result), usable))
         if tier1 is not None and _utilisation(tables, p, tier1) >= o.utilisation:
             result = tier1
-    largest = _largest_params(tables, p, result)
     notes = [f"accumulation degrees tried: {', '.join(str(c) for c in sorted(choice.tried))}"]
-    if result.folded_positions:
-        notes.append(f"repeated blocks folded {result.folded_positions} of "
-                     f"{facts.num_nodes - 1} cut positions")
-    each = "one" if not result.cuts else "two"
-    notes.append(f"the runtime's {each} weight and {each} gradient slots, each the size of the "
-                 f"largest sub-model ({format_bytes(largest)}): "
-                 f"{format_bytes(min(2, len(result.cuts) + 1) * 2 * largest)} of "
-                 f"{format_bytes(usable)}")
-    notes.extend(precision.notes)
-    return build_plan(profile, tables, p, result.cuts,
-                      capacity_bytes=capacity_bytes, reserve_bytes=reserve_bytes,
-                      accum_fixed=accum is not None, tier=result.tier, notes=notes,
-                      early_prefetch=result.early_prefetch, precision=precision, view=view,
-                      cpu_adam_source=cpu_adam_source)
+    cuts, early, tier = result.cuts, result.early_prefetch, result.tier
+    tokens = tokens_per_microbatch(view)
+    if accum is None and not smallest:
+        stop = max_accum
+        bound = parse_global_batch(max_global_batch, view.graph.batch_size, tokens,
+                                   takes_tokens(view))
+        if bound is not None:
+            stop = min(stop, bound)
+            if o.accum > bound:
+                raise UsageError(
+                    f"--max-global-batch {max_global_batch} allows C <= {bound}, but the "
+                    f"smallest C whose plan meets every constraint is {o.accum}; raise "
+                    f"--max-global-batch or give --gpu-mem more")
+        candidates = sweep_accum(
+            _candidate(tables, profile, p, result.cuts, result.early_prefetch, result.tier,
+                       result), lambda c, base: _at(tables, profile, params_for(c), base, folding),
+            lambda c: _best_at(tables, profile, params_for(c), run(c)), stop, tokens)
+    else:
+        candidates = [_candidate(tables, profile, p, cuts, early, tier, result)]
+
+    def plan_of(cand: Candidate) -> Plan:
+        pc = params_for(cand.accum)
+        found = cand.result if cand.result is not None else result
+        largest = max(c.param_bytes for c in plan_costs(tables, pc, list(cand.cuts)))
+        own = list(notes)
+        if found.folded_positions:
+            own.append(f"repeated blocks folded {found.folded_positions} of "
+                       f"{facts.num_nodes - 1} cut positions")
+        each = "one" if not cand.cuts else "two"
+        own.append(f"the runtime's {each} weight and {each} gradient slots, each the size of "
+                   f"the largest sub-model ({format_bytes(largest)}): "
+                   f"{format_bytes(min(2, len(cand.cuts) + 1) * 2 * largest)} of "
+                   f"{format_bytes(usable)}")
+        own.extend(precision.notes)
+        plan = build_plan(profile, tables, pc, cand.cuts,
+                          capacity_bytes=capacity_bytes, reserve_bytes=reserve_bytes,
+                          accum_fixed=accum is not None, tier=cand.tier, notes=own,
+                          early_prefetch=cand.early_prefetch, precision=precision, view=view,
+                          cpu_adam_source=cpu_adam_source)
+        return dataclasses.replace(plan, tokens_per_step=pc.accum * tokens)
+
+    return [(plan_of(cand), cand.searched) for cand in candidates]
+
+
+def _simulated_cuts(tables: RangeTables, profile: Profile, p: CostParams, cuts,
+                    early_prefetch: bool):
+    """(costs, simulation) of a plan with these cuts at `p`, as build_plan simulates it."""
+    costs = plan_costs(tables, p, list(cuts))
+    sim = simulate_swap(range_stage_times(costs), p.accum,
+                        early_prefetch=early_prefetch and len(costs) > 1,
+                        host_copies=copies_on_host(profile.device),
+                        host_gap_ns=round(host_gap_ms(profile) * NS_PER_MS), record=True)
+    return costs, sim
+
+
+def _candidate(tables: RangeTables, profile: Profile, p: CostParams, cuts, early_prefetch: bool,
+               tier: int, result: SearchResult | None) -> Candidate:
+    costs, sim = _simulated_cuts(tables, profile, p, cuts, early_prefetch)
+    feasible = all(s.slack >= 0 for s in plan_slacks(costs, p.usable_bytes, early_prefetch))
+    return Candidate(p.accum, tuple(cuts), early_prefetch, sim, feasible, result is not None,
+                     tier=tier if result is not None else (0 if feasible else 1), result=result)
+
+
+def _at(tables: RangeTables, profile: Profile, p: CostParams, base: Candidate,
+        folding: Folding | None) -> Candidate | None:
+    """A plan at `p`'s C: `base`'s cuts costed again where their memory still fits, else the
+    first plan a search finds (every constraint, else memory alone); None when none fits."""
+    costs = plan_costs(tables, p, list(base.cuts))
+    slacks = plan_slacks(costs, p.usable_bytes, base.early_prefetch)
+    if all(s.slack >= 0 for s in slacks if s.constraint == MEMORY):
+        return _candidate(tables, profile, p, base.cuts, base.early_prefetch, 0, None)
+    d = derive(tables, p)
+    for tier in (0, 2):
+        found = _over_caps(tables, p, d, folding, tier, first=True)
+        if found is not None:
+            return _candidate(tables, profile, p, found.cuts, found.early_prefetch, found.tier,
+                              found)
+    return None
+
+
+def _best_at(tables: RangeTables, profile: Profile, p: CostParams,
+             outcome: Outcome) -> Candidate | None:
+    found = outcome.result
+    if found is None:
+        return None
+    return _candidate(tables, profile, p, found.cuts, found.early_prefetch, found.tier, found)
 
 
 def plan_tables(facts: NodeFacts, usable_bytes: int, activations: str = "recompute"
@@ -344,7 +496,8 @@ def _utilisation(tables: RangeTables, p: CostParams, result: SearchResult) -> fl
 
 def _check_operators_fit(profile: Profile, facts: NodeFacts, tables: RangeTables, p: CostParams,
                          reserve_bytes: int) -> None:
-    """DESIGN 4.4: every operator must fit alone; else name the largest and a budget that works."""
+    """Every operator must fit alone (docs/partitioning.md, section "The constraints"); else name
+    the largest and a budget that works."""
     d = derive(tables, p)
     alone = np.maximum(d.mem_fwd_bytes[:, 1], d.mem_bwd_bytes[:, 1])  # ranges of one node
     j = int(np.argmax(alone))

@@ -1,4 +1,5 @@
-"""Choice of the accumulation degree C, and the physical bound it is compared with (DESIGN 4).
+"""Choice of the accumulation degree C, and the physical bound it is compared with
+(docs/design.md, section "Partition: Algorithm 1, exact").
 
 A larger C lengthens each sub-model's compute (C micro-batches) against the same parameter
 loads, so overlap gets easier; it also keeps C micro-batches of boundary activations on the
@@ -138,6 +139,14 @@ def choose_accum(run: Callable[[int], Outcome], max_accum: int,
     return AccumChoice(best, tried)
 
 
+def takes_tokens(profile: Profile) -> bool:
+    """Whether the model's first integer input is token ids (tokens_per_microbatch counts
+    them); a model of floating inputs counts samples."""
+    return any(node.op == "placeholder" and node.outputs
+               and node.outputs[0].dtype.startswith(("int", "uint"))
+               for node in profile.graph.nodes)
+
+
 def tokens_per_microbatch(profile: Profile) -> int:
     """Tokens in one micro-batch: the first integer input's elements (batch x sequence)."""
     for node in profile.graph.nodes:
@@ -162,7 +171,8 @@ def achieved_flops_per_s(profile: Profile) -> float:
 
 
 def physical_bound_accum(profile: Profile) -> float:
-    """C such that C*T = bytes_per_param * F / (2 * B): forward hides a block's load (DESIGN 4).
+    """C such that C*T = bytes_per_param * F / (2 * B): forward hides a block's load
+    (docs/design.md, section "Partition: Algorithm 1, exact").
 
     Per transformer block a micro-batch of T tokens costs about 24*T*d^2 FLOPs forward and the
     block's 12*d^2 parameters must be loaded, independent of d.

@@ -62,16 +62,18 @@ def candidates(view: Profile, sub: Submodel) -> list[_Candidate]:
     return out
 
 
-def choose_policy(plan: Plan, profile: Profile, host_room_bytes: int | None = None) -> Plan:
+def choose_policy(plan: Plan, profile: Profile, host_room_bytes: int | None = None,
+                  view: Profile | None = None) -> Plan:
     """`plan` (cut for recomputed activations, from `profile`) with each sub-model's kept and
     sent operators, its times and slacks adjusted, re-simulated; `plan` with activations
     "auto" and nothing stored when that is no faster. `host_room_bytes`: host memory free
-    beyond the plan's own (None: not checked)."""
+    beyond the plan's own (None: not checked); `view`: the profile at the plan's dtypes, when
+    the caller has it (device_view)."""
     subs = list(plan.submodels)
     c = plan.accum
     if len(subs) < 2 or plan.activations == "keep":
         return plan
-    view = _view(profile, plan)
+    view = view or _view(profile, plan)
     h2d, d2h = profile.h2d_gbps, profile.d2h_gbps
     pool = [cand for s in subs[:-1] for cand in candidates(view, s)]
     pool.sort(key=lambda x: (-x.saving_ms / x.nbytes, x.submodel, x.node))

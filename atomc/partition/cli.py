@@ -20,9 +20,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-mem", required=True, metavar="SIZE", help="GPU memory, e.g. 11GiB, 16GB")
     p.add_argument("--reserve", default="1GiB", metavar="SIZE",
                    help="memory kept free for the CUDA context and fragmentation (default 1GiB)")
-    p.add_argument("--accum", type=int, metavar="C", help="fix the accumulation degree C")
+    p.add_argument("--accum", metavar="C",
+                   help="fix the accumulation degree C, or min: the smallest C that meets "
+                        "every constraint (default: the C that trains the most tokens a "
+                        "second, weighed from that smallest one up; atomc show --sweep)")
     p.add_argument("--max-accum", type=int, default=DEFAULT_MAX_ACCUM, metavar="N",
                    help=f"largest C the search may choose (default {DEFAULT_MAX_ACCUM})")
+    p.add_argument("--max-global-batch", metavar="N",
+                   help="largest global batch the chosen C may make: samples (64) or tokens "
+                        "(512k-tokens); C x micro-batch stays within it")
     p.add_argument("--activations", choices=POLICIES, default="auto",
                    help="auto (default): keep or send to host memory the heavy operators' "
                         "outputs the memory and link slack allow, recompute the rest; "
@@ -48,6 +54,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--optimizer-states", default="float32", choices=("float32", "bfloat16"),
                    help="dtype of AdamW's two moments on the host (default float32; bfloat16 "
                         "halves them, the update still computes in float32)")
+    p.add_argument("--clipping", action="store_true",
+                   help="the run will clip its gradients' global norm (atomc train "
+                        "--max-grad-norm): every sub-model's gradients are held on the host "
+                        "until the last arrives, not a ring of those in flight (a float16 run's "
+                        "loss scaling holds them too)")
     p.add_argument("--no-fold", action="store_true",
                    help="do not fold repeated blocks (slower, same plan)")
     p.add_argument("-o", "--output", help="plan JSON path (default PROFILE with .plan.json)")
@@ -63,6 +74,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--all", action="store_true", help="list every sub-model and cut")
     s.add_argument("--schedule", action="store_true",
                    help="also print one step's actions in the order the swap runtime runs them")
+    s.add_argument("--sweep", action="store_true",
+                   help="also print, per accumulation degree C weighed, the predicted step, "
+                        "tokens a second and the resource that binds it")
     s.set_defaults(func=run_show)
 
 
@@ -77,6 +91,7 @@ def run_partition(args: argparse.Namespace) -> int:
     from atomc.calibrate.host import resolve_cpu_adam
     from atomc.ir import Profile
     from atomc.partition import partition
+    from atomc.partition.hostmem import HostBudget, resolve_host_mem
     from atomc.partition.precision import resolve_precision
     from atomc.partition.report import render_plan
 
@@ -86,12 +101,13 @@ def run_partition(args: argparse.Namespace) -> int:
     transfer = resolve_precision(profile, args.transfer_dtype, args.autocast).transfer_dtype
     cpu_adam, cpu_adam_source = resolve_cpu_adam(args.cpu_adam_gbps, profile,
                                                 args.optimizer_states, transfer)
-    plan = partition(profile, capacity, reserve_bytes=reserve, accum=args.accum,
+    limit, source = resolve_host_mem(args.host_mem, profile)
+    plan = partition(profile, capacity, reserve_bytes=reserve, accum=_accum(args.accum),
                      max_accum=args.max_accum, activations=args.activations,
                      fold_blocks=not args.no_fold, cpu_adam_gbps=cpu_adam,
                      cpu_adam_source=cpu_adam_source, transfer_dtype=args.transfer_dtype,
-                     autocast=args.autocast)
-    plan = with_host_memory(plan, profile, args.host_mem, args.optimizer_states)
+                     autocast=args.autocast, max_global_batch=args.max_global_batch,
+                     host=HostBudget(limit, source, args.optimizer_states, args.clipping))
     out = Path(args.output) if args.output else _default_output(args.profile)
     plan.save(out)
     print(render_plan(plan, None if args.all else 40))
@@ -105,16 +121,16 @@ def run_partition(args: argparse.Namespace) -> int:
     return 0
 
 
-def with_host_memory(plan, profile, host_mem: str | None, optimizer_states: str):
-    """`plan` with its host bytes stated; UsageError when they exceed the host's memory."""
-    import dataclasses
+def _accum(value: str | None) -> int | str | None:
+    """--accum: a number, "min", or nothing (the C of the most tokens a second)."""
+    from atomc.errors import UsageError
 
-    from atomc.partition.hostmem import check_plan_host, plan_host_memory, resolve_host_mem
-
-    limit, source = resolve_host_mem(host_mem, profile)
-    host = plan_host_memory(plan, profile.graph, optimizer_states, limit, source)
-    check_plan_host(host, frozen=host.frozen_params > 0)
-    return dataclasses.replace(plan, host=host)
+    if value is None or value.strip().lower() == "min":
+        return None if value is None else "min"
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"--accum {value!r} is not a number; give C (e.g. 4) or min") from None
 
 
 def _write_timeline(plan, path: str) -> None:
@@ -126,10 +142,13 @@ def _write_timeline(plan, path: str) -> None:
 
 def run_show(args: argparse.Namespace) -> int:
     from atomc.ir import Plan
-    from atomc.partition.report import render_plan
+    from atomc.partition.report import render_plan, sweep_table
 
     plan = Plan.load(args.plan)
     print(render_plan(plan, None if args.all else 40))
+    if args.sweep:
+        print()
+        print(sweep_table(plan))
     if args.schedule:
         print()
         print(render_schedule(plan))

@@ -21,8 +21,7 @@ Kinds (bytes):
   in a chunk at a time: master, gradient and two moments, UPDATE_CHUNK elements each at most
   (`update_scratch_numel`); frozen weights have none.
 - `transfer_copies`: the images the GPU loads in one copy per sub-model (the transfer dtype,
-  tied replicas included), in one pinned arena as the pinned allocator rounds it (a power of
-  two) on CUDA.
+  tied replicas included), in one arena, page-locked where it lies on CUDA (no rounding).
 - `gradient_buffers`: the pinned arena the gradients come back into (trainable weights only):
   one buffer per sub-model where every gradient must be in before any update (clipping, fp16
   loss scaling), else a ring of `grad_slots` buffers of the largest sub-model's size, taken
@@ -66,15 +65,6 @@ KIND_WORDS = {"masters": "masters beyond the images", "optimizer_states": "optim
               "transfer_copies": "pinned transfer images", "gradient_buffers": "gradient buffers",
               "activation_stash": "activation stash",
               "activations_sent": "activations sent to host"}
-
-
-def pinned_allocation_bytes(nbytes: int) -> int:
-    """What PyTorch's pinned host allocator takes for a request of `nbytes`: the next power of two.
-
-    CachingHostAllocator's default; a lowered round threshold in its settings makes this an
-    overestimate for large requests, never an underestimate.
-    """
-    return 1 << (nbytes - 1).bit_length() if nbytes > 1 else nbytes
 
 
 def arena_bytes(nbytes: Sequence[int]) -> int:
@@ -129,7 +119,7 @@ def chunked_update(master_dtype: str, transfer_dtype: str, optimizer_states: str
 
 
 def host_bytes_by_kind(subs: Sequence[SubmodelWeights], master_dtype: str, transfer_dtype: str,
-                       pin: bool, optimizer_states: str = "float32",
+                       optimizer_states: str = "float32",
                        stash_bytes: int = 0, sent_bytes: int = 0,
                        grad_slots: int | None = None) -> dict[str, int]:
     """Host bytes of a swap run by kind (see the module docstring); the runtime's sizes.
@@ -150,12 +140,23 @@ def host_bytes_by_kind(subs: Sequence[SubmodelWeights], master_dtype: str, trans
     return {
         "masters": masters,
         "optimizer_states": states,
-        "transfer_copies": pinned_allocation_bytes(images) if pin else images,
-        "gradient_buffers": ((pinned_allocation_bytes(grads) if pin else grads)
-                             + (sum(s.shared for s in subs) * mb if ring else 0)),
-        "activation_stash": pinned_allocation_bytes(stash_bytes) if pin else stash_bytes,
-        "activations_sent": pinned_allocation_bytes(sent_bytes) if pin else sent_bytes,
+        "transfer_copies": images,
+        "gradient_buffers": grads + (sum(s.shared for s in subs) * mb if ring else 0),
+        "activation_stash": stash_bytes,
+        "activations_sent": sent_bytes,
     }
+
+
+@dataclass(frozen=True)
+class HostBudget:
+    """What the partitioner plans the host side for: the memory the run may take (0: not
+    checked) and where that figure comes from, the moments' dtype, and whether the run clips
+    its gradients' norm (it then holds every sub-model's gradients)."""
+
+    limit_bytes: int = 0
+    source: str = ""
+    optimizer_states: str = "float32"
+    clipping: bool = False
 
 
 def available_host_bytes() -> int | None:
@@ -254,26 +255,47 @@ def plan_sent_bytes(plan_submodels: Sequence[Submodel], accum: int) -> int:
     return accum * sum(s.sent_bytes for s in plan_submodels)
 
 
+def plan_grad_slots(plan: Plan, every_gradient: bool = False) -> int | None:
+    """The host gradient buffers `plan`'s run takes in turn: one more than the most sub-models
+    whose gradients its simulated steps hold at once (from the copy that brings them back to
+    the update that consumes them), so that a slower update than planned still leaves one;
+    None (one per sub-model) where that is all of them, and where the run clips or scales its
+    loss (`every_gradient`: no update before every gradient is in)."""
+    from atomc.simulate import gradients_in_flight, simulate_plan
+
+    if every_gradient:
+        return None
+    # at least one arriving while another is consumed
+    slots = max(2, gradients_in_flight(simulate_plan(plan, num_steps=2).timeline) + 1)
+    return slots if slots < len(plan.submodels) else None
+
+
+def loss_scaled(plan: Plan) -> bool:
+    """Whether a run of `plan` scales its loss by default (a float16 transfer or compute
+    dtype: atomc.runtime's loss_scale default), which holds every gradient like clipping."""
+    return "float16" in (plan.transfer_dtype, plan.autocast)
+
+
 def plan_host_memory(plan: Plan, graph: OpGraph, optimizer_states: str = "float32",
                      limit_bytes: int = 0, limit_source: str = "",
-                     pin: bool | None = None) -> HostMemory:
-    """The host bytes of `plan`'s run by kind (the runtime's formula) and its limit. `pin`:
-    whether the run pins its arenas (default: unless the plan's device is the CPU)."""
+                     clipping: bool = False) -> HostMemory:
+    """The host bytes of `plan`'s run by kind (the runtime's formula) and its limit;
+    `clipping`: the run clips its gradients' global norm (every gradient is held)."""
     moment_bytes(optimizer_states)  # a bad name fails here, in one line
     master = "float64" if graph.dtype == "float64" else "float32"
     transfer = plan.transfer_dtype or (graph.dtype if graph.dtype in DTYPE_BYTES else master)
     subs = plan_weights(graph, plan.submodels, transfer)
     stash = plan_stash_bytes(plan.submodels, plan.accum, plan.activations)
-    pin = plan.device != "cpu" if pin is None else pin
     sent = plan_sent_bytes(plan.submodels, plan.accum)
-    by_kind = host_bytes_by_kind(subs, master, transfer, pin=pin,
-                                 optimizer_states=optimizer_states, stash_bytes=stash,
-                                 sent_bytes=sent)
+    slots = plan_grad_slots(plan, clipping or loss_scaled(plan))
+    by_kind = host_bytes_by_kind(subs, master, transfer, optimizer_states=optimizer_states,
+                                 stash_bytes=stash, sent_bytes=sent, grad_slots=slots)
     trainable = sum(s.trainable for s in subs)
     return HostMemory(by_kind=by_kind, optimizer_states=optimizer_states,
                       trainable_params=trainable,
                       frozen_params=sum(s.owned for s in subs) - trainable,
-                      limit_bytes=limit_bytes, limit_source=limit_source)
+                      limit_bytes=limit_bytes, limit_source=limit_source,
+                      grad_slots=slots or 0)
 
 
 def resolve_host_mem(value: str | None, profile: Profile) -> tuple[int, str]:

@@ -26,7 +26,9 @@ def _signed_ms(ms: float) -> str:
 
 def summary(plan: Plan) -> str:
     name = plan.config or plan.model_path
-    how = "fixed" if plan.accum_fixed else "searched"
+    how = ("fixed" if plan.accum_fixed else
+           f"the most tokens a second of {len(plan.sweep)} weighed: atomc show --sweep"
+           if plan.sweep else "searched")
     lines = [
         f"plan      {name} ({plan.model_path}), micro-batch {plan.batch_size}, on {plan.device}",
         (f"memory    {format_bytes(plan.capacity_bytes)} GPU, "
@@ -41,6 +43,8 @@ def summary(plan: Plan) -> str:
         + ("; sub-model 1 loads during sub-model 0's update" if plan.early_prefetch else ""),
         (f"predicted step {format_ms(plan.predicted_step_ms)}, "
          f"GPU busy {plan.predicted_utilisation:.1%}"
+         + (f", {_rate(plan.tokens_per_step, plan.predicted_step_ms)} "
+            f"({plan.tokens_per_step:,} a step)" if plan.tokens_per_step else "")
          + (f" (recomputing everything: {format_ms(plan.recompute_step_ms)})"
             if plan.recompute_step_ms is not None else "")),
     ]
@@ -53,6 +57,29 @@ def summary(plan: Plan) -> str:
     else:
         lines.append(f"status    no plan meets every constraint up to this C; "
                      f"binding: {plan.binding}")
+    return "\n".join(lines)
+
+
+def _rate(tokens: float, step_ms: float) -> str:
+    return f"{tokens / (step_ms / 1e3):,.0f} tokens/s" if step_ms else "- tokens/s"
+
+
+def sweep_table(plan: Plan) -> str:
+    """Per C weighed: the predicted step, tokens a second and what binds the step."""
+    if not plan.sweep:
+        return ("sweep     none: C was given (--accum) or the smallest feasible one asked for "
+                "(--accum min)")
+    per_c = plan.tokens_per_step // plan.accum if plan.accum else 0
+    header = (f"{'C':>4} {'step':>11} {'tokens/s':>11} {'tokens/step':>12} {'GPU busy':>9}  "
+              f"{'binding':<32} plan")
+    lines = [header]
+    for pt in plan.sweep:
+        mark = "chosen" if pt.accum == plan.accum else ""
+        how = ("searched" if pt.searched else "cuts of a smaller C") + (
+            "" if pt.feasible else ", loads stall")
+        lines.append(f"{pt.accum:>4} {format_ms(pt.step_ms):>11} {pt.tokens_per_s:>11,.0f} "
+                     f"{pt.accum * per_c:>12,} {pt.gpu_busy:>9.1%}  {pt.binding:<32} "
+                     f"{how}{'  <- ' + mark if mark else ''}")
     return "\n".join(lines)
 
 

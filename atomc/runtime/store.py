@@ -19,15 +19,11 @@ A tied parameter has one master and one optimizer state (in its first holder, th
 sub-model index); each holder's image carries a replica refreshed from that master after
 every update, so every holder is loaded with the same weights.
 
-Pinned memory: PyTorch's pinned host allocator (CachingHostAllocator) rounds every
-`pin_memory=True` allocation up to a power of two (its default policy), so a pinned
-allocation per buffer could take up to twice the bytes the buffers hold, once per buffer. All
-images are therefore views into ONE allocation (a `HostArena`), and all gradient buffers into
-another: the rounding is paid once per arena. The arenas are allocated once and reused every
-step, so pinned memory is bounded by the model: under twice the arenas' bytes, which are twice
-the parameter bytes in the transfer dtype (plus 512-byte alignment). `pinned_bytes()` reports
-what the allocator took, rounding included. The fp32 masters behind a half-precision transfer
-copy are not pinned (the device never reads them).
+Pinned memory: each kind's buffers are views into ONE allocation (a `HostArena`), page-locked
+where it lies (cudaHostRegister): one registration per kind, and none of the power-of-two
+rounding PyTorch's pinned allocator (pin_memory=True) puts on every allocation, up to twice
+the bytes. The arenas are allocated once and reused every step. The residuals and moments are
+not pinned (the device never reads them).
 """
 
 from __future__ import annotations
@@ -48,7 +44,6 @@ from atomc.partition.hostmem import (
     MOMENTS_PER_WEIGHT,
     SubmodelWeights,
     host_bytes_by_kind,
-    pinned_allocation_bytes,
 )
 from atomc.runtime.package import SwapPackage
 
@@ -270,7 +265,9 @@ class HostArena:
             offsets.append(start)
             end = start + math.prod(shape) * dtype.itemsize
         self.nbytes = end  # what the buffers span, alignment gaps included
-        self.storage = torch.zeros(end, dtype=torch.uint8, pin_memory=pin)
+        self.storage = torch.zeros(end, dtype=torch.uint8)
+        if pin and end:
+            register_pinned(self.storage)
         self.buffers: list[torch.Tensor] = []
         for (shape, dtype, strides), start in zip(laid, offsets):
             flat = self.storage[start:start + math.prod(shape) * dtype.itemsize].view(dtype)
@@ -278,8 +275,30 @@ class HostArena:
                                 else flat.as_strided(shape, strides))
 
     def pinned_bytes(self) -> int:
-        """Pinned host bytes this arena holds, as the allocator rounded them (0 when not pinned)."""
-        return pinned_allocation_bytes(self.nbytes) if self.pin else 0
+        """Pinned host bytes this arena holds (0 when not pinned)."""
+        return self.nbytes if self.pin else 0
+
+
+def register_pinned(t: torch.Tensor) -> None:
+    """Page-lock `t`'s memory for the GPU's copy engines where it lies (cudaHostRegister),
+    for as long as `t`'s storage lives. PyTorch's pinned allocator (pin_memory=True) would
+    round the allocation up to a power of two: an arena of 15 GiB would take 16, one of
+    8.1 GiB 16. Refused in one line when CUDA cannot lock it (the limit on locked memory,
+    `ulimit -l`)."""
+    import weakref
+
+    cudart = torch.cuda.cudart()
+    ptr, size = t.data_ptr(), t.untyped_storage().nbytes()
+    err = cudart.cudaHostRegister(ptr, size, 0)
+    if int(err) != 0:
+        from atomc.errors import RuntimeMismatchError
+        from atomc.units import format_bytes
+
+        raise RuntimeMismatchError(
+            f"cannot page-lock {format_bytes(size)} of host memory for the GPU's copies (CUDA "
+            f"error {int(err)}): raise the locked-memory limit (ulimit -l unlimited) or free "
+            f"host memory")
+    weakref.finalize(t.untyped_storage(), cudart.cudaHostUnregister, ptr)
 
 
 class HostBuffers:
@@ -756,7 +775,7 @@ class HostStore:
     def planned_bytes(self, optimizer_states: str = "float32") -> dict[str, int]:
         """Host bytes by kind by the plan's formula for this store (no activation stash)."""
         return planned_host_bytes(self.layouts, self.master_dtype, self.transfer_dtype,
-                                  self.pin, optimizer_states,
+                                  optimizer_states,
                                   grad_slots=self.grads.num_slots if self.grads.ring else None)
 
     def host_bytes(self) -> int:
@@ -774,14 +793,14 @@ class HostStore:
 
 
 def planned_host_bytes(layouts: Sequence[SubLayout], master_dtype: torch.dtype,
-                       transfer_dtype: torch.dtype, pin: bool, optimizer_states: str = "float32",
+                       transfer_dtype: torch.dtype, optimizer_states: str = "float32",
                        stash_bytes: int = 0, sent_bytes: int = 0,
                        grad_slots: int | None = None) -> dict[str, int]:
     """Host bytes by kind a store of `layouts` and its optimizer take, with `stash_bytes` of
     stashed boundary values and `sent_bytes` of sent operator outputs (atomc.partition.hostmem):
     what `atomc train` checks before it allocates anything."""
     name = str(master_dtype).removeprefix("torch."), str(transfer_dtype).removeprefix("torch.")
-    return host_bytes_by_kind([L.weights() for L in layouts], name[0], name[1], pin,
+    return host_bytes_by_kind([L.weights() for L in layouts], name[0], name[1],
                               optimizer_states, stash_bytes, sent_bytes, grad_slots)
 
 

@@ -563,7 +563,7 @@ def _check_host_memory(pkg: SwapPackage, host_modules: list[nn.Module], run: Any
     sent = (hostmem.plan_sent_bytes(plan.submodels, run.accum)
             if run.activations == "auto" and plan is not None else 0)
     by_kind = planned_host_bytes(layouts, run.master_dtype, run.transfer_dtype,
-                                 run.device.type == "cuda", run.optimizer.states,
+                                 run.optimizer.states,
                                  stash_bytes=stash, sent_bytes=sent, grad_slots=grad_slots)
     held = sum(p.numel() * p.element_size() for m in host_modules for p in m.parameters()
                if not p.is_meta)

@@ -16,6 +16,8 @@ from atomc.simulate.events import (
     Simulation,
     StageTimes,
     Timeline,
+    binding_lane,
+    gradients_in_flight,
     simulate_actions,
     simulate_swap,
 )
@@ -29,7 +31,8 @@ from atomc.simulate.svg import (
 
 __all__ = [
     "KINDS", "LANES", "Event", "Simulation", "StageTimes",
-    "Timeline", "render_timeline_svg", "render_timelines_svg",
+    "Timeline", "binding_lane", "gradients_in_flight",
+    "render_timeline_svg", "render_timelines_svg",
     "simulate_actions", "simulate_plan", "simulate_swap",
     "stage_times", "write_timeline_svg", "write_timelines_svg",
 ]

@@ -1,4 +1,5 @@
-"""Event simulation of a swap schedule (DESIGN 5, ATOM Fig. 12): actions + stage times -> Timeline.
+"""Event simulation of a swap schedule (docs/design.md, section "Simulate"; ATOM Fig. 12):
+actions + stage times -> Timeline.
 
 Input: one step's list of actions (atomc.actions; `simulate_swap` takes ATOM's order, the list
 the swap runtime executes) and each sub-model's durations. Output: a Timeline of predicted
@@ -297,6 +298,34 @@ def _simulate(program: tuple[list[tuple], int], stages: list[StageTimes], accum:
         step_starts_ms=tuple(s / NS_PER_MS for s in starts),
     )
     return Simulation(timeline=timeline, step_ns=starts[-1] - starts[-2], compute_ns=compute_ns)
+
+
+LANE_WORDS = {"compute": "GPU compute", "prefetch": "loads (host to GPU)",
+              "offload": "gradient offload (GPU to host)", "optimizer": "CPU update"}
+
+
+def binding_lane(timeline: Timeline) -> str:
+    """The lane busiest over the step (in words): what a faster step needs more of."""
+    busy = {lane: timeline.busy_ms(lane) for lane in LANES}
+    return LANE_WORDS[max(busy, key=busy.__getitem__)]
+
+
+def gradients_in_flight(timeline: Timeline) -> int:
+    """The most sub-models whose gradients are on the host at once: from the start of the
+    copy that brings them back to the end of the update that consumes them (a host
+    gradient ring needs that many buffers for no copy to wait)."""
+    spans: dict[tuple[int, int], list[float]] = {}
+    for e in timeline.events:
+        if e.lane == "offload" and e.kind == "offload":
+            spans.setdefault((e.step, e.submodel), [e.start_ms, e.end_ms])[0] = e.start_ms
+        elif e.lane == "optimizer" and e.kind == "optimizer":
+            spans.setdefault((e.step, e.submodel), [e.start_ms, e.end_ms])[1] = e.end_ms
+    edges = sorted([(a, 1) for a, _ in spans.values()] + [(b, -1) for _, b in spans.values()])
+    held = most = 0
+    for _, change in edges:  # an end and a start at one time: the end first (-1 sorts first)
+        held += change
+        most = max(most, held)
+    return most
 
 
 def fit_host_gap_ms(stages: list[StageTimes], accum: int, early_prefetch: bool,
