@@ -9,6 +9,7 @@ group, binds to 127.0.0.1, has a bounded time and is killed with all it started.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import copy
 import json
@@ -320,23 +321,23 @@ def test_a_server_takes_the_state_of_one_that_entered_its_stage_while_it_looked(
     and got nothing in time refuses."""
     from types import SimpleNamespace
 
-    from atomc.swarm.server import SwarmServer
-    from atomc.swarm.state import StateNotShared
+    from atomc.swarm.state import StageState, StateNotShared
+    from atomc.swarm.sums import StepSums
 
-    server = object.__new__(SwarmServer)
-    server.peer = "pc"
-    server.cfg = SimpleNamespace(connect_timeout_s=20.0, checkpoint_dir=None, prefix="p")
-    server.roster = lambda prefix: SimpleNamespace(read=lambda: [])
+    node = SimpleNamespace(peer="pc", roster=lambda prefix: SimpleNamespace(read=lambda: []))
+    state = StageState(node, StepSums(), build=None, sums_dtype=torch.float64,
+                       initial_state=None, delayed_updates=False, checkpoint_dir=None,
+                       prefix="p", name="pc", connect_timeout_s=20.0, log=print)
     answers = iter([None, "server d (step 0)"])  # no one to ask; then d, entered meanwhile
-    server._download = lambda j, timeout, past=-1: next(answers)
-    assert server._load_state(1) == "server d (step 0)"
+    state.download = lambda j, timeout, past=-1: next(answers)
+    assert state.load(1) == "server d (step 0)"
 
     def unshared(j, timeout, past=-1):
         raise StateNotShared("stage 1 has servers (d) but none shared its state within 20 s")
 
-    server._download = unshared
+    state.download = unshared
     with pytest.raises(StateNotShared, match="servers \\(d\\)"):
-        server._load_state(1)
+        state.load(1)
 
 
 def test_refusals_say_whether_the_server_moved_or_which_attempt_it_is_on() -> None:
@@ -377,9 +378,10 @@ def test_a_call_the_stage_took_the_step_without_answering_is_not_a_fault(monkeyp
     trainer.cfg = TrainConfig(package="x", num_stages=1, servers_timeout_s=0.0)
     trainer.router = Router(1)
     trainer.router.refresh([ServerRecord("a", "a", 0, 0, 0, 1.0, 0, "x", 1.0)])
-    trainer._stats, trainer._held, trainer.fingerprint, trainer.name = StepStats(0, 0), {}, "f", "t"
+    trainer._stats, trainer._held, trainer.name = StepStats(0, 0), {}, "t"
+    trainer.node = SimpleNamespace(fingerprint="f", p2p=None)
     logged: list[str] = []
-    trainer.log, trainer.p2p = logged.append, None
+    trainer.log = logged.append
     trainer._exchange = exchange
     excluded = []
 
@@ -425,8 +427,9 @@ def test_a_trainer_calls_again_with_the_servers_attempt_and_routes_around_a_move
     trainer.router = Router(1)
     trainer.router.refresh([ServerRecord(p, p, 0, 0, 0, 1.0, 0, "x", 1.0) for p in "ab"])
     trainer.router.stages[0]["a"].priority = -1.0  # a is tried first
-    trainer._stats, trainer._held, trainer.fingerprint, trainer.name = StepStats(0, 0), {}, "f", "t"
-    trainer.log, trainer.p2p = lambda msg: None, None
+    trainer._stats, trainer._held, trainer.name = StepStats(0, 0), {}, "t"
+    trainer.node = SimpleNamespace(fingerprint="f", p2p=None)
+    trainer.log = lambda msg: None
     trainer._exchange = exchange
     excluded = []
 
@@ -476,10 +479,11 @@ def test_a_trainer_reports_the_latest_announcement_of_a_server_it_cannot_reach()
                           stored.__setitem__(subkey, SimpleNamespace(
                               value=value, expiration_time=expiration_time)))
     trainer = object.__new__(SwarmTrainer)
-    trainer.cfg, trainer.dht, trainer.log = TrainConfig(package="x", num_stages=1), dht, print
+    trainer.cfg, trainer.log = TrainConfig(package="x", num_stages=1), print
     announce(10.0)
-    trainer.rosters = {"atomc-swarm": records.Roster(dht, "atomc-swarm")}
-    trainer.rosters["atomc-swarm"].read()  # the routes were read at 10.0 ...
+    trainer.node = SimpleNamespace(dht=dht, rosters={"atomc-swarm": records.Roster(dht,
+                                                                                "atomc-swarm")})
+    trainer.node.rosters["atomc-swarm"].read()  # the routes were read at 10.0 ...
     announce(10.5)  # ... and the server announced once more before it died
     trainer._report_latest("a")
     assert stored["a" + records.GONE].value[0] == 10.5
@@ -534,6 +538,63 @@ def test_decisions_fall_on_the_same_ticks_whatever_the_period() -> None:
     assert first_ticks([t for t in ticks if t != 3.0], 3.0) == [3.5, 6.0, 9.0, 12.0]
     # DHT times are floats: 0.1 * 30 = 3.0000000000000004 is in period 1, 2.9999999 is not
     assert period_of(0.1 * 30, 3.0) == 1 and period_of(3.0 - 1e-7, 3.0) == 0
+
+
+def _self_attributes(cls: ast.ClassDef) -> tuple[set[str], set[str], set[str]]:
+    """(names the class defines or assigns on self, names it reads off self, dotted targets
+    it assigns below an attribute of self, such as "self.x.y")."""
+    own = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    own |= {t.id for n in cls.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+            if isinstance(t, ast.Name)}
+    deep: set[str] = set()
+
+    def targets(t: ast.AST) -> list[ast.AST]:
+        return [x for e in t.elts for x in targets(e)] if isinstance(t, ast.Tuple) else [t]
+
+    for node in ast.walk(cls):
+        found = (node.targets if isinstance(node, ast.Assign) else
+                 [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for t in (x for f in found for x in targets(f)):
+            if not isinstance(t, ast.Attribute):
+                continue
+            if isinstance(t.value, ast.Name) and t.value.id == "self":
+                own.add(t.attr)
+            elif ast.unparse(t).startswith("self."):
+                deep.add(ast.unparse(t))
+    read = {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    return own, read, deep
+
+
+def test_the_servers_parts_read_only_what_they_were_given() -> None:
+    """A SWARM server is built from parts (atomc.swarm.server), and a trainer holds a node:
+    each class reads off `self` only what it sets itself (from its constructor's arguments,
+    or its own work). A server's part sets nothing on another part; its one write below an
+    attribute is a stage's step counter, which the stage's optimizer reads for the
+    learning-rate schedule (the trainer counts into its own step's stats)."""
+    import atomc.swarm
+
+    root = Path(atomc.swarm.__file__).parent
+    deep_writes = set()
+    for module in ("server", "calls", "commit", "state", "rebalance", "sums", "node", "metrics",
+                   "client", "servicer"):
+        tree = ast.parse((root / f"{module}.py").read_text())
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+            own, read, deep = _self_attributes(cls)
+            assert read <= own, f"{module}.{cls.name} reads {sorted(read - own)}, set elsewhere"
+            deep_writes |= {f"{module}.{cls.name}: {d}" for d in deep}
+    assert deep_writes == {"state.StageState: self.master.step"} | {
+        f"client.SwarmTrainer: self._stats.{n}"
+        for n in ("calls", "retries", "resent", "bytes_sent", "bytes_received")}
+
+
+def test_the_attribute_reader_sees_reads_writes_and_writes_below_an_attribute() -> None:
+    cls = ast.parse("class A:\n    x = 1\n    def f(self):\n        self.a, self.b = 1, 2\n"
+                    "        self.c += self.d\n        self.e.f = self.g.h\n").body[0]
+    own, read, deep = _self_attributes(cls)
+    assert own == {"x", "f", "a", "b", "c"}
+    assert read == {"a", "b", "c", "d", "e", "g"} and deep == {"self.e.f"}
 
 
 def test_call_time_averages_a_window_of_calls_and_skips_the_first() -> None:

@@ -12,10 +12,10 @@ micro-batches waiting or in service; throughput: micro-batches per second it ser
 stage). Stages cost the same unless `cost` says otherwise (each stage's time per micro-batch
 on one server, relative): SWARM's experiments use identical blocks, but a server of the last
 stage runs only a backward call (the forward is in it) while the others run a forward call
-too, so the last stage costs less per sample (1.3-1.6x less measured on the tiny GPT). A
-server of throughput v on stage a then serves stage b at v * cost[a] / cost[b]; taking stages
-alike there made servers move back and forth. A pipeline's throughput X is its lowest stage
-throughput, a stage's throughput T_s being the sum of its servers'.
+too, so the last stage costs less per sample. A server of throughput v on stage a then serves
+stage b at v * cost[a] / cost[b]; taking the stages alike would send servers back and forth
+between a cheap stage and a dear one. A pipeline's throughput X is its lowest stage throughput,
+a stage's throughput T_s being the sum of its servers'.
 
 Load of a stage (`stage_loads`): X / T_s, the share of its capacity that the pipeline's flow
 uses (its utilisation; 1 at the bottleneck, inf for a stage without servers). Every
@@ -39,10 +39,9 @@ at ties: from stage throughputs (10, 10, 8, 8) no single move raises the minimum
 moves reach (9, 9, 9, 9).
 
 Small swarms (`plan_moves`): with a few unequal servers single moves stall short of the best
-assignment (servers of 1 and 1 against 2 and 2: only a trade reaches 3 and 3), and on a real
-swarm of five servers Algorithm 2 held 87% of the optimum. Where the assignments of the
-movable servers can be counted (4096 or fewer), every one is, and the servers whose stage
-differs in the best one move together; beyond that, Algorithm 2.
+assignment (servers of 1 and 1 against 2 and 2: only a trade reaches 3 and 3). Where the
+assignments of the movable servers can be counted (4096 or fewer), every one is, and the
+servers whose stage differs in the best one move together; beyond that, Algorithm 2.
 """
 
 from __future__ import annotations
@@ -120,8 +119,8 @@ def stage_loads(servers: Sequence[ServerLoad], num_stages: int) -> list[float]:
 
 def rate_on(server: ServerLoad, stage: int, cost: Sequence[float] | None = None) -> float:
     """`server`'s throughput on `stage`: where it is, or where it measured it before, or its
-    throughput scaled by the two stages' costs. A profile's cost ratio is an estimate: on the
-    real swarm of bench/swarm_bench.py servers measured 1.38-1.61x where the plan said 1.53x."""
+    throughput scaled by the two stages' costs. A profile's cost ratio is an estimate, so a
+    rate the server measured on the stage itself counts first."""
     if stage == server.stage:
         return server.throughput
     if stage < len(server.served) and server.served[stage] > 0:
@@ -193,8 +192,8 @@ def plan_moves(servers: Sequence[ServerLoad], num_stages: int, min_gain: float =
     assignments number at most `max_assignments` (num_stages ** movable), every one is tried
     (a server's throughput on another stage: `rate_on`). Each move is
     charged `min_gain` of the current pipeline throughput X (it downloads a stage's state
-    and voids the gradients it held; on a real swarm, plans of three and four moves made on
-    noisy rates were undone a period later): the winner has the highest X' - k min_gain X
+    and voids the gradients it held, and a plan of several moves made on noisy rates would be
+    undone a period later): the winner has the highest X' - k min_gain X
     for k moves, then the fewest moves, then the lowest stage list, and its moves are
     returned only if that beats X ([] if not; for one move, `choose_move`'s test). Servers
     still loading stay where they are. Every peer evaluates the same snapshot and moves if

@@ -152,7 +152,7 @@ def run_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     server = SwarmServer(cfg, log=lambda s: print(f"[{name}] {s}", flush=True))
     try:
-        print(f"[{name}] stage {server.spec.index} of {args.stages}: "
+        print(f"[{name}] stage {server.state.spec.index} of {args.stages}: "
               f"{' '.join(server.maddrs)}", flush=True)
         server.serve(stop, max_seconds=args.max_seconds)
     except KeyboardInterrupt:
@@ -209,7 +209,7 @@ def _data(trainer: Any, args: argparse.Namespace) -> Any:
 
     from atomc.trace.load import call_with_options
 
-    pkg = trainer.pkg
+    pkg = trainer.node.pkg
     module = pkg.model_module()
     path = pkg.model_file()
     options = dict(pkg.plan.options)

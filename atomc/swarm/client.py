@@ -8,14 +8,13 @@ each use adding its EMA time per sample times the samples sent, the least keyed 
 interleaved weighted round robin: a server twice as fast gets twice the micro-batches), among
 the servers with fewer than `max_in_flight` of our calls unanswered; a call finding every
 server of its stage at that bound waits for one to answer. Without the bound a step's calls
-queued at the servers known when they were sent: a server that joined mid-step sat idle
-for 10 s while the slow ones worked through their queues, and a killed server took its queue
-with it. A
-call that fails or times out bans its server with exponential backoff, until it announces a
-new incarnation, and the micro-batch goes to another server of the stage (a refusal that is
-no fault bans nothing: a server that moved is routed around, one whose attempt moved on is
-called again with it; a run on real processes banned the only server of a stage for a minute
-after one exclusion, as every call in flight named the attempt it had left); if every server of
+would queue at the servers known when they were sent: a server that joins mid-step would sit
+idle while the slow ones work through their queues, and a killed server would take its queue
+with it. A call that fails or times out bans its server with exponential backoff, until it
+announces a new incarnation, and the micro-batch goes to another server of the stage (a
+refusal that is no fault bans nothing: a server that moved is routed around, one whose attempt
+moved on is called again with it: every call in flight names the attempt a server has just
+left, and banning it for those would shut the only server of a stage out); if every server of
 a stage is banned the bans are ignored (as Petals does). Every call has a timeout: a SIGKILLed
 hivemind server gives its client no error at all. A call that cannot reach its server (no
 daemon to dial, or its stream ended mid-call) also reports it gone in the DHT, so that the
@@ -28,7 +27,7 @@ keeps each stage's inputs and output gradients until every stage has taken the s
 server that holds some of its gradients fails (a call errs, or its record expires), the
 trainer excludes that server's attempt at the step in the DHT and sends those micro-batches'
 backward again: the stage's step waits until its servers hold every micro-batch exactly once
-(atomc.swarm.server). A server that refuses a call says why, and whether it holds the call's
+(atomc.swarm.commit). A server that refuses a call says why, and whether it holds the call's
 micro-batch: one that does not is not excluded for it.
 """
 
@@ -226,27 +225,27 @@ class StepStats:
     bytes_received: int = 0
 
 
-class SwarmTrainer(SwarmNode):
-    """One trainer (see the module docstring)."""
+class SwarmTrainer:
+    """One trainer (see the module docstring); its membership of the swarm is `node`."""
 
     def __init__(self, cfg: TrainConfig, log: Callable[[str], None] = print):
         if cfg.max_in_flight < 1:
             raise UsageError(f"--max-in-flight {cfg.max_in_flight}: a trainer needs at least "
                              f"one call in flight per server")
-        super().__init__(cfg.package, cfg.num_stages, cfg.initial_peers, cfg.host_maddrs,
-                         cfg.announce_maddrs, cfg.connect_timeout_s, "trainer")
+        self.node = SwarmNode(cfg.package, cfg.num_stages, cfg.initial_peers, cfg.host_maddrs,
+                              cfg.announce_maddrs, cfg.connect_timeout_s, "trainer")
         self.cfg = cfg
         self.log = log
-        self.micro_batch_size = cfg.micro_batch_size or int(self.pkg.plan.batch_size or 1)
+        self.micro_batch_size = cfg.micro_batch_size or int(self.node.pkg.plan.batch_size or 1)
         self.router = Router(cfg.num_stages, cfg.ban_s, ban_max_s=cfg.ban_max_s)
         self.step_count = 0
-        self.name = cfg.name or f"trainer-{self.peer[-6:]}"
+        self.name = cfg.name or f"trainer-{self.node.peer[-6:]}"
         self._reporting: set[str] = set()  # servers whose gone report is being stored
 
     # ---- servers -------------------------------------------------------------------------------
 
     def _records(self) -> list[ServerRecord]:
-        return self.servers(self.cfg.prefix)
+        return self.node.servers(self.cfg.prefix)
 
     def wait_for_servers(self, timeout_s: float | None = None) -> list[ServerRecord]:
         """Block until every stage has a server; PeerError naming the empty stages if not."""
@@ -282,7 +281,8 @@ class SwarmTrainer(SwarmNode):
         batch = batch if isinstance(batch, tuple) else (batch,)
         micro = self.micro_batches(batch)
         self.wait_for_servers()
-        future = asyncio.run_coroutine_threadsafe(self._step(self.step_count, micro), self.loop)
+        future = asyncio.run_coroutine_threadsafe(self._step(self.step_count, micro),
+                                                  self.node.loop)
         try:
             stats = future.result(self.cfg.step_timeout_s)
         except concurrent.futures.TimeoutError:  # (TimeoutError itself from Python 3.11)
@@ -364,7 +364,7 @@ class SwarmTrainer(SwarmNode):
         samples = int(batch[0].shape[0])
         meta = {"step": k, "stage": j, "micro": g, "num_micro": total, "samples": samples,
                 "id": f"{self.name}:{k}:{g}", "batch_len": len(batch),
-                "package": self.fingerprint, "compress": cfg.compress}
+                "package": self.node.fingerprint, "compress": cfg.compress}
         request = encode(payload, meta, compress=cfg.compress)
         deadline = time.monotonic() + cfg.servers_timeout_s
         stale = 0  # calls refused for naming another attempt than the server's
@@ -396,7 +396,7 @@ class SwarmTrainer(SwarmNode):
                     wait = self.router.banned_for(j, peer, now)
                     if wait > 0:  # every server of the stage is banned: not faster than 1 s
                         await asyncio.sleep(min(wait, 1.0))
-                    stub = SwarmServicer.get_stub(self.p2p, PeerID.from_base58(peer),
+                    stub = SwarmServicer.get_stub(self.node.p2p, PeerID.from_base58(peer),
                                                   namespace=cfg.prefix)
                     method = stub.rpc_forward if kind == "forward" else stub.rpc_backward
                     t0 = time.monotonic()
@@ -476,19 +476,19 @@ class SwarmTrainer(SwarmNode):
         ignore a report of an announcement older than one they hold, and a live server
         announces every heartbeat, so the one our routes were last read from (up to a second
         old) would be ignored, and the swarm would wait for the dead server's record to
-        expire (a real run: 4.6 s after a kill, where a second was enough)."""
+        expire."""
         try:
             # a fresh read (it honours no report yet)
-            record = next((r for r in read_servers(self.dht, self.cfg.prefix)
+            record = next((r for r in read_servers(self.node.dht, self.cfg.prefix)
                            if r.peer == peer), None)
             if record is not None:
-                report_gone(self.dht, self.cfg.prefix, record, GONE_TTL_S)
+                report_gone(self.node.dht, self.cfg.prefix, record, GONE_TTL_S)
         except Exception as e:  # noqa: BLE001 - the record then expires as it would have
             self.log(f"reporting ...{peer[-6:]} gone failed ({type(e).__name__}: {e})")
 
     async def _exclude(self, k: int, j: int, peer: str, attempt: int) -> None:
         await asyncio.get_running_loop().run_in_executor(
-            None, exclude, self.dht, self.cfg.prefix, k, peer, j, attempt)
+            None, exclude, self.node.dht, self.cfg.prefix, k, peer, j, attempt)
 
     async def _wait_for_commit(self, k: int, micro: list[tuple], total: int) -> None:
         """Until every stage has taken step k; backward calls held by servers that failed
@@ -500,7 +500,7 @@ class SwarmTrainer(SwarmNode):
             done = {r.stage for r in records if r.step > k and not r.moving}
             if len(done) == self.cfg.num_stages:
                 return
-            excluded = await loop.run_in_executor(None, read_excluded, self.dht,
+            excluded = await loop.run_in_executor(None, read_excluded, self.node.dht,
                                                   self.cfg.prefix, k)
             live = {r.peer for r in records}  # a record counts until it expires (Roster)
             gone = {h.peer for h in self._held.values()} - live
@@ -531,7 +531,7 @@ class SwarmTrainer(SwarmNode):
             await asyncio.sleep(0.05)  # one DHT read: cheap, and every step waits on it
 
     def close(self) -> None:
-        self.close_node(self.log)
+        self.node.close(self.log)
 
 
 __all__ = ["Router", "StepStats", "SwarmTrainer", "TrainConfig"]

@@ -1,4 +1,4 @@
-"""SWARM, what a server and a trainer both are: a DHT node of the swarm, the generated package
+"""SWARM, what a server and a trainer both hold: a DHT node of the swarm, the generated package
 they agree on (split into stages), and an event loop thread for hivemind's p2p calls (servers
 answer on it, trainers call from it).
 """
@@ -62,6 +62,9 @@ def stage_specs(pkg: SwapPackage, num_stages: int) -> list[StageSpec]:
 
 
 class SwarmNode:
+    """A server's or a trainer's membership of the swarm (see the module docstring); each holds
+    one as `node`."""
+
     def __init__(self, package: str | Path, num_stages: int, initial_peers: Sequence[str],
                  host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
                  connect_timeout_s: float, role: str, times_for: str | None = None):
@@ -107,7 +110,7 @@ class SwarmNode:
                     f"--prefix")
         return records
 
-    def close_node(self, log: Any) -> None:
+    def close(self, log: Any) -> None:
         for what, stop in (("p2p", lambda: self.run(self.p2p.shutdown(), 5)),
                            ("DHT", self.dht.shutdown)):
             try:

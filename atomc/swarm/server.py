@@ -6,47 +6,31 @@ output: forward and backward calls for that stage from any trainer; one optimize
         global batch, the same on every server of the stage
 
 A call carries one micro-batch (its step, its index in the global batch, the stage's input
-values and RNG state, the batch, and for a backward the output gradients). The backward
-recomputes the forward from the inputs it is sent, so any server of the stage can run it
-(SWARM's design): nothing of a micro-batch stays on a server between calls. A stage computes
-with the runtime core's `Stage` (resident, or swapped with `swap=True`), one call at a time
-on a worker thread; the p2p event loop only moves bytes.
+values and RNG state, the batch, and for a backward the output gradients). A stage computes
+with the runtime core's `Stage` (resident, or swapped with `swap=True`).
 
-A step commits when the stage's servers together hold the gradients of exactly the global
-batch, each micro-batch once. Each server sums the gradients of the micro-batches it ran. The
-servers that are ready form a group with hivemind's `DecentralizedAverager` (its matchmaking
-and all-gather of the ids of their micro-batches), then each fetches the others' sums over
-p2p (streamed in parts) and adds them in peer order. The sum is ordered, so every member gets
-the same bits: hivemind's all-reduce hands each member the average as a delta to its own
-tensor, which rounds differently on each, and servers of one stage would drift apart. Every
-member sees the same gathered ids, so all decide alike: apply the step when the ids cover the
-global batch with no repeats and no member's attempt is excluded (`records`), otherwise keep
-their sums and try again (a dead server's micro-batches come back from the trainers). A call
-that is refused (wrong step, stage or attempt) is answered with the reason, so the trainer logs
-the server's words. A server that missed the round downloads the stage's state from one that
-took it (`rpc_state`, from the server furthest ahead first), as does a server that joins or
-moves to the stage. It asks the servers its roster holds, by name: the averager's own state
-sharing found them through records its process declared every second, and twice on a loaded
-CI box a joining server found none within 20 s while its stage's server was up and serving.
-BatchNorm statistics are updated by the forward call only (the backward's recomputation
-runs on copies of them: the interpreter's buffer rule) and averaged at the commit. With
-delayed parameter updates, a copy of the stage takes each update on another thread while the
-calls of the next step compute with the weights before it.
+The server is built from parts, each in its own module and each given what it reads when it
+is made, as hivemind's `moe.server.Server` is built from its connection handlers, runtime and
+checkpoint saver:
 
-The server is composed of one part per job, each in its own module: the p2p handlers
-(`servicer`), one call (`calls`), the stage's state and checkpoints (`state`), the step's
-commit and averaging (`commit`) and rebalancing (`rebalance`); this module wires them to a DHT
-node (`node`) and runs the serving loop.
+- the node (`node`): the DHT, the package split into stages, the p2p event loop;
+- the step's sums (`sums`): the gradients held of the current step, and the lock over them and
+  the stage, shared by the parts below;
+- the stage state (`state`): the stage, its updates, downloads and checkpoints;
+- the call handler (`calls`) and the rate it measures: forward and backward calls;
+- the step commit (`commit`): the stage's averaging group and the decision to step;
+- the rebalancer (`rebalance`): which stage to move to, decided on its own thread;
+- the p2p handlers (`servicer`), which hand each call to its part.
+
+This module wires them, runs the serving loop (heartbeats, commits, moves) and composes the
+record the server announces.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import torch
 from hivemind.utils import get_dht_time
@@ -54,162 +38,132 @@ from hivemind.utils import get_dht_time
 from atomc.distributed.stage import LayoutStage, stage_dtype
 from atomc.distributed.swapstage import make_stage
 from atomc.runtime.optim import AdamWConfig
-from atomc.swarm import balance
-from atomc.swarm.calls import CallHandling, CallTime
-from atomc.swarm.commit import StepCommit
+from atomc.swarm.calls import CallHandler, ServerRate
+from atomc.swarm.commit import StepCommit, exclude
 from atomc.swarm.config import ServeConfig
+from atomc.swarm.metrics import Metrics
 from atomc.swarm.node import SwarmNode
-from atomc.swarm.rebalance import Rebalancing
+from atomc.swarm.rebalance import Rebalancer, stage_in_need
 from atomc.swarm.records import Roster, ServerRecord, read_servers, servers_key
 from atomc.swarm.servicer import SwarmServicer
 from atomc.swarm.state import StageState
+from atomc.swarm.sums import StepSums
 
 
-class SwarmServer(CallHandling, StageState, StepCommit, Rebalancing, SwarmNode):
+class SwarmServer:
     """One server (see the module docstring)."""
 
     def __init__(self, cfg: ServeConfig, *, loss_fn: Callable | None = None,
                  initial_state: dict[str, torch.Tensor] | None = None,
                  log: Callable[[str], None] = print):
+        self.cfg, self.log = cfg, log
         emulating = None if cfg.slowdown is None else f"--slowdown {cfg.slowdown:g}"
-        super().__init__(cfg.package, cfg.num_stages, cfg.initial_peers, cfg.host_maddrs,
-                         cfg.announce_maddrs, cfg.connect_timeout_s, "server", emulating)
-        self.cfg = cfg
-        self.log = log
-        self.loss_fn = loss_fn or self.pkg.model_loss_fn()
-        self.initial_state = (initial_state if initial_state is not None
-                              else self.pkg.initial_state_dict(cfg.seed))
-        self.opt_cfg = AdamWConfig.coerce(cfg.optimizer)
-        self.dtype = stage_dtype(cfg.dtype)
-        self.device = torch.device(cfg.device)
-        self.cv = threading.Condition()  # guards the stage, its step and its gradient sums
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-compute")
-        self.queue = 0
-        self.call_time: dict[str, CallTime] = {}  # call kind -> its time per sample
-        self.carried_rate: float | None = None  # measured on the stage it served before
-        self.served: dict[int, float] = {}  # stage -> its rate there when it last left it
-        self.moving_to: int | None = None  # the stage it is moving to (announced as its stage)
-        self.closing = False
-        self.moving = False
-        self.sharing = False  # holds its stage's state: others may download it
-        self.announce_soon = False
-        self.wake = threading.Event()  # a backward call finished: the serving loop looks now
-        # of the gradients it holds; an exclusion voids one (records). Never reused, not even
-        # across steps or stages, so that no old exclusion can match a new attempt
-        self.attempt = 0
-        self.measured_since: float | None = None  # when this server first saw a measured rate
-        self.move_to: int | None = None  # the stage rebalancing decided we move to
-        self.stage: LayoutStage | None = None
-        # the stage whose optimizer steps (the stage itself, or DPU's copy)
-        self.master: LayoutStage | None = None
-        self.pending: Any = None  # DPU: the update in flight
-        self.updater = ThreadPoolExecutor(1, thread_name_prefix="swarm-update")
-        self.averager: Any = None
-        self.maddrs = [str(a) for a in self.dht.get_visible_maddrs()]
+        node = self.node = SwarmNode(cfg.package, cfg.num_stages, cfg.initial_peers,
+                                     cfg.host_maddrs, cfg.announce_maddrs, cfg.connect_timeout_s,
+                                     "server", emulating)
+        pkg = node.pkg
+        loss_fn = loss_fn or pkg.model_loss_fn()
+        opt_cfg = AdamWConfig.coerce(cfg.optimizer)
+        dtype = stage_dtype(cfg.dtype)
+        device = torch.device(cfg.device)
+
+        def build(j: int) -> LayoutStage:
+            return make_stage(cfg.swap, pkg, node.specs[j], device, loss_fn, opt_cfg,
+                              dtype=dtype, seed=cfg.seed)
+
+        self.closing = threading.Event()
+        self.wake = threading.Event()  # the serving loop looks now, not at its next tick
+        self.announce_soon = False  # the serving loop announces at its next look
+        self.last_beat = 0.0  # when the record was last announced (time.monotonic)
+        self.metrics = Metrics(cfg.metrics_path, cfg.name, node.peer)
+        self.sums = StepSums()
+        self.state = StageState(
+            node, self.sums, build, sums_dtype=dtype or torch.float32,
+            initial_state=(initial_state if initial_state is not None
+                           else pkg.initial_state_dict(cfg.seed)),
+            delayed_updates=cfg.delayed_updates, checkpoint_dir=cfg.checkpoint_dir,
+            prefix=cfg.prefix, name=cfg.name, connect_timeout_s=cfg.connect_timeout_s, log=log)
+        self.rate = ServerRate(node.costs, cfg.rate_window_s)
+        self.calls = CallHandler(
+            self.state, self.sums, self.rate, peer=node.peer, fingerprint=node.fingerprint,
+            name=cfg.name, device=device, request_wait_s=cfg.request_wait_s,
+            slowdown=cfg.slowdown, profile_times=node.call_times, closing=self.closing,
+            on_gradients=self._gradients_added)
+        self.commit = StepCommit(
+            node, self.state, self.sums, prefix=cfg.prefix, name=cfg.name,
+            target_batch_size=cfg.target_batch_size, matchmaking_s=cfg.matchmaking_s,
+            averaging_timeout_s=cfg.averaging_timeout_s, announce=self._announce,
+            metrics=self.metrics, log=log)
+        self.rebalancer = None if cfg.rebalance_s is None else Rebalancer(
+            node.dht, cfg.prefix, node.peer, num_stages=cfg.num_stages,
+            period_s=cfg.rebalance_s, min_gain=cfg.min_gain, costs=node.costs, view=self._view,
+            wake=self.wake.set, closing=self.closing, log=log)
+        self.maddrs = [str(a) for a in node.dht.get_visible_maddrs()]
         if cfg.maddr_path:
             from atomc.jsonio import write_atomic
 
             write_atomic(cfg.maddr_path, "\n".join(self.maddrs) + "\n")
-        self.run(SwarmServicer(self).add_p2p_handlers(self.p2p, namespace=cfg.prefix))
-        self.servers(cfg.prefix)  # servers of another package must not share this prefix
-        self._enter(cfg.stage if cfg.stage is not None else self._stage_in_need())
+        servicer = SwarmServicer(self.calls.answer, self.commit.contribution,
+                                 self.state.state_message)
+        node.run(servicer.add_p2p_handlers(node.p2p, namespace=cfg.prefix))
+        node.servers(cfg.prefix)  # servers of another package must not share this prefix
+        self._enter(cfg.stage if cfg.stage is not None
+                    else stage_in_need(node.dht, cfg.prefix, node.peer, cfg.num_stages))
 
-    def _metric(self, line: dict[str, Any]) -> None:
-        if self.cfg.metrics_path is None:
-            return
-        line = {"server": self.cfg.name, "peer": self.peer, "time": time.time(), **line}
-        with open(self.cfg.metrics_path, "a") as f:
-            f.write(json.dumps(line) + "\n")
-
-    def _stage_in_need(self) -> int:
-        servers = [balance.ServerLoad(r.peer, r.stage, r.throughput, r.queue)
-                   for r in read_servers(self.dht, self.cfg.prefix)
-                   if r.peer != self.peer]  # one moving counts where it goes
-        return balance.choose_join_stage(servers, self.cfg.num_stages)
-
-    def _build_stage(self, j: int) -> LayoutStage:
-        return make_stage(self.cfg.swap, self.pkg, self.specs[j], self.device, self.loss_fn,
-                          self.opt_cfg, dtype=self.dtype, seed=self.cfg.seed)
+    def _gradients_added(self) -> None:
+        """A backward call added to the step's sums: the stage may hold its batch now, so the
+        serving loop announces it and looks for a commit at once."""
+        self.announce_soon = True
+        self.wake.set()
 
     def _enter(self, j: int) -> None:
         """Serve stage j: build it, join its averaging group, take its latest state from a
         server of the stage (or the checkpoint directory; the initial weights at step 0)."""
         t0 = time.monotonic()
-        if self.stage is not None:  # moving: what it measured there before stands in, or
-            # what it measured on its last stage at the new stage's cost
-            old = self._measured_rate()
-            if old is not None:
-                self.served[self.spec.index] = old
-            old = old or self.carried_rate
-            self.carried_rate = self.served.get(j) or (
-                old and old * self.costs[self.spec.index] / self.costs[j])
-        stage = self._build_stage(j)
-        self.params = stage.named_parameters()
-        sizes = [p.numel() for _, p in self.params]
-        master = self.dtype or torch.float32
-        self.acc = torch.zeros(sum(sizes), dtype=master)
-        self.ids: dict[str, int] = {}
-        self.excluded: set[tuple[str, int, int]] = set()  # this step's, last read from the DHT
-        self.float_buffers = [b for b in stage.buffers().values() if b.is_floating_point()]
-        self.step = 0
-        self.stage = stage
-        # DPU: calls compute with the weights before the last step's update while a copy of
-        # the stage (its optimizer with it) takes that update in the background
-        self.master = self._build_stage(j) if self.cfg.delayed_updates else stage
-        self.pending = None
-        self.spec = self.specs[j]
-        self.started = float(get_dht_time())
-        rates = [r.throughput * self.costs[r.stage] / self.costs[j]
-                 for r in read_servers(self.dht, self.cfg.prefix)
-                 if r.peer != self.peer and r.throughput > 0 and r.stage < len(self.costs)]
-        self.prior_rate = sum(rates) / len(rates) if rates else 1.0
-        # measured anew on this stage: stages need not cost the same
-        self.call_time = {k: CallTime(self.cfg.rate_window_s) for k in ("forward", "backward")}
-        self.offers: dict[int, torch.Tensor] = {}  # step -> our sums (and buffers) offered
-        # the averager forms groups and gathers their ids; the sums travel by rpc_contribution
-        self.averager = self._make_averager(j, [torch.zeros(1)])
-        # no one may download from it before it holds the stage's state (it would hand out
-        # the initial weights as the stage's, at step 0)
-        self.sharing = False
-        source = self._load_state(j)
-        self.sharing = True
-        self.moving, self.moving_to = False, None
+        self.state.enter(j)
+        self.rate.enter(self.state.spec, [r for r in read_servers(self.node.dht, self.cfg.prefix)
+                                          if r.peer != self.node.peer])
+        self.commit.join(j)
+        source = self.state.load(j)
         self._announce()
-        self.log(f"serving stage {j} (sub-models {self.spec.start}..{self.spec.stop - 1}) at "
-                 f"step {self.step}, state from {source}, in {time.monotonic() - t0:.1f} s")
-        self._metric({"event": "enter", "stage": j, "step": self.step, "source": source})
+        spec = self.state.spec
+        self.log(f"serving stage {j} (sub-models {spec.start}..{spec.stop - 1}) at "
+                 f"step {self.sums.step}, state from {source}, in {time.monotonic() - t0:.1f} s")
+        self.metrics.write({"event": "enter", "stage": j, "step": self.sums.step,
+                            "source": source})
 
-    def _make_averager(self, j: int, tensors: list[torch.Tensor]) -> Any:
-        cfg = self.cfg
-        # state travels by rpc_state: the averager neither declares nor serves it
-        return self.hm.averaging.DecentralizedAverager(
-            tensors, self.dht, start=True, prefix=f"{cfg.prefix}_stage{j}", min_group_size=2,
-            min_matchmaking_time=cfg.matchmaking_s,
-            request_timeout=max(0.5, cfg.matchmaking_s / 2),
-            allreduce_timeout=cfg.averaging_timeout_s, next_chunk_timeout=10.0,
-            client_mode=False, allow_state_sharing=False)
+    def _move(self, to: int) -> None:
+        """Leave the stage for stage `to`: hand the state over, void what we hold of the step
+        (the trainers send it to the stage's other servers again), and enter `to`."""
+        state, sums = self.state, self.sums
+        state.hand_over(self.cfg.averaging_timeout_s, self.closing)
+        self.metrics.write({"event": "move", "from": state.spec.index, "to": to})
+        state.start_move(to)
+        self._announce()
+        if sums.ids:
+            exclude(self.node.dht, self.cfg.prefix, sums.step, self.node.peer, state.spec.index,
+                    sums.attempt)
+        state.leave()
+        self.commit.leave()
+        self._enter(to)
 
     def record(self) -> ServerRecord:
-        # until it has served on this stage, a server counts at the rate it had on its last
-        # one (stages are taken to cost the same), or, new, as fast as the others (it joined
-        # to help); meanwhile it is not moved again (balance.ServerLoad.loading)
-        rate = self._measured_rate()
-        measured = rate is not None
-        if rate is None:
-            rate = self.carried_rate or self.prior_rate
-        # moving: announced at the stage it goes to (so that no second server is sent to the
-        # same gap), holding nothing there yet
-        stage = self.moving_to if self.moving_to is not None else self.spec.index
-        served = tuple(self.served.get(t, 0.0) for t in range(self.cfg.num_stages))
-        return ServerRecord(self.peer, self.cfg.name, stage, self.step,
-                            0 if self.moving else sum(self.ids.values()), rate, self.queue,
-                            self.fingerprint, self.started, self.moving, measured,
-                            self.attempt, served, float(get_dht_time()))
+        """What the server announces now. While it moves it is announced at the stage it goes
+        to (so that no second server is sent to the same gap), holding nothing there yet."""
+        rate, measured = self.rate.announced()
+        state = self.state
+        stage = state.moving_to if state.moving else state.spec.index
+        return ServerRecord(self.node.peer, self.cfg.name, stage, self.sums.step,
+                            0 if state.moving else self.sums.samples(), rate, self.calls.queue,
+                            self.node.fingerprint, state.started, state.moving, measured,
+                            self.sums.attempt, self.rate.served_on(self.cfg.num_stages),
+                            float(get_dht_time()))
 
     def _announce(self) -> None:
         now = get_dht_time()
-        self.dht.store(servers_key(self.cfg.prefix), subkey=self.peer,
-                       value=self.record().to_value(), expiration_time=now + self.cfg.expiration_s)
+        self.node.dht.store(servers_key(self.cfg.prefix), subkey=self.node.peer,
+                            value=self.record().to_value(),
+                            expiration_time=now + self.cfg.expiration_s)
 
     def serve(self, stop: threading.Event | None = None, max_seconds: float | None = None) -> None:
         """Heartbeats, commits and rebalancing until `stop` is set (or `max_seconds`)."""
@@ -217,8 +171,9 @@ class SwarmServer(CallHandling, StageState, StepCommit, Rebalancing, SwarmNode):
         last_load = 0.0
         self.last_beat = 0.0
         threading.Thread(target=self._beat_while_busy, daemon=True, name="swarm-beat").start()
-        if self.cfg.rebalance_s is not None:
-            threading.Thread(target=self._decide, daemon=True, name="swarm-rebalance").start()
+        if self.rebalancer is not None:
+            threading.Thread(target=self.rebalancer.run, daemon=True,
+                             name="swarm-rebalance").start()
         while not (stop is not None and stop.is_set()):
             if max_seconds is not None and time.monotonic() - t0 > max_seconds:
                 break
@@ -227,15 +182,16 @@ class SwarmServer(CallHandling, StageState, StepCommit, Rebalancing, SwarmNode):
                 self.announce_soon = False
                 self.last_beat = now
                 self._announce()
-            if self.cfg.metrics_path is not None and now - last_load >= 1.0:
+            if self.metrics.on and now - last_load >= 1.0:
                 rec = self.record()  # what it announces, once a second (bench/swarm_bench.py)
-                self._metric({"event": "load", "stage": rec.stage, "step": rec.step,
-                              "throughput": rec.throughput, "queue": rec.queue,
-                              "moving": rec.moving, "measured": rec.measured})
+                self.metrics.write({"event": "load", "stage": rec.stage, "step": rec.step,
+                                    "throughput": rec.throughput, "queue": rec.queue,
+                                    "moving": rec.moving, "measured": rec.measured})
                 last_load = now
-            self._try_commit(self._view())
-            if self.move_to is not None:
-                self._move(self.move_to)
+            self.commit.try_commit(self._view())
+            if self.rebalancer is not None and self.rebalancer.move_to is not None:
+                self._move(self.rebalancer.move_to)
+                self.rebalancer.moved()
             self.wake.wait(0.1)  # a tick, or sooner when a backward call finishes
             self.wake.clear()
 
@@ -244,14 +200,14 @@ class SwarmServer(CallHandling, StageState, StepCommit, Rebalancing, SwarmNode):
         expires: else a stage looks empty for a moment and a server moves there for nothing),
         and our own record as it is now, not as last announced. `roster`: whose reads (the
         node's by default; another thread keeps its own)."""
-        others = (roster or self.roster(self.cfg.prefix)).read()
-        return [r for r in others if r.peer != self.peer] + [self.record()]
+        others = (roster or self.node.roster(self.cfg.prefix)).read()
+        return [r for r in others if r.peer != self.node.peer] + [self.record()]
 
     def _beat_while_busy(self) -> None:
         """Heartbeats while the serving loop is held up (averaging, a state download, a move:
         each can outlast the record's expiration, and trainers drop the gradients of a server
         whose record expired)."""
-        while not self.closing:
+        while not self.closing.is_set():
             time.sleep(self.cfg.heartbeat_s / 2)
             if time.monotonic() - self.last_beat >= self.cfg.heartbeat_s:
                 self.last_beat = time.monotonic()
@@ -261,19 +217,13 @@ class SwarmServer(CallHandling, StageState, StepCommit, Rebalancing, SwarmNode):
                     self.log(f"heartbeat failed ({type(e).__name__}: {e})")
 
     def close(self) -> None:
-        self.closing = True
-        with self.cv:
-            self.cv.notify_all()
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        try:
-            if self.averager is not None:
-                self.averager.shutdown()
-        except Exception as e:  # noqa: BLE001 - shutting down: close the rest anyway
-            self.log(f"averager shutdown failed: {e}")
-        self.updater.shutdown(wait=True)  # an update in flight finishes (and checkpoints)
-        if self.stage is not None:
-            self.stage.close()
-        self.close_node(self.log)
+        self.closing.set()
+        with self.sums.cv:
+            self.sums.cv.notify_all()
+        self.calls.close()
+        self.commit.close()
+        self.state.close()
+        self.node.close(self.log)
 
 
 __all__ = ["SwarmServer"]
