@@ -105,7 +105,7 @@ def train_logged(out: str, argv: list[str]) -> int:
     from atomc import cli
     from atomc.swarm import client
 
-    count = client.wire_bytes
+    count = client.message_bytes
     stages = int(argv[argv.index("--stages") + 1])
     f = open(out, "a", buffering=1)
     last: dict = {}
@@ -124,7 +124,7 @@ def train_logged(out: str, argv: list[str]) -> int:
             f.write(json.dumps({**last["call"], "msg": "response", "bytes": n}) + "\n")
         return n
 
-    client.wire_bytes = logged
+    client.message_bytes = logged
     return cli.main(["swarm", "train", *argv])
 
 

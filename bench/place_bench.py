@@ -20,7 +20,7 @@ import argparse
 import statistics
 import time
 
-from atomc.place import Budget, CostModel, scenario_names, search
+from atomc.place import Budget, CostModel, scenario_names, search_placement
 from atomc.place.layout import device_matrix
 from atomc.place.network import build_scenario
 from atomc.units import parse_size
@@ -57,7 +57,7 @@ def main() -> None:
             for seed in range(args.seeds):
                 model = CostModel(network, 8, 8, c_pp, c_dp)
                 start = time.perf_counter()
-                result = search(
+                result = search_placement(
                     model,
                     strategy,
                     seed=seed,

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from atomc.actions import (
+    ACTION_KINDS,
     GRAMMAR,
-    KINDS,
     Action,
     atom_order,
     atom_runs,
@@ -18,7 +18,7 @@ from atomc.actions import (
     gpipe,
     max_in_flight,
     one_f_one_b,
-    parse,
+    parse_actions,
     phases,
     pipeline_order,
     runs,
@@ -41,20 +41,20 @@ MS = 1_000_000
 def test_text_round_trip_of_every_kind():
     actions = [Action("F", 12, 345), Action("B", 0, 10), Action("L", 101), Action("O", 7),
                Action("U", 23), Action("S", 4, 99), Action("R", 11, 0)]
-    assert {a.kind for a in actions} == set(KINDS)
+    assert {a.kind for a in actions} == set(ACTION_KINDS)
     text = format_actions(actions)
     assert text == "12F345 0B10 101L 7O 23U 4S99 11R0"
-    assert parse(text) == actions
+    assert parse_actions(text) == actions
     assert format_actions(actions, per_line=3) == "12F345 0B10 101L\n7O 23U 4S99\n11R0"
-    assert parse(format_actions(actions, per_line=3)) == actions
-    assert parse(" 12F345,0B10 ,\n101L\t7O 23U 4S99 11R0\n") == actions
-    assert parse("") == []
+    assert parse_actions(format_actions(actions, per_line=3)) == actions
+    assert parse_actions(" 12F345,0B10 ,\n101L\t7O 23U 4S99 11R0\n") == actions
+    assert parse_actions("") == []
 
 
 @pytest.mark.parametrize("token", ["2X0", "1L3", "0U0", "F0", "2F", "2f0", "-1F0", "2F0x", "L"])
 def test_a_bad_token_is_named_with_the_grammar(token):
     with pytest.raises(UsageError) as err:
-        parse(f"0L {token} 0F0")
+        parse_actions(f"0L {token} 0F0")
     assert repr(token) in str(err.value) and GRAMMAR in str(err.value)
 
 
@@ -209,7 +209,7 @@ def test_the_swap_simulation_is_the_simulation_of_atom_order(seed):
 ])
 def test_the_simulator_rejects_a_list_it_cannot_run(text, why):
     with pytest.raises(ValueError, match=why):
-        simulate_actions(parse(text), [_stage(1, 1, 1)] * 2, 2)
+        simulate_actions(parse_actions(text), [_stage(1, 1, 1)] * 2, 2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,5 +225,5 @@ def test_show_prints_the_schedule(tmp_path, capsys):
     k = len(plan.submodels)
     assert f"{k} sub-models, C={plan.accum}" in lines[0] and "L load weights" in lines[0]
     order = atom_order(k, plan.accum, early_prefetch=plan.early_prefetch)
-    assert parse(" ".join(lines[1:])) == order
+    assert parse_actions(" ".join(lines[1:])) == order
     assert sum(1 for line in lines[1:] if not line.startswith("    ")) == len(phases(order))

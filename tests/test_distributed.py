@@ -363,7 +363,7 @@ def test_pack_unpack_mixed_dtypes() -> None:
     """Values of any dtypes and odd sizes share one buffer: each at a 16-byte aligned offset
     (a 3-byte bool followed by a float32 used to fail: storage_offset must be divisible by 4),
     each in its sender's layout."""
-    from atomc.distributed.pipeline import ALIGN, describe, pack, packed_bytes, unpack
+    from atomc.distributed.pipeline import ALIGN, pack, packed_bytes, unpack, value_entries
 
     g = torch.Generator().manual_seed(0)
     values = {"mask": torch.tensor([True, False, True]),
@@ -377,7 +377,7 @@ def test_pack_unpack_mixed_dtypes() -> None:
               "b": torch.tensor([7, 200, 3], dtype=torch.uint8),
               "t": torch.randn(4, 6, generator=g)[:, 1:4],  # not contiguous
               "tr": torch.randn(3, 4, 5, generator=g).transpose(0, 2)}  # not row-major
-    entries = list(describe(values, tuple(values)))
+    entries = list(value_entries(values, tuple(values)))
     total = packed_bytes(entries)
     assert total % ALIGN == 0 and total >= sum(e.num_bytes for e in entries)
     buf = pack([values[e.name] for e in entries], total, torch.device("cpu"))

@@ -1,6 +1,7 @@
 """The import graph of atomc, read from the source with `ast` (imports at module level and inside
 functions alike): no module imports itself round a cycle, and each package imports only the
-layers below it, in the order of the pipeline (DESIGN 1):
+layers below it, in the order of the pipeline (docs/design.md, section "One chain of stages,
+one IR"):
 
     errors < jsonio, units, dtypes, device < ir < actions < trace < profile < simulate
       < partition < codegen < data < weights < runtime < calibrate < place < distributed < swarm
@@ -14,7 +15,7 @@ Where the order was decided rather than read off the pipeline:
 - `data` sits below `runtime`: it reads files into id streams and batches and needs only errors.
 - `weights` sits below `runtime`: the trainer opens checkpoints (`weights=`) and exports
   (`save_pretrained`) through it, and it reads the package, the trainer and its store by the
-  attributes it names (weights.names.SwapPackage, a Protocol), not by the runtime's types.
+  attributes it names (weights.names.SwapPackageLike, a Protocol), not by the runtime's types.
 - the runtime's own costs (`calibrate.runtime_costs`, `calibrate.probe`) are measured by
   running the runtime, so they sit above it; `atomc profile` hands them to profile_model.
 - `place` sits above `calibrate` as in DESIGN's list, though it needs neither.
@@ -25,6 +26,10 @@ Packages in one layer do not import each other, and no module imports a private 
 
 KNOWN lists the upward imports still in the code, each with what removes it; an import that is
 fixed must leave the list (the test fails on a stale entry), and a new one fails until fixed.
+
+One name, one concept: a public name is defined at the top level of one module only, so that
+`LayoutStage` or `search` means one thing wherever it is read. SHARED_NAMES lists the names still
+defined in several modules, each with why; as with KNOWN, a name that is fixed must leave it.
 """
 
 from __future__ import annotations
@@ -219,3 +224,83 @@ def test_the_test_import_reader_sees_test_modules(tmp_path: Path) -> None:
     src.write_text("import test_models as base\nfrom helpers.plain import plain_run\n\n"
                    "def f():\n    from test_runtime import plain_run\n    import conftest\n")
     assert imported_test_files(src) == {"test_models", "test_runtime", "conftest"}
+
+
+# public top-level name defined in several modules -> why it still is (and what fixes it)
+PENDING = "pending: runtime redesign (issue 41)"
+SHARED_NAMES: dict[str, str] = {
+    # one meaning, one module each: the command line's entry points until atomc/cli/ holds them
+    "register": "every atomc/<stage>/cli.py adds its subcommand so (issue 41 item 5: atomc/cli/)",
+    # in packages being redesigned now; the closing note proposes a name for each
+    "ACTIVATIONS": PENDING,
+    "BOUND": PENDING,
+    "COMPUTE_OPS": PENDING,
+    "COPY_BYTES": PENDING,
+    "Comparison": PENDING,
+    "DTYPE_BYTES": PENDING,
+    "INF": PENDING,
+    "KINDS": PENDING,
+    "LANES": PENDING,
+    "Links": PENDING,
+    "MODES": PENDING,
+    "NS_PER_MS": PENDING,
+    "REQUIRED": PENDING,
+    "SAMPLE_MS": PENDING,
+    "WIDTH": PENDING,
+    "check_plan": PENDING,
+    "compare": PENDING,
+    "model_dtype": PENDING,
+    "ms_to_ns": PENDING,
+    "op_name": PENDING,
+    "render": PENDING,
+    "store_mode": PENDING,
+    "summarise": PENDING,
+    "to_data": PENDING,
+}
+
+
+def top_level_names(path: Path) -> set[str]:
+    """The public names `path` defines at its top level: functions, classes and assignments,
+    also under a top-level `if` or `try` (imports are not definitions)."""
+    out: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                out.update(n.id for t in targets for n in ast.walk(t)
+                           if isinstance(n, ast.Name))
+            elif isinstance(node, (ast.If, ast.Try)):
+                visit(node.body)
+                visit(node.orelse)
+                if isinstance(node, ast.Try):
+                    visit(node.finalbody)
+                    for h in node.handlers:
+                        visit(h.body)
+
+    visit(ast.parse(path.read_text(), str(path)).body)
+    return {n for n in out if not n.startswith("_")}
+
+
+def test_no_public_name_is_defined_in_two_modules() -> None:
+    where: dict[str, list[str]] = {}
+    for module, path in sorted(modules().items()):
+        for n in top_level_names(path):
+            where.setdefault(n, []).append(module)
+    doubled = {n: ms for n, ms in where.items() if len(ms) > 1}
+    new = {n: ms for n, ms in sorted(doubled.items()) if n not in SHARED_NAMES}
+    assert new == {}, "public names defined in several modules (give each concept one name): " + (
+        "; ".join(f"{n} in {', '.join(ms)}" for n, ms in new.items()))
+    stale = sorted(SHARED_NAMES.keys() - doubled.keys())
+    assert stale == [], f"defined in one module now, drop them from SHARED_NAMES: {stale}"
+
+
+def test_the_name_reader_sees_definitions_not_imports(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text("from x import y\nimport z\nA = B = 1\nc: int = 2\n_hidden = 3\n"
+                   "def f():\n    inner = 1\nclass K:\n    attr = 1\n"
+                   "try:\n    import w\nexcept ImportError:\n    w = None\n"
+                   "if True:\n    g, (h, i) = 1, (2, 3)\n")
+    assert top_level_names(src) == {"A", "B", "c", "f", "K", "w", "g", "h", "i"}

@@ -27,7 +27,7 @@ from atomc.place import (
     network_from_data,
     place,
     scenario_names,
-    search,
+    search_placement,
 )
 from atomc.place.matching import (
     bottleneck_matching,
@@ -302,7 +302,8 @@ def test_cost_model_and_search_match_brute_force(pp, dp):
         costs.append(expected)
     best = min(costs)
     for strategy in ("ours", "kl"):
-        result = search(model, strategy, seed=1, budget=Budget(time_s=None, max_evals=400))
+        result = search_placement(model, strategy, seed=1,
+                                  budget=Budget(time_s=None, max_evals=400))
         assert result.total_s == pytest.approx(best, rel=1e-12), strategy
 
 
@@ -553,7 +554,7 @@ def test_search_is_reproducible():
     for _ in range(2):
         model = CostModel(build_scenario("4"), 8, 8, 5 * 10**8, 9 * 10**8)
         runs.append(
-            search(
+            search_placement(
                 model, "ours", seed=5, budget=Budget(time_s=None, max_evals=400), link_seeds=False
             )
         )
@@ -570,7 +571,7 @@ def test_ours_beats_random_and_kl_on_spot_instances():
     results = {}
     for strategy in ("ours", "kl", "random"):
         model = CostModel(build_scenario("2"), 8, 8, 5 * 10**8, 9 * 10**8)
-        results[strategy] = search(
+        results[strategy] = search_placement(
             model, strategy, seed=0, budget=Budget(time_s=None, max_evals=600)
         ).total_s
     assert results["ours"] < results["kl"] and results["ours"] < results["random"]
@@ -582,7 +583,7 @@ def test_ours_beats_kl_from_random_starts_on_worldwide():
     results = {}
     for strategy in ("ours", "kl", "random"):
         model = CostModel(build_scenario("5"), 8, 8, 5 * 10**8, 9 * 10**8)
-        results[strategy] = search(
+        results[strategy] = search_placement(
             model, strategy, seed=0, budget=Budget(time_s=None, max_evals=600), link_seeds=False
         ).total_s
     assert results["ours"] < results["kl"] and results["ours"] < results["random"]

@@ -227,7 +227,7 @@ def test_stage_inputs_take_gradients_exactly_when_the_model_gives_them_one(
     router's expert counts (float, no gradient in the model) from the stage before: they stay
     without a gradient, so its int32 cumsum of them runs, and the gradients it sends back are
     those of one autograd graph over the model. The layout's wire says which values carry one."""
-    from atomc.distributed.pipeline import describe
+    from atomc.distributed.pipeline import value_entries
     from atomc.distributed.stage import cut_stages
     from atomc.distributed.swapstage import make_stage
     from atomc.runtime.optim import AdamWConfig
@@ -246,7 +246,7 @@ def test_stage_inputs_take_gradients_exactly_when_the_model_gives_them_one(
     (ids,) = traced.inputs
     with torch.no_grad():
         values = dict(zip(pkg.outputs[0], subs[0](ids)))
-    wire = {e.name: e.grad for e in describe(values, second.recv, pkg.grads_at(1))}
+    wire = {e.name: e.grad for e in value_entries(values, second.recv, pkg.grads_at(1))}
     assert wire["h"] and not wire["counts"] and not wire["chosen"]  # int64 indices
 
     leaves = {n: v.detach().requires_grad_(pkg.carries_grad(n, 1)) for n, v in values.items()}

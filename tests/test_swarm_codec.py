@@ -21,9 +21,9 @@ from atomc.swarm.codec import (
     BLOCK_NUMEL,
     MIN_COMPRESSED_NUMEL,
     Blockwise8BitCompression,
-    pack,
-    unpack,
-    wire_bytes,
+    decode_tensor,
+    encode_tensor,
+    message_bytes,
 )
 
 NONE = runtime_pb2.CompressionType.NONE
@@ -59,20 +59,20 @@ def _assert_within_bound(x: torch.Tensor, y: torch.Tensor) -> None:
 @pytest.mark.parametrize("shape", [(3, 5), (4096, 3), (0,), (2, 0, 7), ()])
 def test_uncompressed_round_trip_is_exact(dtype, shape):
     x = _gaussian(shape, dtype, seed=1) * 1e3
-    y = unpack(pack(x, compress=False))
+    y = decode_tensor(encode_tensor(x, compress=False))
     assert y.dtype == dtype and y.shape == x.shape
     assert torch.equal(y, x)
 
 
 def test_uncompressed_float64_keeps_every_bit():
     x = torch.tensor([1 / 3, 1e-300, 1e300, -0.0, 2.0**-1074], dtype=torch.float64)
-    y = unpack(pack(x, compress=False))
+    y = decode_tensor(encode_tensor(x, compress=False))
     assert torch.equal(x.view(torch.int64), y.view(torch.int64))
 
 
 def test_uncompressed_bfloat16_goes_as_two_bytes_and_hivemind_reads_it():
     x = _gaussian((4096,), torch.bfloat16)
-    msg = pack(x, compress=False)
+    msg = encode_tensor(x, compress=False)
     assert len(msg.buffer) == 2 * x.numel()  # not hivemind's default widening to float32
     assert torch.equal(deserialize_torch_tensor(msg), x)
 
@@ -80,17 +80,17 @@ def test_uncompressed_bfloat16_goes_as_two_bytes_and_hivemind_reads_it():
 @pytest.mark.parametrize("compress", [False, True])
 def test_requires_grad_travels(compress):
     x = _gaussian((64, 64)).requires_grad_()
-    y = unpack(pack(x, compress))
+    y = decode_tensor(encode_tensor(x, compress))
     assert y.requires_grad and y.is_leaf
-    assert not unpack(pack(x.detach(), compress)).requires_grad
+    assert not decode_tensor(encode_tensor(x.detach(), compress)).requires_grad
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_compressed_error_bound_and_relative_error(dtype):
     x = _gaussian((256, 1024), dtype, seed=2)
-    msg = pack(x, compress=True)
+    msg = encode_tensor(x, compress=True)
     assert msg.compression == BLOCKWISE
-    y = unpack(msg)
+    y = decode_tensor(msg)
     assert y.dtype == dtype and y.shape == x.shape
     _assert_within_bound(x, y)
     rel = ((y.double() - x.double()).norm() / x.double().norm()).item()
@@ -102,25 +102,25 @@ def test_compressed_error_bound_and_relative_error(dtype):
                           (torch.float16, 1.97, 2.0), (torch.bfloat16, 1.97, 2.0)])
 def test_compression_ratio(dtype, low, high):
     x = _gaussian((4096, 1024), dtype)
-    msg = pack(x, compress=True)
-    ratio = x.numel() * x.element_size() / wire_bytes([msg])
+    msg = encode_tensor(x, compress=True)
+    ratio = x.numel() * x.element_size() / message_bytes([msg])
     assert low < ratio < high
     estimate = Blockwise8BitCompression().estimate_compression_ratio(CompressionInfo.from_tensor(x))
     assert estimate == pytest.approx(len(msg.buffer) / (x.numel() * x.element_size()))
 
 
 def test_wire_bytes_sums_messages():
-    msgs = [pack(_gaussian((4096,)), True), pack(torch.arange(10), True)]
-    assert wire_bytes(msgs) == sum(m.ByteSize() for m in msgs) > 4096
-    assert wire_bytes([]) == 0
+    msgs = [encode_tensor(_gaussian((4096,)), True), encode_tensor(torch.arange(10), True)]
+    assert message_bytes(msgs) == sum(m.ByteSize() for m in msgs) > 4096
+    assert message_bytes([]) == 0
 
 
 @pytest.mark.parametrize("shape", [(1025,), (3 * BLOCK_NUMEL + 7,), (37, 61, 3), (1, 2047)])
 def test_odd_sizes_keep_their_shape(shape):
     x = _gaussian(shape, seed=3)
-    msg = pack(x, compress=True)
+    msg = encode_tensor(x, compress=True)
     assert msg.compression == BLOCKWISE
-    y = unpack(msg)
+    y = decode_tensor(msg)
     assert y.shape == x.shape
     _assert_within_bound(x, y)
 
@@ -128,17 +128,17 @@ def test_odd_sizes_keep_their_shape(shape):
 def test_zero_blocks_decode_to_zeros():
     x = torch.zeros(3 * BLOCK_NUMEL)
     x[BLOCK_NUMEL:2 * BLOCK_NUMEL] = _gaussian((BLOCK_NUMEL,))  # zero, data, zero
-    y = unpack(pack(x, compress=True))
+    y = decode_tensor(encode_tensor(x, compress=True))
     assert torch.isfinite(y).all()
     assert torch.equal(y[:BLOCK_NUMEL], x[:BLOCK_NUMEL])
     assert torch.equal(y[2 * BLOCK_NUMEL:], x[2 * BLOCK_NUMEL:])
-    assert torch.equal(unpack(pack(torch.zeros(5000), True)), torch.zeros(5000))
+    assert torch.equal(decode_tensor(encode_tensor(torch.zeros(5000), True)), torch.zeros(5000))
 
 
 def test_block_maximum_and_its_sign_are_exact():
     x = _gaussian((2 * BLOCK_NUMEL,), seed=4)
     x[10], x[BLOCK_NUMEL + 5] = 50.0, -70.0  # each its block's absmax: code +-127
-    y = unpack(pack(x, compress=True))
+    y = decode_tensor(encode_tensor(x, compress=True))
     assert y[10].item() == pytest.approx(50.0, rel=1e-6)
     assert y[BLOCK_NUMEL + 5].item() == pytest.approx(-70.0, rel=1e-6)
 
@@ -147,11 +147,11 @@ def test_non_contiguous_inputs_and_input_untouched():
     base = _gaussian((256, 64), seed=5)
     for x in (base.t(), base[:, ::2], base.t()[3:, 1:]):
         before = x.clone()
-        y = unpack(pack(x, compress=True))
+        y = decode_tensor(encode_tensor(x, compress=True))
         assert torch.equal(x, before)
         assert y.shape == x.shape and y.is_contiguous()
         _assert_within_bound(x, y)
-        assert torch.equal(unpack(pack(x, compress=False)), x)
+        assert torch.equal(decode_tensor(encode_tensor(x, compress=False)), x)
 
 
 @pytest.mark.parametrize("x", [
@@ -163,9 +163,9 @@ def test_non_contiguous_inputs_and_input_untouched():
     torch.random.get_rng_state(),  # uint8 metadata: must arrive bit for bit
 ])
 def test_passthrough_is_exact(x):
-    msg = pack(x, compress=True)
+    msg = encode_tensor(x, compress=True)
     assert msg.compression == NONE
-    y = unpack(msg)
+    y = decode_tensor(msg)
     assert y.dtype == x.dtype and y.shape == x.shape and torch.equal(y, x)
 
 
@@ -173,15 +173,15 @@ def test_passthrough_is_exact(x):
 def test_non_finite_tensors_go_uncompressed(special):
     x = _gaussian((4096,), seed=6)
     x[100] = special
-    msg = pack(x, compress=True)
+    msg = encode_tensor(x, compress=True)
     assert msg.compression == NONE
-    torch.testing.assert_close(unpack(msg), x, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(decode_tensor(msg), x, rtol=0, atol=0, equal_nan=True)
 
 
 def test_float64_beyond_float32_range_goes_uncompressed():
     x = _gaussian((4096,), torch.float64) * 1e300
-    msg = pack(x, compress=True)
-    assert msg.compression == NONE and torch.equal(unpack(msg), x)
+    msg = encode_tensor(x, compress=True)
+    assert msg.compression == NONE and torch.equal(decode_tensor(msg), x)
 
 
 def test_unpack_does_not_use_hivemind_stock_blockwise(monkeypatch):
@@ -196,25 +196,25 @@ def test_unpack_does_not_use_hivemind_stock_blockwise(monkeypatch):
 
     monkeypatch.setitem(hm_serialization._BASE_COMPRESSION_TYPES, "BLOCKWISE_8BIT", Refuse())
     x = _gaussian((4096,), seed=7)
-    msg = pack(x, compress=True)
+    msg = encode_tensor(x, compress=True)
     assert msg.compression == BLOCKWISE
     with pytest.raises(AssertionError, match="stock"):
         deserialize_torch_tensor(msg)  # the patch is live: hivemind's own path would hit it
-    _assert_within_bound(x, unpack(msg))
+    _assert_within_bound(x, decode_tensor(msg))
 
 
 def test_malformed_message_is_a_clear_error():
-    msg = pack(_gaussian((4096,)), compress=True)
+    msg = encode_tensor(_gaussian((4096,)), compress=True)
     truncated = runtime_pb2.Tensor()
     truncated.CopyFrom(msg)
     truncated.buffer = msg.buffer[:-1]
     with pytest.raises(PeerError, match="malformed BLOCKWISE_8BIT"):
-        unpack(truncated)
+        decode_tensor(truncated)
     wrong_dtype = runtime_pb2.Tensor()
     wrong_dtype.CopyFrom(msg)
     wrong_dtype.dtype = "int64"
     with pytest.raises(PeerError, match="float dtype"):
-        unpack(wrong_dtype)
+        decode_tensor(wrong_dtype)
 
 
 _specials = st.lists(
@@ -231,9 +231,9 @@ def test_error_bound_property(numel, seed, exponent, dtype, specials, zero_run):
     x[:zero_run] = 0  # whole zero blocks and partly zero ones
     for index, value in specials:  # outliers and exact values at arbitrary places
         x[index % numel] = value
-    msg = pack(x, compress=True)
+    msg = encode_tensor(x, compress=True)
     assert msg.compression == BLOCKWISE
-    y = unpack(msg)
+    y = decode_tensor(msg)
     assert y.dtype == dtype and y.shape == x.shape
     _assert_within_bound(x, y)
 
@@ -243,7 +243,7 @@ def test_error_bound_property(numel, seed, exponent, dtype, specials, zero_run):
        dtype=st.sampled_from([torch.float16, torch.bfloat16]), exponent=st.integers(-3, 3))
 def test_error_bound_property_half_types(numel, seed, dtype, exponent):
     x = (_gaussian((numel,), torch.float64, seed) * 10.0**exponent).to(dtype)
-    _assert_within_bound(x, unpack(pack(x, compress=True)))
+    _assert_within_bound(x, decode_tensor(encode_tensor(x, compress=True)))
 
 
 @pytest.mark.parametrize("compress", [False, True])

@@ -22,20 +22,20 @@ boundary activations (checkpoints) are not actions of their own: they belong to 
 and stream in ahead of the loads listed between the compute before that B and the B, one
 micro-batch ahead of the backward.
 
-Text form: tokens `INDEX KIND [MICRO]` separated by spaces, commas or newlines; `parse` and
+Text form: tokens `INDEX KIND [MICRO]` separated by spaces, commas or newlines; `parse_actions` and
 `format_actions` are inverses.
 """
 
 from __future__ import annotations
 
 from atomc.actions.action import (
+    ACTION_KINDS,
     GRAMMAR,
-    KINDS,
     Action,
     Run,
     directions,
     format_actions,
-    parse,
+    parse_actions,
     phases,
     runs,
 )
@@ -50,7 +50,7 @@ from atomc.actions.orders import (
 )
 
 __all__ = [
-    "GRAMMAR", "KINDS", "PIPELINE_ORDERS", "Action", "Run", "atom_order", "atom_runs",
-    "directions", "format_actions", "gpipe", "max_in_flight", "one_f_one_b", "parse", "phases",
-    "pipeline_order", "runs",
+    "ACTION_KINDS", "GRAMMAR", "PIPELINE_ORDERS", "Action", "Run", "atom_order", "atom_runs",
+    "directions", "format_actions", "gpipe", "max_in_flight", "one_f_one_b", "parse_actions",
+    "phases", "pipeline_order", "runs",
 ]

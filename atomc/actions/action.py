@@ -1,5 +1,5 @@
-"""The action IR itself: `Action`, its text form (`parse`, `format_actions`) and `runs`/`phases`
-(see atomc.actions)."""
+"""The action IR itself: `Action`, its text form (`parse_actions`, `format_actions`) and
+`runs`/`phases` (see atomc.actions)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from atomc.errors import UsageError
 
-KINDS = ("F", "B", "L", "O", "U", "S", "R")
+ACTION_KINDS = ("F", "B", "L", "O", "U", "S", "R")
 WITH_MICRO = frozenset("FBSR")  # kinds that name a micro-batch
 GRAMMAR = ("INDEX KIND [MICRO]: KIND one of F B S R with a micro-batch (2F0, 1S3), "
            "L O U without one (1L, 0U)")
@@ -20,13 +20,13 @@ _SEPARATORS = re.compile(r"[\s,]+")
 class Action:
     """One kind of work for sub-model or stage `index` (and micro-batch `micro`)."""
 
-    kind: str  # one of KINDS
+    kind: str  # one of ACTION_KINDS
     index: int  # sub-model (swap runtime) or stage (pipeline orders)
     micro: int | None = None  # micro-batch for F, B, S, R; None for L, O, U
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"action kind {self.kind!r} is not one of {' '.join(KINDS)}")
+        if self.kind not in ACTION_KINDS:
+            raise ValueError(f"action kind {self.kind!r} is not one of {' '.join(ACTION_KINDS)}")
         if self.index < 0 or (self.micro is not None and self.micro < 0):
             raise ValueError(f"action {self.kind} {self.index} {self.micro}: negative number")
         if (self.micro is None) == (self.kind in WITH_MICRO):
@@ -38,7 +38,7 @@ class Action:
         return f"{self.index}{self.kind}" + ("" if self.micro is None else str(self.micro))
 
 
-def parse(text: str) -> list[Action]:
+def parse_actions(text: str) -> list[Action]:
     """The actions of a text form such as "0L 1L 0F0, 0F1"; UsageError names a bad token."""
     out = []
     for token in _SEPARATORS.split(text.strip()):
@@ -46,7 +46,7 @@ def parse(text: str) -> list[Action]:
             continue
         match = _TOKEN.fullmatch(token)
         kind = match.group(2) if match else ""
-        if kind not in KINDS or bool(match.group(3)) != (kind in WITH_MICRO):
+        if kind not in ACTION_KINDS or bool(match.group(3)) != (kind in WITH_MICRO):
             raise UsageError(f"schedule token {token!r} is not an action; expected {GRAMMAR}")
         index, micro = int(match.group(1)), match.group(3)
         out.append(Action(kind, index, int(micro) if micro else None))
@@ -122,5 +122,5 @@ def directions(actions: list[Action]) -> list[str | None]:
     return out
 
 
-__all__ = ["GRAMMAR", "KINDS", "Action", "Run", "directions", "format_actions", "parse", "phases",
-           "runs"]
+__all__ = ["ACTION_KINDS", "GRAMMAR", "Action", "Run", "directions", "format_actions",
+           "parse_actions", "phases", "runs"]

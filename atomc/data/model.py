@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten
 
 from atomc.errors import UsageError
 
-aten = torch.ops.aten
+_aten = torch.ops.aten
 
 
 def token_input(package: Any) -> tuple[str, list[int], torch.dtype]:
@@ -60,17 +60,17 @@ class _Lookups(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         packet = func.overloadpacket
-        if packet is aten.embedding and len(args) >= 2 and self._is_ids(args[1]):
+        if packet is _aten.embedding and len(args) >= 2 and self._is_ids(args[1]):
             self.sizes.append(int(args[0].shape[0]))
-        elif packet is aten.embedding_bag and len(args) >= 2 and self._is_ids(args[1]):
+        elif packet is _aten.embedding_bag and len(args) >= 2 and self._is_ids(args[1]):
             self.sizes.append(int(args[0].shape[0]))
-        elif (packet is aten.index_select and len(args) >= 3 and self._is_ids(args[2])
+        elif (packet is _aten.index_select and len(args) >= 3 and self._is_ids(args[2])
               and args[1] in (0, -args[0].dim())):
             self.sizes.append(int(args[0].shape[0]))
-        elif (packet is aten.index and len(args) >= 2 and args[1]
+        elif (packet is _aten.index and len(args) >= 2 and args[1]
               and self._is_ids(args[1][0])):
             self.sizes.append(int(args[0].shape[0]))
-        elif (packet in (aten.nll_loss_forward, aten.nll_loss2d_forward) and len(args) >= 2
+        elif (packet in (_aten.nll_loss_forward, _aten.nll_loss2d_forward) and len(args) >= 2
               and self._is_ids(args[1])):
             self.sizes.append(int(args[0].shape[1 if args[0].dim() > 1 else 0]))
         out = func(*args, **kwargs)

@@ -152,7 +152,7 @@ def laid_out(flat: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...
     return flat.view(shape) if not strides else flat.as_strided(shape, strides)
 
 
-def describe(values: dict[str, Any], names: tuple[str, ...],
+def value_entries(values: dict[str, Any], names: tuple[str, ...],
              grads: Collection[str] | None = None) -> tuple[Entry, ...]:
     """Entries of `values`; a floating tensor carries a gradient back when its name is in
     `grads` (the package's: atomc.runtime.package.SwapPackage.carries_grad), or, with no
@@ -421,7 +421,7 @@ class Link:
     # ---- sender side ---------------------------------------------------------------------------
 
     def send(self, values: dict[str, Any]) -> None:
-        entries = describe(values, self.names, self.grads)
+        entries = value_entries(values, self.names, self.grads)
         if self.entries is None:
             self.entries = entries
             raw = header_bytes(entries)

@@ -34,7 +34,7 @@ from atomc.place.network import (
     network_from_data,
     scenario_names,
 )
-from atomc.place.search import STRATEGIES, Budget, PlacementResult, search
+from atomc.place.search import STRATEGIES, Budget, PlacementResult, search_placement
 
 __all__ = [
     "STRATEGIES",
@@ -55,7 +55,7 @@ __all__ = [
     "place",
     "random_cost",
     "scenario_names",
-    "search",
+    "search_placement",
 ]
 
 RANDOM_SAMPLES = 16  # random layouts whose median cost a layout is compared with
@@ -142,7 +142,7 @@ def place(
             "(gradients per stage)"
         )
     model = CostModel(network, pp, dp, c_pp_bytes, c_dp_bytes)
-    result = search(
+    result = search_placement(
         model,
         strategy,
         seed,

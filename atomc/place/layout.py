@@ -36,7 +36,7 @@ class LayoutCost:
 
 
 @dataclass(frozen=True)
-class LayoutStage:
+class PlacedStage:
     """One pipeline stage of a layout: its sub-models and its share of the cost."""
 
     stage: int
@@ -64,7 +64,7 @@ class Layout(Document):
     num_replicas: int  # D_DP
     devices: tuple[tuple[str, ...], ...]  # [stage][replica]: the D_PP x D_DP device matrix
     ranks: dict[str, int]  # device name -> rank = replica * D_PP + stage
-    stages: tuple[LayoutStage, ...]
+    stages: tuple[PlacedStage, ...]
     c_pp_bytes: int
     c_dp_bytes: int
     cost: LayoutCost
@@ -218,7 +218,7 @@ def layout_stages(
     groups_order_dp: list[float],
     plan: Plan | None,
     ranges: tuple[tuple[int, int], ...] | None,
-) -> tuple[LayoutStage, ...]:
+) -> tuple[PlacedStage, ...]:
     specs = []
     for s in range(model.pp):
         if plan is not None and ranges is not None:
@@ -231,7 +231,7 @@ def layout_stages(
             compute_ms, param_bytes, submodels = 0.0, 0, None
         send = cost.edge_s[s] if s < model.pp - 1 else 0.0
         specs.append(
-            LayoutStage(
+            PlacedStage(
                 stage=s,
                 submodels=submodels,
                 compute_ms=compute_ms,

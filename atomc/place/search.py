@@ -443,7 +443,7 @@ def _key(groups: np.ndarray) -> bytes:
     return rows[np.lexsort(rows.T[::-1])].tobytes()
 
 
-def search(
+def search_placement(
     model: CostModel,
     strategy: str = "ours",
     seed: int = 0,

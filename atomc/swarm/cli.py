@@ -63,7 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--averaging-timeout", type=float, default=20.0)
     s.add_argument("--maddr-file", help="write this server's addresses here")
     s.add_argument("--max-seconds", type=float, help="stop serving after this long")
-    s.set_defaults(func=run_serve)
+    s.set_defaults(func=run_swarm_serve)
     t = own.add_parser("train", help="train a generated package through the swarm's servers",
                        description="Send batches through the servers of every stage, one optimizer "
                                    "step per global batch.")
@@ -89,7 +89,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--data", choices=("counting", "random"), default="counting",
                    help="counting sequences (learnable) or the model file's example_inputs")
     t.add_argument("--data-seed", type=int, default=0)
-    t.set_defaults(func=run_train)
+    t.set_defaults(func=run_swarm_train)
     p.set_defaults(func=lambda args: p.print_help() or 2)
 
 
@@ -123,7 +123,7 @@ def _addresses(args: argparse.Namespace) -> dict[str, Any]:
             "announce_maddrs": _split(args.announce_maddrs)}
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def run_swarm_serve(args: argparse.Namespace) -> int:
     from atomc.swarm.config import ServeConfig
     from atomc.swarm.server import SwarmServer
 
@@ -162,7 +162,7 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_train(args: argparse.Namespace) -> int:
+def run_swarm_train(args: argparse.Namespace) -> int:
     from atomc.swarm.client import SwarmTrainer, TrainConfig
 
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
@@ -234,4 +234,4 @@ def _data(trainer: Any, args: argparse.Namespace) -> Any:
     return batch_of
 
 
-__all__ = ["register", "run_serve", "run_train"]
+__all__ = ["register", "run_swarm_serve", "run_swarm_train"]

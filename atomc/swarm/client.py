@@ -47,7 +47,7 @@ from hivemind.utils.asyncio import iter_as_aiter
 
 from atomc.errors import PeerError, UsageError
 from atomc.swarm.calls import BATCH, GRAD
-from atomc.swarm.codec import wire_bytes
+from atomc.swarm.codec import message_bytes
 from atomc.swarm.commit import exclude
 from atomc.swarm.node import SwarmNode
 from atomc.swarm.records import ServerRecord, read_excluded, read_servers, report_gone
@@ -448,8 +448,8 @@ class SwarmTrainer:
                 avoid.add(peer)
                 continue
             self.router.report(j, peer, time.monotonic() - t0, samples)
-            self._stats.bytes_sent += wire_bytes([request])
-            self._stats.bytes_received += wire_bytes([response])
+            self._stats.bytes_sent += message_bytes([request])
+            self._stats.bytes_received += message_bytes([response])
             if kind == "backward":
                 self._held[(j, g)] = _Held(peer, attempt, values, grads)
             return decode(response, torch.device("cpu"))

@@ -4,7 +4,7 @@ A message carries a JSON header (the call's metadata, and the entries: which nam
 with shapes and dtypes, and which are plain values such as sizes) and the tensors in entry
 order, each packed by `atomc.swarm.codec` (8-bit blockwise on the links when asked; integer
 tensors, the RNG state among them, always exact). Entries are the layout runner's
-(atomc.distributed.pipeline.describe), so a value that crosses a pipeline boundary there
+(atomc.distributed.pipeline.value_entries), so a value that crosses a pipeline boundary there
 crosses a SWARM link too.
 
 A message travels as a stream of parts (`split`, `join`): the p2p daemon refuses a single
@@ -25,25 +25,25 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from atomc.distributed.pipeline import (
     decode_value,
-    describe,
     entry_of,
     entry_row,
     in_memory_order,
     laid_out,
+    value_entries,
 )
 from atomc.errors import PeerError
-from atomc.swarm.codec import pack, unpack
+from atomc.swarm.codec import decode_tensor, encode_tensor
 
-PART_BYTES = 1 << 20  # tensor bytes per part: well under the daemon's 4 MiB message limit
+STREAM_PART_BYTES = 1 << 20  # tensor bytes per part: well under the daemon's 4 MiB message limit
 
 
 def encode(values: dict[str, Any], meta: dict[str, Any], *, compress: bool = False,
            response: bool = False) -> Any:
     """`values` (name -> tensor or plain value) and `meta` (JSON-able) as one message."""
-    entries = describe(values, tuple(sorted(values)))
+    entries = value_entries(values, tuple(sorted(values)))
     header = {"meta": meta, "entries": [entry_row(e) for e in entries]}
     # in memory order: the receiver lays each out as the sender had it (`layout`)
-    tensors = [pack(in_memory_order(values[e.name].detach()), compress)
+    tensors = [encode_tensor(in_memory_order(values[e.name].detach()), compress)
                for e in entries if e.kind == "tensor"]
     cls = runtime_pb2.ExpertResponse if response else runtime_pb2.ExpertRequest
     return cls(tensors=tensors, metadata=json.dumps(header).encode())
@@ -65,7 +65,7 @@ def decode(msg: Any, device: torch.device) -> tuple[dict[str, Any], dict[str, An
     values: dict[str, Any] = {}
     for e in entries:
         if e.kind == "tensor":
-            t = unpack(next(tensors)).to(device)
+            t = decode_tensor(next(tensors)).to(device)
             if t.numel() != math.prod(e.shape):
                 raise PeerError(f"{e.name} arrived with {t.numel()} elements, its header says "
                                 f"shape {e.shape}")
@@ -76,7 +76,7 @@ def decode(msg: Any, device: torch.device) -> tuple[dict[str, Any], dict[str, An
     return values, header["meta"]
 
 
-def split(msg: Any, part_bytes: int = PART_BYTES) -> Iterator[Any]:
+def split(msg: Any, part_bytes: int = STREAM_PART_BYTES) -> Iterator[Any]:
     """`msg` as parts of at most about `part_bytes` tensor bytes each (`join` undoes it)."""
     cls = type(msg)
     first = {"metadata": msg.metadata}

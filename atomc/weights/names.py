@@ -34,7 +34,7 @@ from torch import nn
 ORIGINAL, TRANSFORMERS, PEFT = "original", "transformers", "peft"
 
 
-class SwapPackage(Protocol):
+class SwapPackageLike(Protocol):
     """What atomc.weights reads of a generated package (atomc.runtime.package.SwapPackage).
 
     The runtime opens and exports checkpoints through this package (`weights=`,
@@ -99,7 +99,7 @@ class ModelNames:
         return {orig: ext for ext, orig in self.conventions.get(convention, {}).items()}
 
 
-def package_names(pkg: SwapPackage, modules: list[nn.Module]) -> ModelNames:
+def package_names(pkg: SwapPackageLike, modules: list[nn.Module]) -> ModelNames:
     """The package's weights, their shapes (from `modules`, the package's sub-models, on any
     device) and every convention known for them."""
     held: dict[str, None] = {}
@@ -124,7 +124,7 @@ def package_names(pkg: SwapPackage, modules: list[nn.Module]) -> ModelNames:
     return names
 
 
-def build_on_meta(pkg: SwapPackage) -> nn.Module | None:
+def build_on_meta(pkg: SwapPackageLike) -> nn.Module | None:
     """The original model built from the package's model file on the meta device (no
     memory), or None when the model file is not found from here."""
     path = pkg.model_file()

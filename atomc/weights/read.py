@@ -37,7 +37,7 @@ from atomc.weights.names import (
     PEFT,
     TRANSFORMERS,
     ModelNames,
-    SwapPackage,
+    SwapPackageLike,
     package_names,
 )
 
@@ -261,7 +261,7 @@ class WeightsIn:
         return {n: torch.empty(0, dtype=ck.tensors[k].dtype, device="meta")
                 for n, (ck, k) in self.held.items()}
 
-    def take_initial(self, pkg: SwapPackage, seed: int) -> None:
+    def take_initial(self, pkg: SwapPackageLike, seed: int) -> None:
         """Values of the adapter weights that no file holds: the model file's initialisation
         under `seed` (as build_model() makes them for a trainer without weights=)."""
         if not self.from_model:
@@ -276,7 +276,7 @@ class WeightsIn:
         self.initial = {n: state[n].detach().clone() for n in self.from_model}
         del state
 
-    def load_buffers(self, pkg: SwapPackage, modules: list[nn.Module]) -> None:
+    def load_buffers(self, pkg: SwapPackageLike, modules: list[nn.Module]) -> None:
         """Persistent buffers (running statistics, counters) into the host sub-models."""
         with torch.no_grad():
             for mod, names in zip(modules, pkg.param_names):
@@ -296,14 +296,18 @@ class WeightsIn:
         the device images. Returns the weights no sub-model holds, read into memory."""
         with torch.no_grad():
             for i, layout in enumerate(store.layouts):
-                for e in layout.entries:
-                    if e.owned:
-                        value = store.read_entry(i, e)  # a view where the store keeps it whole
-                        self._copy(e.key, value)
-                        store.write_entry(i, e, value)
+                # tensor by tensor, each read when the pass reaches it (where the states are
+                # on disk: a segment at a time, one pass over the sub-model)
+                store.write_entries(i, [(e, lambda e=e: self._read(e.key, e.shape, store.master_dtype))
+                                        for e in layout.entries if e.owned])
         for i in range(len(store.layouts)):
-            store.refresh_images(i)
+            store.refresh_replicas(i)
         return {n: ck.read(k) for n, (ck, k) in self.unread.items()}
+
+    def _read(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        target = torch.empty(shape, dtype=dtype)
+        self._copy(name, target)
+        return target
 
     def _copy(self, name: str, target: torch.Tensor) -> None:
         if name in self.initial:
@@ -313,7 +317,7 @@ class WeightsIn:
         ck.copy_into(key, target)
 
 
-def open_weights(pkg: SwapPackage, paths: str | Path | Sequence[str | Path]) -> WeightsIn:
+def open_weights(pkg: SwapPackageLike, paths: str | Path | Sequence[str | Path]) -> WeightsIn:
     """Open the checkpoint(s) at `paths` for the package and check them against its weights
     (names, shapes); one line names the first mismatch. Reads headers only."""
     many = [paths] if isinstance(paths, (str, Path)) else list(paths)
@@ -366,7 +370,7 @@ def open_weights(pkg: SwapPackage, paths: str | Path | Sequence[str | Path]) -> 
 
 
 def _convention(names: ModelNames, ck: CheckpointFiles,
-                pkg: SwapPackage) -> tuple[str, dict[str, str]]:
+                pkg: SwapPackageLike) -> tuple[str, dict[str, str]]:
     """The convention that names most of the checkpoint's tensors, and its map."""
     best, best_hits = ORIGINAL, -1
     for convention in (ORIGINAL, TRANSFORMERS, PEFT):

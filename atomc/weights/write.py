@@ -48,10 +48,9 @@ from atomc.dtypes import parse_dtype
 from atomc.errors import RuntimeMismatchError, UsageError
 from atomc.jsonio import replace_dir, umask
 from atomc.weights.names import ORIGINAL, TRANSFORMERS, ModelNames, package_names
-from atomc.weights.read import require
+from atomc.weights.read import SAFETENSORS_INDEX, require
 
-MARKER = "atomc-export.json"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
+EXPORT_MARKER = "atomc-export.json"
 DEFAULT_SHARD = "2GB"
 
 
@@ -100,7 +99,7 @@ def _save(trainer: Any, names: ModelNames, modules: list[Any], out: Path,
         record = {"kind": "atomc.export", "names": kind, "package": str(trainer.package.path),
                   "plan_hash": trainer.package.plan_hash, "step": trainer.step_count,
                   "dtype": str(written_dtype).replace("torch.", ""), "tied": tied}
-        (tmp / MARKER).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+        (tmp / EXPORT_MARKER).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -119,7 +118,7 @@ def _model_order(names: ModelNames, state: dict[str, torch.Tensor]) -> list[str]
 
 def tied_names(directory: str | Path) -> dict[str, str]:
     """What an export wrote once for tied weights: each other name -> the name written."""
-    marker = Path(directory) / MARKER
+    marker = Path(directory) / EXPORT_MARKER
     try:
         return dict(json.loads(marker.read_text(encoding="utf-8")).get("tied") or {})
     except (OSError, ValueError, AttributeError) as e:
@@ -189,9 +188,9 @@ def _write_adapter(names: ModelNames, state: dict[str, torch.Tensor], out: Path,
 def _check_target(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise RuntimeMismatchError(f"{out} is a file; give a directory to export into")
-    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+    if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file():
         raise RuntimeMismatchError(f"{out} exists and is not a directory atomc exported (no "
-                                   f"{MARKER}); give a new or empty directory")
+                                   f"{EXPORT_MARKER}); give a new or empty directory")
     out.parent.mkdir(parents=True, exist_ok=True)
 
 
