@@ -291,8 +291,9 @@ def test_no_public_name_is_defined_in_two_modules() -> None:
             where.setdefault(n, []).append(module)
     doubled = {n: ms for n, ms in where.items() if len(ms) > 1}
     new = {n: ms for n, ms in sorted(doubled.items()) if n not in SHARED_NAMES}
-    assert new == {}, "public names defined in several modules (give each concept one name): " + (
-        "; ".join(f"{n} in {', '.join(ms)}" for n, ms in new.items()))
+    assert new == {}, ("public names defined in several modules (give each concept one name, "
+                       "or list the name in SHARED_NAMES with why it stays): " + "; ".join(
+                           f"{n} in {', '.join(ms)}" for n, ms in new.items()))
     stale = sorted(SHARED_NAMES.keys() - doubled.keys())
     assert stale == [], f"defined in one module now, drop them from SHARED_NAMES: {stale}"
 
