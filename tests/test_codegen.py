@@ -820,3 +820,31 @@ def test_example_trains_a_generated_package():
     spec.loader.exec_module(example)
     losses = example.main(["--steps", "8"])
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.3
+
+
+def test_names_a_function_whose_package_binds_its_module_name_to_it(tmp_path, monkeypatch):
+    """A package that imports a function over the submodule of the same name (torchvision.ops
+    with stochastic_depth: torchvision's ConvNeXt) is named where generated code finds it,
+    `shadowed.scale`, not by its module path `shadowed.scale.scale`, which evaluates attribute
+    by attribute to the function's attribute `scale`."""
+    from atomc.codegen import resolve
+
+    package = tmp_path / "shadowed"
+    package.mkdir()
+    (package / "__init__.py").write_text("from .scale import Scale, scale\n")
+    (package / "scale.py").write_text(
+        "import torch\n\n\ndef scale(x):\n    return 2 * x\n\n\n"
+        "class Scale(torch.nn.Module):\n    def forward(self, x):\n        return scale(x)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    installed = resolve.is_installed
+    monkeypatch.setattr(resolve, "is_installed",
+                        lambda name: name.split(".")[0] == "shadowed" or installed(name))
+    shadowed = importlib.import_module("shadowed")
+    resolver = resolve.Resolver.__new__(resolve.Resolver)
+    resolver.model_module = sys.modules[__name__]
+    for obj, name in ((shadowed.scale, resolver.function), (shadowed.Scale, resolver.cls)):
+        imports: set[str] = set()
+        expression = name(obj, imports, "test")
+        scope: dict = {}
+        exec("\n".join(sorted(imports)), scope)
+        assert eval(expression, scope) is obj, expression

@@ -74,20 +74,6 @@ def is_installed(module_name: str) -> bool:
     return top in _distributed_packages()
 
 
-def _resolve(path: str) -> Any:
-    """The object a dotted path names, importing the longest module prefix."""
-    parts = path.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj: Any = importlib.import_module(".".join(parts[:cut]))
-        except Exception:  # noqa: BLE001 - not a module (or one that fails to import)
-            continue
-        for attr in parts[cut:]:
-            obj = getattr(obj, attr)
-        return obj
-    raise ImportError(path)
-
-
 class Resolver:
     """Turns callables and classes into source expressions, and records needed helpers."""
 
@@ -157,14 +143,15 @@ class Resolver:
             path = fx.node._get_qualified_name(fn)
         except (RuntimeError, AttributeError, TypeError):
             path = None
-        if path is None or not _resolves_to(path, fn):
+        written = None if path is None else _written(path, fn)
+        if written is None:
             raise CodegenError(
                 f"{why} calls {fn!r}, which atomc cannot name from the generated package "
                 f"(no importable module path); define it at the top level of the model file")
-        top = path.split(".")[0]
-        if top == "torch":
+        expression, imported = written
+        if path.split(".")[0] == "torch":
             imports.add("import torch")
-            return path
+            return expression
         mod_path = module if module and path.startswith(module + ".") else path.rpartition(".")[0]
         if mod_path in sys.modules and sys.modules[mod_path] is self.model_module:
             return self.helper(fn, why)
@@ -175,8 +162,8 @@ class Resolver:
                 f"model file nor an installed package, so the generated package could not import "
                 f"it on another machine; move the function into the model file or install its "
                 f"module")
-        imports.add(f"import {mod_path}")
-        return path
+        imports.add(f"import {imported}")
+        return expression
 
     def cls(self, klass: type, imports: set[str], why: str) -> str:
         name = klass.__name__
@@ -195,17 +182,56 @@ class Resolver:
                 f"{getattr(sys.modules.get(module), '__file__', '?')}, which is neither the model "
                 f"file nor an installed package; move the class into the model file or install it")
         path = f"{module}.{klass.__qualname__}"
-        if not _resolves_to(path, klass):
+        written = _written(path, klass)
+        if written is None:
             raise CodegenError(f"{why} uses class {path}, which cannot be imported under that name")
-        if module.split(".")[0] == "torch":
-            imports.add("import torch")
-        else:
-            imports.add(f"import {module}")
-        return path
+        expression, imported = written
+        imports.add("import torch" if module.split(".")[0] == "torch" else f"import {imported}")
+        return expression
 
 
-def _resolves_to(path: str, obj: Any) -> bool:
-    try:
-        return _resolve(path) is obj
-    except (ImportError, AttributeError):
-        return False
+def _written(path: str, obj: Any) -> tuple[str, str] | None:
+    """(expression, module to import) that names `obj`, the dotted `path` where that works.
+
+    Generated code evaluates `a.b.c.f` attribute by attribute from the package `a`, and a
+    package may bind a submodule's name to something else: torchvision.ops imports the
+    function stochastic_depth over its module torchvision.ops.stochastic_depth, so
+    `torchvision.ops.stochastic_depth.stochastic_depth` fails where the import of its longest
+    module prefix finds it. Then the same name under each enclosing package is tried,
+    innermost first (`torchvision.ops.stochastic_depth`, the name the package exports)."""
+    module = _module_prefix(path)
+    if module is None:
+        return None
+    qualname = path.removeprefix(module + ".")
+    parts = module.split(".")
+    enclosing = [".".join(parts[:cut]) for cut in range(len(parts) - 1, 0, -1)]
+    for candidate in [path, *(f"{m}.{qualname}" for m in enclosing)]:
+        imported = _module_prefix(candidate)
+        if imported is not None and _attributes(candidate) is obj:
+            return candidate, imported
+    return None
+
+
+def _module_prefix(path: str) -> str | None:
+    """The longest proper prefix of `path` that imports as a module."""
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        name = ".".join(parts[:cut])
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - not a module (or one that fails to import)
+            continue
+        return name
+    return None
+
+
+def _attributes(path: str) -> Any:
+    """What `path` evaluates to as written, attribute by attribute from its top package
+    (imported), or None."""
+    parts = path.split(".")
+    value: Any = sys.modules.get(parts[0])
+    for attr in parts[1:]:
+        value = getattr(value, attr, None)
+        if value is None:
+            return None
+    return value
