@@ -208,6 +208,33 @@ def test_modules_built_inplace_write_their_input_by_position_or_keyword(tmp_path
         prof.graph.nodes)
 
 
+def test_functions_called_inplace_write_their_input_by_position_or_keyword(tmp_path):
+    """`F.relu(x, inplace=True)` (torchvision's DenseNet) and `F.dropout(x, 0.1, True, True)`
+    write their input: profiled alone on an input that takes gradients they failed ("a leaf
+    Variable ... in-place operation") and, at a cut, would write the sub-model's input."""
+    from atomc.profile.ops import is_inplace, written_in_place
+
+    (tmp_path / "m.py").write_text(
+        "import torch\nimport torch.nn.functional as F\nfrom torch import nn\n\n\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = nn.Linear(4, 4)\n\n"
+        "    def forward(self, x):\n"
+        "        h = F.relu(x * 2, inplace=True)\n"
+        "        h = F.dropout(h, 0.1, True, True)\n"
+        "        return F.relu(h + self.fc(x))\n\n\n"
+        "def build_model(config=None):\n    return M()\n\n\n"
+        "def example_inputs(model, batch_size):\n    return (torch.randn(batch_size, 4),)\n")
+    traced = trace_model(tmp_path / "m.py", None, 2, device="cpu")
+    nodes = {n.name: n for n in traced.gm.graph.nodes}
+    assert is_inplace(nodes["relu"]) and is_inplace(nodes["dropout"])
+    assert not is_inplace(nodes["relu_1"])
+    assert written_in_place(nodes["mul"]) and written_in_place(nodes["relu"])
+    prof = profile_model(traced, device="cpu", repeats=1, progress=False)
+    assert len(prof.costs) == len(prof.graph.nodes)
+
+
 def test_loss_working_memory_rides_on_the_output_node_and_nothing_leaks():
     """The last sub-model runs loss_fn every step: its working memory (what autograd saves,
     then those and the logits' gradient) is charged to the output node, and measuring it

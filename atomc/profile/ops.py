@@ -9,6 +9,7 @@ bytes autograd saves without allocating anything.
 from __future__ import annotations
 
 import copy
+import inspect
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,8 +63,20 @@ def is_inplace(node: fx.Node) -> bool:
             return any(a.alias_info is not None and a.alias_info.is_write
                        for a in node.target._schema.arguments)
         name = getattr(node.target, "__name__", "")
-        return name.endswith("_") and not name.startswith("_")
+        return (name.endswith("_") and not name.startswith("_")) or _inplace_argument(node)
     return False
+
+
+def _inplace_argument(node: fx.Node) -> bool:
+    """A function called with `inplace=True`, by keyword or by position: torch.nn.functional's
+    relu, dropout, hardtanh and the like (torchvision's DenseNet: `F.relu(x, inplace=True)`)."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    try:
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+    except (TypeError, ValueError):  # a builtin without a signature, or other arguments
+        return False
+    return bound.arguments.get("inplace") is True
 
 
 def _writes(node: fx.Node, value: fx.Node) -> bool:
