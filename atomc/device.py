@@ -4,15 +4,19 @@ what the device names that profiles and plans record stand for."""
 from __future__ import annotations
 
 import platform
-
-import torch
+from typing import TYPE_CHECKING
 
 from atomc.errors import AtomcError, UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def parse_device(text: str | torch.device | None,
                  error: type[AtomcError] = UsageError) -> torch.device:
     """cpu, cuda or cuda:N; None means CUDA when present, else the CPU."""
+    import torch  # here: planning reads device names and runs without torch
+
     if text is None:
         text = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -40,6 +44,8 @@ def names_cpu(device: str) -> bool:
 
 def describe_device(device: torch.device) -> str:
     """How profiles, plans and measurements name the device they ran on."""
+    import torch
+
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"

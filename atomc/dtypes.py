@@ -13,31 +13,42 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from atomc.errors import AtomcError, IRError, UsageError
 
-# what users may write for each floating-point dtype, canonical name first
+if TYPE_CHECKING:
+    import torch
+
+# what users may write for each floating-point dtype, canonical name first (names, not
+# torch.dtypes: planning reads them without importing torch)
 _ALIASES = {
-    torch.float32: ("float32", "fp32"),
-    torch.float64: ("float64", "fp64"),
-    torch.bfloat16: ("bfloat16", "bf16"),
-    torch.float16: ("float16", "fp16", "half"),
+    "float32": ("float32", "fp32"),
+    "float64": ("float64", "fp64"),
+    "bfloat16": ("bfloat16", "bf16"),
+    "float16": ("float16", "fp16", "half"),
 }
-_BY_ALIAS = {name: dtype for dtype, names in _ALIASES.items() for name in names}
+_BY_ALIAS = {alias: name for name, aliases in _ALIASES.items() for alias in aliases}
 ACCEPTED = ", ".join(
     names[0] + (f" ({', '.join(names[1:])})" if names[1:] else "") for names in _ALIASES.values()
 )
 
 
+def parse_dtype_name(value: str, what: str) -> str:
+    """The canonical name of the floating-point dtype a user wrote ("bf16" -> "bfloat16")."""
+    name = _BY_ALIAS.get(value) if isinstance(value, str) else None
+    if name is None:
+        raise UsageError(f"{what} {value!r} is not a training dtype; choose one of {ACCEPTED}")
+    return name
+
+
 def parse_dtype(value: str | torch.dtype | None, what: str) -> torch.dtype | None:
     """`value` as a torch.dtype; None stays None (the caller's default applies)."""
+    import torch
+
     if value is None or isinstance(value, torch.dtype):
         return value
-    dtype = _BY_ALIAS.get(value) if isinstance(value, str) else None
-    if dtype is None:
-        raise UsageError(f"{what} {value!r} is not a training dtype; choose one of {ACCEPTED}")
-    return dtype
+    return getattr(torch, parse_dtype_name(value, what))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -47,6 +58,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 def dtype_from_name(name: str, what: str = "dtype",
                     error: type[AtomcError] = IRError) -> torch.dtype:
     """The torch dtype `dtype_name` wrote as `name`; `error` when torch has no such dtype."""
+    import torch
+
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype):
         raise error(f"{what} {name!r} is not a torch dtype")

@@ -11,6 +11,7 @@ message that names the file and the field.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -46,7 +47,9 @@ def to_data(obj: Any) -> Any:
     return obj
 
 
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
+    # resolving the string annotations costs a compile each: a profile has 10^5 objects
     return typing.get_type_hints(cls)
 
 
@@ -434,6 +437,23 @@ class Submodel:
     recompute_saved_ms: float = 0.0  # recomputation skipped, one micro-batch (in bwd_ms)
     send_ms: float = 0.0  # its C micro-batches' sent outputs to the host, during its forward
     fetch_ms: float = 0.0  # ... and back, before its backward (in checkpoint_ms)
+    # the disk tier: its states on disk read before its update and written after it, and its
+    # image read before each load when that is on disk (0: all on the host)
+    disk_read_ms: float = 0.0
+    disk_write_ms: float = 0.0
+    image_read_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class DiskSpec:
+    """The drives a plan may put model states on: how many, each one's sequential read and
+    write rate (GB/s) and capacity (0: unknown), and where the figures come from."""
+
+    drives: int
+    read_gbps: float
+    write_gbps: float
+    capacity_bytes: int = 0
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -448,6 +468,13 @@ class HostMemory:
     limit_source: str  # "--host-mem", "available on <host>", a hardware profile's figure, ""
     # host gradient buffers taken in turn (a ring; 0: one per sub-model, as clipping needs)
     grad_slots: int = 0
+    # the disk tier: the drives, each sub-model's kinds of states on disk ("moments",
+    # "masters", "images"), their bytes by kind, and what the drives must have free (a
+    # record written beside the current one, and a checkpoint's links keeping one set)
+    disk: DiskSpec | None = None
+    disk_kinds: tuple[tuple[str, ...], ...] = ()
+    disk_by_kind: dict[str, int] = field(default_factory=dict)
+    disk_need_bytes: int = 0
 
     def total(self) -> int:
         return sum(self.by_kind.values())

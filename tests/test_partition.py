@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from atomc.cli import main
-from atomc.errors import InfeasiblePlanError
+from atomc.errors import InfeasiblePlanError, UsageError
 from atomc.ir import HardwareProfile, IssueTimes, Plan, Profile
-from atomc.partition import build_plan, graph_hash, partition, profile_hash
+from atomc.partition import ADVICE_STEP, build_plan, graph_hash, partition, profile_hash
 from atomc.partition.accum import physical_bound_accum
 from atomc.partition.check import Checker, check_plan
 from atomc.partition.constraints import plan_slacks
@@ -381,10 +382,16 @@ def test_budget_below_the_largest_operator_names_it_and_a_budget_that_works():
     msg = str(e.value)
     assert "'h_0_op1'" in msg and "smallest budget that works" in msg
     budget = int(msg.split("--gpu-mem ")[1].split("MiB")[0]) * (1 << 20)
-    plan = partition(profile, budget, reserve_bytes=0, max_accum=1)  # it works...
+    plan = partition(profile, budget, reserve_bytes=0)  # it works, every constraint met...
+    assert plan.feasible and not check_plan(profile, plan)
+    # ...and a step less does not, at any C
+    assert not partition(profile, budget - ADVICE_STEP, reserve_bytes=0).feasible
+    # memory alone fits from where the message says, and not 2 MiB below
+    memory = float(msg.split("memory alone fits from ")[1].split(" MiB")[0])
+    plan = partition(profile, int(memory * (1 << 20)), reserve_bytes=0, max_accum=1)
     assert not [v for v in check_plan(profile, plan) if v.constraint == "memory"]
-    with pytest.raises(InfeasiblePlanError):  # ...and 2 MiB less does not
-        partition(profile, budget - (2 << 20), reserve_bytes=0, max_accum=1)
+    with pytest.raises(InfeasiblePlanError):
+        partition(profile, int(memory * (1 << 20)) - (2 << 20), reserve_bytes=0, max_accum=1)
 
 
 @pytest.fixture
@@ -410,6 +417,31 @@ def test_cli_partition_and_show(profile_file, tmp_path, capsys):
     assert main(["partition", str(profile_file), "--gpu-mem", "40MB", "--reserve", "0",
                  *RATE]) == 0
     assert (tmp_path / "m.plan.json").exists()  # default name next to the profile
+
+
+def test_partition_and_show_run_without_importing_torch(profile_file, tmp_path):
+    # torch's import is seconds of a planning command's time, which it does not need
+    plan = tmp_path / "m.plan.json"
+    script = (f"import sys\nfrom atomc.cli import main\n"
+              f"assert main(['partition', {str(profile_file)!r}, '--gpu-mem', '40MB', "
+              f"'--reserve', '0', '--cpu-adam-gbps', '8', '-o', {str(plan)!r}]) == 0\n"
+              f"assert main(['show', {str(plan)!r}, '--sweep']) == 0\n"
+              f"assert 'torch' not in sys.modules, 'torch was imported'\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_each_command_comes_from_the_module_the_cli_names_for_it():
+    import argparse
+    import importlib
+
+    from atomc.cli import COMMANDS
+
+    for module, names in COMMANDS.items():
+        sub = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(module).register(sub)
+        assert tuple(sub.choices) == names, module
 
 
 @pytest.mark.parametrize("size", ["11 Gibs", "eleven", "-3GiB"])
@@ -443,6 +475,40 @@ def test_cli_budget_too_small(profile_file, capsys):
     assert "operator '" in err and "smallest budget that works" in err and "--gpu-mem" in err
     assert main(["partition", str(profile_file), "--gpu-mem", "40MB"]) == 2  # auto: no hardware
     assert "no host figure" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, expect", [
+    (["--disks", "2", "--disk-gbps", "fast"], "--disk-gbps 'fast' is not a positive rate"),
+    (["--disks", "2", "--disk-gbps", "-7"], "--disk-gbps '-7' is not a positive rate"),
+    (["--disks", "2", "--disk-gbps", "7/0"], "--disk-gbps '7/0' is not a positive rate"),
+    (["--disks", "2"], "needs each drive's rate"),
+    (["--disks", "0", "--disk-gbps", "7"], "give 1 or more drives"),
+    (["--disk-gbps", "7"], "give them with --disks N"),
+    (["--offload-dir", "{tmp}/none"], "does not exist; create it"),
+    (["--offload-dir", "{tmp}", "--disks", "2", "--disk-gbps", "7"], "not both"),
+    (["--max-global-batch", "0"], "is not a positive count"),
+    (["--max-global-batch", "lots"], "is not a positive count"),
+    (["--max-global-batch", "1tokens"], "counts tokens, but the model takes no token ids"),
+])
+def test_cli_refuses_bad_disk_and_batch_options_in_one_line(profile_file, tmp_path, capsys,
+                                                            flags, expect):
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    assert main(["partition", str(profile_file), "--gpu-mem", "40MB", "--reserve", "0",
+                 *RATE, *flags]) == 2
+    err = capsys.readouterr().err
+    assert expect in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_global_batch_below_one_micro_batch_is_refused_with_what_would_do():
+    from atomc.partition.throughput import parse_global_batch
+
+    with pytest.raises(UsageError, match=r"'3' is below one micro-batch \(4 samples\); give at "
+                                         r"least 4 samples"):
+        parse_global_batch("3", 4, 4 * 512, True)
+    with pytest.raises(UsageError, match=r"below one micro-batch \(2048 tokens\)"):
+        parse_global_batch("1k-tokens", 4, 4 * 512, True)
+    assert parse_global_batch("64", 4, 4 * 512, True) == 16
+    assert parse_global_batch("64k tokens", 4, 4 * 512, True) == 32
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,18 +31,24 @@ Modules: `measure` (a package's traced steps -> Measurement), `scale` (calibrate
 `cli` (`atomc calibrate`).
 """
 
-from atomc.calibrate.measure import (
-    MeasuredSubmodel,
-    Measurement,
-    check_device,
-    check_losses,
-    device_matches,
-    measure_package,
-    summarise,
-)
-from atomc.calibrate.runtime_costs import measure_runtime_costs
-from atomc.calibrate.scale import COMPUTE_OPS, MIN_SCALE, calibrate
+import importlib
+from typing import Any
 
-__all__ = ["COMPUTE_OPS", "MIN_SCALE", "MeasuredSubmodel", "Measurement", "calibrate",
-           "check_device", "check_losses", "device_matches", "measure_package",
-           "measure_runtime_costs", "summarise"]
+# each public name and the module it lives in, imported when first used: `atomc partition`
+# reads the host and disk rates (host, disk) and needs none of the runtime (torch) that
+# measuring a package imports
+_WHERE = {
+    "MeasuredSubmodel": "measure", "Measurement": "measure", "check_device": "measure",
+    "check_losses": "measure", "device_matches": "measure", "measure_package": "measure",
+    "summarise": "measure", "measure_runtime_costs": "runtime_costs",
+    "COMPUTE_OPS": "scale", "MIN_SCALE": "scale", "calibrate": "scale",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'atomc.calibrate' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"atomc.calibrate.{_WHERE[name]}"), name)
+
+
+__all__ = sorted(_WHERE)

@@ -55,7 +55,7 @@ from atomc.partition.cost import (
     slot_fits,
     with_slot_cap,
 )
-from atomc.partition.hostmem import HostBudget, check_plan_host, plan_host_memory
+from atomc.partition.hostmem import HostBudget, check_plan_host, disk_times, plan_host_memory
 from atomc.partition.precision import Precision, device_view, model_dtype, resolve_precision
 from atomc.partition.search import (
     Folding,
@@ -77,7 +77,7 @@ from atomc.partition.tables import (
 from atomc.partition.throughput import Candidate, parse_global_batch, sweep_accum
 from atomc.simulate import binding_lane, simulate_plan
 from atomc.simulate.events import copies_on_host, simulate_swap
-from atomc.units import format_bytes
+from atomc.units import format_bytes, format_ms
 
 __all__ = ["DEFAULT_MAX_ACCUM", "DEFAULT_RESERVE_BYTES", "POLICIES", "build_plan", "partition",
            "recost"]
@@ -120,9 +120,9 @@ def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAUL
     view = device_view(profile, resolve_precision(profile, transfer_dtype, autocast))
 
     def with_host(plan: Plan) -> Plan:
-        return dataclasses.replace(plan, host=plan_host_memory(
-            plan, profile.graph, host.optimizer_states, host.limit_bytes, host.source,
-            clipping=host.clipping))
+        memory = plan_host_memory(plan, profile.graph, host.optimizer_states, host.limit_bytes,
+                                  host.source, clipping=host.clipping, disk=host.disk)
+        return with_disk(dataclasses.replace(plan, host=memory), profile.graph)
 
     weighed = [(with_host(plan), searched) for plan, searched in weighed]
     if activations == "auto":  # cut for recomputation, then the policy (partition.activations)
@@ -147,6 +147,40 @@ def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAUL
                           f"({tokens_per_s(best):,.0f}); the smallest C that meets every "
                           f"constraint is {smallest.accum} ({tokens_per_s(smallest):,.0f})"))
     return dataclasses.replace(best, sweep=sweep, notes=notes)
+
+
+def with_disk(plan: Plan, graph: OpGraph) -> Plan:
+    """`plan` (its host memory planned) with the disk tier's traffic in its steps: each
+    sub-model's states on disk read before its update and written after it, its image read
+    before its loads. That traffic must hide under the compute it overlaps, as the loads must:
+    where it does not, the plan says by how much the step grows; where the drives lack the
+    space, that binds."""
+    host = plan.host
+    if host is None or host.disk is None or not host.disk_kinds:
+        return plan
+    timed = disk_times(plan, graph, host)
+    sim = simulate_plan(timed)
+    step_ms = sim.step_ns / NS_PER_MS
+    disk = host.disk
+    binding, feasible = plan.binding, plan.feasible
+    room = disk.drives * disk.capacity_bytes
+    if room and host.disk_need_bytes > room:
+        feasible = False
+        binding = (f"disk capacity: the states need {format_bytes(host.disk_need_bytes)} on the "
+                   f"drives ({format_bytes(sum(host.disk_by_kind.values()))} of states, one "
+                   f"record written beside them and a checkpoint's set), {disk.drives} drive(s) "
+                   f"have {format_bytes(room)}")
+    elif step_ms > plan.predicted_step_ms * (1 + 1e-9) + 1e-6:
+        feasible = False
+        moved = sum(s.disk_read_ms + s.disk_write_ms + 2 * s.image_read_ms
+                    for s in timed.submodels)
+        binding = binding or (
+            f"disk: the states' traffic ({format_ms(moved)} a step on {disk.drives} drive(s)) "
+            f"outlasts the compute it overlaps: the step grows by "
+            f"{format_ms(step_ms - plan.predicted_step_ms)}")
+    return dataclasses.replace(timed, predicted_step_ms=step_ms,
+                               predicted_utilisation=sim.utilisation, feasible=feasible,
+                               binding=binding)
 
 
 def tokens_per_s(plan: Plan) -> float:
@@ -200,8 +234,9 @@ def _weigh(profile: Profile, capacity_bytes: int, reserve_bytes: int, accum: int
         return CostParams(c, usable, profile.h2d_gbps, profile.d2h_gbps, cpu_adam_gbps,
                           activations, **runtime_params(profile))
 
-    _check_operators_fit(view, facts, build_tables(facts, 1), params_for(accum or 1),
-                         reserve_bytes)
+    _check_operators_fit(view, facts, build_tables(facts, 1), params_for, accum or 1,
+                         reserve_bytes, fold_blocks, max_accum if accum is None else accum,
+                         fixed=accum is not None)
     tables = plan_tables(facts, usable, activations)
     folding = _folding(view, tables, fold_blocks and activations != "keep")
 
@@ -233,8 +268,10 @@ def _weigh(profile: Profile, capacity_bytes: int, reserve_bytes: int, accum: int
             f"(reserve {format_bytes(reserve_bytes)}) at C={c}: every operator fits alone, but "
             f"no cut leaves room for the runtime's two weight and two gradient slots (each the "
             f"size of the largest sub-model) beside every sub-model's working memory and the "
-            f"sub-model loading next; the smallest budget that works is {format_bytes(need)} "
-            f"(--gpu-mem {need // _MIB}MiB)")
+            f"sub-model loading next; "
+            + budget_advice(view, facts, params_for, reserve_bytes, need, activations,
+                            fold_blocks, max_accum if accum is None else accum,
+                            fixed=accum is not None))
     o = choice.outcome
     result: SearchResult = o.result  # type: ignore[assignment]
     p = params_for(o.accum)
@@ -494,10 +531,12 @@ def _utilisation(tables: RangeTables, p: CostParams, result: SearchResult) -> fl
 
 
 
-def _check_operators_fit(profile: Profile, facts: NodeFacts, tables: RangeTables, p: CostParams,
-                         reserve_bytes: int) -> None:
-    """Every operator must fit alone (docs/partitioning.md, section "The constraints"); else name
-    the largest and a budget that works."""
+def _check_operators_fit(profile: Profile, facts: NodeFacts, tables: RangeTables, params_for,
+                         accum: int, reserve_bytes: int, fold_blocks: bool, max_accum: int,
+                         fixed: bool) -> None:
+    """Every operator must fit alone (docs/partitioning.md, section "The constraints") at C =
+    `accum`; else name the largest and a budget that works (budget_advice)."""
+    p = params_for(accum)
     d = derive(tables, p)
     alone = np.maximum(d.mem_fwd_bytes[:, 1], d.mem_bwd_bytes[:, 1])  # ranges of one node
     j = int(np.argmax(alone))
@@ -505,7 +544,6 @@ def _check_operators_fit(profile: Profile, facts: NodeFacts, tables: RangeTables
     if need <= p.usable_bytes:
         return
     c = range_cost(tables, p, j, j + 1)
-    budget = min_capacity_bytes(facts, p, reserve_bytes, profile)
     node = profile.graph.nodes[j]
     where = f" ({node.module_fqn})" if node.module_fqn else ""
     kept = ""
@@ -520,8 +558,67 @@ def _check_operators_fit(profile: Profile, facts: NodeFacts, tables: RangeTables
         f"(parameters {format_bytes(c.param_bytes)}, gradients {format_bytes(c.grad_bytes)}, "
         f"working memory {format_bytes(need - c.param_bytes - c.grad_bytes)}), but the GPU leaves "
         f"{format_bytes(p.usable_bytes)} after the reserve of {format_bytes(reserve_bytes)}; "
-        f"the smallest budget that works is {format_bytes(budget)} (--gpu-mem {budget // _MIB}MiB)"
-        f"{kept}")
+        + budget_advice(profile, facts, params_for, reserve_bytes,
+                        min_capacity_bytes(facts, p, reserve_bytes, profile), p.activations,
+                        fold_blocks, max_accum, fixed=fixed)
+        + kept)
+
+
+ADVICE_STEP = 64 * _MIB  # how finely the budget a refusal advises is searched
+ADVICE_REACH = 8  # how far above memory's own minimum it is searched (a factor)
+
+
+def budget_advice(view: Profile, facts: NodeFacts, params_for, reserve_bytes: int,
+                  memory_bytes: int, activations: str, fold_blocks: bool, max_accum: int,
+                  fixed: bool = False) -> str:
+    """What a refusal advises: the smallest --gpu-mem (to ADVICE_STEP) from `memory_bytes`
+    (where memory alone first fits) at which some C up to `max_accum` (`fixed`: that C) has
+    a plan meeting every constraint: memory, the links, the CPU update. Feasibility grows
+    with the budget: stepped up from memory's minimum by a quarter at a time, then bisected."""
+
+    def feasible(capacity: int) -> bool:
+        usable = capacity - reserve_bytes
+        tables = plan_tables(facts, usable, activations)
+        folding = _folding(view, tables, fold_blocks and activations != "keep")
+
+        def run(c: int) -> Outcome:
+            p = dataclasses.replace(params_for(c), usable_bytes=usable)
+            d = derive(tables, p)
+            ok = _over_caps(tables, p, d, folding, 0, first=True) is not None
+            return Outcome(c, ok, fits=lambda: _over_caps(tables, p, d, folding, 2,
+                                                           first=True) is not None)
+
+        o = choose_accum(run, max_accum, fixed=max_accum if fixed else None).outcome
+        return o is not None and o.feasible
+
+    def flag(n: int) -> str:
+        return f"{format_bytes(n)} (--gpu-mem {n // _MIB}MiB)"
+
+    if feasible(memory_bytes):
+        return f"the smallest budget that works is {flag(memory_bytes)}"
+    lo, hi = memory_bytes, None
+    while hi is None and lo < ADVICE_REACH * memory_bytes:
+        step = -(-(lo // 4) // ADVICE_STEP) * ADVICE_STEP
+        if feasible(lo + step):
+            hi = lo + step
+        else:
+            lo += step
+    at = f"C={max_accum}" if fixed else f"any C up to {max_accum}"
+    if hi is None:
+        return (f"memory fits from {flag(memory_bytes)}, but up to {format_bytes(lo)} no plan "
+                f"at {at} meets the links' and the CPU update's constraints too; partition "
+                f"at {memory_bytes // _MIB}MiB to see which binds")
+    while hi - lo > ADVICE_STEP:
+        mid = lo + (hi - lo) // 2 // ADVICE_STEP * ADVICE_STEP
+        if mid <= lo:
+            break
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    return (f"the smallest budget that works is {flag(hi)}, where a plan meets every "
+            f"constraint (memory alone fits from {format_bytes(memory_bytes)}; below "
+            f"{format_bytes(hi)} the links or the CPU update bind at {at})")
 
 
 def min_capacity_bytes(facts: NodeFacts, p: CostParams, reserve_bytes: int,

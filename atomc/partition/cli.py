@@ -54,6 +54,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--optimizer-states", default="float32", choices=("float32", "bfloat16"),
                    help="dtype of AdamW's two moments on the host (default float32; bfloat16 "
                         "halves them, the update still computes in float32)")
+    p.add_argument("--offload-dir", action="append", metavar="PATH",
+                   help="a directory on an NVMe drive the run may keep model states in when "
+                        "the host is short (repeat, one per drive; striped): its free space "
+                        "and its rate, measured once and cached, are the plan's")
+    p.add_argument("--disks", type=int, metavar="N",
+                   help="drives of a machine that is not here, for the states when the host "
+                        "is short (with --disk-gbps and --disk-capacity)")
+    p.add_argument("--disk-gbps", metavar="R[/W]",
+                   help="each drive's sequential rate in GB/s, read and write alike or "
+                        "read/write (default with --offload-dir: measured)")
+    p.add_argument("--disk-capacity", metavar="SIZE",
+                   help="each drive's space for the run (default with --offload-dir: its free "
+                        "space now)")
     p.add_argument("--clipping", action="store_true",
                    help="the run will clip its gradients' global norm (atomc train "
                         "--max-grad-norm): every sub-model's gradients are held on the host "
@@ -88,6 +101,7 @@ def _default_output(profile_path: str) -> Path:
 
 
 def run_partition(args: argparse.Namespace) -> int:
+    from atomc.calibrate.disk import resolve_disk
     from atomc.calibrate.host import resolve_cpu_adam
     from atomc.ir import Profile
     from atomc.partition import partition
@@ -102,12 +116,14 @@ def run_partition(args: argparse.Namespace) -> int:
     cpu_adam, cpu_adam_source = resolve_cpu_adam(args.cpu_adam_gbps, profile,
                                                 args.optimizer_states, transfer)
     limit, source = resolve_host_mem(args.host_mem, profile)
+    disk = resolve_disk(args.offload_dir, args.disks, args.disk_gbps, args.disk_capacity)
     plan = partition(profile, capacity, reserve_bytes=reserve, accum=_accum(args.accum),
                      max_accum=args.max_accum, activations=args.activations,
                      fold_blocks=not args.no_fold, cpu_adam_gbps=cpu_adam,
                      cpu_adam_source=cpu_adam_source, transfer_dtype=args.transfer_dtype,
                      autocast=args.autocast, max_global_batch=args.max_global_batch,
-                     host=HostBudget(limit, source, args.optimizer_states, args.clipping))
+                     host=HostBudget(limit, source, args.optimizer_states, args.clipping,
+                                     disk))
     out = Path(args.output) if args.output else _default_output(args.profile)
     plan.save(out)
     print(render_plan(plan, None if args.all else 40))

@@ -42,9 +42,10 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from atomc.errors import UsageError
-from atomc.ir import HostMemory, OpGraph, Plan, Profile, Submodel
+from atomc.ir import DiskSpec, HostMemory, OpGraph, Plan, Profile, Submodel
 from atomc.units import format_bytes, parse_size
 
 ARENA_ALIGN = 512  # bytes: where each buffer of an arena starts; a multiple of every dtype's size
@@ -60,11 +61,21 @@ UPDATE_SCRATCH_BUFFERS = 4  # master, gradient, exp_avg, exp_avg_sq
 OPTIMIZER_STATES = ("float32", "bfloat16")
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 KINDS = ("masters", "optimizer_states", "transfer_copies", "gradient_buffers",
-         "activation_stash", "activations_sent")
+         "activation_stash", "activations_sent", "disk_staging")
 KIND_WORDS = {"masters": "masters beyond the images", "optimizer_states": "optimizer moments",
               "transfer_copies": "pinned transfer images", "gradient_buffers": "gradient buffers",
               "activation_stash": "activation stash",
-              "activations_sent": "activations sent to host"}
+              "activations_sent": "activations sent to host",
+              "disk_staging": "disk staging buffers"}
+# the disk tier (atomc.runtime.tier): the kinds of a sub-model's states a plan puts on disk, in
+# the order it moves them there (each costs one read and one write a step; an image also one
+# or two reads for its loads); the record of a sub-model's states on disk, each region
+# ALIGN-aligned; the host buffers they pass through
+DISK_KINDS = ("moments", "masters", "images")
+DISK_ALIGN = 4096  # direct I/O's alignment of offsets, lengths and buffers
+STAGING_SLOTS = 3  # segments: read ahead, being updated, written behind
+DISK_SEGMENT = 1 << 24  # master elements a record streams in at most (and one update chunk)
+IMAGE_SLOTS = 3  # images from disk: the load being copied and two read ahead
 
 
 def arena_bytes(nbytes: Sequence[int]) -> int:
@@ -84,6 +95,7 @@ class SubmodelWeights:
     trainable: int  # owned trainable weights: gradients, moments, updates
     grad: int  # its gradient buffer (trainable owned and replicas; wide: their span)
     shared: int = 0  # owned trainable weights that later sub-models hold replicas of (ties)
+    replicas: int = 0  # image elements of tied weights owned by an earlier sub-model
 
 
 def moment_bytes(states: str, master_dtype: str = "float32") -> int:
@@ -118,33 +130,122 @@ def chunked_update(master_dtype: str, transfer_dtype: str, optimizer_states: str
     return store_mode(master_dtype, transfer_dtype) != "direct" or optimizer_states != "float32"
 
 
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // DISK_ALIGN) * DISK_ALIGN
+
+
+def states_by_kind(sub: SubmodelWeights, master_dtype: str, transfer_dtype: str,
+                optimizer_states: str) -> dict[str, int]:
+    """One sub-model's states by the kinds the disk tier moves (DISK_KINDS): its image, its
+    masters beyond the image, its two moments."""
+    mode = store_mode(master_dtype, transfer_dtype)
+    beyond = {"direct": 0, "split": 2, "separate": DTYPE_BYTES[master_dtype]}[mode]
+    return {"images": sub.image * DTYPE_BYTES[transfer_dtype], "masters": sub.owned * beyond,
+            "moments": MOMENTS_PER_WEIGHT * sub.trainable
+                       * moment_bytes(optimizer_states, master_dtype)}
+
+
+def record_bytes(states: dict[str, int], kinds: frozenset[str] | set[str]) -> int:
+    """Bytes of a sub-model's record of the kinds on disk (atomc.runtime.tier's layout: its
+    image, masters, then each moment, every region DISK_ALIGN-aligned)."""
+    parts = []
+    if "images" in kinds:
+        parts.append(states["images"])
+    if "masters" in kinds and states["masters"]:
+        parts.append(states["masters"])
+    if "moments" in kinds:
+        parts += [states["moments"] // MOMENTS_PER_WEIGHT] * MOMENTS_PER_WEIGHT
+    return sum(aligned(n) for n in parts)
+
+
+def segment_bytes(sub: SubmodelWeights, states: dict[str, int],
+                  kinds: frozenset[str] | set[str]) -> int:
+    """Bytes one staged segment of a sub-model's record takes at most (atomc.runtime.tier's
+    segments: DISK_SEGMENT master elements and up to one update chunk more, each region's
+    span aligned outwards), or its whole record where that is smaller."""
+    elems = DISK_SEGMENT + UPDATE_CHUNK
+    parts = []
+    if "images" in kinds:  # image positions per master element: wide weights' spans too
+        parts.append((states["images"], min(sub.image, sub.owned or sub.image)))
+    if "masters" in kinds and states["masters"]:
+        parts.append((states["masters"], sub.owned))
+    if "moments" in kinds:
+        parts += [(states["moments"] // MOMENTS_PER_WEIGHT, sub.trainable)] * MOMENTS_PER_WEIGHT
+    return sum(min(aligned(n), aligned(-(-n * elems // numel)) + DISK_ALIGN)
+               for n, numel in parts if numel)
+
+
 def host_bytes_by_kind(subs: Sequence[SubmodelWeights], master_dtype: str, transfer_dtype: str,
                        optimizer_states: str = "float32",
                        stash_bytes: int = 0, sent_bytes: int = 0,
-                       grad_slots: int | None = None) -> dict[str, int]:
+                       grad_slots: int | None = None,
+                       disk_kinds: Sequence[frozenset[str] | set[str]] = ()) -> dict[str, int]:
     """Host bytes of a swap run by kind (see the module docstring); the runtime's sizes.
     `grad_slots`: a ring of that many gradient buffers (None or k and more: one per
-    sub-model)."""
+    sub-model); `disk_kinds`: per sub-model, the kinds of its states on disk (none: all on
+    the host), which then take only the staging buffers they pass through."""
     mb, tb = DTYPE_BYTES[master_dtype], DTYPE_BYTES[transfer_dtype]
-    mode = store_mode(master_dtype, transfer_dtype)
-    owned = sum(s.owned for s in subs)
+    kinds = list(disk_kinds) or [frozenset()] * len(subs)
+    states = [states_by_kind(s, master_dtype, transfer_dtype, optimizer_states) for s in subs]
     trainable = [s.trainable for s in subs]
-    images = arena_bytes([s.image * tb for s in subs])
+    images = arena_bytes([s.image * tb for s, k in zip(subs, kinds) if "images" not in k])
     ring = grad_slots is not None and grad_slots < len(subs)
     grads = arena_bytes([max((s.grad for s in subs), default=0) * tb] * grad_slots if ring
                         else [s.grad * tb for s in subs])
-    states = MOMENTS_PER_WEIGHT * sum(trainable) * moment_bytes(optimizer_states, master_dtype)
-    if chunked_update(master_dtype, transfer_dtype, optimizer_states):
-        states += UPDATE_SCRATCH_BUFFERS * update_scratch_numel(trainable) * mb
-    masters = {"direct": 0, "split": owned * 2, "separate": owned * mb}[mode]
+    moments = sum(st["moments"] for st, k in zip(states, kinds) if "moments" not in k)
+    if chunked_update(master_dtype, transfer_dtype, optimizer_states) or any(kinds):
+        moments += UPDATE_SCRATCH_BUFFERS * update_scratch_numel(trainable) * mb
+    staged = [segment_bytes(s, st, k) for s, st, k in zip(subs, states, kinds)]
+    disk_images = [st["images"] for st, k in zip(states, kinds) if "images" in k]
+    staging = (STAGING_SLOTS * max(staged, default=0)
+               + IMAGE_SLOTS * aligned(max(disk_images, default=0))) if any(staged) else 0
     return {
-        "masters": masters,
-        "optimizer_states": states,
+        "masters": sum(st["masters"] for st, k in zip(states, kinds) if "masters" not in k),
+        "optimizer_states": moments,
         "transfer_copies": images,
         "gradient_buffers": grads + (sum(s.shared for s in subs) * mb if ring else 0),
         "activation_stash": stash_bytes,
         "activations_sent": sent_bytes,
+        "disk_staging": staging,
     }
+
+
+def place_on_disk(subs: Sequence[SubmodelWeights], master_dtype: str, transfer_dtype: str,
+                  optimizer_states: str, limit_bytes: int, **others: Any
+                  ) -> list[frozenset[str]] | None:
+    """Per sub-model, the kinds of its states to keep on disk so that the host bytes fit
+    `limit_bytes`: none when they fit as they are; else the moments, then the masters beyond
+    the images, then the images (DISK_KINDS), each of the largest sub-models first, until they
+    fit (a sub-model holding replicas of tied weights keeps its image on the host: their
+    owner's update refreshes them there). None when even that leaves them over the limit.
+    `others`: host_bytes_by_kind's other arguments."""
+    kinds: list[set[str]] = [set() for _ in subs]
+
+    def fits() -> bool:
+        return sum(host_bytes_by_kind(subs, master_dtype, transfer_dtype, optimizer_states,
+                                      disk_kinds=kinds, **others).values()) <= limit_bytes
+
+    if fits():
+        return [frozenset()] * len(subs)
+    states = [states_by_kind(s, master_dtype, transfer_dtype, optimizer_states) for s in subs]
+    for kind in DISK_KINDS:
+        for i in sorted(range(len(subs)), key=lambda i: -states[i][kind]):
+            if not states[i][kind] or (kind == "images" and subs[i].replicas):
+                continue
+            kinds[i].add(kind)
+            if fits():
+                return [frozenset(k) for k in kinds]
+    return None
+
+
+def disk_need_bytes(subs: Sequence[SubmodelWeights], master_dtype: str, transfer_dtype: str,
+                    optimizer_states: str, kinds: Sequence[frozenset[str]]) -> tuple[int, int]:
+    """(bytes of the records, what the drives must have free for them): every record, one
+    more being written beside the current one, and a checkpoint's links holding a full set
+    until the run's records move on."""
+    records = [record_bytes(states_by_kind(s, master_dtype, transfer_dtype, optimizer_states), k)
+               for s, k in zip(subs, kinds)]
+    return sum(records), 2 * sum(records) + max(records, default=0)
 
 
 @dataclass(frozen=True)
@@ -157,6 +258,7 @@ class HostBudget:
     source: str = ""
     optimizer_states: str = "float32"
     clipping: bool = False
+    disk: DiskSpec | None = None  # drives the states may go to when the host is short
 
 
 def available_host_bytes() -> int | None:
@@ -190,6 +292,8 @@ def remedies(optimizer_states: str, frozen: bool) -> str:
     if not frozen:
         out.append("freezing weights (adapters such as LoRA, a frozen backbone: a frozen "
                    "weight has no gradient buffer, moments or update)")
+    out.append("--offload-dir PATH (model states on NVMe drives, one directory per drive) or "
+               "more drives")
     out.append("a machine with more memory")
     return "; ".join(out)
 
@@ -218,7 +322,7 @@ def plan_weights(graph: OpGraph, submodels: Sequence[Submodel],
         for node in graph.nodes[s.start:s.stop]:
             for fqn in node.param_fqns:
                 seen.setdefault(graph.aliases.get(fqn, fqn))
-        image = owned = trainable = grad = 0
+        image = owned = trainable = grad = replicas = 0
         for fqn in seen:
             spec = graph.params.get(fqn)
             if spec is None:
@@ -233,11 +337,13 @@ def plan_weights(graph: OpGraph, submodels: Sequence[Submodel],
                 trainable += 0 if fqn in frozen else n
             else:
                 replicated.add(fqn)
-        sizes.append((image, owned, trainable, grad))
+                replicas += span
+        sizes.append((image, owned, trainable, grad, replicas))
     shared = [0] * len(sizes)
     for fqn in replicated - frozen:
         shared[owner[fqn]] += math.prod(graph.params[fqn].shape)
-    return [SubmodelWeights(*size, shared=n) for size, n in zip(sizes, shared)]
+    return [SubmodelWeights(*size[:4], shared=n, replicas=size[4])
+            for size, n in zip(sizes, shared)]
 
 
 def plan_stash_bytes(plan_submodels: Sequence[Submodel], accum: int, activations: str) -> int:
@@ -278,24 +384,65 @@ def loss_scaled(plan: Plan) -> bool:
 
 def plan_host_memory(plan: Plan, graph: OpGraph, optimizer_states: str = "float32",
                      limit_bytes: int = 0, limit_source: str = "",
-                     clipping: bool = False) -> HostMemory:
+                     clipping: bool = False, disk: DiskSpec | None = None) -> HostMemory:
     """The host bytes of `plan`'s run by kind (the runtime's formula) and its limit;
-    `clipping`: the run clips its gradients' global norm (every gradient is held)."""
+    `clipping`: the run clips its gradients' global norm (every gradient is held). Where
+    they exceed the limit and `disk` gives drives, the states that go there (place_on_disk),
+    their bytes and the free space they need; over the limit still where nothing fits."""
     moment_bytes(optimizer_states)  # a bad name fails here, in one line
     master = "float64" if graph.dtype == "float64" else "float32"
     transfer = plan.transfer_dtype or (graph.dtype if graph.dtype in DTYPE_BYTES else master)
     subs = plan_weights(graph, plan.submodels, transfer)
-    stash = plan_stash_bytes(plan.submodels, plan.accum, plan.activations)
-    sent = plan_sent_bytes(plan.submodels, plan.accum)
     slots = plan_grad_slots(plan, clipping or loss_scaled(plan))
-    by_kind = host_bytes_by_kind(subs, master, transfer, optimizer_states=optimizer_states,
-                                 stash_bytes=stash, sent_bytes=sent, grad_slots=slots)
+    others = {"stash_bytes": plan_stash_bytes(plan.submodels, plan.accum, plan.activations),
+              "sent_bytes": plan_sent_bytes(plan.submodels, plan.accum), "grad_slots": slots}
+    kinds: list[frozenset[str]] = [frozenset()] * len(subs)
+    if disk is not None and limit_bytes:
+        kinds = place_on_disk(subs, master, transfer, optimizer_states, limit_bytes,
+                              **others) or [frozenset(DISK_KINDS) - (
+                                  {"images"} if s.replicas else set()) for s in subs]
+    by_kind = host_bytes_by_kind(subs, master, transfer, optimizer_states, disk_kinds=kinds,
+                                 **others)
+    on_disk = any(kinds)
+    records, need = (disk_need_bytes(subs, master, transfer, optimizer_states, kinds)
+                     if on_disk else (0, 0))
+    disk_by_kind: dict[str, int] = {}
+    for s, k in zip(subs, kinds):
+        for kind, n in states_by_kind(s, master, transfer, optimizer_states).items():
+            if kind in k and n:
+                disk_by_kind[kind] = disk_by_kind.get(kind, 0) + n
     trainable = sum(s.trainable for s in subs)
     return HostMemory(by_kind=by_kind, optimizer_states=optimizer_states,
                       trainable_params=trainable,
                       frozen_params=sum(s.owned for s in subs) - trainable,
                       limit_bytes=limit_bytes, limit_source=limit_source,
-                      grad_slots=slots or 0)
+                      grad_slots=slots or 0, disk=disk if on_disk else None,
+                      disk_kinds=tuple(tuple(sorted(k)) for k in kinds) if on_disk else (),
+                      disk_by_kind=disk_by_kind, disk_need_bytes=need if records else 0)
+
+
+def disk_times(plan: Plan, graph: OpGraph, host: HostMemory) -> Plan:
+    """`plan` with each sub-model's disk traffic timed (its record read before its update and
+    written after it, its image read before each load) at the drives' rates, striped over
+    them; unchanged where nothing is on disk."""
+    if host.disk is None or not host.disk_kinds:
+        return plan
+    import dataclasses
+
+    master = "float64" if graph.dtype == "float64" else "float32"
+    transfer = plan.transfer_dtype or (graph.dtype if graph.dtype in DTYPE_BYTES else master)
+    read = host.disk.drives * host.disk.read_gbps * 1e6  # bytes per ms
+    write = host.disk.drives * host.disk.write_gbps * 1e6
+    subs = []
+    for sub, weights, kinds in zip(plan.submodels, plan_weights(graph, plan.submodels, transfer),
+                                   host.disk_kinds):
+        states = states_by_kind(weights, master, transfer, host.optimizer_states)
+        record = record_bytes(states, frozenset(kinds))
+        image = aligned(states["images"]) if "images" in kinds else 0
+        subs.append(dataclasses.replace(sub, disk_read_ms=record / read,
+                                        disk_write_ms=record / write,
+                                        image_read_ms=image / read))
+    return dataclasses.replace(plan, submodels=tuple(subs))
 
 
 def resolve_host_mem(value: str | None, profile: Profile) -> tuple[int, str]:

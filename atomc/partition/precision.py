@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from atomc.dtypes import parse_dtype_name
 from atomc.errors import UsageError
 from atomc.ir import NodeCost, OpGraph, Profile, TensorSpec
 from atomc.partition.autocast import device_dtypes, promote
@@ -50,10 +51,6 @@ def profile_compute_dtype(profile: Profile) -> str:
     return model_dtype(profile.graph)
 
 
-def _name(value: str, what: str) -> str:
-    from atomc.dtypes import dtype_name, parse_dtype
-
-    return dtype_name(parse_dtype(value, what))
 
 
 def resolve_precision(profile: Profile, transfer_dtype: str | None = None,
@@ -67,7 +64,7 @@ def resolve_precision(profile: Profile, transfer_dtype: str | None = None,
     times are kept, with a note.
     """
     model = model_dtype(profile.graph)
-    transfer = _name(transfer_dtype, "--transfer-dtype") if transfer_dtype else model
+    transfer = parse_dtype_name(transfer_dtype, "--transfer-dtype") if transfer_dtype else model
     if FLOAT_BYTES[transfer] > FLOAT_BYTES.get(model, 4):
         raise UsageError(f"--transfer-dtype {transfer} is wider than the model's {model} weights; "
                          f"choose {model} or a half-precision dtype ({', '.join(HALF)})")
@@ -80,7 +77,7 @@ def resolve_precision(profile: Profile, transfer_dtype: str | None = None,
                              f"drop --autocast or choose --transfer-dtype {model}")
         cast = ""
     elif autocast:
-        cast = _name(autocast, "--autocast")
+        cast = parse_dtype_name(autocast, "--autocast")
         if cast not in HALF:
             raise UsageError(f"--autocast {cast}: autocast computes in {' or '.join(HALF)}; give "
                              f"one of them, or none")

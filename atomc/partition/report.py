@@ -52,6 +52,8 @@ def summary(plan: Plan) -> str:
         lines.append(policy_line(plan))
     if plan.host is not None:
         lines.append(host_line(plan.host))
+        if plan.host.disk is not None:
+            lines.append(disk_line(plan))
     if plan.feasible:
         lines.append("status    every constraint met")
     else:
@@ -107,6 +109,24 @@ def host_line(host: HostMemory) -> str:
               f"or update" if host.frozen_params else "")
     return (f"host      {describe(host.by_kind)}, moments {host.optimizer_states}{frozen}; "
             f"{checked}")
+
+
+def disk_line(plan: Plan) -> str:
+    """What the disk tier holds, by kind, on which drives, and how busy their lane is."""
+    from atomc.simulate import simulate_plan
+
+    host = plan.host
+    assert host is not None and host.disk is not None
+    d = host.disk
+    kinds = " + ".join(f"{format_bytes(n)} {kind}" for kind, n in host.disk_by_kind.items())
+    on = sum(1 for k in host.disk_kinds if k)
+    sim = simulate_plan(plan)
+    busy = sim.timeline.busy_ms("disk", 0) / (sim.step_ns / 1e6) if sim.step_ns else 0.0
+    room = f" of {format_bytes(d.drives * d.capacity_bytes)}" if d.capacity_bytes else ""
+    return (f"disk      {format_bytes(sum(host.disk_by_kind.values()))} ({kinds}) of {on} "
+            f"sub-models on {d.drives} drive(s), {format_bytes(host.disk_need_bytes)} free "
+            f"needed{room}; {d.read_gbps:g}/{d.write_gbps:g} GB/s read/write each "
+            f"({d.source.split(';')[0]}); disk lane busy {busy:.1%} of the step")
 
 
 def submodel_table(plan: Plan, max_rows: int | None = DEFAULT_ROWS) -> str:

@@ -76,6 +76,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="checkpoint interval in steps (0: only at the end)")
     p.add_argument("--resume", help="continue from this checkpoint (and where its data stood)")
     _weights_options(p)
+    _offload_option(p)
     p.add_argument("--log-dir", metavar="DIR",
                    help="record loss, learning rate, gradient norm, tokens/s and device busy "
                         "time per step in DIR/metrics.jsonl")
@@ -102,12 +103,15 @@ def _note_command_line(parser: argparse.ArgumentParser) -> None:
     def parse_known_args(args: Any = None, namespace: Any = None) -> Any:
         ns, rest = parse(args, namespace)
         actions = {a.dest: a for a in parser._actions if a.dest != argparse.SUPPRESS}
-        probe = argparse.Namespace(**dict.fromkeys(actions, _UNSET))
+        # an appending option adds to what is there: it starts from None, not the marker
+        unset = {d: None if isinstance(a, argparse._AppendAction) else _UNSET
+                 for d, a in actions.items()}
+        probe = argparse.Namespace(**unset)
         parse(args, probe)
         # a positional that may be left out is set to its default when it is
         ns.given_options = frozenset(
             d for d, v in vars(probe).items()
-            if d in actions and v is not _UNSET
+            if d in actions and v is not unset[d]
             and (actions[d].option_strings or v != actions[d].default))
         ns.option_actions = actions
         return ns, rest
@@ -147,6 +151,13 @@ def _check_options(args: argparse.Namespace) -> None:
         raise UsageError("--eval-every evaluates on --eval-data: give the held-out data")
     if args.tensorboard and not args.log_dir:
         raise UsageError("--tensorboard writes into --log-dir: give the directory")
+
+
+def _offload_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--offload-dir", action="append", default=[], metavar="PATH",
+                   help="a directory on an NVMe drive for the model states the plan keeps on "
+                        "disk (atomc partition --offload-dir); give one per drive, and the "
+                        "same drives to resume a checkpoint")
 
 
 def _weights_options(p: argparse.ArgumentParser | Any) -> None:
@@ -226,7 +237,8 @@ def run_train(args: argparse.Namespace) -> int:
                    "max_grad_norm": args.max_grad_norm, "lr_schedule": schedule,
                    "states": args.optimizer_states},
         transfer_dtype=args.transfer_dtype, autocast=args.autocast, checkpoint=args.resume,
-        weights=_initial_weights(args), trace=bool(args.trace or args.timeline or args.log_dir))
+        weights=_initial_weights(args), trace=bool(args.trace or args.timeline or args.log_dir),
+        offload_dirs=tuple(args.offload_dir))
     record = None
     try:
         _, (micro, seq_len), dtype = token_input(trainer.package)
@@ -332,6 +344,7 @@ def register_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("package", help="generated package directory")
     p.add_argument("--checkpoint", help="a checkpoint atomc train --checkpoint wrote")
     _weights_options(p)  # instead of --checkpoint: weights written again in the model's format
+    _offload_option(p)
     p.add_argument("-o", "--output", required=True, metavar="DIR",
                    help="directory to write (new, empty, or an earlier export: replaced whole)")
     p.add_argument("--max-shard-size", default="2GB",
@@ -357,7 +370,8 @@ def run_export(args: argparse.Namespace) -> int:
     # on the CPU: the weights are in host memory, no device is needed to write them
     trainer = SwapTrainer.from_package(args.package, device="cpu", checkpoint=args.checkpoint,
                                        weights=weights, loss_fn=_no_loss,
-                                       threaded_optimizer=False)
+                                       threaded_optimizer=False,
+                                       offload_dirs=tuple(args.offload_dir))
     try:
         out = trainer.save_pretrained(args.output, max_shard_size=args.max_shard_size,
                                       dtype=args.dtype)

@@ -52,6 +52,8 @@ class TrainerConfig:
     tied_grads: str = "fast"  # or "exact"
     threaded_optimizer: bool | None = None  # None: optim.updates_on_a_thread(device)
     seed: int = 0
+    # directories on NVMe drives (one per drive) for the states the plan puts on disk
+    offload_dirs: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, config: TrainerConfig | dict[str, Any] | None,

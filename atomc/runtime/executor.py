@@ -45,7 +45,7 @@ order of the work on them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -211,6 +211,7 @@ class SwapExecutor:
         if tied_grads == "exact":  # summed on the device: the store leaves them out of its sums
             store.exact_keys = set(self.ties.ties)
         self._loss_host = torch.zeros((), dtype=torch.float64, pin_memory=self.cuda)
+        self._last_load = 0  # the direction loads go in: the disk tier reads images ahead
         self._loss_ready: Any = None
         self._run: _Run | None = None
 
@@ -222,26 +223,35 @@ class SwapExecutor:
                  param_order: list[str] | None = None,
                  check_store: Callable[[HostStore], None] | None = None,
                  grad_slots: int | None = None,
+                 disk_kinds: Sequence[frozenset[str]] = (), drives: Sequence[Any] = (),
+                 written: Callable[[int], None] | None = None,
                  **options: Any) -> SwapExecutor:
         """Host store -> CPU optimizer -> executor over `host_modules` (one copy of the
         package's sub-models with the initial weights): the masters take their weights
         (`HostStore.bind`). `check_store` sees the store before anything is allocated on the
         device; `grad_slots`: a ring of that many host gradient buffers (None: one per
-        sub-model; always so with clipping or loss scaling); `options` are the executor's."""
+        sub-model; always so with clipping or loss scaling); `disk_kinds` and `drives`: the
+        states kept on disk (atomc.runtime.tier) and where, `written(i)` after each sub-model's
+        are first written there; `options` are the executor's."""
         transfer = transfer_dtype or master_dtype
         layouts = plan_layouts(package, host_modules, config.decays, transfer_dtype=transfer)
         # clipping and loss scaling update once every gradient is in: one buffer each
         deferred = config.max_grad_norm is not None or scaler is not None
         store = HostStore(layouts, master_dtype, transfer, pin=device.type == "cuda",
                           moment_dtype=moment_dtype(config.states, master_dtype),
-                          grad_slots=None if deferred else grad_slots)
-        store.bind(host_modules)
-        if check_store is not None:
-            check_store(store)
-        opt = CpuOptimizer(store, config, scaler, tracer, threaded=threaded,
-                           param_order=param_order)
-        return cls(package, store, opt, [dict(m.named_buffers()) for m in host_modules],
-                   device=device, tracer=tracer, **options)
+                          grad_slots=None if deferred else grad_slots,
+                          disk_kinds=disk_kinds, drives=drives)
+        try:  # a failed start leaves nothing on the offload drives
+            if check_store is not None:
+                check_store(store)
+            store.bind(host_modules, written)
+            opt = CpuOptimizer(store, config, scaler, tracer, threaded=threaded,
+                               param_order=param_order)
+            return cls(package, store, opt, [dict(m.named_buffers()) for m in host_modules],
+                       device=device, tracer=tracer, **options)
+        except BaseException:
+            store.close()
+            raise
 
     # ---- set-up --------------------------------------------------------------------------------
 
@@ -302,7 +312,13 @@ class SwapExecutor:
         self.opt.wait_update(deps)
         s = slots.slot(i)
         n = self.layouts[i].numel
-        nbytes = n * self.store.image[i].element_size()
+        # the image in host memory, or read from disk into the tier's ring (reading the next
+        # ones ahead, in the direction the loads go)
+        step = 1 if i >= self._last_load else -1
+        self._last_load = i
+        source = self.store.load_source(i, (i + step, i + 2 * step),
+                                        lambda j: self.opt.updates_done(self.store.load_deps[j]))
+        nbytes = n * source.element_size()
         # "refresh": the slot holds the same sub-model, with older weights
         kind = "refresh" if slots.resident().get(s) == i else "load"
         # The copy goes through .data, so it does not bump the version counter that the slot
@@ -320,13 +336,15 @@ class SwapExecutor:
             if slots.free[s] is not None:
                 ps.wait_event(slots.free[s])  # the slot's previous sub-model is done computing
             with torch.cuda.stream(ps), self.tracer.span("prefetch", i, kind, ps, nbytes, s):
-                slots.params[s].data[:n].copy_(self.store.image[i], non_blocking=True)
+                slots.params[s].data[:n].copy_(source, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(ps)
             slots.loaded[s] = ev
+            self.store.load_issued(i, ev)
         else:
             with self.tracer.span("prefetch", i, kind, None, nbytes, s):
-                slots.params[s].data[:n].copy_(self.store.image[i])
+                slots.params[s].data[:n].copy_(source)
+            self.store.load_issued(i, None)
         slots.loaded_now(i)
         return True
 

@@ -20,8 +20,12 @@ sees updated weights.
   arrive; the norm is taken when the last arrives, and the updates then run in forward
   order 0, 1, ..., k-1, overlapping the next step's forward ("deferred").
 - Learning rate of step s: lr * lr_schedule(s) (a LambdaLR-style multiplier).
-- Moments in bfloat16 (`states="bfloat16"`): LowMomentAdamW stands where the torch AdamW
-  stands, and updates a chunk of weights at a time in a small float32 scratch.
+- Where masters, gradients and moments are all plain master-dtype tensors ("direct" store,
+  master-dtype moments, on the host), `DirectAdamW`: torch's AdamW on views of them. Else
+  (split or separate masters, bfloat16 moments, states on disk) `ChunkedAdamW`: a chunk of
+  weights at a time (hostmem.UPDATE_CHUNK) widened into a float32 scratch shared by every
+  sub-model, torch's kernel on it, and the results narrowed back; states on disk are
+  streamed through the store a segment at a time (HostStore.rewrite).
 
 All of this runs on one worker thread, in submission order; torch's kernels release the GIL.
 """
@@ -42,6 +46,7 @@ from atomc.errors import UsageError
 from atomc.partition import hostmem
 from atomc.partition.hostmem import moment_bytes
 from atomc.runtime.store import DecayFilter, HostStore
+from atomc.runtime.tier import update_chunks
 from atomc.runtime.trace import Tracer
 
 IMPLS = ("fused", "foreach", "for-loop")
@@ -195,36 +200,27 @@ class ChunkedAdamW:
         self.scratch = scratch  # master, gradient and two moments, `chunk` elements each
         self.wheres = wheres
         self.shapes = [p.shape for g in self.param_groups for p in g["params"]]
-        kinds = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
-        pieces = sorted((start, min(where.stop, start + chunk) - start, kinds[k], k)
-                        for k, where in enumerate(wheres)
-                        for start in range(where.start, where.stop, chunk))
+        self._kinds = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         # each weight's pieces' step counts (a weight of no elements: one that never steps)
         self.steps: list[list[torch.Tensor]] = [
             [] if where.stop > where.start else [torch.zeros((), dtype=torch.float32)]
             for where in wheres]
-        # per chunk: (runs of (master offset, scratch offset, numel), its AdamW, group indices,
-        # (weight, scratch offset, numel) of its pieces)
+        # per chunk (the store's: atomc.runtime.tier.update_chunks, which its disk tier
+        # streams whole): (runs of (master offset, scratch offset, numel), its AdamW, group
+        # indices, (weight, scratch offset, numel) of its pieces)
         self.chunks: list[tuple[list[list[int]], torch.optim.AdamW, list[int],
                                 list[tuple[int, int, int]]]] = []
-        batch: list[tuple[int, int, int, int]] = []
-        filled = 0
-        for piece in pieces:
-            if batch and filled + piece[1] > chunk:
-                self._add_chunk(batch, config)
-                batch, filled = [], 0
-            batch.append(piece)
-            filled += piece[1]
-        if batch:
+        for batch in update_chunks(wheres, chunk):
             self._add_chunk(batch, config)
 
-    def _add_chunk(self, batch: list[tuple[int, int, int, int]], config: AdamWConfig) -> None:
+    def _add_chunk(self, batch: list[tuple[int, int, int]], config: AdamWConfig) -> None:
         master, grad, first, second = self.scratch
         parts = []
         by_group: dict[int, list[tuple[torch.nn.Parameter, int, int, torch.Tensor]]] = {}
         runs: list[list[int]] = []
         pos = 0
-        for start, n, gi, k in batch:
+        for start, n, k in batch:
+            gi = self._kinds[k]
             p = torch.nn.Parameter(master[pos:pos + n])
             p.grad = grad[pos:pos + n]
             step = torch.zeros((), dtype=torch.float32)
@@ -248,38 +244,56 @@ class ChunkedAdamW:
 
     def step(self, inv_scale: float = 1.0, coef: torch.Tensor | None = None,
              norms: dict[int, list[torch.Tensor]] | None = None) -> None:
-        """One update; `norms` (weight -> norms of its pieces) takes the norm of each piece
-        of gradient as the update reads it."""
+        """One update, through the store (a segment at a time where its states are on disk);
+        `norms` (weight -> norms of its pieces) takes the norm of each piece of gradient as
+        the update reads it."""
+        starts = [runs[0][0] for runs, *_ in self.chunks]
+
+        def change(a: int, b: int) -> None:
+            for c, start in enumerate(starts):
+                if a <= start < b:
+                    self._step_chunk(self.chunks[c], inv_scale, coef, norms)
+
+        self.store.rewrite(self.index, change)
+
+    def _step_chunk(self, chunk: tuple, inv_scale: float, coef: torch.Tensor | None,
+                    norms: dict[int, list[torch.Tensor]] | None) -> None:
         store, i = self.store, self.index
         master, grad, *wide_moments = self.scratch
-        moments = store.moments[i]
-        for runs, opt, kinds, parts in self.chunks:
-            for group, gi in zip(opt.param_groups, kinds):
-                source = self.param_groups[gi]
-                group.update(lr=source["lr"], betas=source["betas"], eps=source["eps"],
-                             weight_decay=source["weight_decay"])
-            for start, at, n in runs:
-                store.widen_master(i, start, n, master[at:at + n])
-                g = grad[at:at + n]
-                store.widen_grad(i, start, n, g)
-                if inv_scale != 1.0:
-                    g.mul_(inv_scale)
-                if coef is not None:
-                    g.mul_(coef)
-                for low, wide in zip(moments, wide_moments):
-                    wide[at:at + n].copy_(low[start:start + n])
-            if norms is not None:
-                for k, at, n in parts:
-                    norms.setdefault(k, []).append(torch.linalg.vector_norm(grad[at:at + n], 2))
-            opt.step()
-            for start, at, n in runs:
-                store.narrow_master(i, start, n, master[at:at + n])
-                for low, wide in zip(moments, wide_moments):
-                    low[start:start + n].copy_(wide[at:at + n])  # round to nearest
+        runs, opt, kinds, parts = chunk
+        for group, gi in zip(opt.param_groups, kinds):
+            source = self.param_groups[gi]
+            group.update(lr=source["lr"], betas=source["betas"], eps=source["eps"],
+                         weight_decay=source["weight_decay"])
+        for start, at, n in runs:
+            store.widen_master(i, start, n, master[at:at + n])
+            g = grad[at:at + n]
+            store.widen_grad(i, start, n, g)
+            if inv_scale != 1.0:
+                g.mul_(inv_scale)
+            if coef is not None:
+                g.mul_(coef)
+            for m, wide in enumerate(wide_moments):
+                wide[at:at + n].copy_(store.moment_part(i, m, start, start + n))
+        if norms is not None:
+            for k, at, n in parts:
+                norms.setdefault(k, []).append(torch.linalg.vector_norm(grad[at:at + n], 2))
+        opt.step()
+        for start, at, n in runs:
+            store.narrow_master(i, start, n, master[at:at + n])
+            for m, wide in enumerate(wide_moments):
+                store.moment_part(i, m, start, start + n).copy_(wide[at:at + n])  # rounded
 
     def state_dict(self) -> dict[str, Any]:
-        moments = self.store.moments[self.index]
+        """torch AdamW's format; moments on disk stay there (`moments_on_disk`: the
+        checkpoint holds their record's files, atomc.runtime.store.checkpoint_masters)."""
         out = self.canonical.state_dict()  # the groups; its own state stays empty
+        if "moments" in self.store.disk_kinds[self.index]:
+            out["state"] = {k: {"step": self.steps[k][0].clone()}
+                            for k in range(len(self.wheres))}
+            out["moments_on_disk"] = True
+            return out
+        moments = self.store.moments[self.index]
         out["state"] = {
             k: {"step": self.steps[k][0].clone(),
                 "exp_avg": moments[0][where].clone().view(shape),
@@ -289,9 +303,32 @@ class ChunkedAdamW:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Moments and steps from a torch AdamW state dict, cast into the store's dtype in place
-        (no float32 copy of them); a weight the state has no entry for starts afresh."""
-        load_moments(self.param_groups, state, self.wheres, self.store.moments[self.index],
+        (no float32 copy of them); a weight the state has no entry for starts afresh. Moments
+        the state leaves on disk (`moments_on_disk`) are the store's already."""
+        store, i = self.store, self.index
+        if state.get("moments_on_disk") or "moments" not in store.disk_kinds[i]:
+            load_moments(self.param_groups, state, self.wheres, store.moments[i], self.steps)
+            return
+        # moments of a state dict into moments on disk: written a segment at a time
+        load_moments(self.param_groups, {**state, "moments_on_disk": True}, self.wheres, (),
                      self.steps)
+        saved = [s for g in state["param_groups"] for s in g["params"]]
+
+        def change(a: int, b: int) -> None:
+            for k, where in enumerate(self.wheres):
+                lo, hi = max(a, where.start), min(b, where.stop)
+                if lo >= hi:
+                    continue
+                entry = state["state"].get(saved[k])
+                for m, key in enumerate(("exp_avg", "exp_avg_sq")):
+                    part = store.moment_part(i, m, lo, hi)
+                    if entry is None:
+                        part.zero_()
+                    else:
+                        flat = entry[key].reshape(-1)
+                        part.copy_(flat[lo - where.start:hi - where.start])
+
+        store.rewrite(i, change)
 
 
 def load_moments(param_groups: list[dict[str, Any]], state: dict[str, Any],
@@ -307,6 +344,8 @@ def load_moments(param_groups: list[dict[str, Any]], state: dict[str, Any],
     for k, where in enumerate(wheres):
         saved = state["state"].get(ids[k])
         for m, key in enumerate(("exp_avg", "exp_avg_sq")):
+            if state.get("moments_on_disk"):
+                break  # in the checkpoint's record, which the store took
             if saved is None:
                 moments[m][where].zero_()
             else:
@@ -400,7 +439,8 @@ class CpuOptimizer:
         self.norm_order = [masters[k] for k in order]
         # masters, gradients and moments as plain master-dtype tensors: torch's AdamW over
         # views of them; anything else a chunk at a time in a shared scratch
-        self.direct = (store.mode == "direct" and store.moment_dtype == store.master_dtype)
+        self.direct = (store.mode == "direct" and store.moment_dtype == store.master_dtype
+                       and not any(store.disk_kinds))
         sizes = [L.trainable_numel for L in store.layouts]
         self.scratch = [] if self.direct else [
             torch.zeros(hostmem.update_scratch_numel(sizes), dtype=store.master_dtype)
@@ -443,6 +483,12 @@ class CpuOptimizer:
 
     # ---- submission (main thread) --------------------------------------------------------------
 
+    def prefetch_first(self) -> None:
+        """Start reading the states of the step's first update from disk (the last sub-model
+        in backward order; the first with clipping or loss scaling, which update in forward
+        order)."""
+        self.store.prefetch(0 if self.deferred else self.k - 1)
+
     def begin_step(self, step: int) -> float:
         """Start collecting a step's gradients; returns the loss scale to multiply the loss by.
 
@@ -455,6 +501,7 @@ class CpuOptimizer:
             self._decide_future.result()
         scale = self.scaler.scale if self.scaler is not None else 1.0
         self._current = _StepState(step, scale)
+        self.prefetch_first()
         return scale
 
     def submit(self, i: int, ready_event: Any = None) -> None:
@@ -630,6 +677,8 @@ class CpuOptimizer:
         self.tracer.host_event(st.step, "optimizer", i, "optimizer", t0, t1)
 
     def _step_one(self, st: _StepState, i: int) -> None:
+        # the next update's states start coming from disk while this one runs
+        self.store.prefetch(i + 1 if self.deferred else i - 1)
         opt = self.optims[i]
         if opt is not None:
             self.config.set_lr(opt, st.step)

@@ -17,6 +17,7 @@ was made for (PLAN["batch_size"]): memory was planned for them.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -145,7 +146,10 @@ class SwapTrainer:
                     f"the initial state dict lacks {e}, which {pkg.path} needs; give the original "
                     f"model's state_dict()") from None
         grad_slots = _grad_slots(typed_plan, run)
-        _check_host_memory(pkg, host_modules, run, typed_plan, grad_slots)  # before any pinning
+        disk_kinds = _disk_kinds(typed_plan, run)
+        _check_host_memory(pkg, host_modules, run, typed_plan, grad_slots,
+                           disk_kinds)  # before any pinning
+        drives = _offload_drives(cfg.offload_dirs, typed_plan, disk_kinds)
         executor = SwapExecutor.assemble(
             pkg, host_modules, run.optimizer, device=dev, master_dtype=run.master_dtype,
             transfer_dtype=run.transfer_dtype, tracer=Tracer(dev, enabled=run.trace),
@@ -153,19 +157,25 @@ class SwapTrainer:
             param_order=_original_order(pkg),
             check_store=lambda store: _check_device_memory(dev, store, typed_plan,
                                                            run.capacity_bytes),
-            grad_slots=grad_slots, accum=run.accum, activations=run.activations,
+            grad_slots=grad_slots, disk_kinds=disk_kinds, drives=drives,
+            written=_writing_progress(typed_plan, disk_kinds),
+            accum=run.accum, activations=run.activations,
             offload_activations=run.offload_activations, autocast_dtype=run.autocast,
             loss_fn=loss_fn, seed=run.seed, tied_grads=run.tied_grads,
             early_prefetch=run.early_prefetch)
         trainer = cls(pkg, executor, executor.store, executor.opt, host_modules, device=dev,
                       accum=run.accum, micro_batch_size=run.micro_batch, seed=run.seed,
                       plan=typed_plan)
-        trainer.unread = {k: state_dict[k].detach().cpu().clone() for k in unread
-                          if isinstance(state_dict.get(k), torch.Tensor)}
-        if files is not None:
-            trainer.unread = files.load_masters(executor.store)
-        if resume is not None:
-            trainer.load_state_dict(resume, source=f"checkpoint {checkpoint}")
+        try:  # a failed start leaves nothing on the offload drives
+            trainer.unread = {k: state_dict[k].detach().cpu().clone() for k in unread
+                              if isinstance(state_dict.get(k), torch.Tensor)}
+            if files is not None:
+                trainer.unread = files.load_masters(executor.store)
+            if resume is not None:
+                trainer.load_state_dict(resume, source=f"checkpoint {checkpoint}")
+        except BaseException:
+            trainer.close()
+            raise
         return trainer
 
     # ---- training ------------------------------------------------------------------------------
@@ -268,7 +278,7 @@ class SwapTrainer:
         self.wait()
         self._sync_buffers_to_host()
         store = self.store
-        if store.mode != "split":
+        if store.mode != "split" and not any(store.disk_kinds):
             yield self.host_modules
             return
         for i, (mod, L) in enumerate(zip(self.host_modules, store.layouts)):
@@ -293,7 +303,7 @@ class SwapTrainer:
         """Everything a resume needs (copies): weights, optimizer state, step, loss scale."""
         return self._state(copy=True)
 
-    def _state(self, copy: bool) -> dict[str, Any]:
+    def _state(self, copy: bool, links: Path | None = None) -> dict[str, Any]:
         self.wait()
         self._sync_buffers_to_host()
         c = (lambda t: t.detach().clone()) if copy else (lambda t: t.detach())
@@ -308,7 +318,7 @@ class SwapTrainer:
             "step": self.step_count,
             "seed": self.seed,
             "accum": self.accum,
-            **self.store.checkpoint_masters(copy),
+            **self.store.checkpoint_masters(copy, links),
             "optimizer": opt_states,
             "scaler": (self.optimizer.scaler.state_dict() if self.optimizer.scaler is not None
                        else None),
@@ -368,8 +378,9 @@ class SwapTrainer:
                                        f"{len(self.store.layouts)}; nothing was loaded")
 
     def save_checkpoint(self, path: str | Path) -> Path:
-        """Write the state to `path` atomically (temporary file, fsync, rename)."""
-        return save_checkpoint(path, self._state(copy=False))
+        """Write the state to `path` atomically (temporary file, fsync, rename); states on disk
+        are hard-linked beside the run's files, in folders named after `path`."""
+        return save_checkpoint(path, self._state(copy=False, links=Path(f"{path}.states")))
 
     def save_pretrained(self, directory: str | Path, *, max_shard_size: int | str = "2GB",
                         dtype: str | torch.dtype | None = None) -> Path:
@@ -386,9 +397,11 @@ class SwapTrainer:
         self.load_state_dict(state, source=f"checkpoint {path}")
 
     def close(self) -> None:
-        """Finish pending work (device copies, optimizer updates) and stop the optimizer thread."""
+        """Finish pending work (device copies, optimizer updates), stop the optimizer thread
+        and remove the run's files from the offload drives (a checkpoint's stay)."""
         self.executor.synchronize()
         self.optimizer.close()
+        self.store.close()
 
     def describe(self) -> str:
         """A short text form: sub-models, their sizes, and the step's settings."""
@@ -545,8 +558,68 @@ def _grad_slots(plan: Plan | None, run: Any) -> int | None:
     return host.grad_slots if host is not None and host.grad_slots else None
 
 
+def _disk_kinds(plan: Plan | None, run: Any) -> list[frozenset[str]]:
+    """Per sub-model, the kinds of its states the plan keeps on disk (none without a plan, or
+    for a plan of other dtypes than the run's: its placement was for those)."""
+    host = plan.host if plan is not None else None
+    if host is None or not host.disk_kinds:
+        return []
+    return [frozenset(k) for k in host.disk_kinds]
+
+
+def _offload_drives(dirs: Sequence[str], plan: Plan | None,
+                    disk_kinds: list[frozenset[str]]) -> list[Any]:
+    """The offload directories checked (atomc.runtime.disk.check_dirs) where the plan keeps
+    states on disk; refused in one line where it does and none is given."""
+    if not any(disk_kinds):
+        return []
+    from atomc.runtime.disk import check_dirs
+    from atomc.units import format_bytes
+
+    assert plan is not None and plan.host is not None
+    host = plan.host
+    if not dirs:
+        raise UsageError(
+            f"the plan keeps {format_bytes(sum(host.disk_by_kind.values()))} of model states on "
+            f"disk ({', '.join(sorted(host.disk_by_kind))}); give --offload-dir PATH, one "
+            f"directory per NVMe drive, with {format_bytes(host.disk_need_bytes)} free")
+    checks = check_dirs(dirs, host.disk_need_bytes)
+    slow = [str(c.path) for c in checks if not c.direct]
+    if slow:
+        print(f"atomc: the file system of {', '.join(slow)} refuses direct I/O; the states go "
+              f"through the page cache there (slower, and the kernel holds their pages)",
+              file=sys.stderr)
+    return checks
+
+
+def _writing_progress(plan: Plan | None, disk_kinds: list[frozenset[str]]
+                      ) -> Callable[[int], None] | None:
+    """A progress line while the states are first written to disk, with how long it takes
+    at the plan's rate."""
+    if not any(disk_kinds) or plan is None or plan.host is None or plan.host.disk is None:
+        return None
+    from tqdm import tqdm
+
+    from atomc.units import format_bytes
+
+    host = plan.host
+    total = sum(host.disk_by_kind.values())
+    rate = host.disk.drives * host.disk.write_gbps * 1e9
+    bar = tqdm(total=len(plan.submodels), unit=" sub-models",
+               desc=(f"writing {format_bytes(total)} of states to disk (about "
+                     f"{total / rate:.0f} s at {rate / 1e9:.1f} GB/s)"))
+
+    def written(i: int) -> None:
+        bar.update(1)
+        if i == len(plan.submodels) - 1:
+            bar.close()
+
+    return written
+
+
 def _check_host_memory(pkg: SwapPackage, host_modules: list[nn.Module], run: Any,
-                       plan: Plan | None, grad_slots: int | None) -> None:
+                       plan: Plan | None, grad_slots: int | None,
+                       disk_kinds: list[frozenset[str]]) -> None:
     """Refuse in one line when the host store, the optimizer's moments and the activation
     stash (the plan's formula, atomc.partition.hostmem) exceed this machine's available
     memory; the weights already read count as available, since the store takes them over."""
@@ -564,7 +637,8 @@ def _check_host_memory(pkg: SwapPackage, host_modules: list[nn.Module], run: Any
             if run.activations == "auto" and plan is not None else 0)
     by_kind = planned_host_bytes(layouts, run.master_dtype, run.transfer_dtype,
                                  run.optimizer.states,
-                                 stash_bytes=stash, sent_bytes=sent, grad_slots=grad_slots)
+                                 stash_bytes=stash, sent_bytes=sent, grad_slots=grad_slots,
+                                 disk_kinds=disk_kinds)
     held = sum(p.numel() * p.element_size() for m in host_modules for p in m.parameters()
                if not p.is_meta)
     frozen = any(not L.trainable_numel == L.owned_numel for L in layouts)

@@ -50,9 +50,9 @@ from atomc.device import names_cpu
 from atomc.ir import Document
 from atomc.units import NS_PER_MS
 
-LANES = ("compute", "prefetch", "offload", "optimizer")
+LANES = ("compute", "prefetch", "offload", "optimizer", "disk")
 KINDS = ("forward", "backward", "load", "checkpoint", "offload", "optimizer", "refresh",
-         "activation_out")
+         "activation_out", "state_read", "state_write", "image_read")
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,11 @@ class StageTimes:
     # activations="auto": its C micro-batches' sent operator outputs, device to host after its
     # forward (their way back is in checkpoint_ns)
     send_ns: int = 0
+    # the disk tier (atomc.runtime.tier): its record (states on disk) read before its update
+    # and written back after it, its image read before each load (0: on the host)
+    record_read_ns: int = 0
+    record_write_ns: int = 0
+    image_read_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -210,6 +215,8 @@ def _compile(order: list[Run], stages: list[StageTimes], accum: int) -> tuple[li
             last_f[i] = pos
     jobs: list[tuple] = []
     after_compute = 0  # where a checkpoint job goes: after the latest compute job
+    last_load: int | None = None  # where the latest L and U jobs are (disk reads go ahead)
+    last_update: int | None = None
     compute_ns = 0
     for pos, (kind, i, micros) in enumerate(order):
         st = stages[i]
@@ -220,6 +227,10 @@ def _compile(order: list[Run], stages: list[StageTimes], accum: int) -> tuple[li
             if st.checkpoint_ns and first_b.get(i) == pos:
                 jobs.insert(after_compute,
                             ("K", i, st.checkpoint_ns, False, "prefetch", "checkpoint", 0))
+                last_load = last_load + 1 if last_load is not None and \
+                    last_load >= after_compute else last_load
+                last_update = last_update + 1 if last_update is not None and \
+                    last_update >= after_compute else last_update
             waits = bool(st.checkpoint_ns) and last_b.get(i) == pos  # for its checkpoints
             jobs.append((kind, i, dur, waits, "compute", "forward" if kind == "F" else "backward",
                          len(micros)))
@@ -227,11 +238,23 @@ def _compile(order: list[Run], stages: list[StageTimes], accum: int) -> tuple[li
             if kind == "F" and st.send_ns and last_f.get(i) == pos:
                 jobs.append(("A", i, st.send_ns, False, "offload", "activation_out", 0))
         elif kind == "L":
+            if st.image_read_ns:  # read ahead: listed with the load before it
+                at = last_load if last_load is not None else len(jobs)
+                jobs.insert(at, ("I", i, st.image_read_ns, False, "disk", "image_read", 0))
+            last_load = len(jobs)
             jobs.append(("L", i, st.load_ns, False, "prefetch", "load" if pos else "refresh", 1))
         elif kind == "O":
             jobs.append(("O", i, st.offload_ns, False, "offload", "offload", 1))
         else:
+            if st.record_read_ns:  # read ahead: listed with the update before it
+                at = last_update if last_update is not None else 0
+                jobs.insert(at, ("R", i, st.record_read_ns, False, "disk", "state_read", 0))
+                if last_load is not None and last_load >= at:
+                    last_load += 1
+            last_update = len(jobs)
             jobs.append(("U", i, st.optimizer_ns, False, "optimizer", "optimizer", 1))
+            if st.record_write_ns:
+                jobs.append(("W", i, st.record_write_ns, False, "disk", "state_write", 0))
     return jobs, compute_ns
 
 
@@ -244,12 +267,15 @@ def _simulate(program: tuple[list[tuple], int], stages: list[StageTimes], accum:
         raise ValueError(f"num_steps {num_steps}: simulate at least one step")
     jobs, compute_ns = program
     k = len(stages)
-    comp = h2d = d2h = cpu = 0  # when each lane is next free
+    comp = h2d = d2h = cpu = disk = 0  # when each lane is next free
     load_end = [0] * k  # of the latest load of each sub-model
     ckpt_end = [0] * k
     bwd_end = [0] * k
     offload_end = [0] * k
     update_end = [0] * k
+    image_end = [0] * k  # of the latest read of each image from disk
+    record_end = [0] * k  # of the latest read of each record
+    written = [0] * k  # of the latest write of each record
     slot_offload_end = [0, 0]  # of the latest gradient copy out of each slot
     events: list[tuple[str, int, str, int, int, int]] = []
     starts = [0]
@@ -270,14 +296,23 @@ def _simulate(program: tuple[list[tuple], int], stages: list[StageTimes], accum:
                 if op == "B":
                     bwd_end[i] = comp
             elif op == "L":
-                start = max(h2d, comp, update_end[i])
+                start = max(h2d, comp, update_end[i], image_end[i])
                 end = h2d = load_end[i] = max(start + dur, slot_offload_end[i % 2])
             elif op == "O":
                 start = max(d2h, bwd_end[i])
                 end = d2h = offload_end[i] = slot_offload_end[i % 2] = start + dur
             elif op == "U":
-                start = max(cpu, offload_end[i])
+                start = max(cpu, offload_end[i], record_end[i])
                 end = cpu = update_end[i] = start + dur
+            elif op == "I":  # an image from disk, once its latest write is done
+                start = max(disk, written[i])
+                end = disk = image_end[i] = start + dur
+            elif op == "R":  # a record read ahead of its update
+                start = max(disk, written[i])
+                end = disk = record_end[i] = start + dur
+            elif op == "W":  # written back behind its update
+                start = max(disk, update_end[i])
+                end = disk = written[i] = start + dur
             elif op == "A":  # sent activations, after the forward that made them
                 start = max(d2h, comp)
                 end = d2h = start + dur
@@ -301,7 +336,8 @@ def _simulate(program: tuple[list[tuple], int], stages: list[StageTimes], accum:
 
 
 LANE_WORDS = {"compute": "GPU compute", "prefetch": "loads (host to GPU)",
-              "offload": "gradient offload (GPU to host)", "optimizer": "CPU update"}
+              "offload": "gradient offload (GPU to host)", "optimizer": "CPU update",
+              "disk": "disk (states and images)"}
 
 
 def binding_lane(timeline: Timeline) -> str:

@@ -24,6 +24,8 @@ def stage_times(plan: Plan) -> list[StageTimes]:
             offload_ns=ms_to_ns(s.offload_ms),
             optimizer_ns=ms_to_ns(s.optimizer_ms),
             send_ns=ms_to_ns(s.send_ms),
+            record_read_ns=ms_to_ns(s.disk_read_ms), record_write_ns=ms_to_ns(s.disk_write_ms),
+            image_read_ns=ms_to_ns(s.image_read_ms),
         )
         for s in plan.submodels
     ]

@@ -16,10 +16,11 @@ from atomc.jsonio import write_atomic
 from atomc.simulate.events import LANES, Timeline
 
 LANE_TITLES = {"compute": "GPU compute", "prefetch": "host to device", "offload": "device to host",
-               "optimizer": "CPU optimizer"}
+               "optimizer": "CPU optimizer", "disk": "disk"}
 KIND_COLOURS = {"forward": "#4e79a7", "backward": "#f28e2b", "load": "#59a14f",
                 "checkpoint": "#8cd17d", "offload": "#b07aa1", "optimizer": "#9c755f",
-                "refresh": "#76b7b2", "activation_out": "#e15759"}
+                "refresh": "#76b7b2", "activation_out": "#e15759", "state_read": "#edc948",
+                "state_write": "#ff9da7", "image_read": "#bab0ac"}
 WIDTH_PX = 1200
 LEFT_PX = 130
 RIGHT_PX = 40

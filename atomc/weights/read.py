@@ -298,7 +298,8 @@ class WeightsIn:
             for i, layout in enumerate(store.layouts):
                 # tensor by tensor, each read when the pass reaches it (where the states are
                 # on disk: a segment at a time, one pass over the sub-model)
-                store.write_entries(i, [(e, lambda e=e: self._read(e.key, e.shape, store.master_dtype))
+                dtype = store.master_dtype
+                store.write_entries(i, [(e, lambda e=e, d=dtype: self._read(e.key, e.shape, d))
                                         for e in layout.entries if e.owned])
         for i in range(len(store.layouts)):
             store.refresh_replicas(i)
