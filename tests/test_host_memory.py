@@ -5,6 +5,7 @@ optimizer's bytes and train like float32 ones, frozen weights cost no moments.""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from atomc.partition import hostmem
 from atomc.profile import hardware_names
 from atomc.runtime import SwapTrainer
 from atomc.trace import trace_model
+
+from processes import child_env
 
 REPO = Path(__file__).resolve().parent.parent
 GPT_PATH = REPO / "examples" / "gpt.py"
@@ -369,3 +372,42 @@ def test_frozen_weights_cost_the_plan_no_gradient_offload_or_update(traced):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+HELD_PROBE = '''
+import sys, torch
+from atomc.runtime.hostalloc import return_freed_blocks
+
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+
+
+if sys.argv[1] == "fixed":
+    assert return_freed_blocks()
+first = torch.ones(4 << 20)
+del first  # a freed 16 MiB block raises glibc's mmap threshold to its size
+before = rss()
+blocks = [torch.ones(4 << 20) for _ in range(8)]
+kept = blocks[-1]
+del blocks
+print((rss() - before) >> 20)
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_freed_host_blocks_go_back_to_the_system_with_the_threshold_fixed():
+    """glibc keeps freed blocks of a size it saw freed before in its heap: seven freed 16 MiB
+    tensors stay in the process's memory, where the plan counts none; with the runtime's
+    fixed threshold (atomc.runtime.hostalloc) only the one still held does."""
+    held = {}
+    env = {k: v for k, v in child_env().items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    for mode in ("default", "fixed"):
+        done = subprocess.run([sys.executable, "-c", HELD_PROBE, mode], capture_output=True,
+                              text=True, env=env,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        held[mode] = int(done.stdout.strip().splitlines()[-1])
+    assert held["fixed"] <= 17 and held["default"] >= 64, held

@@ -33,6 +33,7 @@ from atomc.jsonio import canonical_hash, read_json
 from atomc.runtime.checkpoint import load_checkpoint, save_checkpoint
 from atomc.runtime.config import TrainerConfig
 from atomc.runtime.executor import SwapExecutor
+from atomc.runtime.hostalloc import return_freed_blocks
 from atomc.runtime.optim import CpuOptimizer, LossScaler
 from atomc.runtime.package import SwapPackage, load_swap_package
 from atomc.runtime.store import HostStore, plan_layouts, planned_host_bytes, rebind_parameters
@@ -118,6 +119,9 @@ class SwapTrainer:
         pkg = load_swap_package(generated_dir)
         plan_data = check_plan(pkg, plan)
         typed_plan = Plan.from_json(plan_data, str(pkg.path / "plan.json")) if plan_data else None
+        if typed_plan is not None and typed_plan.host is not None and (
+                typed_plan.host.limit_bytes or typed_plan.host.disk_kinds):
+            return_freed_blocks()  # the plan's host figure is a promise: hold it (hostalloc)
         if loss_fn is None:
             loss_fn = pkg.model_loss_fn()
         resume = load_checkpoint(checkpoint) if checkpoint is not None else None  # verified first

@@ -245,7 +245,11 @@ def batch_of(reference, num_micro: int, seed: int) -> tuple:
 
 def original(reference, dtype=torch.float32):
     torch.manual_seed(0)
-    return copy.deepcopy(reference.model).to(dtype).train()
+    # the hook-based nn.utils.weight_norm keeps its computed weight as a plain attribute, a
+    # tensor with a history that deepcopy refuses; its hook computes it again every forward
+    memo = {id(t): t.detach().clone() for m in reference.model.modules()
+            for t in vars(m).values() if isinstance(t, torch.Tensor) and not t.is_leaf}
+    return copy.deepcopy(reference.model, memo).to(dtype).train()
 
 
 def check_chained_submodels_equal_the_model(root: Path, name: str, dtype: torch.dtype,
@@ -360,6 +364,15 @@ def eager_loss(model, loss_fn, batch, autocast: torch.dtype | None = None,
     """The loss a step reports (the mean over its `accum` micro-batches) of the model run
     eagerly as the trainer's first step runs it, under CPU autocast to `autocast` where
     given."""
+    if autocast is not None:
+        # autocast runs a recurrent layer in the lower precision with its weights and input
+        # cast, which torch 2.13's CPU (oneDNN) LSTM refuses to do from float32 ones: cast
+        # them first, as a package's bfloat16 weights arrive
+        for module in model.modules():
+            if isinstance(module, torch.nn.RNNBase):
+                module.to(autocast).register_forward_pre_hook(
+                    lambda _, args: tuple(a.to(autocast) if a.is_floating_point() else a
+                                          for a in args))
     total = 0.0
     for m in range(accum):
         micro = tuple(x[m * MICRO:(m + 1) * MICRO] for x in batch)
