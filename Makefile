@@ -71,6 +71,7 @@ golden: install
 # docs/gpt3-plans.md: every GPT-3 table row planned by the real command (several minutes)
 tables: install
 	$(BIN)/python bench/gpt3_tables.py
+	$(BIN)/python bench/host_tables.py
 
 bench: install
 	$(BIN)/python bench/profile_bench.py

@@ -6,6 +6,7 @@ number of bytes: `11GiB`, `512MiB`, `8GB`, `1.5GiB`, `4096`.
 
 from __future__ import annotations
 
+import functools
 import re
 
 from atomc.errors import UsageError
@@ -45,6 +46,7 @@ def parse_size(text: str | float, what: str = "size") -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
+@functools.lru_cache(maxsize=4096)  # the search states the same few sizes in every constraint
 def format_bytes(num_bytes: float) -> str:
     """Short binary form: 1.50 GiB, 512.0 MiB, 12 B."""
     value = float(num_bytes)

@@ -56,6 +56,7 @@ from atomc.partition.cost import (
     with_slot_cap,
 )
 from atomc.partition.hostmem import HostBudget, check_plan_host, disk_times, plan_host_memory
+from atomc.partition.memo import once_per_object
 from atomc.partition.precision import Precision, device_view, model_dtype, resolve_precision
 from atomc.partition.search import (
     Folding,
@@ -84,6 +85,8 @@ __all__ = ["DEFAULT_MAX_ACCUM", "DEFAULT_RESERVE_BYTES", "POLICIES", "build_plan
 
 DEFAULT_RESERVE_BYTES = 1 << 30  # CUDA context, allocator fragmentation, the loss
 DEFAULT_MAX_ACCUM = 64
+# a plan whose GPU computes this share of its step is not searched again at a larger C
+BUSY_ENOUGH = 0.9
 # what `partition(activations=...)` takes: "auto" chooses per operator (partition.activations)
 POLICIES = ("auto", *ACTIVATIONS)
 _MIB = 1 << 20
@@ -143,9 +146,12 @@ def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAUL
     smallest = weighed[0][0]
     notes = best.notes
     if best.accum != smallest.accum:
+        first = (f"the smallest C that meets every constraint is {smallest.accum} "
+                 f"({tokens_per_s(smallest):,.0f})" if smallest.feasible else
+                 f"no C weighed meets every constraint ({smallest.binding.split(':')[0]} binds "
+                 f"from C={smallest.accum}, {tokens_per_s(smallest):,.0f})")
         notes = (*notes, (f"C={best.accum} trains the most tokens a second "
-                          f"({tokens_per_s(best):,.0f}); the smallest C that meets every "
-                          f"constraint is {smallest.accum} ({tokens_per_s(smallest):,.0f})"))
+                         f"({tokens_per_s(best):,.0f}); {first}"))
     return dataclasses.replace(best, sweep=sweep, notes=notes)
 
 
@@ -354,7 +360,17 @@ def _at(tables: RangeTables, profile: Profile, p: CostParams, base: Candidate,
     costs = plan_costs(tables, p, list(base.cuts))
     slacks = plan_slacks(costs, p.usable_bytes, base.early_prefetch)
     if all(s.slack >= 0 for s in slacks if s.constraint == MEMORY):
-        return _candidate(tables, profile, p, base.cuts, base.early_prefetch, 0, None)
+        again = _candidate(tables, profile, p, base.cuts, base.early_prefetch, 0, None)
+        if again.sim.utilisation >= BUSY_ENOUGH:
+            return again
+        # cuts made for a smaller C where the GPU waited (a CPU update or the links bound
+        # it) need not suit this C: a search here may find cuts of more tokens a second
+        found = _over_caps(tables, p, derive(tables, p), folding, 0, first=True)
+        if found is None:
+            return again
+        searched = _candidate(tables, profile, p, found.cuts, found.early_prefetch,
+                              found.tier, found)
+        return min((again, searched), key=lambda c: (not c.feasible, c.sim.step_ns))
     d = derive(tables, p)
     for tier in (0, 2):
         found = _over_caps(tables, p, d, folding, tier, first=True)
@@ -794,13 +810,19 @@ _FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 def profile_hash(profile: Profile) -> str:
-    """Profile.content_hash(), computed faster (tests compare the two)."""
-    fields = _fields(profile)
-    data = {"kind": profile.KIND, "schema_version": SCHEMA_VERSION, **fields}
-    return canonical_hash(data, default=_fields)
+    """Profile.content_hash(), computed faster (tests compare the two), once per profile."""
+    def compute() -> str:
+        fields = _fields(profile)
+        data = {"kind": profile.KIND, "schema_version": SCHEMA_VERSION, **fields}
+        return canonical_hash(data, default=_fields)
+
+    return once_per_object(profile, "profile_hash", compute)
 
 
 def graph_hash(graph: OpGraph) -> str:
-    """OpGraph.structure_hash(), computed faster (tests compare the two)."""
-    data = {"nodes": graph.nodes, "params": graph.params, "frontend": graph.frontend}
-    return canonical_hash(data, default=_fields)
+    """OpGraph.structure_hash(), computed faster (tests compare the two), once per graph."""
+    def compute() -> str:
+        data = {"nodes": graph.nodes, "params": graph.params, "frontend": graph.frontend}
+        return canonical_hash(data, default=_fields)
+
+    return once_per_object(graph, "graph_hash", compute)

@@ -106,6 +106,7 @@ class Checker:
                 self.readers[src].append(i)
         self.value_bytes = {n.name: sum(o.num_bytes for o in n.outputs) for n in g.nodes}
         self.last_read = {name: max(rs, default=-1) for name, rs in self.readers.items()}
+        self._last_reads = [(n.name, self.last_read[n.name]) for n in g.nodes]
         self.params = g.params
         self.buffers = g.buffers
         self.frozen = set(g.frozen or ())
@@ -126,7 +127,7 @@ class Checker:
 
     def crossing(self, q: int) -> list[str]:
         """Values produced before node q and read at q or later."""
-        return [n.name for n in self.nodes[:q] if self.last_read[n.name] >= q]
+        return [name for name, last in self._last_reads[:q] if last >= q]
 
     def range_facts(self, start: int, stop: int) -> RangeFacts:
         c = self.accum

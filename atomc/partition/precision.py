@@ -19,6 +19,7 @@ from atomc.dtypes import parse_dtype_name
 from atomc.errors import UsageError
 from atomc.ir import NodeCost, OpGraph, Profile, TensorSpec
 from atomc.partition.autocast import device_dtypes, promote
+from atomc.partition.memo import once_per_object
 from atomc.units import FLOAT_BYTES
 
 HALF = ("float16", "bfloat16")
@@ -107,6 +108,11 @@ def resolve_precision(profile: Profile, transfer_dtype: str | None = None,
 
 def device_view(profile: Profile, precision: Precision) -> Profile:
     """`profile` with the device's byte counts for `precision` (itself when nothing changes)."""
+    return once_per_object(profile, ("device_view", precision),
+                           lambda: _device_view(profile, precision))
+
+
+def _device_view(profile: Profile, precision: Precision) -> Profile:
     graph = profile.graph
     wide = set(graph.full_precision)
     param_dtypes = {}

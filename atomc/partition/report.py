@@ -78,7 +78,7 @@ def sweep_table(plan: Plan) -> str:
     for pt in plan.sweep:
         mark = "chosen" if pt.accum == plan.accum else ""
         how = ("searched" if pt.searched else "cuts of a smaller C") + (
-            "" if pt.feasible else ", loads stall")
+            "" if pt.feasible else ", a constraint broken")
         lines.append(f"{pt.accum:>4} {format_ms(pt.step_ms):>11} {pt.tokens_per_s:>11,.0f} "
                      f"{pt.accum * per_c:>12,} {pt.gpu_busy:>9.1%}  {pt.binding:<32} "
                      f"{how}{'  <- ' + mark if mark else ''}")
