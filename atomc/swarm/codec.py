@@ -1,125 +1,27 @@
 """SWARM link compression: a tensor sent between pipeline stages (activation or gradient) in,
 a hivemind `runtime_pb2.Tensor` message out, and back.
 
-Blockwise absmax int8, written with torch: the flattened tensor is cut into blocks of
-`BLOCK_NUMEL` values; each block stores one float32 scale (absmax / 127) and one int8 code per
-value (round(x / scale)), so a value is off by at most half its block's scale. The message is
-hivemind's own, with `compression = BLOCKWISE_8BIT` and the buffer laid out as
-int32 block size | float32 scales | int8 codes (little-endian).
-
-hivemind's stock BLOCKWISE_8BIT codec needs bitsandbytes, and its 8-bit decoders raise under
-numpy 2 (`int(np.frombuffer(..., count=1))`), so `decode_tensor` decodes BLOCKWISE_8BIT itself
-and leaves every other compression type to hivemind; nothing in hivemind is patched.
-
-Block size 1024: the scales cost 4 bytes per 1024 (ratio 3.98x for float32, 7.97x for float64)
-and on Gaussian data the relative L2 error is 0.79% (4096: 0.87%; 256: 0.70% for 4x the
-scales). With synthetic outlier channels (every 97th x20) it is 3.9% (4096: 4.9%). Much smaller
-blocks gain little: a block lies along an activation's hidden rows, whose outlier channels
-recur in every row.
-
-Measured on a 2-thread CPU (torch 2.13): encode_tensor + decode_tensor of a 4096 x 1024 float32
-tensor takes about 20 ms (encode 14-16, decode 5-6); 16 MiB in, 4.02 MiB on the wire.
+The codec is atomc.distributed.codecs's blockwise absmax int8 (`Blockwise8BitCompression`, one
+float32 scale per block of `BLOCK_NUMEL` values, a value off by at most half its block's
+scale), which DiLoCo's int8 rounds use too; see that module for its layout, its error and its
+cost. `decode_tensor` decodes BLOCKWISE_8BIT itself (hivemind's stock 8-bit decoders need
+bitsandbytes or fail under numpy 2) and leaves every other compression type to hivemind;
+nothing in hivemind is patched.
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Iterable
 
-import numpy as np
 import torch
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
-from hivemind.compression.base import CompressionBase, CompressionInfo
 from hivemind.proto import runtime_pb2
 
-from atomc.errors import PeerError
-
-BLOCK_NUMEL = 1024
-# Below this a tensor goes as is: the scales' share grows, and such tensors are often metadata
-# (RNG states, step counters, masks) that must arrive exactly.
-MIN_COMPRESSED_NUMEL = 1024
-_HEADER = struct.Struct("<i")
-
-
-def _raw(tensor: torch.Tensor) -> runtime_pb2.Tensor:
-    """An uncompressed (NONE) message that hivemind's own deserializer reads back exactly."""
-    if tensor.dtype != torch.bfloat16:
-        return serialize_torch_tensor(tensor, runtime_pb2.CompressionType.NONE)
-    # hivemind widens bfloat16 to float32 by default (USE_LEGACY_BFLOAT16); its decoder also
-    # takes the 2-byte form, told apart by the buffer length, so send that and halve the bytes.
-    return runtime_pb2.Tensor(
-        compression=runtime_pb2.CompressionType.NONE,
-        buffer=tensor.detach().contiguous().view(torch.int16).numpy().tobytes(),
-        size=tensor.shape, dtype="bfloat16", requires_grad=tensor.requires_grad)
-
-
-class Blockwise8BitCompression(CompressionBase):
-    """Blockwise absmax int8 under hivemind's BLOCKWISE_8BIT tag. Tensors that would not survive
-    it get a NONE message instead (each message names its own compression): integers and bools,
-    tensors under MIN_COMPRESSED_NUMEL values, and those holding inf or nan - an fp16 loss
-    scaler must see its overflow, and the step it skips makes the extra bytes rare."""
-
-    compression_type = runtime_pb2.CompressionType.BLOCKWISE_8BIT
-
-    def compress(self, tensor: torch.Tensor, info: CompressionInfo | None = None,
-                 allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        numel = tensor.numel()
-        if not tensor.is_floating_point() or numel < MIN_COMPRESSED_NUMEL:
-            return _raw(tensor)
-        # float32 arithmetic for every dtype: its rounding (2^-24) is far below the int8 step
-        # (2^-8); float64 beyond float32's range becomes inf here and so goes uncompressed.
-        # A fresh zero-padded copy (strided sources and dtypes converted on the way in), so the
-        # in-place steps below never touch the caller's tensor.
-        num_blocks = -(-numel // BLOCK_NUMEL)
-        blocks = torch.zeros(num_blocks, BLOCK_NUMEL, dtype=torch.float32)
-        blocks.view(-1)[:numel].view(tensor.shape).copy_(tensor.detach())
-        absmax = blocks.abs().amax(dim=1)  # nan propagates through amax
-        if not bool(torch.isfinite(absmax).all()):
-            return _raw(tensor)
-        scale = absmax / 127
-        # all-zero blocks divide by 1 instead of 0; their codes are 0 either way
-        divisor = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(1)
-        codes = blocks.div_(divisor).round_().clamp_(-127, 127).to(torch.int8).view(-1)[:numel]
-        return runtime_pb2.Tensor(
-            compression=self.compression_type,
-            buffer=b"".join((_HEADER.pack(BLOCK_NUMEL), scale.numpy().tobytes(),
-                             codes.numpy().tobytes())),
-            size=tensor.shape, dtype=str(tensor.dtype).removeprefix("torch."),
-            requires_grad=tensor.requires_grad)
-
-    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        msg = serialized_tensor
-        if msg.compression != self.compression_type:
-            return deserialize_torch_tensor(msg)
-        buffer, shape = msg.buffer, torch.Size(msg.size)
-        numel = shape.numel()
-        block_numel = _HEADER.unpack_from(buffer)[0] if len(buffer) >= _HEADER.size else 0
-        num_blocks = -(-numel // max(block_numel, 1))
-        expected_bytes = _HEADER.size + 4 * num_blocks + numel
-        dtype = getattr(torch, msg.dtype, None)
-        if (block_numel < 1 or len(buffer) != expected_bytes or not isinstance(dtype, torch.dtype)
-                or not dtype.is_floating_point):
-            raise PeerError(
-                f"malformed BLOCKWISE_8BIT tensor: {len(buffer)} bytes, dtype {msg.dtype!r}, "
-                f"shape {list(shape)}, block {block_numel}; expected {expected_bytes} bytes, a "
-                f"positive block and a float dtype. The sender runs another codec; update both.")
-        # The message's bytes are read-only: copy the few scales, and let numpy widen the codes
-        # straight into a fresh zero-padded float32 buffer (torch refuses read-only arrays).
-        scale = np.frombuffer(buffer, np.float32, num_blocks, _HEADER.size).copy()
-        codes = np.frombuffer(buffer, np.int8, numel, _HEADER.size + 4 * num_blocks)
-        values = torch.zeros(num_blocks, block_numel, dtype=torch.float32)
-        values.view(-1)[:numel].numpy()[:] = codes
-        values.mul_(torch.from_numpy(scale).unsqueeze(1))
-        return values.view(-1)[:numel].to(dtype).reshape(shape)
-
-    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
-        dtype, numel = info.descriptor.dtype, info.descriptor.numel()
-        if not dtype.is_floating_point or numel < MIN_COMPRESSED_NUMEL:
-            return 1.0
-        itemsize = torch.finfo(dtype).bits // 8
-        encoded_bytes = _HEADER.size + 4 * -(-numel // BLOCK_NUMEL) + numel
-        return encoded_bytes / (itemsize * numel)  # hivemind's convention: lower is smaller
-
+from atomc.distributed.codecs import (
+    BLOCK_NUMEL,
+    MIN_COMPRESSED_NUMEL,
+    Blockwise8BitCompression,
+    raw_message,
+)
 
 _CODEC = Blockwise8BitCompression()
 
@@ -127,7 +29,7 @@ _CODEC = Blockwise8BitCompression()
 def encode_tensor(tensor: torch.Tensor, compress: bool) -> runtime_pb2.Tensor:
     """Serialize a CPU tensor for the link: blockwise int8 if `compress` (exact passthrough for
     the tensors named in Blockwise8BitCompression), else exact bytes (NONE)."""
-    return _CODEC.compress(tensor) if compress else _raw(tensor)
+    return _CODEC.compress(tensor) if compress else raw_message(tensor)
 
 
 def decode_tensor(msg: runtime_pb2.Tensor) -> torch.Tensor:
@@ -139,3 +41,8 @@ def message_bytes(messages: Iterable[runtime_pb2.Tensor]) -> int:
     """Serialized size of the messages: what a micro-batch's tensors cost on the link, before the
     RPC's own framing (a few bytes per message and per streamed part)."""
     return sum(msg.ByteSize() for msg in messages)
+
+
+# the codec's names, for SWARM's readers (atomc.distributed.codecs defines them)
+__all__ = ["BLOCK_NUMEL", "MIN_COMPRESSED_NUMEL", "Blockwise8BitCompression", "decode_tensor",
+           "encode_tensor", "message_bytes"]
