@@ -27,6 +27,14 @@ def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(f"ATOMC_PEER_{name}", default)
 
 
+def _float(text: str | None) -> float | None:
+    return None if text is None else float(text)
+
+
+def _int(text: str | None) -> int | None:
+    return None if text is None else int(text)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--package", required=True, help="generated package directory (atomc codegen)")
@@ -44,6 +52,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="samples over all peers between two averaging rounds (the global batch)")
     p.add_argument("--rounds", type=int, default=int(_env("ROUNDS", "10")),
                    help="averaging rounds to train")
+    p.add_argument("--min-peers", type=int, default=int(_env("MIN_PEERS", "1")),
+                   help="a new run: take the first step once this many peers have their state")
+    p.add_argument("--outer", default=_env("OUTER", "sgd"), choices=("sgd", "nesterov"),
+                   help="outer optimizer: sgd (at --outer-lr 1: ATOM's averaging) or nesterov "
+                        "(DiLoCo)")
+    p.add_argument("--outer-lr", type=float, default=_float(_env("OUTER_LR")),
+                   help="default: 1 for sgd, 0.7 for nesterov")
+    p.add_argument("--outer-momentum", type=float, default=_float(_env("OUTER_MOMENTUM")),
+                   help="default: 0 for sgd, 0.9 for nesterov")
+    p.add_argument("--inner-steps", type=int, default=_int(_env("INNER_STEPS")),
+                   help="local steps between rounds (default: the global batch rule)")
+    p.add_argument("--round-dtype", default=_env("ROUND_DTYPE"),
+                   choices=("float32", "bfloat16", "float16", "int8"),
+                   help="what pseudo-gradients travel in (default: the master dtype)")
+    p.add_argument("--fragments", type=int, default=int(_env("FRAGMENTS", "1")),
+                   help="sub-model groups averaged in turn, one a round")
     p.add_argument("--accum", type=int, default=None,
                    help="micro-batches per local step (default: the plan's C)")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -70,6 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from atomc.distributed.outer import OuterConfig
     from atomc.distributed.peer import PeerConfig, run_peer
     from atomc.errors import AtomcError, UsageError
     from atomc.runtime.package import load_swap_package
@@ -106,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
             start = torch.randint(0, vocab, (local_batch, 1), generator=g)
             return (((start + torch.arange(x.shape[1])) % vocab).to(x.dtype),)
 
+        outer = OuterConfig.make(outer=args.outer, lr=args.outer_lr,
+                                 momentum=args.outer_momentum, inner_steps=args.inner_steps,
+                                 round_dtype=args.round_dtype, fragments=args.fragments)
         cfg = PeerConfig(
             package=args.package, run_id=args.run_id, initial_peers=tuple(args.initial_peers),
             host_maddrs=tuple(args.host_maddrs), announce_maddrs=tuple(args.announce_maddrs),
@@ -114,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype, seed=args.seed,
             matchmaking_time_s=args.matchmaking_time, averaging_timeout_s=args.averaging_timeout,
             connect_timeout_s=args.connect_timeout, max_seconds=args.max_seconds,
-            metrics_path=args.metrics, final_path=args.final, maddr_path=args.maddr_file, name=name)
+            metrics_path=args.metrics, final_path=args.final, maddr_path=args.maddr_file, name=name,
+            outer=outer, min_peers=args.min_peers)
         # initial weights: the package's initial_state_dict(seed), as every peer makes them
         run_peer(cfg, batch_of, loss_fn=module.loss_fn, linger_s=args.linger,
                  log=lambda s: print(f"[{name}] {s}", flush=True))

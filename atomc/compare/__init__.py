@@ -2,11 +2,12 @@
 
     profiles or plans + network (atomc network's JSON) -compare-> one ModeResult per mode
 
-The same global batch trained four ways (ATOM peers, DT-FM layouts with GPipe or 1F1B, SWARM),
+The same global batch trained four ways (ATOM peers, DT-FM layouts with GPipe or 1F1B, SWARM)
+and, asked for by name, DiLoCo's peers (an outer step every H local steps, compressed rounds),
 each timed by the simulators of the action lists its runtime executes (atomc.simulate.events
 for a swapped step, atomc.simulate.network for devices joined by links); see peers.py,
-layouts.py and swarm.py for what each mode does and costs.py for what the model costs on a
-device.
+diloco.py, layouts.py and swarm.py for what each mode does and costs.py for what the model
+costs on a device.
 
 Devices are the network file's: each names its hardware in `gpu` (a hardware profile of
 `atomc profiles`, or `cpu` for a host CPU), optionally its device memory (`memory_bytes`, default
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from atomc.compare.costs import GivenPlan, HardwareModel, hardware_model
+from atomc.compare.diloco import predict_diloco
 from atomc.compare.layouts import predict_layouts
 from atomc.compare.modes import (
     BASELINES,
@@ -236,6 +238,8 @@ def compare(profiles: list[Profile], network: Network, setting: Setting, *,
     results: dict[str, ModeResult] = {}
     if "peers" in modes:
         results["peers"] = predict_peers(machines, models, links_of(network), setting)
+    if "diloco" in modes:
+        results["diloco"] = predict_diloco(machines, models, links_of(network), setting)
     schedules = tuple(m for m in ("gpipe", "1f1b", "pipedream") if m in modes)
     if schedules:
         results.update(predict_layouts(machines, models, network, setting, schedules))

@@ -42,8 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--global-batch", type=int, required=True, metavar="N",
                    help="samples in one global batch, all devices together")
     p.add_argument("--modes", help="comma-separated: peers, gpipe, 1f1b, swarm (the default), "
-                   "pipedream (a baseline atomc models but does not run); a mode named here "
-                   "that the devices cannot hold is an error")
+                   "diloco (atomc peer with DiLoCo's outer step), pipedream (a baseline atomc "
+                   "models but does not run); a mode named here that the devices cannot hold "
+                   "is an error")
     p.add_argument("--accum", type=int, metavar="C", help="the peers' C (default: the "
                    "partitioner's choice)")
     p.add_argument("--stages", help="comma-separated numbers of pipeline stages to try for "
@@ -57,6 +58,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--progress-lag-s", type=float, default=None, metavar="S",
                    help="how late a peer sees the others' progress (default: atomc peer's "
                         "progress tracker, 0.5 s)")
+    p.add_argument("--inner-steps", type=int, metavar="H",
+                   help="DiLoCo (--modes diloco): local steps between rounds (default: a round "
+                        "per global batch)")
+    p.add_argument("--round-dtype", choices=("float32", "bfloat16", "float16", "int8"),
+                   help="DiLoCo: what rounds send pseudo-gradients in (default: the master dtype)")
+    p.add_argument("--fragments", type=int, metavar="K",
+                   help="DiLoCo: average 1/K of the sub-models each round, in turn, beside the "
+                        "next local steps (default 1)")
     p.add_argument("--slowdown", type=float, default=1.0, metavar="F",
                    help="every device computes F times slower than its profile (an emulated "
                         "device, as atomc swarm serve --slowdown)")
@@ -171,6 +180,23 @@ def describe_plans(result: Comparison, plans: list[GivenPlan]) -> list[str]:
     return lines
 
 
+def diloco_options(args: argparse.Namespace, modes: tuple[str, ...]) -> dict:
+    """--inner-steps, --round-dtype and --fragments, checked as `atomc peer` checks them; an
+    error where they are given without --modes diloco, which alone reads them."""
+    from atomc.distributed.outer import OuterConfig
+    from atomc.errors import UsageError
+
+    given = [f for f, v in (("--inner-steps", args.inner_steps), ("--round-dtype",
+             args.round_dtype), ("--fragments", args.fragments)) if v is not None]
+    if given and "diloco" not in modes:
+        raise UsageError(f"{', '.join(given)} set DiLoCo's rounds, but --modes does not name "
+                         f"diloco; add it (e.g. --modes peers,diloco)")
+    cfg = OuterConfig.make(inner_steps=args.inner_steps, round_dtype=args.round_dtype,
+                           fragments=1 if args.fragments is None else args.fragments)
+    return {"inner_steps": cfg.inner_steps, "round_dtype": cfg.round_dtype,
+            "fragments": cfg.fragments}
+
+
 def run_compare(args: argparse.Namespace) -> int:
     from atomc.compare import Setting, check_modes, compare, read_network, to_data
     from atomc.compare.report import LABELS, render
@@ -199,8 +225,9 @@ def run_compare(args: argparse.Namespace) -> int:
         if args.progress_lag_s is None else args.progress_lag_s
     if lag < 0:
         raise UsageError(f"--progress-lag-s {lag:g}: expected seconds >= 0")
+    diloco = diloco_options(args, modes)
     setting = Setting(global_batch=args.global_batch, accum=args.accum, sync=not args.no_sync,
-                      matchmaking_s=matchmaking, progress_lag_s=lag,
+                      matchmaking_s=matchmaking, progress_lag_s=lag, **diloco,
                       stages=_ints(args.stages, "--stages"), place_budget_s=args.budget_s,
                       swarm_trainer=trainer)
     profiles, plans, found = read_inputs(args.inputs)

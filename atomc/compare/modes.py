@@ -7,6 +7,7 @@ output: a `ModeResult` per mode: the time of one global batch, each device's bus
         bytes on each link and the resource that binds
 
 - **peers**: atomc.compare.peers
+- **diloco**: atomc.compare.diloco
 - **gpipe**, **1f1b**: atomc.compare.layouts
 - **swarm**: atomc.compare.swarm
 
@@ -24,11 +25,13 @@ from atomc.simulate.network import Links
 from atomc.swarm.config import ServeConfig
 from atomc.units import NS_PER_MS
 
-MODES = ("peers", "gpipe", "1f1b", "swarm", "pipedream")
+MODES = ("peers", "diloco", "gpipe", "1f1b", "swarm", "pipedream")
 # modelled only, as the papers' baselines: no atomc runtime trains them, so compare predicts
 # them when asked for by name (--modes), never by default, and never calls them the fastest
 BASELINES = ("pipedream",)
-DEFAULT_MODES = tuple(m for m in MODES if m not in BASELINES)
+# DiLoCo trains another model than the global batch's data parallelism does (the outer step
+# over H local steps): predicted when asked for by name
+DEFAULT_MODES = tuple(m for m in MODES if m not in BASELINES and m != "diloco")
 BOUND = 0.6  # a resource busy this share of the step or more is what binds it
 
 
@@ -61,6 +64,11 @@ class Setting:
     # flow-control window of a libp2p stream (yamux's initial window, 256 KiB), which the
     # member's own matchmaking messages wait behind (atomc.compare.peers)
     stream_window_bytes: int = 256 << 10
+    # DiLoCo (--modes diloco): local steps between rounds (None: a round per global batch),
+    # the pseudo-gradients' dtype on the wire (None: the master dtype), fragments in turn
+    inner_steps: int | None = None
+    round_dtype: str | None = None
+    fragments: int = 1
     stages: tuple[int, ...] | None = None  # D_PP to try (None: every divisor)
     place_budget_s: float = 2.0
     place_patience: int = 2000

@@ -32,10 +32,9 @@ import itertools
 import math
 import random
 
-import numpy as np
-
-from atomc.compare.costs import HardwareModel, host_memory_line
+from atomc.compare.costs import HardwareModel, PeerPlan, host_memory_line
 from atomc.compare.modes import Machine, ModeResult, Setting, infeasible, link_rows, resources_of
+from atomc.distributed.rounds import split_parts
 from atomc.simulate.network import Job, Links, simulate_programs
 from atomc.units import format_bytes
 
@@ -79,30 +78,10 @@ def share_parts(num_values: int, group_size: int, value_bytes: int,
     """Bytes of the parts each place of the group order reduces, as hivemind splits one vector
     of `num_values` (its TensorPartContainer, uncompressed, with load_balance_peers for peers
     that state no bandwidth): parts of `part_bytes`, the last one shorter, each given whole to
-    the place whose even share (hagenbach_bishoff's) it overlaps most."""
-    if num_values <= 0:
-        return [[] for _ in range(group_size)]
-    counts = [int(num_values * 1.0 / group_size)] * group_size
-    for i in range(num_values - sum(counts)):  # the remainder, one each from the first place
-        counts[i] += 1
-    pivots = (np.cumsum(counts) / np.sum(counts) * num_values).astype(np.int64)
-    pivots[-1] = num_values
-    per_part = int(part_bytes / value_bytes)
-    shares: list[list[int]] = [[] for _ in range(group_size)]
-    place = 0
-    for begin in range(0, num_values, per_part):
-        length = min(per_part, num_values - begin)
-        if begin + length > pivots[place]:
-            first = place
-            overlaps = [int(pivots[place]) - begin]
-            while begin + length > pivots[place]:
-                place += 1
-                overlaps.append(min(begin + length, int(pivots[place]))
-                                - int(pivots[place - 1]))
-            shares[first + int(np.argmax(overlaps))].append(length * value_bytes)
-        else:
-            shares[place].append(length * value_bytes)
-    return shares
+    the place whose even share (hagenbach_bishoff's) it overlaps most
+    (atomc.distributed.rounds.split_parts)."""
+    places = split_parts([(num_values, int(part_bytes / value_bytes))], group_size)
+    return [[n * value_bytes for _, n in place] for place in places]
 
 
 def _messages(parts: list[int]) -> list[int]:
@@ -159,20 +138,56 @@ def group_orders(group: list[int], seed: int) -> list[list[int]]:
     return [rng.sample(group, len(group)) for _ in range(ORDERS)]
 
 
-def predict_peers(machines: list[Machine], models: dict[str, HardwareModel], links: Links,
-                  setting: Setting) -> ModeResult:
-    names = [m.name for m in machines]
+def peer_plans(mode: str, machines: list[Machine], models: dict[str, HardwareModel],
+               setting: Setting) -> list[PeerPlan] | ModeResult:
+    """Each device's swap plan and simulated local step, or why `mode` does not fit."""
     plans = []
     for m in machines:
         hm = models[m.hardware]
         pp = hm.peer_plan(m.memory_bytes, setting.accum)
         if pp.plan is None:
-            return infeasible("peers", f"device {m.name} ({m.hardware}, "
-                                        f"{format_bytes(m.memory_bytes)}): {pp.error}")
+            return infeasible(mode, f"device {m.name} ({m.hardware}, "
+                                    f"{format_bytes(m.memory_bytes)}): {pp.error}")
         if m.host_memory_bytes is not None and pp.host_bytes > m.host_memory_bytes:
-            return infeasible("peers", host_memory_line(m.name, pp.host_bytes,
-                                                         m.host_memory_bytes))
+            return infeasible(mode, host_memory_line(m.name, pp.host_bytes,
+                                                     m.host_memory_bytes))
         plans.append(pp)
+    return plans
+
+
+def tokens_per_sample(model: HardwareModel) -> int:
+    """Tokens in one sample: the sequence length of the model's first integer input of shape
+    [batch, sequence] (a language model's ids); 1 for other models (bytes per sample)."""
+    for node in model.profile.graph.nodes:
+        if node.op != "placeholder" or not node.outputs:
+            continue
+        spec = node.outputs[0]
+        if len(spec.shape) == 2 and spec.dtype.startswith(("int", "uint")):
+            return int(spec.shape[1])
+    return 1
+
+
+def dp_bytes_per_token(machines: list[Machine], models: dict[str, HardwareModel],
+                       samples_per_step: list[int]) -> float:
+    """Plain data parallelism over the same devices: every local step all-reduces the fp32
+    gradients of the trainable weights in a butterfly (each device sends the others their
+    shares, then its averaged share back: 2 (n - 1) / n of the gradients); bytes sent by all
+    devices over the tokens of one step of all of them."""
+    n = len(machines)
+    if n < 2:
+        return 0.0
+    ref = models[machines[0].hardware]
+    grads = ref.master_bytes // ref.master_value_bytes * 4
+    sent = n * 2 * (n - 1) / n * grads
+    return sent / (sum(samples_per_step) * tokens_per_sample(ref))
+
+
+def predict_peers(machines: list[Machine], models: dict[str, HardwareModel], links: Links,
+                  setting: Setting) -> ModeResult:
+    names = [m.name for m in machines]
+    plans = peer_plans("peers", machines, models, setting)
+    if isinstance(plans, ModeResult):
+        return plans
     samples = [pp.plan.accum * models[m.hardware].micro_batch for m, pp in zip(machines, plans)]
     steps = [max(pp.step_ns, 1) for pp in plans]
     counts = local_steps(steps, samples, setting.global_batch,
@@ -206,6 +221,9 @@ def predict_peers(machines: list[Machine], models: dict[str, HardwareModel], lin
     subs = sorted({len(pp.plan.submodels) for pp in plans})
     config = (f"{len(machines)} peer(s), C={'/'.join(map(str, accums))}, "
               f"{'/'.join(map(str, subs))} sub-models each, {max(counts)} local step(s)")
+    tokens = sum(c * x for c, x in zip(counts, samples)) * tokens_per_sample(ref)
+    per_token = sum(link_bytes.values()) / tokens if tokens else 0.0
+    dp = dp_bytes_per_token(machines, models, samples)
     phases = (("local steps", max(ready) / span),
               ("waiting for the group", (start - max(ready)) / span if sync else 0.0),
               ("averaging", (span - start) / span if sync else 0.0))
@@ -220,8 +238,12 @@ def predict_peers(machines: list[Machine], models: dict[str, HardwareModel], lin
                 "leader": names[leader], "window_bytes": setting.stream_window_bytes,
                 "shares_bytes": [sum(s) for s in shares],
                 "round_ns": {"min": min(ends) - start, "mean": span - start,
-                             "max": max(ends) - start} if sync else {}})
+                             "max": max(ends) - start} if sync else {},
+                "utilization": sum(c * s for c, s in zip(counts, steps)) / len(group) / span,
+                "tokens_per_sample": tokens_per_sample(ref),
+                "bytes_per_token": per_token, "dp_bytes_per_token": dp,
+                "vs_dp": per_token / dp if dp else 0.0})
 
 
-__all__ = ["ORDERS", "averaging_programs", "group_orders", "local_steps", "predict_peers",
-           "share_parts"]
+__all__ = ["ORDERS", "averaging_programs", "dp_bytes_per_token", "group_orders", "local_steps",
+           "peer_plans", "predict_peers", "share_parts", "tokens_per_sample"]

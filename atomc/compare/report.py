@@ -6,8 +6,9 @@ from atomc.compare import Comparison, describe_machines
 from atomc.compare.modes import BASELINES, ModeResult
 from atomc.units import format_bytes
 
-LABELS = {"peers": "ATOM peers", "gpipe": "layout, GPipe", "1f1b": "layout, 1F1B",
-          "swarm": "SWARM", "pipedream": "PipeDream (baseline; atomc does not run it)"}
+LABELS = {"peers": "ATOM peers", "diloco": "DiLoCo peers", "gpipe": "layout, GPipe",
+          "1f1b": "layout, 1F1B", "swarm": "SWARM",
+          "pipedream": "PipeDream (baseline; atomc does not run it)"}
 
 
 def _time(ns: int) -> str:
@@ -49,9 +50,30 @@ def render(c: Comparison, links: int = 3) -> str:
         for a, b, nb, s in r.links[:links]:
             lines.append(f"{'':<{w}} link {a} -> {b}: {format_bytes(nb)} per global batch, "
                          f"busy {s:.0%}")
+        line = decentralized(r)
+        if line:
+            lines.append(f"{'':<{w}} {line}")
     lines.append("")
     lines.append(verdict(c))
     return "\n".join(lines)
+
+
+def decentralized(r: ModeResult) -> str:
+    """What decentralized runs report, for peers and DiLoCo: compute utilization (local steps'
+    time over the wall time), the communication share, and the bytes sent per token against
+    plain data parallelism's; '' for other modes."""
+    d = r.detail
+    if "bytes_per_token" not in d:
+        return ""
+    words = [f"compute utilization {d['utilization']:.0%}"]
+    if "communication_share" in d:
+        words.append(f"communication {d['communication_share']:.0%} of the wall time")
+    unit = "token" if d.get("tokens_per_sample", 1) > 1 else "sample"
+    words.append(f"{format_bytes(d['bytes_per_token'])} sent a {unit}")
+    if d.get("dp_bytes_per_token"):
+        words[-1] += (f", {d['vs_dp']:.2%} of data parallelism's "
+                      f"({format_bytes(d['dp_bytes_per_token'])})")
+    return "; ".join(words)
 
 
 def verdict(c: Comparison) -> str:
@@ -73,7 +95,11 @@ def verdict(c: Comparison) -> str:
     for r in baselines:
         text += (f". {LABELS[r.mode]}: {r.step_ns / fastest.step_ns:.2f}x the fastest's "
                  f"time, bound by {r.binding}")
+    if "diloco" in c.results and c.results["diloco"].feasible:
+        text += (". DiLoCo's outer step over H local steps reaches another loss than the other "
+                 "modes' update every global batch: compare the losses too "
+                 "(bench/RESULTS.md#diloco)")
     return text + "."
 
 
-__all__ = ["LABELS", "render", "verdict"]
+__all__ = ["LABELS", "decentralized", "render", "verdict"]

@@ -45,6 +45,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--announce-maddrs", action="append", default=[], metavar="MADDR",
                    help="an address other peers should dial (repeatable)")
     q.add_argument("--name", help="this peer's name in logs")
+    q.add_argument("--min-peers", type=int, metavar="N",
+                   help="a new run's peers take their first step once N peers have their state, "
+                        "and their first round waits for N (default 1: start at once)")
+    q.add_argument("--outer", choices=("sgd", "nesterov"),
+                   help="the outer optimizer of each round: sgd (default; at --outer-lr 1 "
+                        "ATOM's averaging) or nesterov (DiLoCo)")
+    q.add_argument("--outer-lr", type=float, metavar="LR",
+                   help="outer learning rate (default: 1 for sgd, 0.7 for nesterov)")
+    q.add_argument("--outer-momentum", type=float, metavar="M",
+                   help="outer momentum (default: 0 for sgd, 0.9 for nesterov)")
+    q.add_argument("--inner-steps", type=int, metavar="H",
+                   help="local steps between rounds (default: a round per --target-batch-size "
+                        "samples over all peers)")
+    q.add_argument("--round-dtype", choices=("float32", "bfloat16", "float16", "int8"),
+                   help="what rounds send pseudo-gradients in (default: the master dtype, exact; "
+                        "int8: blockwise absmax, a quarter of float32's bytes)")
+    q.add_argument("--fragments", type=int, metavar="K",
+                   help="average 1/K of the sub-models each round, in turn, overlapped with the "
+                        "next local steps (default 1)")
     q.add_argument("--print", dest="print_only", action="store_true",
                    help="print the command instead of running it")
     q.add_argument("script", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...]")
@@ -134,12 +153,33 @@ def peer_env(args: argparse.Namespace) -> dict[str, str]:
         env["ATOMC_PEER_ANNOUNCE_MADDRS"] = " ".join(args.announce_maddrs)
     if args.name:
         env["ATOMC_PEER_NAME"] = args.name
+    if args.min_peers is not None:
+        env["ATOMC_PEER_MIN_PEERS"] = str(args.min_peers)
+    for key in OUTER_OPTIONS:
+        value = getattr(args, key, None)
+        if value is not None:
+            env[f"ATOMC_PEER_{key.upper()}"] = str(value)
     return env
+
+
+# `atomc peer`'s outer options, passed on as ATOMC_PEER_<NAME> (examples/train_peer.py)
+OUTER_OPTIONS = ("outer", "outer_lr", "outer_momentum", "inner_steps", "round_dtype", "fragments")
+
+
+def check_outer(args: argparse.Namespace) -> None:
+    """The outer options, checked as the peer checks them (one line, exit 2), before the
+    script starts: all but --fragments, which needs the package's sub-models."""
+    from atomc.distributed.outer import OuterConfig
+
+    OuterConfig.make(outer=args.outer or "sgd", lr=args.outer_lr, momentum=args.outer_momentum,
+                     inner_steps=args.inner_steps, round_dtype=args.round_dtype,
+                     fragments=1 if args.fragments is None else args.fragments)
 
 
 def run_peer_cli(args: argparse.Namespace) -> int:
     import shlex
 
+    check_outer(args)
     env_add = peer_env(args)
     for a in args.initial_peers:
         if not a.startswith("/"):
