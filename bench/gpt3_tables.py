@@ -129,23 +129,25 @@ def step_text(ms: float) -> str:
 
 def outcome(row: Row) -> tuple[str, ...]:
     if row.plan is None:
-        return ("-", "-", "-", "-", "-", "-", "no: does not fit (below)")
+        return ("-", "-", "-", "-", "-", "-", "-", "no: does not fit (below)")
     p = row.plan
     met = "yes" if p.feasible else f"no: {p.binding.split(' (')[0]}"
     recompute = step_text(p.recompute_step_ms) if p.recompute_step_ms is not None else "-"
     host = f"{p.host.total() / 2**30:,.0f} GiB" if p.host is not None else "-"
-    return (str(len(p.submodels)), str(p.accum), f"{p.predicted_utilisation:.1%}",
+    tokens = p.tokens_per_step / (p.predicted_step_ms / 1e3) if p.predicted_step_ms else 0.0
+    return (str(len(p.submodels)), str(p.accum), f"{tokens:,.0f}", f"{p.predicted_utilisation:.1%}",
             step_text(p.predicted_step_ms), recompute, host, met)
 
 
 def table(rows: list[Row], with_model: bool) -> list[str]:
     """Rows of equal outcome for one model and weights merged (8 / 11 GiB), as the README's."""
     head = ["model"] if with_model else []
-    head += ["GPU memory", "weights", "sub-models", "C", "predicted GPU busy", "predicted step",
+    head += ["GPU memory", "weights", "sub-models", "C", "tokens/s", "predicted GPU busy",
+             "predicted step",
              "recomputing everything", "host memory", "every constraint met",
              "`atomc partition` CPU time"]
     out = ["| " + " | ".join(head) + " |",
-           "|" + "|".join("---" if i < len(head) - 8 else "---:"
+           "|" + "|".join("---" if i < len(head) - 9 else "---:"
                           for i in range(len(head))) + "|"]
     for (config, weights), group in itertools.groupby(rows, lambda r: (r.config, r.weights)):
         group = list(group)
@@ -397,11 +399,13 @@ moves them fails a test.
 
 The CPU AdamW rate is each hardware profile's host figure (`--cpu-adam-gbps auto`): 13.2 GB/s
 of fp32 masters for the V100's server host, 5.3 GB/s for the RTX 3090's desktop. `--gpu-mem`
-as listed, with the default 1 GiB reserve. C is the smallest accumulation degree whose best
-plan meets every constraint ([design](design.md#partition-algorithm-1-exact)): every load
-hidden behind compute, every gradient offload and CPU update keeping pace with the backward, and
-memory, counting the runtime's two
-weight and two gradient slots, each the size of the largest sub-model (atomc.runtime.slots).
+as listed, with the default 1 GiB reserve. C is the accumulation degree of the most tokens a
+second: the partitioner weighs C from the smallest whose best plan meets every constraint
+([design](design.md#partition-algorithm-1-exact)) upwards (`atomc show --sweep` prints each;
+`--accum min` takes the smallest). The constraints: every load hidden behind compute, every
+gradient offload and CPU update keeping pace with the backward, and memory, counting the
+runtime's two weight and two gradient slots, each the size of the largest sub-model
+(atomc.runtime.slots).
 At the step boundary the GPU always waits for sub-model 0's gradients, CPU update and refresh;
 when sub-model 1's update is still running then, that wait grows, and the predicted step
 includes it (a note in the plan says by how much).
@@ -425,10 +429,12 @@ row; wall clock is in the last section.
 READING = """\
 Reading the tables:
 
-- C is the smallest that meets the constraints, not the one that maximises utilisation. When
-  a model fits whole (small models, large GPUs) C = 1 suffices, and the plan still cuts it in
-  two or three: the next sub-model's update overlaps the first one's backward. `--accum`
-  trades a longer step for a busier GPU.
+- C is the one of the most tokens a second. A larger C computes more micro-batches per load,
+  so loads, offloads and the CPU update (a cost per step) weigh less per token, until the GPU
+  computes nearly all the step; it also keeps more boundary activations, so memory bounds it.
+  When a model fits whole (small models, large GPUs) the plan still cuts it in two or three:
+  the next sub-model's update overlaps the first one's backward. `--accum min` gives the
+  smallest C that meets every constraint, ATOM's rule, for the shortest step.
 - Half-precision weights halve every load and offload and the device memory of weights and
   gradients; the CPU update does not shrink (it reads fp32 masters).
 - The runtime's slots are sized for the largest sub-model, so one large sub-model (the
@@ -457,7 +463,10 @@ sub-models at C = 8. Two changes since then moved them, and the tables were not 
    16 kept, 1030 s a step), after minutes of search. That wait falls where the GPU waits for
    sub-model 0's update and refresh at the step boundary anyway; the step now includes it
    exactly (the simulator's step, which it always was), and it is no longer a constraint. The
-   plans are back at C = 3, 99.5% busy or more.
+   plans came back at C = 3, 99.5% busy or more.
+3. C is chosen for tokens a second, not as the smallest feasible one (cf2f4b8): the same cuts
+   at C = 5 on the V100 host (C = 6 on the RTX 3090) spread each load and the CPU update over
+   more tokens. C = 3 still meets every constraint (`--accum min` plans it).
 """
 
 
