@@ -1,4 +1,5 @@
-"""Codegen, step 3: check and tidy rendered sources with libcst; copy the model file's helpers.
+"""Codegen, step 3: check and tidy rendered sources (scopes from Python's symbol tables, edits with
+libcst); copy the model file's helpers.
 
 Input: rendered source text, and the model file for helpers. Output: source text that parses,
 whose imports are exactly those it uses (sorted: standard library, third party, the package),
@@ -9,6 +10,9 @@ constants, imports), so the generated package imports without the model file.
 
 from __future__ import annotations
 
+import ast
+import builtins
+import symtable
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +31,7 @@ from atomc.errors import CodegenError
 
 _MODULE_DUNDERS = {"__name__", "__file__", "__doc__", "__spec__", "__package__", "__loader__",
                    "__builtins__", "__class__", "__annotations__", "__dict__", "__path__"}
+_BUILTINS = set(dir(builtins))
 
 
 def parse(code: str, filename: str) -> cst.Module:
@@ -116,20 +121,7 @@ def _member_rank(name: str) -> int:
     return 1 if name[:1].isupper() else 2
 
 
-def _used_bindings(scopes) -> set[tuple[int, str]]:
-    """(id of the import node, bound name) for every import binding that something reads."""
-    used: set[tuple[int, str]] = set()
-    for scope in {id(s): s for s in scopes.values() if s is not None}.values():
-        if not isinstance(scope, GlobalScope):
-            continue
-        for assignment in scope.assignments:
-            if isinstance(assignment, ImportAssignment) and len(assignment.references) > 0:
-                used.add((id(assignment.node), assignment.name))
-    return used
-
-
-def _tidy(module: cst.Module, scopes) -> str:
-    used = _used_bindings(scopes)
+def _tidy(module: cst.Module, reads: set[str]) -> str:
     keep: list[_Import] = []
     body: list[cst.BaseStatement] = []
     for stmt in module.body:
@@ -137,11 +129,10 @@ def _tidy(module: cst.Module, scopes) -> str:
         if imports is None:
             body.append(stmt)
             continue
-        small = stmt.body[0]  # type: ignore[attr-defined]
         for imp in imports:
             bound = {imp.asname} if imp.asname else ({imp.name} if imp.module else
                                                       {imp.name, imp.name.split(".")[0]})
-            if imp.group() == 0 or any((id(small), b) in used for b in bound):
+            if imp.group() == 0 or bound & reads:
                 keep.append(imp)
     docstring: list[cst.BaseStatement] = []
     if body and _is_docstring(body[0]):
@@ -180,18 +171,62 @@ def _is_docstring(stmt: cst.CSTNode) -> bool:
 # undefined names
 
 
-def _undefined(scopes, positions) -> list[tuple[str, int]]:
-    missing: list[tuple[str, int]] = []
-    for scope in {id(s): s for s in scopes.values() if s is not None}.values():
-        for access in scope.accesses:
-            if access.referents:
-                continue
-            node = access.node
-            name = node.value if isinstance(node, cst.Name) else getattr(node, "value", str(node))
-            if not isinstance(name, str) or name in _MODULE_DUNDERS:
-                continue
-            missing.append((name, positions[node].start.line))
-    return sorted(set(missing), key=lambda t: (t[1], t[0]))
+def _global_reads(code: str, filename: str, tree: ast.Module) -> tuple[set[str], set[str]]:
+    """(names the module binds at its top level, names read from the module's globals anywhere
+    in it, annotations included).
+
+    Python's own symbol tables resolve the scopes (symtable), as the compiler will: a tenth of
+    the time of libcst's scope analysis on generated sub-models."""
+    top = symtable.symtable(code, filename, "exec")
+    bound = {s.get_name() for s in top.get_symbols()
+             if s.is_assigned() or s.is_imported() or s.is_namespace()}
+    reads = {s.get_name() for s in top.get_symbols() if s.is_referenced()}
+    todo = list(top.get_children())
+    while todo:
+        table = todo.pop()
+        todo.extend(table.get_children())
+        for sym in table.get_symbols():
+            if sym.is_declared_global() and sym.is_assigned():
+                bound.add(sym.get_name())
+            if sym.is_referenced() and sym.is_global():
+                reads.add(sym.get_name())
+    # under `from __future__ import annotations` the symbol tables skip annotations, which
+    # still name what they mean (and what a type checker and ruff resolve)
+    return bound, reads | _annotation_names(tree)
+
+
+def _annotation_names(tree: ast.Module) -> set[str]:
+    names: set[str] = set()
+
+    def collect(node: ast.AST | None) -> None:
+        for sub in ast.walk(node) if node is not None else ():
+            if isinstance(sub, ast.Name):
+                names.add(sub.id)
+            elif isinstance(sub, ast.Constant) and isinstance(sub.value, str):
+                try:
+                    collect(ast.parse(sub.value, mode="eval"))
+                except SyntaxError:
+                    pass  # a string that is not an expression names nothing
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AnnAssign):
+            collect(node.annotation)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg):
+                if arg is not None:
+                    collect(arg.annotation)
+            collect(node.returns)
+    return names
+
+
+def _undefined(tree: ast.Module, names: set[str]) -> list[tuple[str, int]]:
+    """(name, line of its first read) for `names`."""
+    first: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id in names:
+            first[node.id] = min(first.get(node.id, node.lineno), node.lineno)
+    return sorted(((n, first.get(n, 0)) for n in names), key=lambda t: (t[1], t[0]))
 
 
 def check_source(code: str, filename: str, copied_from: str | None = None) -> str:
@@ -204,9 +239,9 @@ def check_source(code: str, filename: str, copied_from: str | None = None) -> st
     make a name undefined.
     """
     module = parse(code, filename)
-    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-    scopes = wrapper.resolve(ScopeProvider)
-    missing = _undefined(scopes, wrapper.resolve(PositionProvider))
+    tree = ast.parse(code, filename)  # libcst parsed it: it parses
+    bound, reads = _global_reads(code, filename, tree)
+    missing = _undefined(tree, reads - bound - _BUILTINS - _MODULE_DUNDERS)
     if missing:
         listed = ", ".join(f"{name} (line {line})" for name, line in missing[:8])
         if copied_from is not None:
@@ -216,7 +251,7 @@ def check_source(code: str, filename: str, copied_from: str | None = None) -> st
                 f"imports only: define them there")
         raise CodegenError(f"generated {filename} uses undefined names: {listed}; this is a bug in "
                            f"atomc's code generation: please report it with the plan")
-    return _tidy(module, scopes)
+    return _tidy(module, reads)
 
 
 # ---------------------------------------------------------------------------------------------
