@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 # the CPU one; the tests import timm through a stand-in (tests/shims/README.md)
 TIMM   ?= timm>=1.0.20,<1.1
 
-.PHONY: install demo test families survey lint golden bench tables clean
+.PHONY: install demo test test-long families survey lint golden bench tables clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,13 @@ TEST_WORKERS ?= 2
 test: install lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup \
 		--no-loadscope-reorder --durations=15
+
+# the multi-process scenarios past make test's time (SWARM through a kill, 8-bit links over 100
+# steps, DiLoCo peers dying and joining, more layouts across processes; about 6 minutes): each
+# of their parts has a shorter test in make test; run them before a release
+test-long: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m long -n $(TEST_WORKERS) --dist loadgroup \
+		--no-loadscope-reorder
 
 # the survey of 95 more Hugging Face families through the whole chain (about 50 minutes)
 families: install

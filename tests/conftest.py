@@ -1,7 +1,8 @@
 """Shared test set-up: `gpu` tests skip cleanly where CUDA is absent, `families` tests unless
-`-m families` asks for them; the host measurements
-`atomc partition --cpu-adam-gbps auto` caches go to a temporary folder, not the home folder
-(processes the tests start inherit it), removed at the end.
+`-m families` asks for them and `long` ones (multi-process scenarios past make test's 12
+minutes on CI, each of whose parts a shorter test checks) unless `-m long` does; the host
+measurements `atomc partition --cpu-adam-gbps auto` caches go to a temporary folder, not the
+home folder (processes the tests start inherit it), removed at the end.
 
 `make test` runs the tests in pytest-xdist workers (-n 2 --dist loadgroup
 --no-loadscope-reorder). The tests of one module share a worker, so that its module-scoped
@@ -51,12 +52,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # the survey of many families runs only when asked for (make families: -m families)
-    if "families" not in (config.getoption("markexpr") or ""):
-        survey = pytest.mark.skip(reason="the family survey: run it with make families")
-        for item in items:
-            if "families" in item.keywords:
-                item.add_marker(survey)
+    # the survey of many families runs only when asked for (make families: -m families), and
+    # the long multi-process scenarios likewise (make test-long: -m long)
+    asked = config.getoption("markexpr") or ""
+    for mark, reason in (("families", "the family survey: run it with make families"),
+                         ("long", "a long scenario: run it with make test-long")):
+        if mark not in asked:
+            for item in items:
+                if mark in item.keywords:
+                    item.add_marker(pytest.mark.skip(reason=reason))
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is false)")
         for item in items:
@@ -88,8 +92,10 @@ def _group_for_workers(items: list[pytest.Item]) -> None:
             item.add_marker(mark)
             names = [mark.args[0]]
         groups.setdefault("_".join(names), []).append(item)
-    order = sorted(groups.items(), key=lambda g: (not any("slow" in i.keywords for i in g[1]),
-                                                  -len(g[1])))
+    def long_first(group: list[pytest.Item]) -> bool:
+        return not any("slow" in i.keywords or "long" in i.keywords for i in group)
+
+    order = sorted(groups.items(), key=lambda g: (long_first(g[1]), -len(g[1])))
     items[:] = [item for _, group in order for item in group]
     if os.environ.get(GROUPS):
         path = Path(os.environ[GROUPS]) / f"{WORKER}.json"

@@ -5,7 +5,8 @@ killed as a whole afterwards, every wait bounded):
   torch reference gives (two AdamW models, DiLoCo's outer step by hand);
 - two peers with `--outer sgd --outer-lr 1` in float32 end with today's peers' weights bit for
   bit: two swap trainers whose weights are averaged with hivemind's arithmetic every H steps;
-- a peer whose outer options differ from the run's is refused in one line naming both;
+- a peer whose outer options differ from the run's is refused in one line naming both
+  (beside the two Nesterov peers, who keep their rounds);
 - three peers with int8 rounds over three fragments: one dies, the others lose no round, a new
   one joins (weights, inner and outer state) and takes part; the survivors end with the same
   weights and a falling loss.
@@ -200,16 +201,29 @@ def atom_reference(pkg: Path, seeds: dict[str, int], inner: int, rounds: int,
         torch.set_num_threads(threads)
 
 
-def _two_peers(pkg: Path, d: Path, args: list[str], seeds: dict[str, int]) -> None:
+def _two_peers(pkg: Path, d: Path, args: list[str], seeds: dict[str, int],
+               refused: list[str] | None = None) -> None:
+    """Peers A and B train together; with `refused`, a peer C of those arguments tries to
+    join them as B does (and is refused before it counts as present for --min-peers)."""
     procs: dict[str, subprocess.Popen] = {}
     try:
         procs["A"] = _peer(pkg, d, "A", [], [*args, "--data-seed", str(seeds["A"])])
         a_addr = _address(d, "A", procs["A"])
         procs["B"] = _peer(pkg, d, "B", [a_addr], [*args, "--data-seed", str(seeds["B"])])
+        if refused is not None:
+            procs["C"] = _peer(pkg, d, "C", [a_addr], refused)
+            procs["C"].wait(timeout=90)
         _finish(d, procs, "AB", 170)
     finally:
         for p in procs.values():
             kill_tree(p)
+    if refused is not None:
+        out = (d / "C.log").read_text()
+        assert procs["C"].returncode == 2, out
+        lines = [x for x in out.splitlines() if x.strip() and not x.startswith("[C]")]
+        assert len(lines) == 1 and "Traceback" not in out, out
+        assert ("--outer sgd --outer-lr 1 --outer-momentum 0 here, --outer nesterov --outer-lr "
+                "0.7 --outer-momentum 0.9 there") in lines[0], lines[0]
 
 
 def _rounds_held_both(d: Path, rounds: int) -> list[dict]:
@@ -223,10 +237,14 @@ def _rounds_held_both(d: Path, rounds: int) -> list[dict]:
 
 @pytest.mark.slow
 def test_two_nesterov_peers_equal_a_plain_torch_reference(pkg: Path, tmp_path: Path) -> None:
+    """... and a peer whose outer options differ from the run's is refused in one line that
+    names both, leaving the two to their rounds."""
     inner, rounds = 4, 3
     seeds = {"A": 7, "B": 8}
     _two_peers(pkg, tmp_path, ["--dtype", "float64", "--rounds", str(rounds), "--inner-steps",
-                               str(inner), "--outer", "nesterov", "--min-peers", "2"], seeds)
+                               str(inner), "--outer", "nesterov", "--min-peers", "2"], seeds,
+               refused=["--dtype", "float64", "--rounds", str(rounds), "--outer", "sgd",
+                        "--inner-steps", str(inner), "--min-peers", "2"])
     _rounds_held_both(tmp_path, rounds)
     ref = reference(pkg, seeds, inner, rounds, "nesterov", 0.7, 0.9)
     for name in "AB":
@@ -256,27 +274,7 @@ def test_outer_sgd_at_lr_1_is_today_s_averaging_bit_for_bit(pkg: Path, tmp_path:
     assert next(e for e in events if e["event"] == "start")["host_bytes"]["outer_state"] == 0
 
 
-def test_a_peer_with_other_outer_options_is_refused(pkg: Path, tmp_path: Path) -> None:
-    procs: dict[str, subprocess.Popen] = {}
-    try:
-        procs["A"] = _peer(pkg, tmp_path, "A", [], ["--rounds", "50", "--outer", "nesterov",
-                                                    "--inner-steps", "4", "--max-seconds", "60"])
-        a_addr = _address(tmp_path, "A", procs["A"])
-        procs["B"] = _peer(pkg, tmp_path, "B", [a_addr], ["--rounds", "50", "--outer", "sgd",
-                                                          "--inner-steps", "4"])
-        procs["B"].wait(timeout=90)
-    finally:
-        for p in procs.values():
-            kill_tree(p)
-    out = (tmp_path / "B.log").read_text()
-    assert procs["B"].returncode == 2, out
-    lines = [x for x in out.splitlines() if x.strip() and not x.startswith("[B]")]
-    assert len(lines) == 1 and "Traceback" not in out, out
-    assert ("--outer sgd --outer-lr 1 --outer-momentum 0 here, --outer nesterov --outer-lr 0.7 "
-            "--outer-momentum 0.9 there") in lines[0], lines[0]
-
-
-@pytest.mark.slow
+@pytest.mark.long  # a death and a join: test_peers; int8 rounds and fragments: test_diloco
 def test_int8_fragments_survive_a_death_and_a_join(pkg: Path, tmp_path: Path) -> None:
     d = tmp_path
     rounds = 18

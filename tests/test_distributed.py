@@ -242,7 +242,8 @@ def test_world_size_differs_from_launch(work: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("pp,dp,extra", [
     (2, 2, ["--schedule", "gpipe"]),
-    (4, 1, ["--schedule", "1f1b"]),
+    # 1F1B across processes: tests/test_stages.py's layouts
+    pytest.param(4, 1, ["--schedule", "1f1b"], marks=pytest.mark.long),
     (1, 4, ["--dp-reduce", "p2p"]),
 ])
 def test_layout_equals_single_process(work: dict, pp: int, dp: int, extra: list[str]) -> None:

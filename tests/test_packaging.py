@@ -20,10 +20,11 @@ def installed(tmp_path_factory):
     """The wheel built from this checkout, installed into a fresh target folder."""
     tmp = tmp_path_factory.mktemp("wheel")
     # built from a copy: setuptools reuses the checkout's build/ folder, where a module deleted
-    # since the last build would still be found and shipped
+    # since the last build would still be found and shipped. Virtual environments (.venv, the
+    # survey's .venv-tv: gigabytes) and caches stay behind.
     source = tmp / "source"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "*.egg-info", "__pycache__", "out"))
+        ".git", ".venv*", "build", "*.egg-info", "__pycache__", "out", ".*_cache", ".hypothesis"))
     wheels = tmp / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps",
                     "--no-build-isolation", "-q", "-w", str(wheels)],

@@ -86,10 +86,11 @@ def reference(dp: int) -> tuple[torch.nn.Module, list[float]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pp,dp,extra", [
-    (2, 1, ["--schedule", "gpipe"]),
+    # the two that make test runs hold a swapped stage first and last, pipelines and replicas
+    pytest.param(2, 1, ["--schedule", "gpipe"], marks=pytest.mark.long),
     (2, 1, ["--schedule", "1f1b", "--swap-stages", "1"]),
-    (2, 1, ["--swap-stages", "0,1"]),
-    (1, 2, []),
+    pytest.param(2, 1, ["--swap-stages", "0,1"], marks=pytest.mark.long),
+    pytest.param(1, 2, [], marks=pytest.mark.long),
     (2, 2, ["--schedule", "1f1b", "--swap-stages", "0"]),
 ], ids=["2x1-gpipe", "2x1-1f1b-swapped-last", "2x1-all-swapped", "1x2", "2x2-swapped-first"])
 def test_batch_norm_and_dropout_layouts_equal_plain_training(bn_work: dict, pp: int, dp: int,

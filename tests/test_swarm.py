@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from atomc.cli import main as atomc_main
 from atomc.codegen import generate
 from atomc.codegen.manual import plan_from_cuts
 from atomc.errors import UsageError
@@ -720,7 +721,7 @@ def _train_killing_after_step_1(sw: Swarm, victim: str, steps: int = 4) -> int:
     return steps
 
 
-@pytest.mark.slow
+@pytest.mark.long  # a kill mid-training: the refill test; rerouting: the router's tests
 def test_swarm_equals_single_process_through_a_kill(swarm_of, profiled: Path) -> None:
     """2 stages x 3 and 2 servers, float64: the weights of single-process training, although a
     server is SIGKILLed in the middle of a step (its micro-batches go elsewhere, none twice)."""
@@ -782,7 +783,7 @@ def test_a_stage_left_without_servers_is_refilled_from_its_checkpoint(swarm_of) 
     assert 1 <= refill[-1]["step"] < steps
 
 
-@pytest.mark.slow
+@pytest.mark.long  # the codec's bounds and ratios: tests/test_swarm_codec.py
 def test_8bit_links_train_as_well_as_exact_ones(swarm_of) -> None:
     """100 steps on the demo data (counting sequences), float32, 2 stages x 1 server: with
     8-bit blockwise activations and gradients on the links the final loss is within 2% of
@@ -805,10 +806,11 @@ def test_8bit_links_train_as_well_as_exact_ones(swarm_of) -> None:
 
 
 @pytest.mark.slow
-def test_bad_serve_options_are_one_line_each(work: dict, tmp_path: Path) -> None:
+def test_bad_serve_options_are_one_line_each(work: dict, tmp_path: Path, capsys) -> None:
     """A --host-maddrs this machine does not have (p2pd cannot start: its own words shown), an
     initial peer nobody answers at, and --slowdown with a package whose plan has no times to
-    emulate: exit 2, one line, no traceback."""
+    emulate: exit 2, one line, no traceback. The --slowdown ones are refused before the DHT
+    starts, and run in this process."""
     base = ["swarm", "serve", str(work["pkg"]), "--stages", "2", "--stage", "0",
             "--target-batch-size", "8", "--connect-timeout", "5"]
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWFwCtKzUCEm5kX1ZvtNNYXT8sqTMG7d4srqqR5HrDECrb"
@@ -816,12 +818,20 @@ def test_bad_serve_options_are_one_line_each(work: dict, tmp_path: Path) -> None
                         (["--initial-peers", dead], "could not join the peers through"),
                         (["--slowdown", "3"], "has none"),
                         (["--slowdown", "0"], "must be more than 0")):
-        proc = subprocess.run([sys.executable, "-m", "atomc.cli", *base, *extra], env=child_env(),
-                              cwd=tmp_path, capture_output=True, text=True, timeout=90,
-                              start_new_session=True)
-        lines = proc.stderr.strip().splitlines()
-        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-        assert said in lines[0] and extra[1] in lines[0] and "Traceback" not in proc.stderr
+        if extra[0] == "--slowdown":
+            handler = signal.getsignal(signal.SIGTERM)  # `swarm serve` sets its own
+            try:
+                code, stderr = atomc_main([*base, *extra]), capsys.readouterr().err
+            finally:
+                signal.signal(signal.SIGTERM, handler)
+        else:
+            proc = subprocess.run([sys.executable, "-m", "atomc.cli", *base, *extra],
+                                  env=child_env(), cwd=tmp_path, capture_output=True, text=True,
+                                  timeout=90, start_new_session=True)
+            code, stderr = proc.returncode, proc.stderr
+        lines = stderr.strip().splitlines()
+        assert code == 2 and len(lines) == 1, stderr
+        assert said in lines[0] and extra[1] in lines[0] and "Traceback" not in stderr
 
 
 @pytest.mark.slow

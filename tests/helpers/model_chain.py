@@ -13,13 +13,14 @@ import importlib.util
 import re
 from pathlib import Path
 from types import ModuleType
+from unittest import mock
 
 import pytest
 import torch
 from torch.utils._pytree import tree_flatten
 
 from atomc.calibrate import measure_runtime_costs
-from atomc.codegen import generate, load_package
+from atomc.codegen import generate, load_package, retrace
 from atomc.dtypes import cast_floating
 from atomc.errors import InfeasiblePlanError, UsageError
 from atomc.partition import partition
@@ -147,8 +148,22 @@ def _cut_plan(profile, transfer_dtype, accum):
 
 
 def _plan_at(profile, budget: int, transfer_dtype, accum):
-    return partition(profile, budget, reserve_bytes=0, accum=accum, cpu_adam_gbps=8.0,
-                     transfer_dtype=transfer_dtype)
+    # A refusal advises the smallest budget that works (partition.budget_advice, after
+    # min_capacity_bytes: searches over budgets of their own, most of the partitioner's time
+    # in these searches). The search here finds that budget itself and never reads the
+    # advice, so none is made.
+    with (mock.patch("atomc.partition.budget_advice", _no_advice),
+          mock.patch("atomc.partition.min_capacity_bytes", _no_minimum)):
+        return partition(profile, budget, reserve_bytes=0, accum=accum, cpu_adam_gbps=8.0,
+                         transfer_dtype=transfer_dtype)
+
+
+def _no_advice(*args, **kwargs) -> str:
+    return "(no advice: model_chain's budget search finds the smallest budget itself)"
+
+
+def _no_minimum(*args, **kwargs) -> int:
+    return 0
 
 
 def _smallest_plan(profile, transfer_dtype, accum=C):
@@ -177,6 +192,7 @@ def _smallest_plan(profile, transfer_dtype, accum=C):
 _CHAINS: dict = {}
 _PROFILES: dict = {}
 _REFERENCES: dict = {}
+_RETRACED: dict = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,9 +209,9 @@ class Reference:
 # the runtime's own costs a CPU profile holds (atomc.calibrate.measure_runtime_costs): the
 # machine's, measured once per process; bench/survey.py gives its processes one measurement
 RUNTIME_COSTS = measure_runtime_costs
-# rounds of CPU timing per operator (None: the profiler's default); the survey takes one, its
-# plans need 3+ sub-models rather than the best times
-PROFILE_ROUNDS: int | None = None
+# rounds of CPU timing per operator (None: the profiler's default, 3 on a CPU): one, as the
+# survey takes; the checks need plans of 3+ sub-models (three_way_plan), not the best times
+PROFILE_ROUNDS: int | None = 1
 
 
 def chain(name: str, tmp_root: Path, transfer_dtype: str | None = None):
@@ -215,7 +231,13 @@ def chain(name: str, tmp_root: Path, transfer_dtype: str | None = None):
         tag = re.sub(r"[^\w.-]", "_", f"{name}-{transfer_dtype}" if transfer_dtype else name)
         plan_path = tmp_root / f"{tag}.plan.json"
         plan.save(plan_path)
-        out = generate(plan, tmp_root / tag, profile=profile, plan_path=plan_path)
+        if name not in _RETRACED:
+            # the model traced again from the plan alone, as `atomc codegen` does; once per
+            # case: the bfloat16 plan is of the same graph (generate checks that), and the
+            # trace keeps what codegen derives from it (a second trace in another dtype)
+            _RETRACED[name] = retrace(plan, plan_path)
+        out = generate(plan, tmp_root / tag, traced=_RETRACED[name], profile=profile,
+                       plan_path=plan_path)
         if name not in _REFERENCES:
             module, model, inputs = build_and_inputs(path, config, MICRO, {}, device="cpu")
             _REFERENCES[name] = Reference(module, model.train(),
