@@ -26,7 +26,7 @@ from atomc.distributed.rounds import (
     values_per_part,
     wire_bytes,
 )
-from atomc.errors import UsageError
+from atomc.errors import PeerError, UsageError
 from atomc.place.network import Device, Network
 from atomc.profile import profile_model
 from atomc.trace import runs_on_for, trace_model
@@ -525,3 +525,65 @@ def test_peer_host_bytes_count_the_outer_state_and_refuse_in_one_line():
     said = str(e.value)
     assert "\n" not in said and said.startswith("atomc peer: host memory: the peer needs")
     assert "outer state (start weights, momentum)" in said and "--fragments K" in said
+
+
+# ---- the outer state on the offload drives ----------------------------------------------------
+
+
+@pytest.mark.parametrize(("outer", "dtype"), [("nesterov", torch.float64),
+                                              ("nesterov", torch.float32), ("sgd", torch.float64)])
+def test_outer_state_on_disk_steps_as_in_memory_bit_for_bit(tmp_path, outer, dtype):
+    """DiskOuterOptimizer (one record a fragment on the drives) against OuterOptimizer: the
+    same steps, resets and pseudo-gradients, every bit, and the same state for joining peers
+    either way; its files are gone once closed."""
+    from atomc.distributed.outer import DiskOuterOptimizer, OuterOptimizer
+    from atomc.runtime.disk import check_dirs
+
+    g = torch.Generator().manual_seed(5)
+    starts = [torch.randn(n, generator=g, dtype=dtype) for n in (1000, 37, 4096)]
+    cfg = OuterConfig.make(outer, momentum=0.0 if outer == "sgd" else None)
+    drives = check_dirs([tmp_path], 1)
+    ram, disk = OuterOptimizer(starts, cfg), DiskOuterOptimizer(starts, cfg, drives)
+    try:
+        per_value = dtype.itemsize * (2 if outer == "nesterov" else 1)
+        assert disk.disk_bytes >= sum(s.numel() for s in starts) * per_value
+        assert len(list(tmp_path.glob("atomc-run-*/*"))) == len(starts)
+        for r in range(4):
+            f = r % len(starts)
+            now = starts[f] + 0.01 * torch.randn(starts[f].shape, generator=g, dtype=dtype)
+            assert torch.equal(ram.pseudo_gradient(f, now), disk.pseudo_gradient(f, now))
+            avg = torch.randn(starts[f].shape, generator=g, dtype=dtype)
+            assert torch.equal(ram.step(f, avg), disk.step(f, avg))
+            if r == 2:
+                ram.reset(f, now)
+                disk.reset(f, now)
+        a, b = ram.state_dict(), disk.state_dict()
+        assert all(torch.equal(x, y) for x, y in zip(a["starts"], b["starts"]))
+        assert a["opt"]["param_groups"] == b["opt"]["param_groups"]
+        assert a["opt"]["state"].keys() == b["opt"]["state"].keys()
+        for k, v in a["opt"]["state"].items():
+            assert torch.equal(v["momentum_buffer"], b["opt"]["state"][k]["momentum_buffer"])
+        # a joining peer with its state on disk takes the state of one without, and steps on
+        joined = DiskOuterOptimizer([torch.zeros_like(s) for s in starts], cfg, drives)
+        try:
+            joined.load_state_dict(a, "peer A's state")
+            avg = torch.randn(starts[0].shape, generator=g, dtype=dtype)
+            assert torch.equal(ram.step(0, avg), joined.step(0, avg))
+        finally:
+            joined.close()
+        with pytest.raises(PeerError, match="fragments of other sizes"):
+            disk.load_state_dict({"starts": a["starts"][:2], "opt": a["opt"]}, "peer B's state")
+    finally:
+        disk.close()
+    assert not list(tmp_path.glob("atomc-run-*"))
+
+
+def test_peer_host_bytes_hold_one_fragment_of_an_outer_state_on_disk():
+    from atomc.distributed.outer import peer_host_bytes
+
+    cfg = OuterConfig.make("nesterov", fragments=2)
+    on_host = peer_host_bytes(1_000_000, 400_000, 0, "float32", 0, cfg)
+    on_disk = peer_host_bytes(1_000_000, 400_000, 0, "float32", 0, cfg, outer_on_disk=True)
+    assert on_host["outer_state"] == 8_000_000 and on_disk["outer_state"] == 3_200_000
+    # the copy a joining peer downloads is made whole either way
+    assert on_disk["shared_state"] == on_host["shared_state"] == 8_000_000

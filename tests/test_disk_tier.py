@@ -435,3 +435,45 @@ def test_atomc_train_and_export_take_the_offload_drives(tmp_path, small_segments
     assert main(["export", str(pkg), "--checkpoint", str(ckpt), "-o", str(out),
                  "--offload-dir", str(nvme)]) == 0
     assert any(out.glob("*.safetensors"))
+
+
+def test_diloco_s_outer_state_goes_to_the_drives_that_hold_the_masters(tmp_path, small_segments):
+    """A peer's outer state (start weights and momentum: one or two copies of the masters)
+    follows the masters: on the offload drives where the plan put them there, one record a
+    fragment; in host memory otherwise."""
+    from atomc.distributed.diloco import OuterRounds, read_fragment
+    from atomc.distributed.outer import (
+        DiskOuterOptimizer,
+        OuterConfig,
+        OuterOptimizer,
+        fragments_of,
+    )
+
+    cfg = OuterConfig.make("nesterov", inner_steps=4, fragments=2)
+    for disk in (True, False):
+        pkg, traced, *_ = _package(tmp_path, "mini-gpt", 1, disk=disk)
+        offload = tmp_path / f"nvme-{disk}"
+        offload.mkdir()
+        trainer = SwapTrainer.from_package(pkg, device="cpu",
+                                           state_dict=_model(traced).state_dict(),
+                                           offload_dirs=(str(offload),) if disk else (),
+                                           optimizer={"lr": 1e-2})
+        try:
+            frags = fragments_of([L.owned_numel for L in trainer.store.layouts], 2)
+            runs_before = {p.name for p in offload.glob("atomc-run-*")}
+            rounds = OuterRounds(trainer, cfg, frags, name="me", log=lambda s: None)
+            try:
+                assert isinstance(rounds.outer, DiskOuterOptimizer if disk else OuterOptimizer)
+                if disk:
+                    masters = (sum(L.owned_numel for L in trainer.store.layouts)
+                               * trainer.store.master_dtype.itemsize)
+                    assert rounds.outer.disk_bytes >= 2 * masters
+                    assert {p.name for p in offload.glob("atomc-run-*")} > runs_before
+                for f, fr in enumerate(frags):  # the round's start: the masters as they are
+                    now = read_fragment(trainer, fr)
+                    assert not rounds.outer.pseudo_gradient(f, now).any()
+            finally:
+                rounds.close()
+            assert {p.name for p in offload.glob("atomc-run-*")} == runs_before
+        finally:
+            trainer.close()

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from atomc.distributed.outer import OuterConfig, OuterOptimizer
+from atomc.distributed.outer import DiskOuterOptimizer, OuterConfig, OuterOptimizer
 from atomc.distributed.rounds import (
     DTYPE_BYTES,
     compression_for,
@@ -52,6 +52,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def master_sizes(trainer: Any) -> list[int]:
     """Master values of each sub-model (the host store's owned weights)."""
     return [L.owned_numel for L in trainer.store.layouts]
+
+
+def outer_on_disk(trainer: Any) -> bool:
+    """Whether the trainer's plan puts masters on the offload drives (the outer state, as large
+    as they are or twice, goes there too)."""
+    return any("masters" in kinds for kinds in trainer.store.disk_kinds)
 
 
 def read_fragment(trainer: Any, fragment: list[int]) -> torch.Tensor:
@@ -163,7 +169,10 @@ class OuterRounds:
                              for fr in fragments]
         self.width = max(self.sizes)
         self.buffer_width = max(self.buffer_sizes)
-        self.outer = OuterOptimizer([read_fragment(trainer, fr) for fr in fragments], cfg)
+        starts = [read_fragment(trainer, fr) for fr in fragments]
+        # beside the masters: on the offload drives where the plan put them there
+        self.outer = (DiskOuterOptimizer(starts, cfg, trainer.store.drives)
+                      if outer_on_disk(trainer) else OuterOptimizer(starts, cfg))
         self.averager: Any = None
         self.pending: _Pending | None = None
 
@@ -287,6 +296,9 @@ class OuterRounds:
     def load_state_dict(self, state: dict[str, Any], source: str) -> None:
         self.outer.load_state_dict(state, source)
 
+    def close(self) -> None:
+        self.outer.close()
+
 
 __all__ = ["OuterRounds", "RoundInfo", "fragment_buffers", "fragment_widths", "master_sizes",
-           "read_buffers", "read_fragment", "write_buffers", "write_fragment"]
+           "outer_on_disk", "read_buffers", "read_fragment", "write_buffers", "write_fragment"]

@@ -29,6 +29,8 @@ import torch
 
 from atomc.distributed.rounds import DTYPE_BYTES, check_round_dtype, tensor_dtype
 from atomc.errors import PeerError, UsageError
+from atomc.partition.hostmem import aligned
+from atomc.runtime.disk import StateFiles, aligned_buffer, check_dirs
 from atomc.units import format_bytes
 
 OUTERS = ("sgd", "nesterov")
@@ -190,8 +192,11 @@ class OuterOptimizer:
         self.cfg = cfg
         self.starts = [torch.nn.Parameter(s.detach().clone(), requires_grad=False)
                        for s in starts]
-        self.opt = torch.optim.SGD(self.starts, lr=cfg.lr, momentum=cfg.momentum,
-                                   nesterov=cfg.outer == "nesterov")
+        self.opt = _sgd(self.starts, cfg)
+
+    @property
+    def disk_bytes(self) -> int:
+        return 0
 
     def reset(self, f: int, weights: torch.Tensor) -> None:
         with torch.no_grad():
@@ -216,21 +221,138 @@ class OuterOptimizer:
                 "opt": self.opt.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], source: str) -> None:
-        starts = state.get("starts") if isinstance(state, dict) else None
-        if (not isinstance(starts, list) or len(starts) != len(self.starts)
-                or any(a.shape != b.shape for a, b in zip(starts, self.starts))):
-            raise PeerError(f"{source}: its outer state has "
-                            f"{len(starts) if isinstance(starts, list) else 'no'} fragments of "
-                            f"other sizes than this peer's {len(self.starts)}; give every peer "
-                            f"the same package and --fragments")
+        _check_starts(state, [s.numel() for s in self.starts], source)
         with torch.no_grad():
-            for s, v in zip(self.starts, starts):
+            for s, v in zip(self.starts, state["starts"]):
                 s.copy_(v)
         self.opt.load_state_dict(state["opt"])
 
+    def close(self) -> None:
+        pass
+
+
+class DiskOuterOptimizer:
+    """OuterOptimizer's state in files on the offload drives (atomc.runtime.disk), one record a
+    fragment: its start weights, then its momentum. A round reads its fragment's record, takes
+    torch's SGD step on it and writes it back, so the host holds one fragment's state at a
+    time; the steps are torch's own, bit for bit what OuterOptimizer takes. For runs whose
+    plan puts the masters on disk: the outer state is as large as they are, or twice."""
+
+    def __init__(self, starts: Sequence[torch.Tensor], cfg: OuterConfig, drives: Sequence[Any]):
+        self.cfg = cfg
+        self.dtype = starts[0].dtype
+        self.sizes = [s.numel() for s in starts]
+        self.momentum = cfg.momentum > 0
+        # per record: the start weights at 0, the momentum at `second[f]`
+        self.second = [aligned(n * self.dtype.itemsize) for n in self.sizes]
+        records = [(2 if self.momentum else 1) * b for b in self.second]
+        checked = check_dirs([d.path for d in drives], sum(records))
+        self.files = StateFiles(checked, records)
+        self.buffer = aligned_buffer(max(records))
+        self.has_momentum = [False] * len(starts)  # torch makes the buffer at the first step
+        try:
+            for f, s in enumerate(starts):
+                self._write(f, s.detach(), None)
+        except BaseException:
+            self.files.close()
+            raise
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(self.files.sizes)
+
+    def _views(self, f: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n, b = self.sizes[f], self.second[f]
+        start = self.buffer[:n * self.dtype.itemsize].view(self.dtype)
+        momentum = (self.buffer[b:b + n * self.dtype.itemsize].view(self.dtype)
+                    if self.momentum else None)
+        return start, momentum
+
+    def _read(self, f: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.files.read(f, self.buffer).result()
+        return self._views(f)
+
+    def _write(self, f: int, start: torch.Tensor, momentum: torch.Tensor | None) -> None:
+        here, there = self._views(f)
+        if start.data_ptr() != here.data_ptr():
+            here.copy_(start.reshape(-1))
+        if there is not None:
+            if momentum is None:
+                there.zero_()
+            elif momentum.data_ptr() != there.data_ptr():
+                there.copy_(momentum.reshape(-1))
+        self.files.write(f, self.buffer).result()
+
+    def reset(self, f: int, weights: torch.Tensor) -> None:
+        _, momentum = self._read(f)
+        self._write(f, weights, momentum)
+
+    def pseudo_gradient(self, f: int, weights: torch.Tensor) -> torch.Tensor:
+        start, _ = self._read(f)
+        return start - weights
+
+    @torch.no_grad()
+    def step(self, f: int, averaged: torch.Tensor) -> torch.Tensor:
+        start, momentum = self._read(f)
+        param = torch.nn.Parameter(start, requires_grad=False)
+        opt = _sgd([param], self.cfg)
+        if self.has_momentum[f]:
+            opt.state[param]["momentum_buffer"] = momentum
+        param.grad = averaged.to(self.dtype).reshape(param.shape)
+        opt.step()
+        if self.momentum:
+            momentum.copy_(opt.state[param]["momentum_buffer"])  # torch's own at the first
+            self.has_momentum[f] = True
+        self._write(f, start, momentum)
+        return start.clone()
+
+    def state_dict(self) -> dict[str, Any]:
+        """OuterOptimizer's form: the start weights and torch's SGD state over them."""
+        starts, buffers = [], []
+        for f in range(len(self.sizes)):
+            start, momentum = self._read(f)
+            starts.append(start.clone())
+            buffers.append(momentum.clone() if self.has_momentum[f] else None)
+        params = [torch.nn.Parameter(s, requires_grad=False) for s in starts]
+        opt = _sgd(params, self.cfg)
+        for p, m in zip(params, buffers):
+            if m is not None:
+                opt.state[p]["momentum_buffer"] = m
+        return {"starts": starts, "opt": opt.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any], source: str) -> None:
+        _check_starts(state, self.sizes, source)
+        params = [torch.nn.Parameter(s.detach().clone().to(self.dtype), requires_grad=False)
+                  for s in state["starts"]]
+        opt = _sgd(params, self.cfg)
+        opt.load_state_dict(state["opt"])
+        for f, p in enumerate(params):
+            m = opt.state.get(p, {}).get("momentum_buffer") if self.momentum else None
+            self.has_momentum[f] = m is not None
+            self._write(f, p.detach(), m)
+
+    def close(self) -> None:
+        self.files.close()
+
+
+def _sgd(params: Sequence[torch.nn.Parameter], cfg: OuterConfig) -> torch.optim.SGD:
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
+                           nesterov=cfg.outer == "nesterov")
+
+
+def _check_starts(state: Any, sizes: Sequence[int], source: str) -> None:
+    starts = state.get("starts") if isinstance(state, dict) else None
+    if (not isinstance(starts, list) or len(starts) != len(sizes)
+            or any(a.numel() != n for a, n in zip(starts, sizes))):
+        raise PeerError(f"{source}: its outer state has "
+                        f"{len(starts) if isinstance(starts, list) else 'no'} fragments of "
+                        f"other sizes than this peer's {len(sizes)}; give every peer "
+                        f"the same package and --fragments")
+
 
 def peer_host_bytes(total_values: int, fragment_values: int, buffer_values: int,
-                    master_dtype: str, state_bytes: int, cfg: OuterConfig) -> dict[str, int]:
+                    master_dtype: str, state_bytes: int, cfg: OuterConfig,
+                    outer_on_disk: bool = False) -> dict[str, int]:
     """Host bytes a peer holds beside its swap trainer, by kind (what `atomc peer` checks at
     start; a plan can add them to atomc.partition.hostmem's kinds):
 
@@ -238,7 +360,9 @@ def peer_host_bytes(total_values: int, fragment_values: int, buffer_values: int,
       rounds of ATOM's averaging and the final rounds), in the master dtype;
     - `shared_state`: the trainer's state (masters, AdamW moments) serialized for joining
       peers, `state_bytes` of it, and the outer state's copy beside it;
-    - `outer_state`: each fragment's start weights, and the outer momentum;
+    - `outer_state`: each fragment's start weights, and the outer momentum; with
+      `outer_on_disk` (DiskOuterOptimizer, where the plan puts the masters on disk) one
+      fragment's of them, read for its round;
     - `round_buffers`: the round averager's vector (the largest fragment and its buffers, in
       the averaged tensor's dtype), and the fragment's pseudo-gradient and weights at launch.
     """
@@ -247,9 +371,10 @@ def peer_host_bytes(total_values: int, fragment_values: int, buffer_values: int,
            "outer_state": 0, "round_buffers": 0}
     if cfg.plain(master_dtype):
         return out
-    outer = total_values * mb * (2 if cfg.momentum > 0 else 1)
+    per_value = mb * (2 if cfg.momentum > 0 else 1)
+    outer = total_values * per_value
     tb = DTYPE_BYTES[tensor_dtype(cfg.round_dtype, master_dtype)]
-    out["outer_state"] = outer
+    out["outer_state"] = fragment_values * per_value if outer_on_disk else outer
     out["shared_state"] += outer
     out["round_buffers"] = (fragment_values + buffer_values) * tb + 2 * fragment_values * mb
     return out
@@ -276,5 +401,6 @@ def check_host_bytes(by_kind: dict[str, int], available: int | None) -> None:
                      f"--outer sgd without momentum, or a machine with more memory")
 
 
-__all__ = ["DEFAULT_LR", "DEFAULT_MOMENTUM", "OUTERS", "OuterConfig", "OuterOptimizer",
-           "check_host_bytes", "describe_host_bytes", "fragments_of", "peer_host_bytes"]
+__all__ = ["DEFAULT_LR", "DEFAULT_MOMENTUM", "OUTERS", "DiskOuterOptimizer", "OuterConfig",
+           "OuterOptimizer", "check_host_bytes", "describe_host_bytes", "fragments_of",
+           "peer_host_bytes"]

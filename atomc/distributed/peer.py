@@ -44,7 +44,13 @@ from typing import Any
 
 import torch
 
-from atomc.distributed.diloco import OuterRounds, RoundInfo, fragment_widths, master_sizes
+from atomc.distributed.diloco import (
+    OuterRounds,
+    RoundInfo,
+    fragment_widths,
+    master_sizes,
+    outer_on_disk,
+)
 from atomc.distributed.hive import import_hivemind, start_dht, state_bytes, state_from_bytes
 from atomc.distributed.outer import (
     OuterConfig,
@@ -228,10 +234,15 @@ class PeerTrainer:
         self._take_snapshot()
         self._metric({"event": "start", "outer": outer.to_json(), "fragments": fragments,
                       "host_bytes": self.host_bytes, "vector_values": self.vector_values,
+                      "outer_disk_bytes": (self.rounds.outer.disk_bytes
+                                           if self.rounds is not None else 0),
                       "samples_per_step": self.samples_per_step})
+        on_disk = self.rounds.outer.disk_bytes if self.rounds is not None else 0
         self.log(f"outer: {outer.describe()}; {len(fragments)} fragment(s) of "
                  f"{len(self.trainer.store.layouts)} sub-models; "
-                 f"beside the trainer {describe_host_bytes(self.host_bytes)}")
+                 f"beside the trainer {describe_host_bytes(self.host_bytes)}"
+                 + (f"; outer state on the offload drives: {format_bytes(on_disk)}"
+                    if on_disk else ""))
         if cfg.initial_peers:
             self._join()
         self._announce()
@@ -274,7 +285,8 @@ class PeerTrainer:
         state = masters * tr.store.master_dtype.itemsize + sum(
             t.numel() * t.element_size() for t in _tensors(tr.optimizer.state_dict()))
         width, buffer_width = fragment_widths(tr, fragments)
-        by_kind = peer_host_bytes(masters, width, buffer_width, master, state, self.cfg.outer)
+        by_kind = peer_host_bytes(masters, width, buffer_width, master, state, self.cfg.outer,
+                                  outer_on_disk=outer_on_disk(tr))
         check_host_bytes(by_kind, hostmem.available_host_bytes())
         return by_kind
 
@@ -703,6 +715,8 @@ class PeerTrainer:
                 obj.shutdown()
             except Exception as e:  # noqa: BLE001 - shutting down: close the rest anyway
                 self.log(f"shutdown of {type(obj).__name__} failed: {e}")
+        if self.rounds is not None:
+            self.rounds.close()  # the outer state's files, where it has them
         self.trainer.close()
 
 

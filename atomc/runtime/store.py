@@ -504,6 +504,7 @@ class HostStore:
         self.mode = store_mode(master_dtype, transfer_dtype)
         k = len(layouts)
         kinds = list(disk_kinds) or [frozenset()] * k
+        self.drives = tuple(drives)  # the offload drives (DriveCheck), for other states beside
         if any(kinds) and not drives:
             raise ValueError("states on disk need the offload drives (atomc.runtime.disk)")
         self.disk_kinds = kinds
