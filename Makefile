@@ -35,7 +35,7 @@ test: install lint
 		--no-loadscope-reorder --durations=15
 
 # the multi-process scenarios past make test's time (SWARM through a kill, 8-bit links over 100
-# steps, DiLoCo peers dying and joining, more layouts across processes; about 6 minutes): each
+# steps, DiLoCo peers dying and joining, more layouts across processes; about 5 minutes): each
 # of their parts has a shorter test in make test; run them before a release
 test-long: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m long -n $(TEST_WORKERS) --dist loadgroup \
