@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -707,6 +708,11 @@ class PeerTrainer:
             time.sleep(0.2)
 
     def close(self) -> None:
+        # hivemind's parts leave tasks pending in their event loops when shut down mid-call (a
+        # peer refused while it downloads the run's state from a live group); asyncio reports
+        # each as "Task was destroyed but it is pending!" when the loop is collected at exit,
+        # lines that would follow the peer's one-line error. Their objects are gone by then.
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
         for obj in (getattr(self, "round_averager", None), getattr(self, "averager", None),
                     getattr(self, "tracker", None), getattr(self, "dht", None)):
             if obj is None:
