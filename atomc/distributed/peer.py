@@ -233,12 +233,10 @@ class PeerTrainer:
                 prefix=f"{cfg.run_id}_rounds", compression=self.rounds.compression())
             self.rounds.averager = self.round_averager
         self._take_snapshot()
+        on_disk = self.rounds.outer.disk_bytes if self.rounds is not None else 0
         self._metric({"event": "start", "outer": outer.to_json(), "fragments": fragments,
                       "host_bytes": self.host_bytes, "vector_values": self.vector_values,
-                      "outer_disk_bytes": (self.rounds.outer.disk_bytes
-                                           if self.rounds is not None else 0),
-                      "samples_per_step": self.samples_per_step})
-        on_disk = self.rounds.outer.disk_bytes if self.rounds is not None else 0
+                      "outer_disk_bytes": on_disk, "samples_per_step": self.samples_per_step})
         self.log(f"outer: {outer.describe()}; {len(fragments)} fragment(s) of "
                  f"{len(self.trainer.store.layouts)} sub-models; "
                  f"beside the trainer {describe_host_bytes(self.host_bytes)}"
