@@ -587,3 +587,65 @@ def test_peer_host_bytes_hold_one_fragment_of_an_outer_state_on_disk():
     assert on_host["outer_state"] == 8_000_000 and on_disk["outer_state"] == 3_200_000
     # the copy a joining peer downloads is made whole either way
     assert on_disk["shared_state"] == on_host["shared_state"] == 8_000_000
+
+
+@pytest.mark.parametrize("cfg", [OuterConfig(), OuterConfig.make("nesterov", fragments=2),
+                                 OuterConfig.make("nesterov", round_dtype="int8", fragments=3)])
+def test_compare_counts_a_peer_s_host_bytes_as_atomc_peer_does(tiny_pkg, cfg):
+    """The sizes compare reads from a plan (peer_side_bytes) are the ones `atomc peer` reads
+    from its running trainer (PeerTrainer._check_host), kind by kind."""
+    from types import SimpleNamespace
+
+    from atomc.codegen.manual import plan_from_cuts
+    from atomc.compare.peers import peer_side_bytes
+    from atomc.distributed.diloco import fragment_widths, master_sizes
+    from atomc.distributed.outer import peer_host_bytes
+    from atomc.runtime import SwapTrainer
+
+    traced = trace_model(GPT, "tiny", 2)
+    plan = plan_from_cuts(traced, [9, 39])
+    model = SimpleNamespace(profile=SimpleNamespace(graph=traced.graph), master_value_bytes=4)
+    tr = SwapTrainer.from_package(tiny_pkg, device="cpu", accum=2, seed=0, dtype="float32")
+    try:
+        tr.step([torch.randint(0, 64, (2, 16)) for _ in range(2)])  # the moments exist
+        sizes = master_sizes(tr)
+        states = [s for sub in tr.optimizer.state_dict() for s in sub["state"].values()]
+        counters = sum(s["step"].numel() * s["step"].element_size() for s in states)
+        state = sum(sizes) * 4 + sum(t.numel() * t.element_size() for s in states
+                                     for t in s.values())
+        width, buffers = fragment_widths(tr, fragments_of(sizes, cfg.fragments))
+        expect = peer_host_bytes(sum(sizes), width, buffers, "float32", state, cfg)
+    finally:
+        tr.close()
+    # compare leaves out AdamW's step counters, a scalar a weight tensor
+    expect["shared_state"] -= counters
+    assert 0 < counters < 1e-3 * sum(expect.values())
+    assert peer_side_bytes(model, plan, cfg) == expect
+
+
+def test_compare_s_peers_count_what_they_keep_beside_the_trainer(profile):
+    """A peer's host bytes in compare are its trainer's plan and what the peer keeps beside it;
+    DiLoCo's outer state makes the same devices' peers need more, and a host between the two
+    figures takes ATOM's peers and refuses DiLoCo's in one line that names the outer state."""
+    from atomc.compare.peers import peer_side_bytes
+
+    c, models = diloco(profile, network(2, 1.0), inner_steps=8)
+    hm = models[HW]
+    pp = hm.peer_plan(2 << 30, 4)
+    atom = c.results["peers"].detail["host_bytes"]["g0"]
+    dl = c.results["diloco"].detail["host_bytes"]["g0"]
+    side = sum(peer_side_bytes(hm, pp.plan, OuterConfig()).values())
+    assert atom == pp.host_bytes + side > pp.host_bytes
+    # the start weights and the momentum, their copy for joining peers, and the round's tensor,
+    # pseudo-gradient and weights at launch (one fragment: every master; the model has no
+    # buffers)
+    assert dl - atom == (2 + 2 + 3) * hm.master_bytes
+    between = (atom + dl) // 2
+    setting = Setting(global_batch=4 * 8, accum=4, matchmaking_s=0.0, progress_lag_s=0.0,
+                      inner_steps=8)
+    c2 = compare([profile], network(2, 1.0), setting, modes=("peers", "diloco"),
+                 models=models, host_memory=[between, between])
+    assert c2.results["peers"].feasible
+    r = c2.results["diloco"]
+    assert not r.feasible
+    assert "outer state" in r.reason and str(between) in r.reason and "\n" not in r.reason

@@ -25,6 +25,7 @@ import torch
 
 from atomc.calibrate.host import resolve_cpu_adam
 from atomc.codegen.manual import plan_from_cuts
+from atomc.distributed.outer import WORDS as OUTER_WORDS
 from atomc.errors import InfeasiblePlanError, UsageError
 from atomc.ir import Plan, Profile
 from atomc.partition import DEFAULT_RESERVE_BYTES, partition, recost
@@ -383,11 +384,19 @@ def placement_plan(ref: HardwareModel, micro: int):
                           activations="keep")
 
 
-def host_memory_line(device: str, need: int, have: int) -> str:
+def host_memory_line(device: str, need: int, have: int,
+                     side: dict[str, int] | None = None) -> str:
+    """Why a peer does not fit its host; `side`: what the peer keeps beside its swap trainer
+    (atomc.distributed.outer.peer_host_bytes' kinds)."""
+    beside = sum(side.values()) if side else 0
+    what = ("fp32 masters, AdamW moments, transfer copies" if not beside else
+            f"{format_bytes(need - beside)} for the swap trainer's masters, moments and "
+            f"copies, {format_bytes(beside)} beside it: "
+            + ", ".join(f"{format_bytes(v)} {OUTER_WORDS[k]}" for k, v in side.items() if v))
     return (f"device {device}: a peer keeps the whole model on its host, "
-            f"{format_bytes(need)} ({need} bytes: fp32 masters, AdamW moments, transfer "
-            f"copies), but its host has {format_bytes(have)} ({have} bytes); give it more host "
-            f"memory, or leave peers out (--modes)")
+            f"{format_bytes(need)} ({need} bytes: {what}), but its host has "
+            f"{format_bytes(have)} ({have} bytes); give it more host memory, or leave peers "
+            f"out (--modes)")
 
 
 __all__ = ["GivenPlan", "HardwareModel", "PeerPlan", "Unit", "block_cuts", "hardware_model",

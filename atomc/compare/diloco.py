@@ -193,6 +193,7 @@ def predict_diloco(machines: list[Machine], models: dict[str, HardwareModel], li
                 "round_bytes_per_peer": {names[d]: sum(v for (a, _), v in bytes_cycle.items()
                                                        if a == d) / k for d in group},
                 "round_ns": end_last - start_last,
+                "host_bytes": {names[d]: plans[d].host_bytes for d in group},
                 "utilization": sum(stepping) / n / cycle,
                 "communication_share": (cycle - slowest) / cycle,
                 "tokens_per_sample": tokens, "bytes_per_token": per_token,

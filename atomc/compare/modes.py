@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from atomc.distributed.outer import OuterConfig
 from atomc.place.network import Network
 from atomc.simulate.network import Links
 from atomc.swarm.config import ServeConfig
@@ -74,6 +75,15 @@ class Setting:
     place_patience: int = 2000
     swarm_trainer: int = 0  # device index the SWARM trainer runs on
     seed: int = 0
+
+    def outer(self, mode: str) -> OuterConfig:
+        """The outer options of `mode`'s peers: ATOM's averaging (peers), or DiLoCo's outer
+        step (Nesterov at its default momentum: two master-sized vectors of outer state) with
+        this setting's rounds (diloco)."""
+        if mode != "diloco":
+            return OuterConfig()
+        return OuterConfig.make("nesterov", inner_steps=self.inner_steps,
+                                round_dtype=self.round_dtype, fragments=self.fragments)
 
 
 @dataclass(frozen=True)

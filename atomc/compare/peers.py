@@ -28,13 +28,17 @@ round, as hivemind's DecentralizedAverager runs it with atomc peer's settings:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
 
 from atomc.compare.costs import HardwareModel, PeerPlan, host_memory_line
 from atomc.compare.modes import Machine, ModeResult, Setting, infeasible, link_rows, resources_of
-from atomc.distributed.rounds import split_parts
+from atomc.distributed.outer import OuterConfig, fragments_of, peer_host_bytes
+from atomc.distributed.rounds import DTYPE_BYTES, split_parts
+from atomc.ir import Plan
+from atomc.partition.hostmem import MOMENTS_PER_WEIGHT, moment_bytes, plan_weights
 from atomc.simulate.network import Job, Links, simulate_programs
 from atomc.units import format_bytes
 
@@ -138,19 +142,53 @@ def group_orders(group: list[int], seed: int) -> list[list[int]]:
     return [rng.sample(group, len(group)) for _ in range(ORDERS)]
 
 
+def peer_side_bytes(model: HardwareModel, plan: Plan, cfg: OuterConfig) -> dict[str, int]:
+    """Host bytes a peer with `plan` and outer options `cfg` keeps beside its swap trainer, by
+    kind: atomc.distributed.outer.peer_host_bytes (what `atomc peer` checks at start), its
+    sizes read from the plan instead of a running trainer. The buffers counted are every
+    buffer the sub-models read (the graph does not mark which ones a state dict keeps)."""
+    graph = model.profile.graph
+    master = "float64" if model.master_value_bytes == 8 else "float32"
+    weights = plan_weights(graph, plan.submodels, graph.dtype)
+    sizes = [w.owned for w in weights]
+    seen: set[str] = set()
+    buffers = [0] * len(sizes)  # a buffer counts in the first sub-model that reads it
+    for s in plan.submodels:
+        for node in graph.nodes[s.start:s.stop]:
+            for fqn in node.buffer_fqns:
+                if fqn in graph.buffers and fqn not in seen:
+                    seen.add(fqn)
+                    buffers[s.index] += math.prod(graph.buffers[fqn].shape)
+    fragments = fragments_of(sizes, min(cfg.fragments, len(sizes)))
+    width = max(sum(sizes[i] for i in fr) for fr in fragments)
+    buffer_width = max(sum(buffers[i] for i in fr) for fr in fragments)
+    host = plan.host
+    states = host.optimizer_states if host is not None else "float32"
+    trainable = sum(w.trainable for w in weights)
+    state = (sum(sizes) * DTYPE_BYTES[master]
+             + MOMENTS_PER_WEIGHT * trainable * moment_bytes(states, master))
+    on_disk = host is not None and any("masters" in kinds for kinds in host.disk_kinds)
+    return peer_host_bytes(sum(sizes), width, buffer_width, master, state, cfg,
+                           outer_on_disk=on_disk)
+
+
 def peer_plans(mode: str, machines: list[Machine], models: dict[str, HardwareModel],
                setting: Setting) -> list[PeerPlan] | ModeResult:
-    """Each device's swap plan and simulated local step, or why `mode` does not fit."""
+    """Each device's swap plan and simulated local step, or why `mode` does not fit: its
+    host bytes are the trainer's and what the peer keeps beside it (`peer_side_bytes`)."""
     plans = []
+    cfg = setting.outer(mode)
     for m in machines:
         hm = models[m.hardware]
         pp = hm.peer_plan(m.memory_bytes, setting.accum)
         if pp.plan is None:
             return infeasible(mode, f"device {m.name} ({m.hardware}, "
                                     f"{format_bytes(m.memory_bytes)}): {pp.error}")
+        side = peer_side_bytes(hm, pp.plan, cfg)
+        pp = dataclasses.replace(pp, host_bytes=pp.host_bytes + sum(side.values()))
         if m.host_memory_bytes is not None and pp.host_bytes > m.host_memory_bytes:
             return infeasible(mode, host_memory_line(m.name, pp.host_bytes,
-                                                     m.host_memory_bytes))
+                                                     m.host_memory_bytes, side))
         plans.append(pp)
     return plans
 
@@ -236,6 +274,7 @@ def predict_peers(machines: list[Machine], models: dict[str, HardwareModel], lin
                 "local_steps": {names[d]: counts[d] for d in group},
                 "averaging_start_ns": start, "ready_ns": max(ready),
                 "leader": names[leader], "window_bytes": setting.stream_window_bytes,
+                "host_bytes": {names[d]: plans[d].host_bytes for d in group},
                 "shares_bytes": [sum(s) for s in shares],
                 "round_ns": {"min": min(ends) - start, "mean": span - start,
                              "max": max(ends) - start} if sync else {},
@@ -246,4 +285,4 @@ def predict_peers(machines: list[Machine], models: dict[str, HardwareModel], lin
 
 
 __all__ = ["ORDERS", "averaging_programs", "dp_bytes_per_token", "group_orders", "local_steps",
-           "peer_plans", "predict_peers", "share_parts", "tokens_per_sample"]
+           "peer_plans", "peer_side_bytes", "predict_peers", "share_parts", "tokens_per_sample"]
