@@ -209,6 +209,8 @@ class PeerTrainer:
             self.rounds = OuterRounds(self.trainer, outer, fragments, name=cfg.name,
                                       log=self.log)
         flat = round_vector(self.trainer)
+        # before the averager starts: it serves the snapshot to a peer that joins at once
+        self._take_snapshot()
         self.dht = start_dht(self.hm, cfg.initial_peers, cfg.host_maddrs, cfg.announce_maddrs,
                              cfg.connect_timeout_s)
         self.maddrs = [str(a) for a in self.dht.get_visible_maddrs()]
@@ -232,7 +234,6 @@ class PeerTrainer:
                 self.hm, self.rounds.tensors(), self.dht, cfg, None,
                 prefix=f"{cfg.run_id}_rounds", compression=self.rounds.compression())
             self.rounds.averager = self.round_averager
-        self._take_snapshot()
         on_disk = self.rounds.outer.disk_bytes if self.rounds is not None else 0
         self._metric({"event": "start", "outer": outer.to_json(), "fragments": fragments,
                       "host_bytes": self.host_bytes, "vector_values": self.vector_values,
