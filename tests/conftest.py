@@ -12,7 +12,9 @@ processes.SERIAL: tests that start processes by the handful or time the machine,
 another; `gpu` tests join them). Groups with a `slow` test are handed out first and then the
 larger groups, so that the small ones fill the end rather than one long group running while
 the other worker idles. Each worker takes its share of the cores for torch's threads, and the
-processes it starts inherit that share: threads beyond the cores only spin.
+processes it starts inherit that share: threads beyond the cores only spin. The `python`
+processes a worker starts fork from a server that has imported torch and hivemind once
+(tests/helpers/forkserver.py; ATOMC_TEST_FORKSERVER=0 executes them afresh instead).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import forkserver
 from processes import SERIAL
 
 os.environ["ATOMC_CACHE_DIR"] = tempfile.mkdtemp(prefix="atomc-test-cache-")
@@ -48,6 +51,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if not WORKER and getattr(config.option, "numprocesses", None):  # pytest-xdist's -n
         os.environ[GROUPS] = tempfile.mkdtemp(prefix="atomc-test-groups-")
         atexit.register(shutil.rmtree, os.environ[GROUPS], ignore_errors=True)
+    else:  # a process that runs tests: its `python` children fork from a preloaded server
+        forkserver.install()
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups

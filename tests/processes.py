@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import forkserver
+
 ROOT = Path(__file__).resolve().parents[1]
 # make test's pytest-xdist workers (tests/conftest.py) run the tests marked with this one after
 # another on one worker: tests that start processes by the handful, and tests whose assertions
@@ -30,6 +32,7 @@ def child_env() -> dict[str, str]:
 
 
 def _parents() -> dict[int, int]:
+    """Each process's parent; a child of the tests' fork server counts as its launcher's."""
     parent: dict[int, int] = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -37,6 +40,7 @@ def _parents() -> dict[int, int]:
                 parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, ValueError, IndexError):
                 pass
+    parent.update((c, p) for c, p in forkserver.launchers().items() if c in parent)
     return parent
 
 

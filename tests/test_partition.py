@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
 import subprocess
 import sys
@@ -427,8 +428,9 @@ def test_partition_and_show_run_without_importing_torch(profile_file, tmp_path):
               f"'--reserve', '0', '--cpu-adam-gbps', '8', '-o', {str(plan)!r}]) == 0\n"
               f"assert main(['show', {str(plan)!r}, '--sweep']) == 0\n"
               f"assert 'torch' not in sys.modules, 'torch was imported'\n")
+    # a fresh interpreter, not one forked from the tests' server that has torch imported
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env={**os.environ, "ATOMC_TEST_FORKSERVER": "0"})
     assert done.returncode == 0, done.stderr[-2000:]
 
 
