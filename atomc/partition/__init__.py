@@ -44,7 +44,7 @@ from atomc.partition.cost import (
     ACTIVATIONS,
     DEFAULT_CPU_ADAM_GBPS,
     CostParams,
-    Derived,
+    CostTables,
     RangeCost,
     derive,
     first_tail,
@@ -418,7 +418,7 @@ def _folding(view: Profile, tables: RangeTables, fold: bool) -> Folding | None:
         tables, g.blocks, tuple(n.block for n in g.nodes), tuple(n.signature for n in g.nodes)))
 
 
-def _over_caps(tables: RangeTables, p: CostParams, d: Derived, folding: Folding | None,
+def _over_caps(tables: RangeTables, p: CostParams, d: CostTables, folding: Folding | None,
                tier: int, score=None, first: bool = False,
                cache: dict | None = None) -> SearchResult | None:
     """The best plan of `tier` by `score` over caps on the largest sub-model's parameters (or,

@@ -34,6 +34,7 @@ import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -90,7 +91,7 @@ class CostParams:
 
 
 @dataclass(frozen=True)
-class Derived:
+class CostTables:
     """One run's per-range costs; arrays shaped like the tables (or scalars for one range)."""
 
     fwd_ns: np.ndarray  # C micro-batches
@@ -145,7 +146,7 @@ def one_micro_batch(p: CostParams, fwd, bwd, is_last):
 
 
 def derive_values(p: CostParams, *, fwd, bwd, saved, params, grads, master, masters, inb, outb,
-                  extra_fwd, extra_bwd, cut_start, saved_before, is_last) -> Derived:
+                  extra_fwd, extra_bwd, cut_start, saved_before, is_last) -> CostTables:
     """The C-dependent formulas, shared by the whole-table and the single-range paths."""
     c = np.int64(p.accum)
     one_fwd, one_bwd = one_micro_batch(p, fwd, bwd, is_last)
@@ -165,7 +166,7 @@ def derive_values(p: CostParams, *, fwd, bwd, saved, params, grads, master, mast
     load_fwd = transfer_ns(params, p.h2d_gbps)
     offload = transfer_ns(grads, p.d2h_gbps)
     optimizer = optimizer_ns(p, master, masters)
-    return Derived(
+    return CostTables(
         fwd_ns=fwd_c, bwd_ns=bwd_c, load_fwd_ns=load_fwd,
         checkpoint_ns=transfer_ns(checkpoint, p.h2d_gbps),
         offload_ns=offload, optimizer_ns=optimizer, tail_ns=offload + optimizer + load_fwd,
@@ -174,7 +175,7 @@ def derive_values(p: CostParams, *, fwd, bwd, saved, params, grads, master, mast
     )
 
 
-def derive(tables: RangeTables, p: CostParams) -> Derived:
+def derive(tables: RangeTables, p: CostParams) -> CostTables:
     t = tables
     cut_start = t.cut_bytes[:-1, None]
     d = derive_values(p, fwd=t.fwd_ns, bwd=t.bwd_ns, saved=t.saved_bytes, params=t.param_bytes,
@@ -192,13 +193,13 @@ def derive(tables: RangeTables, p: CostParams) -> Derived:
     per_cap = np.full(ok.shape, 4, dtype=np.int64)
     if t.max_width >= t.num_nodes:
         per_cap[0, t.num_nodes] = 2
-    d = Derived(**{**d.__dict__, "ok": ok, "work_bytes": work, "slots_per_cap": per_cap})
+    d = CostTables(**{**d.__dict__, "ok": ok, "work_bytes": work, "slots_per_cap": per_cap})
     if p.slot_cap_bytes > 0:
         d = with_slot_cap(d, p.slot_cap_bytes, p.usable_bytes)
     return d
 
 
-def with_slot_cap(d: Derived, cap: int, usable_bytes: int) -> Derived:
+def with_slot_cap(d: CostTables, cap: int, usable_bytes: int) -> CostTables:
     """`d` (derive's) with only the ranges that can be sub-models of a plan whose largest
     sub-model holds at most `cap` bytes: the runtime's slots are sized for that largest one
     and held all step (constraints.slot_bytes), so every sub-model's working memory must fit
@@ -208,7 +209,7 @@ def with_slot_cap(d: Derived, cap: int, usable_bytes: int) -> Derived:
     return dataclasses.replace(d, ok=ok)
 
 
-def slot_fits(d: Derived, usable_bytes: int) -> np.ndarray:
+def slot_fits(d: CostTables, usable_bytes: int) -> np.ndarray:
     """Ranges that can be the largest sub-model of a plan: their own slots leave room for their
     working memory (every cap worth trying is the parameter bytes of such a range)."""
     return d.ok & (d.slots_per_cap * d.param_bytes + d.work_bytes <= usable_bytes)
@@ -276,8 +277,35 @@ def plan_costs(tables: RangeTables, p: CostParams,
     return _gather(tables, p, bounds[:-1], bounds[1:])
 
 
-def handover_tail(*, bwd0_ns, checkpoint0_ns, offload0_ns, optimizer0_ns, load0_ns,
-                  load1_ns, offload1_ns, optimizer1_ns, bwd1_ns, checkpoint1_ns, last1):
+@dataclass(frozen=True)
+class PairSide:
+    """One side of the step boundary's handover (`handover_tail`, `first_pair`): a sub-model's
+    terms, ints or arrays alike (times of C micro-batches)."""
+
+    fwd_ns: Any  # F
+    bwd_ns: Any  # B, recomputation included
+    checkpoint_ns: Any  # K
+    offload_ns: Any  # O
+    optimizer_ns: Any  # A
+    load_ns: Any  # L
+    param_bytes: Any
+    grad_bytes: Any
+
+    @classmethod
+    def of_tables(cls, d: CostTables, start, width) -> PairSide:
+        """The ranges [start, start + width) of the tables (indices or arrays of them)."""
+        return cls(d.fwd_ns[start, width], d.bwd_ns[start, width],
+                   d.checkpoint_ns[start, width], d.offload_ns[start, width],
+                   d.optimizer_ns[start, width], d.load_fwd_ns[start, width],
+                   d.param_bytes[start, width], d.grad_bytes[start, width])
+
+    @classmethod
+    def of_cost(cls, c: RangeCost) -> PairSide:
+        return cls(c.accum_fwd_ns, c.accum_bwd_ns, c.checkpoint_ns, c.offload_ns,
+                   c.optimizer_ns, c.load_fwd_ns, c.param_bytes, c.grad_bytes)
+
+
+def handover_tail(p0: PairSide, p1: PairSide, last1):
     """P_0's update tail at the step boundary, and what P_1's early load waits for.
 
     Both are measured from the end of P_0's backward (which lasts max(B_0, K_0): it cannot
@@ -295,22 +323,21 @@ def handover_tail(*, bwd0_ns, checkpoint0_ns, offload0_ns, optimizer0_ns, load0_
     update and refresh at the step boundary anyway, waits that much longer: the handover
     prices it exactly (the simulator's step), rather than forbidding it as a constraint.
     Works elementwise on arrays."""
-    reload0 = np.where(last1, 0, load0_ns)
-    stall = np.maximum(bwd1_ns, checkpoint1_ns + reload0) - np.maximum(bwd1_ns, checkpoint1_ns)
-    lead = np.maximum(bwd0_ns, checkpoint0_ns) + stall
-    update1_end = offload1_ns + optimizer1_ns - lead
-    tail = (np.maximum(np.maximum(offload1_ns - lead, 0) + offload0_ns, update1_end)
-            + optimizer0_ns)
-    wait = np.maximum(update1_end, 0) + load1_ns
+    reload0 = np.where(last1, 0, p0.load_ns)
+    stall = (np.maximum(p1.bwd_ns, p1.checkpoint_ns + reload0)
+             - np.maximum(p1.bwd_ns, p1.checkpoint_ns))
+    lead = np.maximum(p0.bwd_ns, p0.checkpoint_ns) + stall
+    update1_end = p1.offload_ns + p1.optimizer_ns - lead
+    tail = (np.maximum(np.maximum(p1.offload_ns - lead, 0) + p0.offload_ns, update1_end)
+            + p0.optimizer_ns)
+    wait = np.maximum(update1_end, 0) + p1.load_ns
     return tail, wait
 
 
-def first_pair(*, fwd0_ns, bwd0_ns, checkpoint0_ns, offload0_ns, optimizer0_ns, load0_ns,
-               param0_bytes, grad0_bytes, load1_ns, offload1_ns, optimizer1_ns, param1_bytes,
-               bwd1_ns, checkpoint1_ns, last1, tier: int, usable_bytes):
+def first_pair(p0: PairSide, p1: PairSide, *, last1, tier: int, usable_bytes):
     """The two ways the first sub-model P_0 (left) can hand over to P_1 (right).
 
-    Times are of C micro-batches (Derived's, a RangeCost's accum_*): F forward, B backward,
+    Times are of C micro-batches (CostTables', a RangeCost's accum_*): F forward, B backward,
     K checkpoint stream, O gradient offload, A CPU optimizer, L parameter load; the suffix 0
     or 1 names the sub-model. T is P_0's update tail (`handover_tail`: O_0 + A_0 when P_1's
     offload and update keep pace with P_0's backward, longer by what they overrun).
@@ -327,16 +354,12 @@ def first_pair(*, fwd0_ns, bwd0_ns, checkpoint0_ns, offload0_ns, optimizer0_ns, 
     the late way must hide the load behind the forward (F_0 >= L_1) and the early way behind
     the tail; tiers 1 and 2 let loads stall.
     """
-    tail, wait = handover_tail(
-        bwd0_ns=bwd0_ns, checkpoint0_ns=checkpoint0_ns, offload0_ns=offload0_ns,
-        optimizer0_ns=optimizer0_ns, load0_ns=load0_ns, load1_ns=load1_ns,
-        offload1_ns=offload1_ns, optimizer1_ns=optimizer1_ns, bwd1_ns=bwd1_ns,
-        checkpoint1_ns=checkpoint1_ns, last1=last1)
-    late = np.maximum(fwd0_ns, load1_ns) + tail + load0_ns
-    early = fwd0_ns + np.maximum(tail, wait) + load0_ns
-    early_ok = param0_bytes + grad0_bytes + param1_bytes <= usable_bytes
+    tail, wait = handover_tail(p0, p1, last1)
+    late = np.maximum(p0.fwd_ns, p1.load_ns) + tail + p0.load_ns
+    early = p0.fwd_ns + np.maximum(tail, wait) + p0.load_ns
+    early_ok = p0.param_bytes + p0.grad_bytes + p1.param_bytes <= usable_bytes
     if tier == 0:
-        late_ok = fwd0_ns >= load1_ns
+        late_ok = p0.fwd_ns >= p1.load_ns
         early_ok = early_ok & (wait <= tail)
     else:
         late_ok = np.ones_like(early_ok)
@@ -355,14 +378,8 @@ def additive_step_ns(costs: list[RangeCost], early_prefetch: bool = False) -> in
     if len(costs) == 1:
         return total + first.offload_ns + first.optimizer_ns + first.load_fwd_ns
     second = costs[1]
-    late, _, early, _ = first_pair(
-        fwd0_ns=first.accum_fwd_ns, bwd0_ns=first.accum_bwd_ns, checkpoint0_ns=first.checkpoint_ns,
-        offload0_ns=first.offload_ns, optimizer0_ns=first.optimizer_ns,
-        load0_ns=first.load_fwd_ns, param0_bytes=first.param_bytes, grad0_bytes=first.grad_bytes,
-        load1_ns=second.load_fwd_ns, offload1_ns=second.offload_ns,
-        optimizer1_ns=second.optimizer_ns, param1_bytes=second.param_bytes,
-        bwd1_ns=second.accum_bwd_ns, checkpoint1_ns=second.checkpoint_ns, last1=len(costs) == 2,
-        tier=1, usable_bytes=0)
+    late, _, early, _ = first_pair(PairSide.of_cost(first), PairSide.of_cost(second),
+                                   last1=len(costs) == 2, tier=1, usable_bytes=0)
     total += int(early if early_prefetch else late)
     for i, (left, right) in enumerate(itertools.pairwise(costs)):
         if i:
@@ -381,12 +398,8 @@ def backward_load_ns(left: RangeCost, right: RangeCost, costs: list[RangeCost]) 
 def first_tail(costs: list[RangeCost]) -> tuple[int, int]:
     """A plan's handover_tail: P_0's update tail and P_1's early-load wait (k > 1)."""
     first, second = costs[0], costs[1]
-    tail, wait = handover_tail(
-        bwd0_ns=first.accum_bwd_ns, checkpoint0_ns=first.checkpoint_ns,
-        offload0_ns=first.offload_ns, optimizer0_ns=first.optimizer_ns,
-        load0_ns=first.load_fwd_ns, load1_ns=second.load_fwd_ns, offload1_ns=second.offload_ns,
-        optimizer1_ns=second.optimizer_ns, bwd1_ns=second.accum_bwd_ns,
-        checkpoint1_ns=second.checkpoint_ns, last1=len(costs) == 2)
+    tail, wait = handover_tail(PairSide.of_cost(first), PairSide.of_cost(second),
+                               last1=len(costs) == 2)
     return int(tail), int(wait)
 
 

@@ -75,7 +75,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from atomc.partition.cost import CostParams, Derived, derive, first_pair
+from atomc.partition.cost import CostParams, CostTables, PairSide, derive, first_pair
 from atomc.partition.tables import RangeTables
 
 INF = np.int64(2**62)
@@ -185,7 +185,7 @@ def prepare_folding(tables: RangeTables, period: int) -> Folding | None:
 
 
 def search(tables: RangeTables, params: CostParams, tier: int = 0, folding: Folding | None = None,
-           derived: Derived | None = None) -> SearchResult | None:
+           derived: CostTables | None = None) -> SearchResult | None:
     """The best plan of `tier` (0: all constraints; 1: loads may stall; 2: memory only), or None."""
     t = tables
     d = derived if derived is not None else derive(t, params)
@@ -267,18 +267,11 @@ def search(tables: RangeTables, params: CostParams, tier: int = 0, folding: Fold
     return SearchResult(tuple(cuts), step, cut_bytes, count, tier, folded, early)
 
 
-def _first_pair_grid(d: Derived, b: int, wr: np.ndarray, n: int, tier: int, m: np.int64):
+def _first_pair_grid(d: CostTables, b: int, wr: np.ndarray, n: int, tier: int, m: np.int64):
     """Handover terms for P_0 = [0, b) followed by each [b, b + wr) of a graph of n nodes."""
-    w = b
     late, late_ok, early, early_ok = first_pair(
-        fwd0_ns=d.fwd_ns[0, w], bwd0_ns=d.bwd_ns[0, w], checkpoint0_ns=d.checkpoint_ns[0, w],
-        offload0_ns=d.offload_ns[0, w], optimizer0_ns=d.optimizer_ns[0, w],
-        load0_ns=d.load_fwd_ns[0, w], param0_bytes=d.param_bytes[0, w],
-        grad0_bytes=d.grad_bytes[0, w], load1_ns=d.load_fwd_ns[b, wr],
-        offload1_ns=d.offload_ns[b, wr], optimizer1_ns=d.optimizer_ns[b, wr],
-        param1_bytes=d.param_bytes[b, wr], bwd1_ns=d.bwd_ns[b, wr],
-        checkpoint1_ns=d.checkpoint_ns[b, wr], last1=b + wr == n, tier=tier,
-        usable_bytes=m)
+        PairSide.of_tables(d, 0, b), PairSide.of_tables(d, b, wr), last1=b + wr == n,
+        tier=tier, usable_bytes=m)
     pick_early = early_ok & ~(late_ok & (late <= early))
     return late, late_ok, early, early_ok, pick_early
 
@@ -308,7 +301,7 @@ def _find_shift(v: _Suffix, b: int, w_max: int, n: int, period: int):
     return None
 
 
-def _solve_middle(b: int, t: RangeTables, d: Derived, v: _Suffix, tier: int, m: np.int64,
+def _solve_middle(b: int, t: RangeTables, d: CostTables, v: _Suffix, tier: int, m: np.int64,
                   w_max: int) -> None:
     """V for every state [a, b): try every following range [b, c) of at most w_max nodes."""
     n = t.num_nodes
