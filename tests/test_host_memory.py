@@ -60,7 +60,7 @@ def test_plan_host_bytes_are_what_the_store_and_optimizer_allocate(traced, packa
                                        optimizer={"lr": 1e-3, "states": states})
     trainer.close()
     if slots is not None:  # the same run with a ring of gradient buffers
-        from atomc.runtime.executor import SwapExecutor
+        from atomc.runtime.executor import StepOptions, SwapExecutor
         from atomc.runtime.optim import AdamWConfig
         from atomc.runtime.trace import Tracer
 
@@ -69,8 +69,9 @@ def test_plan_host_bytes_are_what_the_store_and_optimizer_allocate(traced, packa
             trainer.package, modules, AdamWConfig(lr=1e-3, states=states), device=torch.device(
                 "cpu"), master_dtype=torch.float32, transfer_dtype=getattr(torch, transfer),
             tracer=Tracer(torch.device("cpu"), enabled=False), threaded=False, grad_slots=slots,
-            accum=plan.accum, activations="recompute", offload_activations=False,
-            autocast_dtype=None, loss_fn=trainer.executor.loss_fn, seed=0)
+            step=StepOptions(accum=plan.accum, activations="recompute",
+                             offload_activations=False, autocast_dtype=None,
+                             loss_fn=trainer.executor.loss_fn, seed=0))
         store, opt = ex.store, ex.opt
         assert store.grads.ring and store.grads.num_slots == slots
     else:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from atomc.calibrate.measure import summarise
-from atomc.runtime.executor import SwapExecutor
+from atomc.runtime.executor import StepOptions, SwapExecutor
 from atomc.runtime.optim import AdamWConfig, updates_on_a_thread
 from atomc.runtime.package import PackagePlan, SwapPackage
 from atomc.runtime.trace import Tracer
@@ -70,9 +70,9 @@ def _executor(device: torch.device):
     ex = SwapExecutor.assemble(
         pkg, pkg.build_submodels(), AdamWConfig(), device=device, master_dtype=torch.float32,
         tracer=Tracer(device, enabled=True, keep_last=STEPS + WARMUP + 1),
-        threaded=updates_on_a_thread(device), accum=1, activations="recompute",
-        offload_activations=True, autocast_dtype=None, loss_fn=lambda out, batch: out.sum(),
-        seed=0)
+        threaded=updates_on_a_thread(device),
+        step=StepOptions(accum=1, activations="recompute", offload_activations=True,
+                         autocast_dtype=None, loss_fn=lambda out, batch: out.sum(), seed=0))
     return ex, ex.opt
 
 

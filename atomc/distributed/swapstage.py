@@ -34,7 +34,7 @@ from atomc.distributed.stage import (
     tensor_attr,
 )
 from atomc.errors import RuntimeMismatchError
-from atomc.runtime.executor import SwapExecutor
+from atomc.runtime.executor import StageEnds, StepOptions, SwapExecutor
 from atomc.runtime.interpret import run_actions
 from atomc.runtime.optim import AdamWConfig
 from atomc.runtime.package import SwapPackage
@@ -89,9 +89,10 @@ class SwappedStage:
         self.ex = SwapExecutor.assemble(
             self.sub, self.host_modules, self.opt_cfg, device=device,
             master_dtype=self.master_dtype, tracer=Tracer(device, enabled=False), threaded=False,
-            accum=1, activations="recompute", offload_activations=False, autocast_dtype=None,
-            loss_fn=loss_fn or (lambda o, b: o), seed=seed, holds_output=spec.holds_output,
-            recv_names=spec.recv, send_names=spec.send)
+            step=StepOptions(accum=1, activations="recompute", offload_activations=False,
+                             autocast_dtype=None, loss_fn=loss_fn or (lambda o, b: o),
+                             seed=seed),
+            ends=StageEnds(holds_output=spec.holds_output, recv=spec.recv, send=spec.send))
         self.store, self.opt = self.ex.store, self.ex.opt
         self.seed = seed
         self.first_micro = 0

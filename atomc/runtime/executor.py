@@ -137,6 +137,34 @@ class _Run:
 # executor
 
 
+@dataclass(frozen=True)
+class StepOptions:
+    """How the executor runs each step."""
+
+    accum: int  # micro-batches a step
+    activations: str  # "recompute", "keep" or "auto" (the plan's quotas)
+    offload_activations: bool  # recompute: boundary values to host memory between the passes
+    autocast_dtype: torch.dtype | None
+    loss_fn: Callable[[Any, tuple], torch.Tensor]
+    seed: int  # of each micro-batch's random draws
+    tied_grads: str = "fast"  # or "exact": tied weights' gradients summed on the device
+    early_prefetch: bool = False  # sub-model 1 loads during sub-model 0's update tail
+
+
+@dataclass(frozen=True)
+class StageEnds:
+    """Where a pipeline stage's range meets the rest of the model: whether it ends on the
+    model's output (else on received gradients), and the boundary values it receives and
+    sends (those it receives carry gradients back like its own values)."""
+
+    holds_output: bool = True
+    recv: tuple[str, ...] = ()
+    send: tuple[str, ...] = ()
+
+
+WHOLE_MODEL = StageEnds()
+
+
 class SwapExecutor:
     """Runs training steps of a generated package on one device (see the module docstring).
 
@@ -146,25 +174,23 @@ class SwapExecutor:
     """
 
     def __init__(self, package: SwapPackage, store: HostStore, optimizer: CpuOptimizer,
-                 host_buffers: list[dict[str, torch.Tensor]], *, device: torch.device, accum: int,
-                 activations: str, offload_activations: bool, autocast_dtype: torch.dtype | None,
-                 loss_fn: Callable[[Any, tuple], torch.Tensor], seed: int, tracer: Tracer,
-                 tied_grads: str = "fast", holds_output: bool = True,
-                 recv_names: tuple[str, ...] = (), send_names: tuple[str, ...] = (),
-                 early_prefetch: bool = False):
+                 host_buffers: list[dict[str, torch.Tensor]], *, device: torch.device,
+                 tracer: Tracer, step: StepOptions, ends: StageEnds = WHOLE_MODEL):
         self.pkg = package
         self.store = store
         self.opt = optimizer
         self.device = device
         self.cuda = device.type == "cuda"
-        self.accum = accum
-        self.activations = activations
+        self.accum = step.accum
+        activations = self.activations = step.activations
         self.keep = activations == "keep"
-        self.offload_activations = offload_activations
-        self.autocast_dtype = autocast_dtype
-        self.loss_fn = loss_fn
-        self.seed = seed
+        self.offload_activations = step.offload_activations
+        self.autocast_dtype = step.autocast_dtype
+        self.loss_fn = step.loss_fn
+        self.seed = step.seed
         self.tracer = tracer
+        tied_grads = step.tied_grads
+        holds_output, recv_names, send_names = ends.holds_output, ends.recv, ends.send
         self.k = package.num_submodels
         self.layouts: list[SubLayout] = store.layouts
         self.readers = package.readers()
@@ -181,7 +207,7 @@ class SwapExecutor:
         self.grad_inputs = [frozenset(n for n in package.inputs[i]
                                       if n in computed and package.carries_grad(n, i))
                             for i in range(self.k)]
-        self.early_prefetch = early_prefetch and self.k > 1
+        self.early_prefetch = step.early_prefetch and self.k > 1
         # the loss's backward: divided by the step's micro-batches (None: the list's), then
         # multiplied by the loss scale of the step
         self.loss_divisor: int | None = None
@@ -225,14 +251,14 @@ class SwapExecutor:
                  grad_slots: int | None = None,
                  disk_kinds: Sequence[frozenset[str]] = (), drives: Sequence[Any] = (),
                  written: Callable[[int], None] | None = None,
-                 **options: Any) -> SwapExecutor:
+                 step: StepOptions, ends: StageEnds = WHOLE_MODEL) -> SwapExecutor:
         """Host store -> CPU optimizer -> executor over `host_modules` (one copy of the
         package's sub-models with the initial weights): the masters take their weights
         (`HostStore.bind`). `check_store` sees the store before anything is allocated on the
         device; `grad_slots`: a ring of that many host gradient buffers (None: one per
         sub-model; always so with clipping or loss scaling); `disk_kinds` and `drives`: the
         states kept on disk (atomc.runtime.tier) and where, `written(i)` after each sub-model's
-        are first written there; `options` are the executor's."""
+        are first written there; `step` and `ends` are the executor's."""
         transfer = transfer_dtype or master_dtype
         layouts = plan_layouts(package, host_modules, config.decays, transfer_dtype=transfer)
         # clipping and loss scaling update once every gradient is in: one buffer each
@@ -248,7 +274,7 @@ class SwapExecutor:
             opt = CpuOptimizer(store, config, scaler, tracer, threaded=threaded,
                                param_order=param_order)
             return cls(package, store, opt, [dict(m.named_buffers()) for m in host_modules],
-                       device=device, tracer=tracer, **options)
+                       device=device, tracer=tracer, step=step, ends=ends)
         except BaseException:
             store.close()
             raise

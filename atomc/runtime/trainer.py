@@ -32,7 +32,7 @@ from atomc.ir import Plan
 from atomc.jsonio import canonical_hash, read_json
 from atomc.runtime.checkpoint import load_checkpoint, save_checkpoint
 from atomc.runtime.config import TrainerConfig
-from atomc.runtime.executor import SwapExecutor
+from atomc.runtime.executor import StepOptions, SwapExecutor
 from atomc.runtime.hostalloc import return_freed_blocks
 from atomc.runtime.optim import CpuOptimizer, LossScaler
 from atomc.runtime.package import SwapPackage, load_swap_package
@@ -163,10 +163,10 @@ class SwapTrainer:
                                                            run.capacity_bytes),
             grad_slots=grad_slots, disk_kinds=disk_kinds, drives=drives,
             written=_writing_progress(typed_plan, disk_kinds),
-            accum=run.accum, activations=run.activations,
-            offload_activations=run.offload_activations, autocast_dtype=run.autocast,
-            loss_fn=loss_fn, seed=run.seed, tied_grads=run.tied_grads,
-            early_prefetch=run.early_prefetch)
+            step=StepOptions(accum=run.accum, activations=run.activations,
+                             offload_activations=run.offload_activations,
+                             autocast_dtype=run.autocast, loss_fn=loss_fn, seed=run.seed,
+                             tied_grads=run.tied_grads, early_prefetch=run.early_prefetch))
         trainer = cls(pkg, executor, executor.store, executor.opt, host_modules, device=dev,
                       accum=run.accum, micro_batch_size=run.micro_batch, seed=run.seed,
                       plan=typed_plan)
