@@ -242,6 +242,7 @@ def test_kernels_the_forward_and_its_recomputation_pick_differently_are_never_st
     alike are stored; the rest is recomputed, and the gradients are plain training's."""
     from torch import nn
 
+    from atomc.runtime.hostcopies import CopyLanes
     from atomc.runtime.opcache import OpCache
     from atomc.runtime.trace import Tracer
 
@@ -267,7 +268,7 @@ def test_kernels_the_forward_and_its_recomputation_pick_differently_are_never_st
     want = [p.grad.clone() for p in m.parameters()]
     m.zero_grad()
     cpu = torch.device("cpu")
-    cache = OpCache([(1 << 20, 0)], cpu, Tracer(cpu, False), None, None, None)
+    cache = OpCache([(1 << 20, 0)], CopyLanes(cpu, Tracer(cpu, False), None, None, None))
     for _ in range(3):
         with torch.no_grad(), cache.recording(0, 0):
             m(x)

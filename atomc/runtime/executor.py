@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from atomc.actions import Action, atom_order
+from atomc.runtime.hostcopies import CopyLanes
 from atomc.runtime.interpret import run_actions
 from atomc.runtime.opcache import OpCache
 from atomc.runtime.optim import AdamWConfig, CpuOptimizer, LossScaler
@@ -223,14 +224,14 @@ class SwapExecutor:
             torch.cuda.current_stream(device).synchronize()  # slot allocation and buffers: once
         else:
             self.compute_stream = self.prefetch_stream = self.offload_stream = None
-        self.stash = ActivationStash(device, tracer, self.compute_stream, self.prefetch_stream,
-                                     self.offload_stream)
+        lanes = CopyLanes(device, tracer, self.compute_stream, self.prefetch_stream,
+                          self.offload_stream)
+        self.stash = ActivationStash(lanes)
         # activations="auto": heavy operators' outputs kept or sent per the plan's quotas
         quotas = package.plan.activation_quotas
         if activations != "auto" or len(quotas) != self.k:
             quotas = ()
-        self.opcache = OpCache(list(quotas), device, tracer, self.compute_stream,
-                               self.prefetch_stream, self.offload_stream)
+        self.opcache = OpCache(list(quotas), lanes)
         # what the buffer rule swaps per sub-model: nothing for one without buffers
         self._with_buffers = [[m] if any(True for _ in m.buffers()) else [] for m in self.modules]
         self.ties = TiedGrads(self.modules, self.layouts, exact=tied_grads == "exact")

@@ -40,8 +40,8 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 from torch.utils.flop_counter import flop_registry
 
 from atomc.errors import AtomcError
-from atomc.runtime.store import HostArena, HostBuffers
-from atomc.runtime.trace import Tracer
+from atomc.runtime.hostcopies import CopyLanes, HostCopies
+from atomc.runtime.store import HostArena
 
 aten = torch.ops.aten
 _TENSOR = object()  # where a sent output's tree had a tensor
@@ -141,26 +141,17 @@ class _Pass:
     stored: dict[int, _Stored] = field(default_factory=dict)
 
 
-class OpCache:
+class OpCache(HostCopies):
     """Keeps and sends heavy operators' outputs per the plan's quotas (module docstring)."""
 
-    def __init__(self, quotas: list[tuple[int, int]], device: torch.device, tracer: Tracer,
-                 compute_stream: Any, prefetch_stream: Any, offload_stream: Any):
+    def __init__(self, quotas: list[tuple[int, int]], lanes: CopyLanes):
+        super().__init__(lanes)  # buffers: (sub-model, micro-batch, call, leaf) of a sent output
         self.quotas = quotas  # per sub-model: (kept, sent) bytes of one micro-batch
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.tracer = tracer
-        self.compute_stream = compute_stream
-        self.prefetch_stream = prefetch_stream
-        self.offload_stream = offload_stream
         self.choices: dict[int, dict[int, str]] = {}  # sub-model -> its stored calls
         self.ops: dict[int, list[HeavyOp]] = {}  # sub-model -> its heavy calls (first forward)
         # sub-model -> recomputation's call number -> the forward's (first backward)
         self.matched: dict[int, dict[int, int]] = {}
         self.passes: dict[tuple[int, int], _Pass] = {}
-        # (sub-model, micro-batch, call, leaf) -> host buffer of a sent output, reused every step
-        self.buffers = HostBuffers(pin=self.cuda)
-        self._back_ready: dict[tuple[int, int], Any] = {}
         self.held = 0  # device bytes of kept outputs now
         self.peak_held = 0  # ... at most, since the cache was made
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from atomc.runtime.store import HostArena, HostBuffers
-from atomc.runtime.trace import Tracer
+from atomc.runtime.hostcopies import HostCopies
+from atomc.runtime.store import HostArena
 
 
 @dataclass
@@ -30,21 +30,9 @@ class Stashed:
     ready: Any  # CUDA event after the device-to-host copy (None on the CPU)
 
 
-class ActivationStash:
-    """The host buffers of stashed boundary values, their arena, and the copies both ways."""
-
-    def __init__(self, device: torch.device, tracer: Tracer, compute_stream: Any,
-                 prefetch_stream: Any, offload_stream: Any):
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.tracer = tracer
-        self.compute_stream = compute_stream
-        self.prefetch_stream = prefetch_stream
-        self.offload_stream = offload_stream
-        # (value, micro-batch) -> its host buffer, reused every step: views into one arena (pinned
-        # on CUDA) once a step has shown every stash's shape (HostBuffers)
-        self.buffers = HostBuffers(pin=self.cuda)
-        self._back_ready: dict[tuple[int, int], Any] = {}  # (sub-model, micro-batch) -> event
+class ActivationStash(HostCopies):
+    """The host buffers of stashed boundary values (by value and micro-batch), their arena,
+    and the copies both ways."""
 
     def stash(self, envs: list[dict[str, Any]], names: list[str], after: int) -> None:
         """Move boundary values to host memory until their backward readers need them."""
