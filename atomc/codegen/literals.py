@@ -9,6 +9,7 @@ import dataclasses
 import enum
 import math
 import pprint
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,6 +27,21 @@ class Expr:
 
     def __repr__(self) -> str:
         return self.text
+
+
+def container_source(value: Any, item: Callable[[Any], str]) -> str | None:
+    """A slice, tuple, list or dict as source, every item (a dict's keys too) written by
+    `item`; None for anything else, a namedtuple included."""
+    if isinstance(value, slice):
+        return f"slice({item(value.start)}, {item(value.stop)}, {item(value.step)})"
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        items = [item(v) for v in value]
+        return f"({items[0]},)" if len(items) == 1 else "(" + ", ".join(items) + ")"
+    if isinstance(value, list):
+        return "[" + ", ".join(item(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{item(k)}: {item(v)}" for k, v in value.items()) + "}"
+    return None
 
 
 def render_constant(value: Any, resolver: Resolver, imports: set[str], why: str,
@@ -64,15 +80,9 @@ def render_constant(value: Any, resolver: Resolver, imports: set[str], why: str,
     if isinstance(value, torch.Size):
         imports.add("import torch")
         return f"torch.Size({r(list(value))})"
-    if isinstance(value, slice):
-        return f"slice({r(value.start)}, {r(value.stop)}, {r(value.step)})"
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        items = [r(v) for v in value]
-        return f"({items[0]},)" if len(items) == 1 else "(" + ", ".join(items) + ")"
-    if isinstance(value, list):
-        return "[" + ", ".join(r(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{r(k)}: {r(v)}" for k, v in value.items()) + "}"
+    text = container_source(value, r)
+    if text is not None:
+        return text
     if isinstance(value, enum.Enum):
         return f"{resolver.cls(type(value), imports, why)}.{value.name}"
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

@@ -18,7 +18,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from atomc.codegen.constructors import module_constructor
 from atomc.codegen.inline import StatementPlan, nested_items
-from atomc.codegen.literals import Expr, describe_value, render_constant
+from atomc.codegen.literals import Expr, container_source, describe_value, render_constant
 from atomc.codegen.lower import (
     ATOM,
     OPERATOR_SYMBOLS,
@@ -229,18 +229,11 @@ class PieceRenderer:
             return Code(self.names[value.name])
         if isinstance(value, Attribute):
             return Code(f"{self.value(value.value).at(ATOM)}.{value.name}")
-        if isinstance(value, (tuple, list)) and any(isinstance(v, (fx.Node, Attribute))
-                                                    for v in nested_items(value)):
-            items = [self.value(v).text for v in value]
-            if isinstance(value, list):
-                return Code("[" + ", ".join(items) + "]")
-            return Code(f"({items[0]},)" if len(items) == 1 else "(" + ", ".join(items) + ")")
-        if isinstance(value, dict) and any(isinstance(v, fx.Node) for v in nested_items(value)):
-            return Code("{" + ", ".join(f"{self.arg(k)}: {self.arg(v)}"
-                                        for k, v in value.items()) + "}")
-        if isinstance(value, slice) and any(isinstance(v, fx.Node) for v in nested_items(value)):
-            return Code(f"slice({self.arg(value.start)}, {self.arg(value.stop)}, "
-                        f"{self.arg(value.step)})")
+        reads = (fx.Node, Attribute) if isinstance(value, (tuple, list)) else fx.Node
+        if isinstance(value, (tuple, list, dict, slice)) and any(
+                isinstance(v, reads) for v in nested_items(value)):  # a namedtuple as a tuple
+            return Code(container_source(tuple(value) if isinstance(value, tuple) else value,
+                                         self.arg))
         text = render_constant(value, self.resolver, self.imports, self.why,
                                device_type=self.device_type)
         if text == "device":
@@ -559,14 +552,9 @@ class PieceRenderer:
             return self._structure(v, by_name)
 
         kind = type(value)
-        if kind in _PLAIN or not isinstance(value, (tuple, list, dict)):
-            if isinstance(value, tuple):
-                items = [r(v) for v in value]
-                return f"({items[0]},)" if len(items) == 1 else "(" + ", ".join(items) + ")"
-            if isinstance(value, list):
-                return "[" + ", ".join(r(v) for v in value) + "]"
-            if isinstance(value, dict):
-                return "{" + ", ".join(f"{k!r}: {r(v)}" for k, v in value.items()) + "}"
+        if kind in _PLAIN:
+            return container_source(value, r)
+        if not isinstance(value, (tuple, list, dict)):
             return self.arg(value)
         ctor = self.resolver.cls(kind, self.imports, self.why)
         if isinstance(value, dict):  # ModelOutput and other dict classes: keyword arguments
