@@ -514,7 +514,7 @@ def part_b(args, work: Path) -> list[str]:
 
 
 def render_b(args, rows, profile, peer_plan, global_batch, t0) -> list[str]:
-    from bench.modes_bench import header
+    from bench._provenance import header
 
     cmd = (f"python bench/modes_bench.py --part b --b-config {args.b_config} --b-steps "
            f"{args.b_steps} --b-slowdown {args.b_slowdown:g} --b-rate-scale "

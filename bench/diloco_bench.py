@@ -37,11 +37,9 @@ Run as a worker: `python bench/diloco_bench.py worker ...` (the orchestration st
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -51,6 +49,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench._provenance import provenance
 
 GPT = ROOT / "examples" / "gpt.py"
 CONFIG = "mini"
@@ -325,14 +325,6 @@ def summarize(run: dict, steps: int) -> dict:
             "local_step_s": statistics.mean(local) if local else 0.0}
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                              capture_output=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
-
-
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "worker":
         return worker(argv[1:])
@@ -378,7 +370,6 @@ def main(argv: list[str]) -> int:
 
 
 def render(args, rows: list[dict], plan, t0: float) -> str:
-    import torch
 
     atom = next((r for r in rows if r["name"] == "atom"), None)
     cmd = "python bench/diloco_bench.py" + "".join(
@@ -386,10 +377,7 @@ def render(args, rows: list[dict], plan, t0: float) -> str:
                                    ("configs", args.configs), ("mbit", f"{args.mbit:g}"),
                                    ("slowdown", f"{args.slowdown:g}"), ("lr", f"{args.lr:g}"))
         if v is not None)
-    out = [(f"Date {datetime.date.today()} ({time.time() - t0:.0f} s); machine "
-           f"{platform.machine()}, {os.cpu_count()} CPU cores, Linux {platform.release()}, torch "
-           f"{torch.__version__}, load average {os.getloadavg()[0]:.1f} at the end; commit "
-           f"{commit()} (with the working tree's changes)."), "", f"Command: `{cmd}`", "",
+    out = [provenance(t0), "", f"Command: `{cmd}`", "",
            (f"examples/gpt.py `{CONFIG}`, {len(plan.submodels)} sub-models, C = {ACCUM} x "
            f"micro-batch {MICRO} x {SEQ} tokens; 4 peers, links {args.mbit:g} Mbit/s each way "
            f"(tc htb), every local step {args.step_s:.3f} s (the {HARDWARE} profile's swap step "

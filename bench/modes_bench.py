@@ -26,17 +26,15 @@ Table III's trimmed 13B and 175B) and kept in --work (reused when present).
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench._provenance import header
 
 MODEL = ROOT / "bench" / "_modes_model.py"
 GPUS = ("gtx-1080", "gtx-1080-ti", "v100-32gb")
@@ -80,25 +78,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--b-timeout", type=float, default=240.0)
     p.add_argument("--output", help="also write the report (markdown) here")
     return p.parse_args()
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                              capture_output=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
-
-
-def header(title: str, cmd: str, t0: float) -> list[str]:
-    import torch
-
-    return [f"## {title}", "",
-            (f"Date {datetime.date.today()} ({time.time() - t0:.0f} s); machine "
-             f"{platform.machine()}, {os.cpu_count()} CPU cores, Linux {platform.release()}, "
-             f"torch {torch.__version__}, load average {os.getloadavg()[0]:.1f} at the end; "
-             f"commit {commit()} (with the working tree's changes)."), "",
-            f"Command: `{cmd}`", ""]
 
 
 # ---------------------------------------------------------------------------------------------
