@@ -12,15 +12,13 @@ TIMM   ?= timm>=1.0.20,<1.1
 
 .PHONY: install demo test test-long families survey lint golden bench tables clean
 
-# --no-compile: Python compiles a module when it is first imported; compiling all 16,000 files
-# of the dependencies at install took about 90 s, for the few thousand that anything imports
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q --no-compile "$(TORCH)"
-	$(BIN)/python -m pip install -q --no-compile -e ".[dev,hf,zoo,data,peft]" "$(TORCH)"
-	$(BIN)/python -m pip install -q --no-compile --only-binary=hivemind hivemind "$(TORCH)"
-	$(BIN)/python -m pip install -q --no-compile --no-deps "$(TIMM)" "$(TORCH)"
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev,hf,zoo,data,peft]" "$(TORCH)"
+	$(BIN)/python -m pip install -q --only-binary=hivemind hivemind "$(TORCH)"
+	$(BIN)/python -m pip install -q --no-deps "$(TIMM)" "$(TORCH)"
 	touch $(STAMP)
 
 install: $(STAMP)
