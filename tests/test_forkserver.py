@@ -40,6 +40,10 @@ def test_a_script_module_and_code_run_as_python_runs_them(tmp_path: Path) -> Non
     r = subprocess.run([sys.executable, "-u", "-m", "mod", "a", "b"], cwd="/", env=env,
                        capture_output=True, text=True, timeout=60)
     assert (r.returncode, r.stdout) == (0, "__main__ ['a', 'b']\n")
+    # a module the server has imported runs afresh as __main__, without runpy's warning
+    r = subprocess.run([sys.executable, "-m", "atomc.cli", "--version"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("atomc") and r.stderr == ""
     # an uncaught exception: its traceback on stderr and status 1, as python gives
     r = subprocess.run([sys.executable, "-c", "raise ValueError('seen')"], capture_output=True,
                        text=True, timeout=60)

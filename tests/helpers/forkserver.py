@@ -33,7 +33,12 @@ import time
 from pathlib import Path
 
 ENV = "ATOMC_TEST_FORKSERVER"  # the server's socket in every child's environment; "0": off
-PRELOAD = ("torch", "torch.distributed.run", "hivemind", "numpy")
+# what the children import, once: torch, hivemind, and the atomc modules the tests' commands,
+# peers, SWARM servers and layout ranks run (the checkout's, as the children import it; with
+# PYTHONDONTWRITEBYTECODE set each child would compile them again, about 1 s of CPU)
+PRELOAD = ("torch", "torch.distributed.run", "hivemind", "numpy", "atomc.cli",
+           "atomc.distributed.peer", "atomc.distributed.runner", "atomc.swarm.server",
+           "atomc.swarm.client", "atomc.runtime.trainer")
 _HEADER = struct.Struct("!I")
 
 _original = {name: getattr(subprocess.Popen, name)
@@ -320,6 +325,8 @@ def _run(request: dict, env: dict) -> int:
     sys.modules["__main__"] = main
     if kind == "-m":
         sys.argv = ["-m", *request["argv"]]
+        # run as __main__ afresh, as `python -m` does (runpy warns of a module imported already)
+        sys.modules.pop(target, None)
         runpy._run_module_as_main(target, alter_argv=True)
     elif kind == "-c":
         sys.argv = ["-c", *request["argv"]]
