@@ -78,7 +78,9 @@ def _socket_path() -> str | None:
             _server_group = os.getpgid(_server.pid)
             _server_start = _read_at_start(os.environ)
             import atexit
+            import shutil
 
+            atexit.register(shutil.rmtree, d, ignore_errors=True)  # after the kill: last in
             atexit.register(_server.kill)
         return os.environ[ENV]
 
