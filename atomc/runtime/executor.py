@@ -183,28 +183,26 @@ class SwapExecutor:
         self.device = device
         self.cuda = device.type == "cuda"
         self.accum = step.accum
-        activations = self.activations = step.activations
-        self.keep = activations == "keep"
+        self.activations = step.activations
+        self.keep = step.activations == "keep"
         self.offload_activations = step.offload_activations
         self.autocast_dtype = step.autocast_dtype
         self.loss_fn = step.loss_fn
         self.seed = step.seed
         self.tracer = tracer
-        tied_grads = step.tied_grads
-        holds_output, recv_names, send_names = ends.holds_output, ends.recv, ends.send
         self.k = package.num_submodels
         self.layouts: list[SubLayout] = store.layouts
         self.readers = package.readers()
         self.producer = package.producers()
         # a pipeline stage whose range ends before the model's output ends on received
         # gradients, not a loss; what it receives carries gradients back like its own values
-        self.holds_output = holds_output
-        self.recv_names = recv_names
-        self.send_names = send_names
+        self.holds_output = ends.holds_output
+        self.recv_names = ends.recv
+        self.send_names = ends.send
         # per sub-model, the boundary values it receives that take gradients: those the model
         # computes with them at that cut (the package's BOUNDARIES say which), never the
         # model's own inputs
-        computed = {n for n, p in self.producer.items() if p >= 0} | set(recv_names)
+        computed = {n for n, p in self.producer.items() if p >= 0} | set(ends.recv)
         self.grad_inputs = [frozenset(n for n in package.inputs[i]
                                       if n in computed and package.carries_grad(n, i))
                             for i in range(self.k)]
@@ -229,13 +227,13 @@ class SwapExecutor:
         self.stash = ActivationStash(lanes)
         # activations="auto": heavy operators' outputs kept or sent per the plan's quotas
         quotas = package.plan.activation_quotas
-        if activations != "auto" or len(quotas) != self.k:
+        if step.activations != "auto" or len(quotas) != self.k:
             quotas = ()
         self.opcache = OpCache(list(quotas), lanes)
         # what the buffer rule swaps per sub-model: nothing for one without buffers
         self._with_buffers = [[m] if any(True for _ in m.buffers()) else [] for m in self.modules]
-        self.ties = TiedGrads(self.modules, self.layouts, exact=tied_grads == "exact")
-        if tied_grads == "exact":  # summed on the device: the store leaves them out of its sums
+        self.ties = TiedGrads(self.modules, self.layouts, exact=step.tied_grads == "exact")
+        if step.tied_grads == "exact":  # summed on the device: the store's sums leave them out
             store.exact_keys = set(self.ties.ties)
         self._loss_host = torch.zeros((), dtype=torch.float64, pin_memory=self.cuda)
         self._last_load = 0  # the direction loads go in: the disk tier reads images ahead
