@@ -25,7 +25,7 @@ import torch
 
 from atomc.calibrate.host import resolve_cpu_adam
 from atomc.codegen.manual import plan_from_cuts
-from atomc.distributed.outer import WORDS as OUTER_WORDS
+from atomc.distributed.outer import describe_host_bytes
 from atomc.errors import InfeasiblePlanError, UsageError
 from atomc.ir import Plan, Profile
 from atomc.partition import DEFAULT_RESERVE_BYTES, partition, recost
@@ -391,8 +391,7 @@ def host_memory_line(device: str, need: int, have: int,
     beside = sum(side.values()) if side else 0
     what = ("fp32 masters, AdamW moments, transfer copies" if not beside else
             f"{format_bytes(need - beside)} for the swap trainer's masters, moments and "
-            f"copies, {format_bytes(beside)} beside it: "
-            + ", ".join(f"{format_bytes(v)} {OUTER_WORDS[k]}" for k, v in side.items() if v))
+            f"copies, {describe_host_bytes(side)} beside it")
     return (f"device {device}: a peer keeps the whole model on its host, "
             f"{format_bytes(need)} ({need} bytes: {what}), but its host has "
             f"{format_bytes(have)} ({have} bytes); give it more host memory, or leave peers "

@@ -159,6 +159,7 @@ def peer_side_bytes(model: HardwareModel, plan: Plan, cfg: OuterConfig) -> dict[
                 if fqn in graph.buffers and fqn not in seen:
                     seen.add(fqn)
                     buffers[s.index] += math.prod(graph.buffers[fqn].shape)
+    # more fragments than sub-models: predict_diloco refuses it in one line, after this
     fragments = fragments_of(sizes, min(cfg.fragments, len(sizes)))
     width = max(sum(sizes[i] for i in fr) for fr in fragments)
     buffer_width = max(sum(buffers[i] for i in fr) for fr in fragments)
