@@ -116,27 +116,28 @@ def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd,
                    startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite,
                    errread, errwrite, restore_signals, gid, gids, uid, umask, start_new_session,
                    process_group):
-    launch = None
+    launch = path = None
+    child_env = os.environ if env is None else env
     if (executable is None and not shell and preexec_fn is None and not pass_fds
             and gid is None and not gids and uid is None and umask < 0
-            and process_group in (None, -1) and (env or {}).get(ENV) != "0"):
+            and process_group in (None, -1) and child_env.get(ENV) != "0"):
         launch = _launch(args)
-    path = _socket_path() if launch is not None else None
-    if not start_new_session and _server_group != os.getpgid(0):
+    if launch is not None:
+        path = _socket_path()
+    if path is not None and not start_new_session and _server_group != os.getpgid(0):
         # a child that stays in its launcher's process group must be in it: only a launcher
         # in the server's own group (the pytest process) can have one forked
         path = None
-    if path is not None and _read_at_start(os.environ if env is None else env) != _server_start:
+    if path is not None and _read_at_start(child_env) != _server_start:
         path = None  # the C library or the interpreter would have read them at its start
     if path is None:
         return _original["_execute_child"](
             self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
             creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
             restore_signals, gid, gids, uid, umask, start_new_session, process_group)
-    launch.update(env=dict(os.environ if env is None else env),
+    launch.update(env={os.fsdecode(k): os.fsdecode(v) for k, v in child_env.items()},
                   cwd=os.fspath(cwd) if cwd is not None else os.getcwd(),
                   new_session=bool(start_new_session), launcher=os.getpid())
-    launch["env"] = {os.fsdecode(k): os.fsdecode(v) for k, v in launch["env"].items()}
     fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1,
            errwrite if errwrite != -1 else 2]
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
