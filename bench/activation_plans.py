@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.append(str(REPO))  # bench/_provenance.py
 POLICIES = ("recompute", "auto", "keep")
 
 
@@ -40,8 +41,9 @@ def main() -> int:
     ap.add_argument("--budgets", default="8GiB,11GiB")
     ap.add_argument("--seq-len", type=int, default=2048)
     args = ap.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=REPO).stdout.strip()
+    from bench._provenance import commit as git_commit
+
+    commit = git_commit()
     print(f"predicted on {platform.node()} (no GPU), {datetime.date.today()}, commit {commit}; "
           f"bf16 weights and autocast, sequence {args.seq_len}, micro-batch 1\n")
     print("| model | target | budget | policy | C | sub-models | step | tokens/s | TFLOPS "

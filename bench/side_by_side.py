@@ -68,7 +68,6 @@ import re
 import shlex
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -84,6 +83,8 @@ ROOT = Path(__file__).resolve().parents[1]
 for _p in (ROOT, ROOT / "examples", ROOT / "bench"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
+
+from bench._provenance import commit
 
 HF_PATH = ROOT / "examples" / "hf.py"
 # in the order they run: the ones the targets compare against first, so that a run cut short
@@ -746,7 +747,7 @@ RESULTS_HEADER = ("| row | date | machine | commit | command | model | dtype | b
 def run_meta(args, device: torch.device) -> dict[str, Any]:
     """Where and how this run measures: machine, commit, command, the peak for MFU."""
     peak, source = peak_tflops(args, device)
-    return {"device": args.device_name, "machine": machine_name(device), "commit": git_commit(),
+    return {"device": args.device_name, "machine": machine_name(device), "commit": commit(),
             "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
             "command": "python " + " ".join(shlex.quote(a) for a in [
                 "bench/side_by_side.py", *args.argv]),
@@ -789,15 +790,6 @@ def machine_name(device: torch.device) -> str:
         if short.replace("rtx-", "") in name:
             return short
     return name.replace(" ", "-")
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return out.stdout.strip() or "unknown"
 
 
 def write_json(args, rows: list[dict]) -> None:

@@ -52,6 +52,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.append(str(REPO))  # bench/_provenance.py
+
+from bench._provenance import commit as git_commit
 
 MODELS = REPO / "tests" / "models"
 OUT = REPO / "bench" / "survey"
@@ -266,7 +269,7 @@ def run_suite(suite: str, only: list[str], part: tuple[int, int], timeout: float
         todo = [c for c in todo if c[0] not in done]
     logs = REPO / "out" / "survey" / suite
     logs.mkdir(parents=True, exist_ok=True)
-    commit = _commit()
+    commit = git_commit()
     # measured once for the whole run: the runtime's costs are this machine's, not a model's
     # (each profile holds them), and measuring them took 10-30 s a model
     import torch
@@ -327,12 +330,6 @@ def _read(csv_path: Path) -> list[dict]:
         return []
     with csv_path.open(newline="") as f:
         return list(csv.DictReader(f))
-
-
-def _commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, cwd=REPO)
-    return done.stdout.strip()
 
 
 # ---------------------------------------------------------------------------------------------
