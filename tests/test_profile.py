@@ -281,7 +281,10 @@ def test_backward_shares_the_engine_calls_fixed_cost_out(monkeypatch):
     traced = trace_model(EXAMPLES / "gpt.py", "tiny", 1, device="cpu")
     node = next(n for n in traced.gm.graph.nodes if n.name == "h_0_ln_1")
     grad = torch.autograd.grad
-    fixed_ms, seen = 0.25, []
+    # a fixed cost far above a LayerNorm's own backward even on a loaded machine (the operator
+    # took 0.14 ms per copy beside the other worker's tests), so the bound below tests only how
+    # the fixed cost is shared, not how fast this machine is
+    fixed_ms, seen = 2.0, []
 
     def slow_grad(outputs, inputs, *args, **kwargs):
         until = time.perf_counter() + fixed_ms / 1e3
