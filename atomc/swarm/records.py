@@ -71,9 +71,9 @@ def report_gone(dht: Any, prefix: str, record: ServerRecord, ttl_s: float) -> No
     (and older ones) a grace after the report rather than when it expires; a server that is
     alive after all shows again with its next heartbeat. The report names the announcement
     and when it was made (DHT time): every reader drops the record at the same DHT time, so
-    the servers that rebalance see the server gone at the same decision tick (each reader
-    counting the grace from its own first sight of the report, servers of one plan saw the
-    event a tick apart and only some of them moved)."""
+    the servers that rebalance see the server gone at the same decision tick (were each reader
+    to count the grace from its own first sight of the report, servers of one plan would see
+    the event a tick apart, and only some of them would move)."""
     now = float(get_dht_time())
     dht.store(servers_key(prefix), subkey=record.peer + GONE, value=[record.announced, now],
               expiration_time=now + ttl_s, return_future=True)

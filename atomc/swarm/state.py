@@ -5,9 +5,9 @@ compute with the weights before it), applies a committed step to it, and moves i
 handed to a server that joins, moves to the stage or fell behind (`rpc_state`), taken from such
 a server (the one furthest ahead first) or from the checkpoint directory, and written there
 after every step. A server asks the servers its roster holds, by name, rather than through the
-averager's own state sharing: that found its peers through records declared every second, which
-on a loaded machine a joining server could miss for longer than its connect timeout while its
-stage's server was up and serving.
+averager's own state sharing, which finds its peers through records declared every second: on a
+loaded machine a joining server can miss those for longer than its connect timeout while its
+stage's server is up and serving.
 """
 
 from __future__ import annotations
