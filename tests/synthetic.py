@@ -47,11 +47,13 @@ def make_profile(nodes, costs, params: dict[str, int], blocks=(), h2d_gbps=10.0,
 
 def block_profile(num_blocks: int = 6, block=((4, 1.0, 2.0), (0, 0.5, 1.0), (8, 2.0, 4.0)),
                   act_bytes: int = 1 * MB, embed_bytes: int = 6 * MB, h2d_gbps: float = 10.0,
-                  tied: bool = True) -> Profile:
+                  tied: bool = True, reads: bool = False) -> Profile:
     """A chain: input, embedding, `num_blocks` blocks of len(block) operators plus a residual
     add, a final operator and a head that reads the embedding's weight when `tied`.
 
-    `block` lists (param MB, fwd ms, bwd ms) per operator of a block.
+    `block` lists (param MB, fwd ms, bwd ms) per operator of a block. With `reads`, a block's
+    operators read their weights from parameter reads inside the block (get_attr nodes, whose
+    signatures carry their names), as torch.export's graphs do.
     """
     nodes, costs, params = [], [], {}
     nodes.append(_node("idx", "placeholder", (), 8))
@@ -67,13 +69,18 @@ def block_profile(num_blocks: int = 6, block=((4, 1.0, 2.0), (0, 0.5, 1.0), (8, 
         x = prev
         for j, (pmb, fwd, bwd) in enumerate(block):
             name = f"h_{b}_op{j}"
-            pfqns = ()
+            pfqns, inputs, op_params = (), (x,), pmb * MB
             if pmb:
                 pfqns = (f"{fqn}.op{j}.weight",)
                 params[pfqns[0]] = pmb * MB
-            nodes.append(_node(name, "call_module", (x,), act_bytes, pfqns, block=fqn,
+            if pmb and reads:
+                read = f"{name}_weight"
+                nodes.append(_node(read, "get_attr", (), pmb * MB, pfqns, block=fqn))
+                costs.append(_cost(read, params=pmb * MB, out=pmb * MB))
+                pfqns, inputs, op_params = (), (x, read), 0
+            nodes.append(_node(name, "call_module", inputs, act_bytes, pfqns, block=fqn,
                                signature=f"op{j}", module=f"{fqn}.op{j}"))
-            costs.append(_cost(name, params=pmb * MB, out=act_bytes, saved=act_bytes,
+            costs.append(_cost(name, params=op_params, out=act_bytes, saved=act_bytes,
                                fwd_ms=fwd, bwd_ms=bwd, peak_extra=act_bytes))
             x = name
         add = f"h_{b}_add"

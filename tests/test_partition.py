@@ -153,8 +153,11 @@ def test_folding_gives_the_same_plan(seed):
                         == (b.objective, b.cuts, b.early_prefetch))
 
 
-def test_folding_engages_on_long_block_chains():
-    profile = block_profile(num_blocks=60)
+@pytest.mark.parametrize("reads", [False, True], ids=["modules", "parameter-reads"])
+def test_folding_engages_on_long_block_chains(reads):
+    """Also where each block reads its weights itself (torch.export's graphs): the reads'
+    signatures differ by name, the blocks are alike all the same."""
+    profile = block_profile(num_blocks=60, reads=reads)
     plain = partition(profile, 60 * MB, reserve_bytes=0, fold_blocks=False)
     folded = partition(profile, 60 * MB, reserve_bytes=0)
     assert folded.to_json() == {**plain.to_json(), "notes": folded.to_json()["notes"]}

@@ -414,8 +414,14 @@ def _folding(view: Profile, tables: RangeTables, fold: bool) -> Folding | None:
     if not fold:
         return None
     g = view.graph
+    # a node without compute (a parameter read, an input) has its name in its signature, so
+    # that it is never measured as another; blocks whose parameters are read inside them
+    # (torch.export's graphs) are alike when those reads are alike in kind and shape. Alike
+    # blocks only propose a period: the search folds where the costs themselves repeat
+    alike = tuple(f"{n.op}:{n.outputs}" if n.op in ("placeholder", "get_attr", "output")
+                  else n.signature for n in g.nodes)
     return prepare_folding(tables, block_period(
-        tables, g.blocks, tuple(n.block for n in g.nodes), tuple(n.signature for n in g.nodes)))
+        tables, g.blocks, tuple(n.block for n in g.nodes), alike))
 
 
 def _over_caps(tables: RangeTables, p: CostParams, d: CostTables, folding: Folding | None,

@@ -42,7 +42,6 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from atomc.errors import UsageError
 from atomc.ir import DiskSpec, HostMemory, OpGraph, Plan, Profile, Submodel
@@ -175,6 +174,61 @@ def segment_bytes(sub: SubmodelWeights, states: dict[str, int],
                for n, numel in parts if numel)
 
 
+@dataclass(frozen=True)
+class _SubmodelHost:
+    """One sub-model's share of a run's host bytes, given the kinds of its states on disk."""
+
+    image: int | None  # its transfer image held on the host (None: on disk)
+    masters: int  # masters beyond the image held on the host
+    moments: int  # moments held on the host
+    staged: int  # the largest segment of its record that staging passes (0: nothing on disk)
+    disk_image: int  # its image bytes on disk (0: none)
+    on_disk: bool  # any of its states on disk
+
+
+def _submodel_host(sub: SubmodelWeights, states: dict[str, int],
+                   kinds: frozenset[str] | set[str]) -> _SubmodelHost:
+    return _SubmodelHost(
+        image=None if "images" in kinds else states["images"],
+        masters=0 if "masters" in kinds else states["masters"],
+        moments=0 if "moments" in kinds else states["moments"],
+        staged=segment_bytes(sub, states, kinds),
+        disk_image=states["images"] if "images" in kinds else 0, on_disk=bool(kinds))
+
+
+@dataclass(frozen=True)
+class _Shares:
+    """The sub-models' shares summed as host_bytes_by_kind counts them: sums, the largest
+    staged segment and disk image, and the arena of the images kept on the host."""
+
+    masters: int
+    moments: int
+    staged: int
+    disk_image: int
+    on_disk: bool
+    image_arena: int
+
+    @classmethod
+    def of(cls, parts: Sequence[_SubmodelHost]) -> _Shares:
+        return cls(sum(p.masters for p in parts), sum(p.moments for p in parts),
+                   max((p.staged for p in parts), default=0),
+                   max((p.disk_image for p in parts), default=0),
+                   any(p.on_disk for p in parts),
+                   arena_bytes([p.image for p in parts if p.image is not None]))
+
+    def moved(self, old: _SubmodelHost, new: _SubmodelHost,
+              parts: Sequence[_SubmodelHost]) -> _Shares:
+        """The shares once one sub-model's share went from `old` to `new` (`parts`: every
+        share, the new one in place) by moving more of its states to disk: its staged segment
+        and disk image only grow then, so the largest stay maxima."""
+        return _Shares(self.masters - old.masters + new.masters,
+                       self.moments - old.moments + new.moments,
+                       max(self.staged, new.staged), max(self.disk_image, new.disk_image),
+                       self.on_disk or new.on_disk,
+                       self.image_arena if old.image == new.image else
+                       arena_bytes([p.image for p in parts if p.image is not None]))
+
+
 def host_bytes_by_kind(subs: Sequence[SubmodelWeights], master_dtype: str, transfer_dtype: str,
                        optimizer_states: str = "float32",
                        stash_bytes: int = 0, sent_bytes: int = 0,
@@ -184,26 +238,45 @@ def host_bytes_by_kind(subs: Sequence[SubmodelWeights], master_dtype: str, trans
     `grad_slots`: a ring of that many gradient buffers (None or k and more: one per
     sub-model); `disk_kinds`: per sub-model, the kinds of its states on disk (none: all on
     the host), which then take only the staging buffers they pass through."""
-    mb, tb = DTYPE_BYTES[master_dtype], DTYPE_BYTES[transfer_dtype]
     kinds = list(disk_kinds) or [frozenset()] * len(subs)
-    states = [states_by_kind(s, master_dtype, transfer_dtype, optimizer_states) for s in subs]
-    trainable = [s.trainable for s in subs]
-    images = arena_bytes([s.image * tb for s, k in zip(subs, kinds) if "images" not in k])
-    ring = grad_slots is not None and grad_slots < len(subs)
-    grads = arena_bytes([max((s.grad for s in subs), default=0) * tb] * grad_slots if ring
-                        else [s.grad * tb for s in subs])
-    moments = sum(st["moments"] for st, k in zip(states, kinds) if "moments" not in k)
-    if chunked_update(master_dtype, transfer_dtype, optimizer_states) or any(kinds):
-        moments += UPDATE_SCRATCH_BUFFERS * update_scratch_numel(trainable) * mb
-    staged = [segment_bytes(s, st, k) for s, st, k in zip(subs, states, kinds)]
-    disk_images = [st["images"] for st, k in zip(states, kinds) if "images" in k]
-    staging = (STAGING_SLOTS * max(staged, default=0)
-               + IMAGE_SLOTS * aligned(max(disk_images, default=0))) if any(staged) else 0
+    parts = [_submodel_host(s, states_by_kind(s, master_dtype, transfer_dtype, optimizer_states),
+                            k) for s, k in zip(subs, kinds)]
+    return _host_bytes(_Buffers.of(subs, master_dtype, transfer_dtype, optimizer_states,
+                                   grad_slots), _Shares.of(parts), stash_bytes, sent_bytes)
+
+
+@dataclass(frozen=True)
+class _Buffers:
+    """What no state's place changes: the gradient buffers, the chunked update's scratch and
+    whether the update is chunked whatever goes to disk."""
+
+    gradients: int
+    scratch: int
+    chunked: bool
+
+    @classmethod
+    def of(cls, subs: Sequence[SubmodelWeights], master_dtype: str, transfer_dtype: str,
+           optimizer_states: str, grad_slots: int | None) -> _Buffers:
+        mb, tb = DTYPE_BYTES[master_dtype], DTYPE_BYTES[transfer_dtype]
+        ring = grad_slots is not None and grad_slots < len(subs)
+        grads = arena_bytes([max((s.grad for s in subs), default=0) * tb] * grad_slots if ring
+                            else [s.grad * tb for s in subs])
+        return cls(grads + (sum(s.shared for s in subs) * mb if ring else 0),
+                   UPDATE_SCRATCH_BUFFERS * update_scratch_numel([s.trainable for s in subs])
+                   * mb, chunked_update(master_dtype, transfer_dtype, optimizer_states))
+
+
+def _host_bytes(buffers: _Buffers, shares: _Shares, stash_bytes: int = 0,
+                sent_bytes: int = 0) -> dict[str, int]:
+    """host_bytes_by_kind from the buffers and the sub-models' shares."""
+    scratch = buffers.scratch if buffers.chunked or shares.on_disk else 0
+    staging = (STAGING_SLOTS * shares.staged + IMAGE_SLOTS * aligned(shares.disk_image)
+               ) if shares.staged else 0
     return {
-        "masters": sum(st["masters"] for st, k in zip(states, kinds) if "masters" not in k),
-        "optimizer_states": moments,
-        "transfer_copies": images,
-        "gradient_buffers": grads + (sum(s.shared for s in subs) * mb if ring else 0),
+        "masters": shares.masters,
+        "optimizer_states": shares.moments + scratch,
+        "transfer_copies": shares.image_arena,
+        "gradient_buffers": buffers.gradients,
         "activation_stash": stash_bytes,
         "activations_sent": sent_bytes,
         "disk_staging": staging,
@@ -211,28 +284,35 @@ def host_bytes_by_kind(subs: Sequence[SubmodelWeights], master_dtype: str, trans
 
 
 def place_on_disk(subs: Sequence[SubmodelWeights], master_dtype: str, transfer_dtype: str,
-                  optimizer_states: str, limit_bytes: int, **others: Any
+                  optimizer_states: str, limit_bytes: int, stash_bytes: int = 0,
+                  sent_bytes: int = 0, grad_slots: int | None = None
                   ) -> list[frozenset[str]] | None:
     """Per sub-model, the kinds of its states to keep on disk so that the host bytes fit
     `limit_bytes`: none when they fit as they are; else the moments, then the masters beyond
     the images, then the images (DISK_KINDS), each of the largest sub-models first, until they
     fit (a sub-model holding replicas of tied weights keeps its image on the host: their
     owner's update refreshes them there). None when even that leaves them over the limit.
-    `others`: host_bytes_by_kind's other arguments."""
+    The other arguments are host_bytes_by_kind's."""
     kinds: list[set[str]] = [set() for _ in subs]
+    states = [states_by_kind(s, master_dtype, transfer_dtype, optimizer_states) for s in subs]
+    # each step moves one kind of one sub-model: only its share is worked out again
+    parts = [_submodel_host(s, st, k) for s, st, k in zip(subs, states, kinds)]
+    shares = _Shares.of(parts)
+    buffers = _Buffers.of(subs, master_dtype, transfer_dtype, optimizer_states,
+                          grad_slots)
 
     def fits() -> bool:
-        return sum(host_bytes_by_kind(subs, master_dtype, transfer_dtype, optimizer_states,
-                                      disk_kinds=kinds, **others).values()) <= limit_bytes
+        return sum(_host_bytes(buffers, shares, stash_bytes, sent_bytes).values()) <= limit_bytes
 
     if fits():
         return [frozenset()] * len(subs)
-    states = [states_by_kind(s, master_dtype, transfer_dtype, optimizer_states) for s in subs]
     for kind in DISK_KINDS:
         for i in sorted(range(len(subs)), key=lambda i: -states[i][kind]):
             if not states[i][kind] or (kind == "images" and subs[i].replicas):
                 continue
             kinds[i].add(kind)
+            old, parts[i] = parts[i], _submodel_host(subs[i], states[i], kinds[i])
+            shares = shares.moved(old, parts[i], parts)
             if fits():
                 return [frozenset(k) for k in kinds]
     return None
