@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from atomc.actions import (
-    ACTION_KINDS,
     GRAMMAR,
     Action,
+    ActionKind,
     atom_order,
     atom_runs,
     format_actions,
@@ -41,7 +41,7 @@ MS = 1_000_000
 def test_text_round_trip_of_every_kind():
     actions = [Action("F", 12, 345), Action("B", 0, 10), Action("L", 101), Action("O", 7),
                Action("U", 23), Action("S", 4, 99), Action("R", 11, 0)]
-    assert {a.kind for a in actions} == set(ACTION_KINDS)
+    assert {a.kind for a in actions} == set(ActionKind)
     text = format_actions(actions)
     assert text == "12F345 0B10 101L 7O 23U 4S99 11R0"
     assert parse_actions(text) == actions

@@ -101,9 +101,8 @@ def test_swap_training_through_an_in_place_fill_equals_adamw(tmp_path, how, accu
 def test_layout_stages_through_an_in_place_fill_equal_adamw(tmp_path, swapped):
     """Two stages cut where the filled buffer carries a gradient (sub-models 0-1 | 2-3): the
     link hands it back."""
-    from atomc.distributed.stage import cut_stages
-    from atomc.distributed.swapstage import make_stage
     from atomc.runtime.optim import AdamWConfig
+    from atomc.stages import cut_stages, make_stage
 
     how, accum = "loop", 2
     pkg = load_swap_package(fill_package(tmp_path, how))
@@ -132,9 +131,8 @@ def test_layout_stages_through_an_in_place_fill_equal_adamw(tmp_path, swapped):
 def test_a_swarm_stage_hands_back_the_filled_values_gradient(tmp_path, swapped):
     """A SWARM server's backward call on the stage after a cut the buffer crosses with a
     gradient answers the gradient one autograd graph over the model gives that value."""
-    from atomc.distributed.stage import cut_stages
-    from atomc.distributed.swapstage import make_stage
     from atomc.runtime.optim import AdamWConfig
+    from atomc.stages import cut_stages, make_stage
     from atomc.swarm.calls import BATCH, serve_call
 
     how = "loop"

@@ -25,13 +25,13 @@ from atomc.codegen.manual import plan_from_cuts
 from atomc.distributed.checkpoints import final_state
 from atomc.distributed.groups import assign, check_world, load_layout
 from atomc.distributed.launch import build_command
-from atomc.distributed.pipeline import stage_boundaries
 from atomc.distributed.runner import check_package
 from atomc.errors import LayoutError
 from atomc.place import place
 from atomc.place.network import network_from_data
 from atomc.runtime.checkpoint import load_checkpoint
 from atomc.runtime.package import load_swap_package
+from atomc.stages.cut import stage_boundaries
 from atomc.trace import trace_model
 from atomc.trace.load import load_model_file
 
@@ -173,7 +173,7 @@ def test_bad_world_rank_and_devices(work: dict) -> None:
 
 def test_memory_budget_decides_which_stages_swap(work: dict) -> None:
     from atomc.distributed.runner import plan_resident_bytes
-    from atomc.distributed.stage import package_plan
+    from atomc.stages.cut import package_plan
 
     pkg = load_swap_package(work["pkg"])
     view = check_package(pkg, load_layout(work["layouts"][(4, 1)]))

@@ -4,14 +4,17 @@ layers below it, in the order of the pipeline (docs/design.md, section "One chai
 one IR"):
 
     errors < jsonio, units, dtypes, device < ir < actions < trace < profile < simulate
-      < partition < codegen < data < weights < runtime < calibrate < place < distributed < swarm
-      < cli
+      < partition < codegen < data < weights < runtime < stages < calibrate < place < distributed
+      < swarm < cli
 
 Where the order was decided rather than read off the pipeline:
 - `simulate` sits below `partition` (the cost model times its action lists with it) and below
   `runtime` (a measured trace becomes the simulator's Timeline): it needs only actions, ir and
   device.
 - `codegen` sits below `runtime`: the runtime loads the packages codegen writes.
+- `stages` sits right above `runtime`: a stage runs its action lists through the runtime's
+  interpreter, the swapped one on the swap executor; the layout runner (`distributed`) and
+  SWARM's servers hold stages.
 - `data` sits below `runtime`: it reads files into id streams and batches and needs only errors.
 - `weights` sits below `runtime`: the trainer opens checkpoints (`weights=`) and exports
   (`save_pretrained`) through it, and it reads the package, the trainer and its store by the
@@ -28,7 +31,7 @@ KNOWN lists the upward imports still in the code, each with what removes it; an 
 fixed must leave the list (the test fails on a stale entry), and a new one fails until fixed.
 
 One name, one concept: a public name is defined at the top level of one module only, so that
-`LayoutStage` or `search` means one thing wherever it is read. SHARED_NAMES lists the names still
+`Stage` or `search` means one thing wherever it is read. SHARED_NAMES lists the names still
 defined in several modules, each with why; as with KNOWN, a name that is fixed must leave it.
 """
 
@@ -54,6 +57,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("data",),
     ("weights",),
     ("runtime",),
+    ("stages",),
     ("calibrate",),
     ("place",),
     ("distributed",),

@@ -1,11 +1,12 @@
-"""The Stage seam: one interpreter of the action IR (atomc.runtime.interpret.run_actions) drives
-every runtime's stage through the operations atomc.runtime.stage declares.
+"""The Executor seam: one interpreter of the action IR (atomc.runtime.interpret.run_actions)
+drives every runtime through the operations atomc.runtime.interpret.Executor declares, after
+checking the list's kinds against the ones the executor runs.
 
-A fake Stage records what the interpreter asks of it: through GPipe, 1F1B, ATOM's order and a
+A fake Executor records what the interpreter asks of it: through GPipe, 1F1B, ATOM's order and a
 swapped stage's order it is asked for exactly the list's actions, in order, with the sends and
 receives going the right way, each micro-batch on its own RNG stream (replayed for a
 recomputation, carried on the wire), and the buffers a recomputation sees as they were before
-its forward. SWARM's calls are one micro-batch's Stage operations: a forward call is the
+its forward. SWARM's calls are one micro-batch's Executor operations: a forward call is the
 stage's forwards of that micro-batch, a backward call its forwards again and its backwards,
 which leave the running statistics as the forward call left them; the resident and the
 swapped stage answer both alike.
@@ -20,11 +21,11 @@ import pytest
 import torch
 from torch import nn
 
-from atomc.actions import Action, atom_order, directions, gpipe, one_f_one_b
+from atomc.actions import Action, ActionKind, atom_order, directions, gpipe, one_f_one_b
 from atomc.actions.orders import swapped_stage_order
-from atomc.runtime.interpret import run_actions
+from atomc.errors import AtomcError
+from atomc.runtime.interpret import Executor, run_actions
 from atomc.runtime.rng import RNG_VALUE, micro_batch_rng
-from atomc.runtime.stage import Stage
 
 SEED, STEP, FIRST = 3, 5, 2
 
@@ -34,6 +35,7 @@ class FakeStage:
     current RNG stream and bumps a buffer, its backward (a recomputation) draws again."""
 
     device = torch.device("cpu")
+    action_kinds = frozenset(ActionKind)
 
     def __init__(self, recompute: bool = True):
         self.recompute = recompute
@@ -144,8 +146,8 @@ LISTS = {
 }
 
 
-def test_a_fake_stage_is_a_stage() -> None:
-    assert isinstance(FakeStage(), Stage)
+def test_a_fake_stage_is_an_executor() -> None:
+    assert isinstance(FakeStage(), Executor)
 
 
 @pytest.mark.parametrize("name", sorted(LISTS))
@@ -228,20 +230,52 @@ def test_a_list_that_sends_needs_links() -> None:
         run_actions(FakeStage(), gpipe(1, 0, 2), [()], seed=SEED, step=STEP)
 
 
+class ComputeOnly(FakeStage):
+    """An executor that runs F, B, S and R only, as a resident stage does: its load, offload
+    and update are taken away."""
+
+    action_kinds = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.SEND,
+                              ActionKind.RECEIVE})
+    load = offload = update = None
+
+
+@pytest.mark.parametrize("kind", ["L", "O", "U"])
+def test_a_kind_the_executor_does_not_run_is_refused_before_the_list_runs(kind: str) -> None:
+    stage = ComputeOnly()
+    actions = [Action("F", 0, 0), Action(kind, 0), Action("B", 0, 0)]
+    with pytest.raises(AtomcError, match=f"ComputeOnly runs F B S R actions; the list has 0{kind}"):
+        run_actions(stage, actions, [()], seed=SEED, step=STEP)
+    assert stage.log == []  # nothing of it ran
+    run_actions(stage, gpipe(1, 0, 1), [()], FakeLinks(0), seed=SEED, step=STEP)
+    assert stage.log == [Action("F", 0, 0), Action("B", 0, 0)]
+
+
+def test_actions_are_dispatched_by_kind_not_by_name() -> None:
+    """Every kind has a handler in the interpreter's table, and the table names no other."""
+    import ast
+
+    import atomc.runtime.interpret as interpret
+
+    source = Path(interpret.__file__).read_text()
+    assert "getattr(" not in source
+    table = {n.attr for n in ast.walk(ast.parse(source))
+             if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+             and n.value.id == "ActionKind"}
+    assert table == {k.name for k in ActionKind}
+
+
 def test_the_interpreter_and_the_executor_do_not_import_each_other() -> None:
     import ast
 
     import atomc.runtime.interpret as interpret
-    import atomc.runtime.stage as stage
 
-    for module in (interpret, stage):
-        tree = ast.parse(Path(module.__file__).read_text())
-        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-        assert "atomc.runtime.executor" not in imported, module.__name__
+    tree = ast.parse(Path(interpret.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "atomc.runtime.executor" not in imported
 
 
 # ---------------------------------------------------------------------------------------------
-# SWARM: a call is one micro-batch's Stage operations, on a resident or a swapped stage
+# SWARM: a call is one micro-batch's Executor operations, on a resident or a swapped stage
 
 FIXTURE = Path(__file__).parent / "fixtures" / "bn_mlp_model.py"
 MICRO = 4
@@ -263,9 +297,8 @@ def bn_pkg(tmp_path_factory: pytest.TempPathFactory):
 def _stages(pkg, j: int) -> dict:
     """Stage j of two (sub-models [0, 2) and [2, 3)), resident and swapped, float64, with the
     model's initial weights; their forward and backward calls recorded."""
-    from atomc.distributed.stage import cut_stages
-    from atomc.distributed.swapstage import make_stage
     from atomc.runtime.optim import AdamWConfig
+    from atomc.stages import cut_stages, make_stage
     from atomc.trace.load import load_model_file
 
     module = load_model_file(FIXTURE)
@@ -277,16 +310,16 @@ def _stages(pkg, j: int) -> dict:
         st = make_stage(swapped, pkg, spec, torch.device("cpu"), module.loss_fn, AdamWConfig(),
                         dtype=torch.float64, seed=SEED)
         st.load_original(state)
-        runtime_stage = st.ex if swapped else st
+        executor = st.ex if swapped else st
         st.calls = []
         for kind in ("forward", "backward"):
-            op = getattr(runtime_stage, kind)
+            op = getattr(executor, kind)
 
             def recorded(index, micro, *, _op=op, _kind=kind, _st=st, **flags):
                 _st.calls.append((_kind[0].upper(), index, micro, torch.is_grad_enabled()))
                 return _op(index, micro, **flags)
 
-            setattr(runtime_stage, kind, recorded)
+            setattr(executor, kind, recorded)
         out["swapped" if swapped else "resident"] = st
     return out
 
@@ -314,7 +347,8 @@ def test_swarm_calls_are_one_micro_batch_stage_operations(bn_pkg) -> None:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(MICRO, 6, generator=g, dtype=torch.float64)
     first, last = _stages(bn_pkg, 0), _stages(bn_pkg, 1)
-    assert isinstance(first["resident"], Stage) and isinstance(first["swapped"].ex, Stage)
+    assert isinstance(first["resident"], Executor) and isinstance(first["swapped"].ex, Executor)
+    assert not any(hasattr(first["resident"], op) for op in ("load", "offload", "update"))
 
     # stage 0's forward call: the forwards of one micro-batch, without autograd
     sent = {}

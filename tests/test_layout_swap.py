@@ -201,10 +201,9 @@ def _batch(step: int) -> torch.Tensor:
 ], ids=["one-sub-model-first-middle-last", "two-then-one", "one-stage"])
 def test_swapped_stages_load_what_their_lists_say_and_train_as_plain_training(
         bn_pkg: dict, ranges: tuple[tuple[int, int], ...]) -> None:
-    from atomc.distributed.stage import cut_stages
-    from atomc.distributed.swapstage import SwappedStage, make_stage
     from atomc.runtime.optim import AdamWConfig
     from atomc.runtime.package import load_swap_package
+    from atomc.stages import SwappedStage, cut_stages, make_stage
 
     pkg = load_swap_package(bn_pkg["pkg"])
     specs = cut_stages(pkg, ranges)

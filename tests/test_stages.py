@@ -229,10 +229,9 @@ def test_stage_inputs_take_gradients_exactly_when_the_model_gives_them_one(
     without a gradient, so its int32 cumsum of them runs, and the gradients it sends back are
     those of one autograd graph over the model. The layout's wire says which values carry one."""
     from atomc.distributed.pipeline import value_entries
-    from atomc.distributed.stage import cut_stages
-    from atomc.distributed.swapstage import make_stage
     from atomc.runtime.optim import AdamWConfig
     from atomc.runtime.package import load_swap_package
+    from atomc.stages import cut_stages, make_stage
     from atomc.swarm.calls import BATCH, serve_call
 
     path = Path(__file__).parent / "models" / "moe.py"

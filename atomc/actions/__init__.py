@@ -29,9 +29,9 @@ Text form: tokens `INDEX KIND [MICRO]` separated by spaces, commas or newlines; 
 from __future__ import annotations
 
 from atomc.actions.action import (
-    ACTION_KINDS,
     GRAMMAR,
     Action,
+    ActionKind,
     Run,
     directions,
     format_actions,
@@ -50,7 +50,7 @@ from atomc.actions.orders import (
 )
 
 __all__ = [
-    "ACTION_KINDS", "GRAMMAR", "PIPELINE_ORDERS", "Action", "Run", "atom_order", "atom_runs",
+    "GRAMMAR", "PIPELINE_ORDERS", "Action", "ActionKind", "Run", "atom_order", "atom_runs",
     "directions", "format_actions", "gpipe", "max_in_flight", "one_f_one_b", "parse_actions",
     "phases", "pipeline_order", "runs",
 ]

@@ -1,17 +1,34 @@
-"""The action IR itself: `Action`, its text form (`parse_actions`, `format_actions`) and
-`runs`/`phases` (see atomc.actions)."""
+"""The action IR itself: `ActionKind`, `Action`, its text form (`parse_actions`,
+`format_actions`) and `runs`/`phases` (see atomc.actions)."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from enum import StrEnum
 
 from atomc.errors import UsageError
 
-ACTION_KINDS = ("F", "B", "L", "O", "U", "S", "R")
-WITH_MICRO = frozenset("FBSR")  # kinds that name a micro-batch
+
+class ActionKind(StrEnum):
+    """What an action does; its value is the letter of the text form (and of JSON), so a kind
+    compares equal to its letter ("F" == ActionKind.FORWARD)."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    LOAD = "L"
+    OFFLOAD = "O"
+    UPDATE = "U"
+    SEND = "S"
+    RECEIVE = "R"
+
+
+# kinds that name a micro-batch
+WITH_MICRO = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.SEND,
+                        ActionKind.RECEIVE})
 GRAMMAR = ("INDEX KIND [MICRO]: KIND one of F B S R with a micro-batch (2F0, 1S3), "
            "L O U without one (1L, 0U)")
+_LETTERS = tuple(k.value for k in ActionKind)
 _TOKEN = re.compile(r"(\d+)([A-Z])(\d*)")
 _SEPARATORS = re.compile(r"[\s,]+")
 
@@ -20,13 +37,14 @@ _SEPARATORS = re.compile(r"[\s,]+")
 class Action:
     """One kind of work for sub-model or stage `index` (and micro-batch `micro`)."""
 
-    kind: str  # one of ACTION_KINDS
+    kind: ActionKind  # given as an ActionKind or its letter
     index: int  # sub-model (swap runtime) or stage (pipeline orders)
     micro: int | None = None  # micro-batch for F, B, S, R; None for L, O, U
 
     def __post_init__(self) -> None:
-        if self.kind not in ACTION_KINDS:
-            raise ValueError(f"action kind {self.kind!r} is not one of {' '.join(ACTION_KINDS)}")
+        if self.kind not in _LETTERS:
+            raise ValueError(f"action kind {self.kind!r} is not one of {' '.join(_LETTERS)}")
+        object.__setattr__(self, "kind", ActionKind(self.kind))
         if self.index < 0 or (self.micro is not None and self.micro < 0):
             raise ValueError(f"action {self.kind} {self.index} {self.micro}: negative number")
         if (self.micro is None) == (self.kind in WITH_MICRO):
@@ -46,7 +64,7 @@ def parse_actions(text: str) -> list[Action]:
             continue
         match = _TOKEN.fullmatch(token)
         kind = match.group(2) if match else ""
-        if kind not in ACTION_KINDS or bool(match.group(3)) != (kind in WITH_MICRO):
+        if kind not in _LETTERS or bool(match.group(3)) != (kind in WITH_MICRO):
             raise UsageError(f"schedule token {token!r} is not an action; expected {GRAMMAR}")
         index, micro = int(match.group(1)), match.group(3)
         out.append(Action(kind, index, int(micro) if micro else None))
@@ -61,7 +79,7 @@ def format_actions(actions, per_line: int | None = None) -> str:
     return "\n".join(" ".join(tokens[i:i + per_line]) for i in range(0, len(tokens), per_line))
 
 
-Run = tuple[str, int, range | None]  # (kind, index, micro-batches); see runs()
+Run = tuple[ActionKind, int, range | None]  # (kind, index, micro-batches); see runs()
 
 
 def runs(actions) -> list[Run]:
@@ -122,5 +140,5 @@ def directions(actions: list[Action]) -> list[str | None]:
     return out
 
 
-__all__ = ["ACTION_KINDS", "GRAMMAR", "Action", "Run", "directions", "format_actions",
+__all__ = ["GRAMMAR", "Action", "ActionKind", "Run", "directions", "format_actions",
            "parse_actions", "phases", "runs"]

@@ -275,7 +275,7 @@ class HardwareModel:
 
     def swapped_stage_times(self, start: int, stop: int, num_micro: int) -> list[StageTimes]:
         """Units [start, stop) as the sub-models of a swapped layout stage
-        (atomc.distributed.swapstage: the swap runtime's executor with activations recomputed
+        (atomc.stages.swapped: the swap runtime's executor with activations recomputed
         and its checkpoints kept on the device) over `num_micro` micro-batches: each unit's
         forward and backward of them all (the backward repeats the forward, except in the
         model's last unit, whose graphs are kept between its forward and backward of each

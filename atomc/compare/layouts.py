@@ -9,7 +9,7 @@ averages the stage's gradients over its data-parallel group (the sharded exchang
 AdamW on the device. A stage keeps its graphs where they fit its device. Where a stage of the
 runner's step (one flush, graphs kept) does not fit, the runner runs it swapped
 (atomc.distributed.runner `_decide_swap` with the device's memory as the budget,
-atomc.distributed.swapstage) and then runs the whole layout as GPipe: gpipe's layout then has
+atomc.stages.swapped) and then runs the whole layout as GPipe: gpipe's layout then has
 those stages swapped, each stage's step the list it runs (`swapped_stage_order`: every receive,
 ATOM's forward over its blocks as sub-models loaded from host memory, the sends; the same back)
 timed by the events simulator as a peer's step is, and its update CPU AdamW; 1f1b's layout has

@@ -5,7 +5,7 @@ Two modes (docs/design.md, sections "Place: DT-FM layouts" and "Peers and SWARM"
 - **Layouts** (DT-FM): `atomc launch layout.json -- examples/train_layout.py ...` starts the
   layout's D_PP x D_DP processes under torchrun (elastic, c10d rendezvous). Each rank finds its
   (replica, stage) (`groups`), builds its stage from the package's sub-models - resident, or
-  with the swap runtime when it does not fit (`stage`, `swapstage`) - and trains it in a GPipe or
+  with the swap runtime when it does not fit (atomc.stages) - and trains it in a GPipe or
   1F1B schedule with asynchronous activation/gradient sends (`pipeline`); tied weights are summed
   across stages, stage gradients averaged by hand over the data-parallel group, then the
   optimizer steps; per-stage checkpoints make restarts resume (`runner`).

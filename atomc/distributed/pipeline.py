@@ -48,32 +48,6 @@ TAG_ACT = 12
 TAG_GRAD = 13
 
 # ---------------------------------------------------------------------------------------------
-# which values cross which boundary
-
-
-def stage_boundaries(inputs: list[tuple[str, ...]], outputs: list[tuple[str, ...]],
-                     model_inputs: tuple[str, ...], ranges: tuple[tuple[int, int], ...]
-                     ) -> list[tuple[str, ...]]:
-    """Names stage j sends to stage j+1: every value available on stage j (produced there or
-    received) that a later stage reads. Model inputs are not sent: every rank reads the batch."""
-    produced_by: dict[str, int] = {}
-    for i, names in enumerate(outputs[:-1]):
-        for n in names:
-            produced_by.setdefault(n, i)
-    sends: list[tuple[str, ...]] = []
-    for _, b in ranges[:-1]:
-        later = [n for i in range(b, len(inputs)) for n in inputs[i]]
-        names: list[str] = []
-        for n in later:
-            if n in model_inputs or n in names:
-                continue
-            if produced_by.get(n, len(inputs)) < b:
-                names.append(n)
-        sends.append(tuple(names))
-    return sends
-
-
-# ---------------------------------------------------------------------------------------------
 # the header: shape agreement
 
 

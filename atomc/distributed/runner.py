@@ -58,18 +58,14 @@ from atomc.distributed.groups import (
     with_ranges,
 )
 from atomc.distributed.pipeline import Link, Transport
-from atomc.distributed.stage import (
-    LayoutStage,
-    cut_stages,
-    package_plan,
-    stage_dtype,
-)
-from atomc.distributed.swapstage import make_stage
 from atomc.errors import AtomcError, LayoutError, RuntimeMismatchError, UsageError
 from atomc.ir import Plan
 from atomc.runtime.optim import AdamWConfig
 from atomc.runtime.package import SwapPackage, load_swap_package
 from atomc.runtime.rng import RNG_VALUE
+from atomc.stages.base import Stage, stage_dtype
+from atomc.stages.cut import cut_stages, package_plan
+from atomc.stages.make import make_stage
 from atomc.units import format_bytes
 
 TAG_DP = 21
@@ -187,7 +183,7 @@ class LayoutTrainer(TaskletCheckpoints):
                     for s in range(self.layout.pp)]
         self.swap = decide_swaps(cfg.schedule, by_stage, forced, self.resident_need)
         self.schedule_name = self.swap.schedule
-        self.stage: LayoutStage = make_stage(j in self.swap.swapped, self.pkg, self.spec,
+        self.stage: Stage = make_stage(j in self.swap.swapped, self.pkg, self.spec,
                                              self.device, loss_fn, self.opt_cfg, dtype=self.dtype,
                                              seed=cfg.seed)
         self.params = self.stage.named_parameters()

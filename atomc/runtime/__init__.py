@@ -12,8 +12,8 @@ Public:
 Parts: `package` (the generated package, checked), `config` (choices and defaults), `store`
 (flat pinned host buffers), `executor` (the swap loop on streams and events) with the pieces it
 holds (`slots`: the two device weight slots; `stash`: boundary activations in host memory;
-`ties`: tied weights' gradients), `stage` (the `Stage` protocol the executor and a layout's
-resident stage implement), `interpret` (the one interpreter of action lists, on any `Stage`),
+`ties`: tied weights' gradients), `interpret` (the one interpreter of action lists, on any
+`Executor`: the protocol the executor and a resident stage, atomc.stages, implement),
 `rng` (the dropout rule), `optim` (CPU AdamW on a worker thread), `trace` (event records),
 `checkpoint` (atomic files).
 """

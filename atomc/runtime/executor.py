@@ -27,9 +27,9 @@ into the slot buffer, as on the GPU.
 
 The step is a list of actions (atomc.actions; ATOM's order by default), run by the one
 interpreter (atomc.runtime.interpret.run_actions), which owns the sends and receives, the RNG
-stream of each micro-batch and the buffer rule: the executor is a `Stage`
-(atomc.runtime.stage) whose verbs are the actions, `forward`, `backward`, `load`, `offload` and
-`update`, so a layout's or a SWARM server's swapped stage runs its lists on it the same way.
+stream of each micro-batch and the buffer rule: the executor is an `Executor`
+(atomc.runtime.interpret) whose verbs are the actions, `forward`, `backward`, `load`, `offload`
+and `update`, so a layout's or a SWARM server's swapped stage runs its lists on it the same way.
 What the verbs do beyond the action's own work, from the flags the interpreter reads off the
 list: a load whose weights are still being updated is retried before each later compute and
 forced at its sub-model's first use; before a sub-model's first backward the previous step's
@@ -53,14 +53,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from atomc.actions import Action, atom_order
+from atomc.actions import Action, ActionKind, atom_order
 from atomc.runtime.hostcopies import CopyLanes
-from atomc.runtime.interpret import run_actions
+from atomc.runtime.interpret import boundary_leaf, run_actions
 from atomc.runtime.opcache import OpCache
 from atomc.runtime.optim import AdamWConfig, CpuOptimizer, LossScaler
 from atomc.runtime.package import SwapPackage
 from atomc.runtime.slots import WeightSlots
-from atomc.runtime.stage import boundary_leaf
 from atomc.runtime.stash import ActivationStash, Stashed
 from atomc.runtime.store import (
     HostStore,
@@ -171,8 +170,11 @@ class SwapExecutor:
 
     Owns the streams, the device sub-models, and the order of loads, compute and copies; holds
     the weight slots (`slots`), the activation stash (`stash`) and the exact ties (`ties`).
-    A `Stage` (atomc.runtime.stage) whose indices are its sub-models.
+    An `Executor` (atomc.runtime.interpret) of every kind of action, whose indices are its
+    sub-models.
     """
+
+    action_kinds = frozenset(ActionKind)
 
     def __init__(self, package: SwapPackage, store: HostStore, optimizer: CpuOptimizer,
                  host_buffers: list[dict[str, torch.Tensor]], *, device: torch.device,
@@ -493,7 +495,7 @@ class SwapExecutor:
         assert self._run is not None, "no list has run on this executor"
         return self._run.result()
 
-    # ---- the Stage (atomc.runtime.stage): the verbs of the actions -----------------------------
+    # ---- the Executor (atomc.runtime.interpret): the verbs of the actions ----------------------
 
     @contextmanager
     def session(self, micro_batches: list[tuple], step: int) -> Iterator[None]:

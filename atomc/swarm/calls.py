@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from atomc.distributed.stage import LayoutStage, StageSpec
 from atomc.errors import PeerError
+from atomc.stages.base import Stage, StageSpec
 from atomc.swarm.records import ServerRecord
 from atomc.swarm.state import StageState
 from atomc.swarm.sums import StepSums
@@ -139,7 +139,7 @@ class _CallIO:
                            for n, g in grads.items()}
 
 
-def serve_call(stage: LayoutStage, kind: str, values: dict[str, Any], meta: dict[str, Any],
+def serve_call(stage: Stage, kind: str, values: dict[str, Any], meta: dict[str, Any],
                step: int) -> tuple[dict[str, Any], float | None]:
     """One call on `stage` at `step`: a forward of its micro-batch, or (kind "backward") its
     forward again and its backward; returns what goes back to the trainer and, on the last

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from atomc.distributed.hive import import_hivemind, start_dht
-from atomc.distributed.stage import StageSpec, cut_stages, package_plan
 from atomc.errors import PeerError, UsageError
 from atomc.place.cost import stage_ranges
 from atomc.runtime.package import SwapPackage, load_swap_package
+from atomc.stages.base import StageSpec
+from atomc.stages.cut import cut_stages, package_plan
 from atomc.swarm.records import Roster, ServerRecord
 
 

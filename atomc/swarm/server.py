@@ -35,9 +35,9 @@ from collections.abc import Callable
 import torch
 from hivemind.utils import get_dht_time
 
-from atomc.distributed.stage import LayoutStage, stage_dtype
-from atomc.distributed.swapstage import make_stage
 from atomc.runtime.optim import AdamWConfig
+from atomc.stages.base import Stage, stage_dtype
+from atomc.stages.make import make_stage
 from atomc.swarm.calls import CallHandler, ServerRate
 from atomc.swarm.commit import StepCommit, exclude
 from atomc.swarm.config import ServeConfig
@@ -67,7 +67,7 @@ class SwarmServer:
         dtype = stage_dtype(cfg.dtype)
         device = torch.device(cfg.device)
 
-        def build(j: int) -> LayoutStage:
+        def build(j: int) -> Stage:
             return make_stage(cfg.swap, pkg, node.specs[j], device, loss_fn, opt_cfg,
                               dtype=dtype, seed=cfg.seed)
 

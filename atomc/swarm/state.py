@@ -28,9 +28,9 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
 from atomc.distributed.hive import state_bytes, state_from_bytes
-from atomc.distributed.stage import LayoutStage, StageSpec
 from atomc.errors import PeerError, UsageError
 from atomc.runtime.checkpoint import load_checkpoint, save_checkpoint
+from atomc.stages.base import Stage, StageSpec
 from atomc.swarm.node import SwarmNode
 from atomc.swarm.records import ServerRecord
 from atomc.swarm.servicer import SwarmServicer
@@ -51,7 +51,7 @@ class StageState:
     `sums.cv`.
     """
 
-    def __init__(self, node: SwarmNode, sums: StepSums, build: Callable[[int], LayoutStage], *,
+    def __init__(self, node: SwarmNode, sums: StepSums, build: Callable[[int], Stage], *,
                  sums_dtype: torch.dtype, initial_state: dict[str, torch.Tensor] | None,
                  delayed_updates: bool,
                  checkpoint_dir: str | Path | None, prefix: str, name: str,
@@ -65,9 +65,9 @@ class StageState:
         self.connect_timeout_s = connect_timeout_s
         self.log = log
         self.spec: StageSpec | None = None  # the stage served (or being entered)
-        self.stage: LayoutStage | None = None
+        self.stage: Stage | None = None
         # the stage whose optimizer steps: the stage itself, or with delayed updates its copy
-        self.master: LayoutStage | None = None
+        self.master: Stage | None = None
         self.params: list[tuple[str, torch.Tensor]] = []  # the stage's, in its order
         self.float_buffers: list[torch.Tensor] = []  # averaged at each commit
         self.pending: Future | None = None  # delayed updates: the update in flight

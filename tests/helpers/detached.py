@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from atomc.runtime.interpret import boundary_leaf
 from atomc.runtime.package import load_swap_package
-from atomc.runtime.stage import boundary_leaf
 
 
 def run_detached(package: ModuleType | Path, subs: list[torch.nn.Module], inputs: tuple,

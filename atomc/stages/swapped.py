@@ -1,11 +1,10 @@
-"""Layout runner, a swapped stage: the swap runtime's executor over one stage's sub-model range.
+"""Stages, the swapped stage: the swap runtime's executor over one stage's sub-model range.
 
 input:  the generated package, the stage's range [a, b) and boundary names, the device, the
         optimizer settings
-output: a `LayoutStage` (see atomc.distributed.stage) whose `run` executes the stage's action
-        list on the executor that the swap trainer uses, the runtime's `Stage` for a swapped
-        stage (atomc.runtime.interpret.run_actions: loads, forward, recomputation with the
-        forward's RNG state and buffers, gradients to the host)
+output: a `Stage` (atomc.stages.base) whose `run` executes the stage's action list on the
+        executor that the swap trainer uses (atomc.runtime.interpret.run_actions: loads,
+        forward, recomputation with the forward's RNG state and buffers, gradients to the host)
 
 What differs from the swap trainer: the stage's inputs come from the previous stage and carry
 gradients back to it; a stage that does not hold the model output ends on received output
@@ -23,23 +22,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from atomc.actions import Action
+from atomc.actions import Action, ActionKind
 from atomc.actions.orders import swapped_stage_order
-from atomc.distributed.stage import (
-    LayoutStage,
-    ResidentStage,
-    StageSpec,
-    named_buffers,
-    original_tensor,
-    tensor_attr,
-)
 from atomc.errors import RuntimeMismatchError
 from atomc.runtime.executor import StageEnds, StepOptions, SwapExecutor
-from atomc.runtime.interpret import run_actions
+from atomc.runtime.interpret import Links, run_actions
 from atomc.runtime.optim import AdamWConfig
 from atomc.runtime.package import SwapPackage
-from atomc.runtime.stage import Links
 from atomc.runtime.trace import Tracer
+from atomc.stages.base import StageSpec, named_buffers, original_tensor, tensor_attr
 
 
 def restrict(pkg: SwapPackage, spec: StageSpec) -> SwapPackage:
@@ -210,12 +201,13 @@ class SwappedStage:
         """Values in, values out: every receive, ATOM's forward over the stage's sub-models
         (the last one's loss too, when it holds the output), every send."""
         j, M = self.spec.index, range(num_micro)
-        order = [] if j == 0 else [Action("R", j, m) for m in M]
+        R, L, F, S = ActionKind.RECEIVE, ActionKind.LOAD, ActionKind.FORWARD, ActionKind.SEND
+        order = [] if j == 0 else [Action(R, j, m) for m in M]
         for i in range(self.k):
-            order += [Action("L", i)] if i == 0 else []
-            order += [Action("L", i + 1)] if i + 1 < self.k else []
-            order += [Action("F", i, m) for m in M]
-        return order + ([] if self.spec.holds_output else [Action("S", j, m) for m in M])
+            order += [Action(L, i)] if i == 0 else []
+            order += [Action(L, i + 1)] if i + 1 < self.k else []
+            order += [Action(F, i, m) for m in M]
+        return order + ([] if self.spec.holds_output else [Action(S, j, m) for m in M])
 
     def optimizer_step(self, coef: float | None) -> None:
         """The optimizer on the (reduced) master gradients, then fresh images for the next loads
@@ -229,12 +221,4 @@ class SwappedStage:
         self.opt.close()
 
 
-def make_stage(swapped: bool, pkg: SwapPackage, spec: StageSpec, device: torch.device,
-               loss_fn: Callable[[Any, tuple], torch.Tensor] | None, opt_cfg: AdamWConfig,
-               dtype: torch.dtype | None = None, seed: int = 0) -> LayoutStage:
-    """The stage `spec` of `pkg`: swapped (the swap runtime's executor) or resident. A stage
-    that does not hold the model output gets no loss function."""
-    loss = loss_fn if spec.holds_output else None
-    if swapped:
-        return SwappedStage(pkg, spec, device, loss, opt_cfg, dtype=dtype, seed=seed)
-    return ResidentStage(pkg, spec, device, loss, opt_cfg, dtype=dtype, seed=seed)
+__all__ = ["SwappedStage", "restrict"]

@@ -1,145 +1,32 @@
-"""Layout runner, one stage: a range of a generated package's sub-models on one rank.
+"""Stages, the resident stage: the stage's sub-models on the device, one autograd graph per
+micro-batch in flight, torch's AdamW (when the stage fits the device's memory budget).
 
-input:  the generated package (runtime's `SwapPackage`), this stage's sub-model range [a, b),
-        the names it receives from the previous stage and sends to the next, the device, the
-        optimizer settings
-output: a `LayoutStage` (made by `atomc.distributed.swapstage.make_stage`): `begin_step`,
-        `run(actions, micro_batches, io)` (the
-        stage's part of the step's action list; the losses on the last stage),
-        `named_parameters` (original FQNs, their gradients after `run`), `optimizer_step(coef)`,
-        `state_dict`/`load_state_dict`, `export`
-
-Two implementations keep this one interface, as torch.distributed.pipelining splits a stage
-from its schedule; both run their lists with the one interpreter of the action IR
-(atomc.runtime.interpret.run_actions), which owns the sends and receives, the RNG state that
-travels with a micro-batch (atomc.runtime.rng: micro-batch m's stream is seeded by its index in
-the global batch) and the buffer rule:
-- `ResidentStage` keeps the stage's sub-models on the device and the autograd graph of every
-  micro-batch in flight (when the stage fits the device's memory budget), with torch's AdamW;
-  it is itself the runtime's `Stage` (atomc.runtime.stage), one index: the stage;
-- `SwappedStage` (in `atomc.distributed.swapstage`) runs the stage with the swap runtime's
-  executor, the `Stage` its lists run on: sub-models loaded one after another from the host
-  store, internals recomputed in the backward, the CPU optimizer over flat buffers.
+It is its own executor (atomc.runtime.interpret.Executor), one index: the stage. It runs F, B,
+S and R actions (a pipeline order, `pipeline_order`); the interpreter refuses a list with any
+other kind before running it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
-from atomc.actions import Action, pipeline_order
-from atomc.distributed.pipeline import stage_boundaries
-from atomc.dtypes import cast_floating, parse_dtype
-from atomc.errors import RuntimeMismatchError, UsageError
-from atomc.ir import Plan
-from atomc.runtime.interpret import run_actions
+from atomc.actions import Action, ActionKind, pipeline_order
+from atomc.dtypes import cast_floating
+from atomc.errors import RuntimeMismatchError
+from atomc.runtime.interpret import Links, boundary_leaf, run_actions
 from atomc.runtime.optim import AdamWConfig
 from atomc.runtime.package import SwapPackage
-from atomc.runtime.stage import Links, boundary_leaf
-
-
-def tensor_attr(module: nn.Module, name: str) -> torch.Tensor:
-    owner, _, leaf = name.rpartition(".")
-    return getattr(module.get_submodule(owner) if owner else module, leaf)
+from atomc.stages.base import StageSpec, named_buffers, original_tensor, tensor_attr
 
 
 def set_param(module: nn.Module, name: str, value: nn.Parameter) -> None:
     owner, _, leaf = name.rpartition(".")
     setattr(module.get_submodule(owner) if owner else module, leaf, value)
-
-
-def original_tensor(pkg: SwapPackage, state_dict: dict[str, torch.Tensor],
-                    fqn: str) -> torch.Tensor:
-    if fqn in state_dict:
-        return state_dict[fqn]
-    aliases = dict(getattr(pkg.module, "ALIASES", {}) or {})
-    for alias, canonical in aliases.items():
-        if canonical == fqn and alias in state_dict:
-            return state_dict[alias]
-    raise RuntimeMismatchError(f"the initial state dict has no {fqn!r}, which the package's "
-                               f"sub-models hold; give the original model's state_dict()")
-
-
-def stage_dtype(name: str | None) -> torch.dtype | None:
-    """The master dtype a stage trains in (None: float32)."""
-    dtype = parse_dtype(name, "dtype")
-    if dtype not in (None, torch.float32, torch.float64):
-        raise UsageError(f"dtype {name!r}: a pipeline stage trains in float32 or float64")
-    return dtype
-
-
-def package_plan(pkg: SwapPackage) -> Plan:
-    """The Plan the package was generated from (its plan.json)."""
-    path = Path(pkg.path) / "plan.json"
-    if not path.is_file():
-        raise RuntimeMismatchError(f"{pkg.path} has no plan.json; regenerate the package with "
-                                   f"`atomc codegen`")
-    return Plan.load(path)
-
-
-@dataclass
-class StageSpec:
-    """What a stage computes and exchanges (the same on every replica of the stage)."""
-
-    index: int  # stage j
-    num_stages: int
-    start: int  # sub-models [start, stop)
-    stop: int
-    recv: tuple[str, ...]  # values from stage j-1
-    send: tuple[str, ...]  # values to stage j+1
-    is_last: bool
-    num_submodels: int  # of the whole package
-
-    @property
-    def holds_output(self) -> bool:
-        return self.stop == self.num_submodels
-
-
-def cut_stages(pkg: SwapPackage, ranges: tuple[tuple[int, int], ...]) -> list[StageSpec]:
-    """The stages of `pkg` cut at `ranges` (stage j: sub-models [a, b)), with what each
-    receives from the one before and sends to the one after."""
-    sends = stage_boundaries(pkg.inputs, pkg.outputs, pkg.model_inputs, ranges)
-    n = len(ranges)
-    return [StageSpec(j, n, a, b, sends[j - 1] if j > 0 else (), sends[j] if j < n - 1 else (),
-                      j == n - 1, pkg.num_submodels) for j, (a, b) in enumerate(ranges)]
-
-
-class LayoutStage(Protocol):
-    """What a layout rank and a SWARM server hold: one stage's weights, optimizer and steps."""
-
-    kind: str  # "resident" or "swapped" (checkpoints record it)
-    spec: StageSpec
-
-    def begin_step(self, step: int, num_micro: int, first_micro: int = 0) -> None: ...
-
-    def order(self, schedule: str, num_micro: int) -> list[Action]: ...
-
-    def forward_order(self, num_micro: int) -> list[Action]: ...
-
-    def run(self, actions: list[Action], micro: list[tuple], io: Links | None, *,
-            recomputing: bool = False) -> list[torch.Tensor]: ...
-
-    def named_parameters(self) -> list[tuple[str, nn.Parameter]]: ...
-
-    def buffers(self) -> dict[str, torch.Tensor]: ...
-
-    def optimizer_step(self, coef: float | None) -> None: ...
-
-    def load_original(self, state_dict: dict[str, torch.Tensor]) -> None: ...
-
-    def export(self) -> dict[str, torch.Tensor]: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-    def close(self) -> None: ...
 
 
 def param_fqns(pkg: SwapPackage, modules: dict[int, nn.Module]) -> list[tuple[str, nn.Parameter]]:
@@ -160,21 +47,12 @@ def param_fqns(pkg: SwapPackage, modules: dict[int, nn.Module]) -> list[tuple[st
     return out
 
 
-def named_buffers(pkg: SwapPackage, modules: dict[int, nn.Module]) -> dict[str, torch.Tensor]:
-    """The buffers of the given sub-models by original FQN (those PARAM_NAMES knows)."""
-    out = {}
-    for i, mod in modules.items():
-        for local, b in mod.named_buffers():
-            fqn = pkg.param_names[i].get(local)
-            if fqn is not None:
-                out.setdefault(fqn, b)
-    return out
-
-
 class ResidentStage:
     """The stage's sub-models on the device; one autograd graph per micro-batch in flight."""
 
     kind = "resident"
+    action_kinds = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.SEND,
+                              ActionKind.RECEIVE})
 
     def __init__(self, pkg: SwapPackage, spec: StageSpec, device: torch.device,
                  loss_fn: Callable[[Any, tuple], torch.Tensor] | None, opt_cfg: AdamWConfig,
@@ -284,8 +162,9 @@ class ResidentStage:
         """Values in, values out: each micro-batch's receive, forward and send."""
         j = self.spec.index
         return [a for m in range(num_micro) for a in (
-            *([Action("R", j, m)] if j > 0 else []), Action("F", j, m),
-            *([Action("S", j, m)] if not self.spec.holds_output else []))]
+            *([Action(ActionKind.RECEIVE, j, m)] if j > 0 else []),
+            Action(ActionKind.FORWARD, j, m),
+            *([Action(ActionKind.SEND, j, m)] if not self.spec.holds_output else []))]
 
     def run(self, actions: list[Action], micro: list[tuple], io: Links | None, *,
             recomputing: bool = False) -> list[torch.Tensor]:
@@ -306,7 +185,7 @@ class ResidentStage:
     def close(self) -> None:
         pass
 
-    # ---- the runtime's Stage (atomc.runtime.stage): one index, the stage -----------------------
+    # ---- the Executor (atomc.runtime.interpret): one index, the stage ------------------------
 
     @contextmanager
     def session(self, micro_batches: list[tuple], step: int) -> Iterator[None]:
@@ -337,18 +216,6 @@ class ResidentStage:
         self._grads_back[micro] = self._backward(self._inputs.pop(micro, {}),
                                                  self._flight.pop(micro),
                                                  self._grads_in.pop(micro, None))
-
-    def _not_here(self, kind: str, index: int) -> None:
-        raise ValueError(f"a resident stage runs F, B, S and R actions, not {index}{kind}")
-
-    def load(self, index: int, *, next_first_backward: int | None, trailing: bool) -> None:
-        self._not_here("L", index)
-
-    def offload(self, index: int) -> None:
-        self._not_here("O", index)
-
-    def update(self, index: int) -> None:
-        self._not_here("U", index)
 
     def take_values(self, micro: int, values: dict[str, Any]) -> None:
         self._inputs[micro] = {n: boundary_leaf(v, n in self.grad_inputs)
@@ -394,3 +261,6 @@ class ResidentStage:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         return {n: v.grad for n, v in received.items()
                 if isinstance(v, torch.Tensor) and v.requires_grad}
+
+
+__all__ = ["ResidentStage", "param_fqns", "set_param"]
