@@ -122,7 +122,8 @@ def worker_layout(a: argparse.Namespace) -> int:
 def worker_peer(a: argparse.Namespace) -> int:
     import torch
 
-    from atomc.distributed.peer import PeerConfig, PeerTrainer
+    from atomc.distributed.peer import PeerTrainer
+    from atomc.distributed.peerconfig import PeerConfig
     from atomc.ir import Plan
     from atomc.runtime.package import load_swap_package
     from atomc.trace.load import call_with_options, load_model_file
@@ -194,11 +195,11 @@ def time_rounds(peer) -> None:
         try:
             group = ctl.result()
         except BaseException:
-            peer._metric({**line, "failed": True})  # PeerTrainer logs the round as failed
+            peer.metrics.write({**line, "failed": True})  # PeerTrainer logs the round as failed
             raise
         line["order"] = [str(v.get("name")) for v in (group or {}).values()
                          if isinstance(v, dict)]
-        peer._metric(line)
+        peer.metrics.write(line)
         return group
 
     def timed_finished():
@@ -206,7 +207,7 @@ def time_rounds(peer) -> None:
         try:
             return finished()
         finally:
-            peer._metric({"event": "finished_check", "seconds": time.time() - t0})
+            peer.metrics.write({"event": "finished_check", "seconds": time.time() - t0})
 
     peer.averager.step, peer._finished_peers = timed_step, timed_finished
 

@@ -4,7 +4,7 @@
     python bench/averaging_bench.py --loopback --bytes 3337216        # no shaping
 
 n processes, each a DHT node and the DecentralizedAverager atomc peer builds
-(atomc.distributed.peer._make_averager: min_group_size 2, the given matchmaking time, its
+(atomc.distributed.averaging.make_averager: min_group_size 2, the given matchmaking time, its
 request timeout), average one float32 vector of --bytes over links of --mbit each way (four
 network namespaces on a bridge, `tc htb` per destination, packets of at most 1500 bytes, as
 bench/modes_bench.py part (b)), or over loopback with no shaping (--loopback: what the
@@ -38,8 +38,9 @@ sys.path.insert(0, str(ROOT))
 def worker(a: argparse.Namespace) -> int:
     import torch
 
+    from atomc.distributed.averaging import make_averager
     from atomc.distributed.hive import import_hivemind, start_dht
-    from atomc.distributed.peer import PeerConfig, _make_averager
+    from atomc.distributed.peerconfig import PeerConfig
 
     hm = import_hivemind()
     from hivemind.averaging.control import AveragingStage
@@ -51,7 +52,7 @@ def worker(a: argparse.Namespace) -> int:
     cfg = PeerConfig(package="-", run_id=a.run_id, matchmaking_time_s=a.matchmaking,
                      averaging_timeout_s=60.0)
     values = torch.full((a.bytes // 4,), float(a.index))
-    averager = _make_averager(hm, [values], dht, cfg, lambda: ({}, [], None))
+    averager = make_averager(hm, [values], dht, cfg, lambda: ({}, [], None))
     out = open(a.out, "w")
     try:
         for r in range(a.rounds):

@@ -100,7 +100,8 @@ def worker(argv: list[str]) -> int:
 
     from atomc.data.text import ByteBatches, stdlib_text
     from atomc.distributed.outer import OuterConfig
-    from atomc.distributed.peer import PeerConfig, PeerTrainer
+    from atomc.distributed.peer import PeerTrainer
+    from atomc.distributed.peerconfig import PeerConfig
     from atomc.runtime.package import load_swap_package
     from atomc.trace.load import load_model_file
 

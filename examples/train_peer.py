@@ -95,7 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from atomc.distributed.outer import OuterConfig
-    from atomc.distributed.peer import PeerConfig, run_peer
+    from atomc.distributed.peer import run_peer
+    from atomc.distributed.peerconfig import PeerConfig
     from atomc.errors import AtomcError, UsageError
     from atomc.runtime.package import load_swap_package
     from atomc.trace.load import call_with_options, load_model_file

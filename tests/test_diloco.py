@@ -191,7 +191,8 @@ def test_int8_round_within_the_per_block_bound():
     pytest.importorskip("hivemind")
     import hivemind
 
-    from atomc.distributed.peer import PeerConfig, _make_averager
+    from atomc.distributed.averaging import make_averager
+    from atomc.distributed.peerconfig import PeerConfig
     from atomc.distributed.rounds import compression_for
 
     n = 1_200_000
@@ -207,8 +208,8 @@ def test_int8_round_within_the_per_block_bound():
         dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                                  initial_peers=[str(a) for a in dhts[0].get_visible_maddrs()]))
         for d, x in zip(dhts, xs):
-            avgs.append(_make_averager(hivemind, [x.clone()], d, cfg, None,
-                                       compression=compression_for("int8")))
+            avgs.append(make_averager(hivemind, [x.clone()], d, cfg, None,
+                                      compression=compression_for("int8")))
         controls = [a.step(weight=w, timeout=30, wait=False) for a, w in zip(avgs, weights)]
         for c in controls:
             assert c.result(timeout=60)

@@ -167,7 +167,7 @@ def atom_reference(pkg: Path, seeds: dict[str, int], inner: int, rounds: int,
     sys.path.insert(0, str(GPT.parent))
     import gpt
 
-    from atomc.distributed.peer import round_vector, set_round_vector
+    from atomc.distributed.averaging import round_vector, set_round_vector
     from atomc.runtime import SwapTrainer
 
     threads = torch.get_num_threads()

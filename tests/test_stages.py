@@ -127,7 +127,7 @@ def test_batch_norm_and_dropout_peers_equal_plain_copies_that_average(bn_work: d
     the plain copies' weighted average of weights and running statistics, the counters
     rounded (3 after round one: 2 and 4 batches weighted 1:2); the optimizer state stays
     local."""
-    from atomc.distributed.peer import round_vector, set_round_vector
+    from atomc.distributed.averaging import round_vector, set_round_vector
     from atomc.runtime import SwapTrainer
 
     C, rounds = 2, 3

@@ -200,7 +200,7 @@ def diloco_options(args: argparse.Namespace, modes: tuple[str, ...]) -> dict:
 def run_compare(args: argparse.Namespace) -> int:
     from atomc.compare import Setting, check_modes, compare, read_network, to_data
     from atomc.compare.report import LABELS, render
-    from atomc.distributed.peer import PeerConfig
+    from atomc.distributed.peerconfig import PeerConfig
     from atomc.errors import UsageError
     from atomc.jsonio import write_json
 

@@ -30,21 +30,29 @@ with the same weights.
 
 Every wait is bounded: DHT start-up (an initial peer that never answers is an error after
 `connect_timeout_s`), state download, the wait for the others, matchmaking and all-reduce.
+
+Here: `PeerTrainer` (set-up and joining, local steps, rounds, the finish) and `run_peer`. Its
+options are `peerconfig.PeerConfig`; what a round of the weights averages and the hivemind
+averager are in `averaging`; its metrics, round lines and summary in `peermetrics`; DiLoCo's
+rounds in `diloco`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from atomc.distributed.averaging import (
+    average_weights,
+    make_averager,
+    round_vector,
+    weights_digest,
+)
 from atomc.distributed.diloco import (
     OuterRounds,
     RoundInfo,
@@ -60,84 +68,10 @@ from atomc.distributed.outer import (
     fragments_of,
     peer_host_bytes,
 )
-from atomc.distributed.rounds import register_codecs, round_bytes
-from atomc.errors import PeerError, UsageError
+from atomc.distributed.peerconfig import PeerConfig
+from atomc.distributed.peermetrics import PeerMetrics
+from atomc.errors import PeerError
 from atomc.units import format_bytes
-
-
-@dataclass
-class PeerConfig:
-    package: str | Path
-    run_id: str = "atomc"
-    initial_peers: tuple[str, ...] = ()
-    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
-    announce_maddrs: tuple[str, ...] = ()
-    target_batch_size: int = 64  # samples over all peers per averaging round (the global batch)
-    rounds: int = 10  # stop after this many averaging rounds (global epochs)
-    accum: int | None = None  # micro-batches per local step (default: the plan's C)
-    optimizer: dict[str, Any] | None = None
-    device: str = "cpu"
-    dtype: str | None = None  # master dtype (default float32; float64 for tests)
-    seed: int = 0
-    matchmaking_time_s: float = 2.0  # how long a ready peer waits for others to join its group
-    averaging_timeout_s: float = 30.0  # one round: matchmaking + all-reduce
-    connect_timeout_s: float = 20.0  # DHT start-up and joining through the initial peers
-    progress_expiration_s: float = 10.0  # a silent peer's progress stops counting after this
-    max_seconds: float | None = None  # give up (error) when the run takes longer
-    metrics_path: str | Path | None = None
-    final_path: str | Path | None = None  # this peer's final weights (torch file)
-    maddr_path: str | Path | None = None  # where to write this peer's address for others
-    final_linger_s: float = 8.0  # after finishing: serve the final state to peers that are late
-    finish_timeout_s: float = 60.0  # final rounds until one holds every live peer
-    name: str = ""
-    outer: OuterConfig = field(default_factory=OuterConfig)  # ATOM's averaging by default
-    # peers the run starts with: a peer of a new run (round 0) takes its first local step once
-    # this many have their state, and its first round waits for that many (bounded by
-    # connect_timeout_s and averaging_timeout_s); 1: start at once, as before
-    min_peers: int = 1
-
-    def __post_init__(self) -> None:
-        if self.target_batch_size < 1:
-            raise UsageError(f"--target-batch-size {self.target_batch_size} must be at least 1")
-        if self.rounds < 1:
-            raise UsageError(f"--rounds {self.rounds} must be at least 1")
-        if self.min_peers < 1:
-            raise UsageError(f"--min-peers {self.min_peers} must be at least 1")
-        for a in self.initial_peers:
-            if not a.startswith("/"):
-                raise PeerError(f"initial peer {a!r} is not a multiaddress; give one another peer "
-                                f"printed, e.g. /ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID")
-
-
-def round_vector(trainer: Any) -> torch.Tensor:
-    """What a round averages, as one vector in the master dtype (float64 runs average in
-    float64): every master weight, then every persistent buffer, so that BatchNorm's running
-    statistics are averaged with the weights they belong to (as the weights' own rule, weighted
-    by samples). Optimizer state stays local, as in ATOM."""
-    buffers = trainer.persistent_buffers()  # first: it waits for the step's updates
-    dtype = trainer.store.master_dtype
-    store = trainer.store
-    parts = [store.read_master(i).reshape(-1).to(dtype) for i in range(len(store.layouts))]
-    parts += [b.detach().reshape(-1).to(dtype) for _, _, b in buffers]
-    return torch.cat(parts)
-
-
-def set_round_vector(trainer: Any, flat: torch.Tensor) -> None:
-    """Load a vector `round_vector` laid out (averaged) into `trainer`; integer buffers (batch
-    counters) take the rounded average."""
-    buffers = trainer.persistent_buffers()
-    state = trainer.state_dict()
-    off = 0
-    for i, m in enumerate(state["masters"]):
-        n = m.numel()
-        state["masters"][i] = flat[off:off + n].view_as(m).to(m.dtype)
-        off += n
-    for i, name, b in buffers:
-        n = b.numel()
-        value = flat[off:off + n].view_as(b)
-        state["buffers"][i][name] = (value if b.is_floating_point() else value.round()).to(b.dtype)
-        off += n
-    trainer.load_state_dict(state, source="averaged weights")
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -149,13 +83,6 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     if isinstance(tree, (list, tuple)):
         return [t for v in tree for t in _tensors(v)]
     return []
-
-
-def weights_digest(trainer: Any) -> str:
-    from atomc.runtime.checkpoint import digest
-
-    store = trainer.store
-    return digest([store.read_master(i) for i in range(len(store.layouts))])
 
 
 class PeerTrainer:
@@ -178,11 +105,9 @@ class PeerTrainer:
         self.samples = 0
         self.local_steps = 0
         self.steps_in_round = 0
-        self.rounds_done: list[dict[str, Any]] = []
         self.finished_how = ""  # how this peer's final weights came about (see _finish)
         # what the run cost this peer: bytes of its rounds, its local steps' time, its waits
-        self.totals = {"rounds": 0, "sent_bytes": 0, "received_bytes": 0, "compute_s": 0.0,
-                       "others_wait_s": 0.0, "round_wait_s": 0.0}
+        self.metrics = PeerMetrics(cfg, log, lambda: weights_digest(self.trainer))
         self._snapshot: tuple[dict[str, Any], list[torch.Tensor]] | None = None
         self._at_gate = False  # a state loaded at a boundary: its round is launched at once
         self._weight_zero = False  # ... with weight 0: its pseudo-gradient is another's
@@ -228,14 +153,14 @@ class PeerTrainer:
             max_refresh_period=1.0, default_refresh_period=0.5, expected_drift_peers=1,
             metadata_expiration=cfg.progress_expiration_s, start=True)
         self.vector_values = flat.numel()
-        self.averager = _make_averager(self.hm, [flat], self.dht, cfg, self._current_state)
+        self.averager = make_averager(self.hm, [flat], self.dht, cfg, self._current_state)
         if self.rounds is not None:
-            self.round_averager = _make_averager(
+            self.round_averager = make_averager(
                 self.hm, self.rounds.tensors(), self.dht, cfg, None,
                 prefix=f"{cfg.run_id}_rounds", compression=self.rounds.compression())
             self.rounds.averager = self.round_averager
         on_disk = self.rounds.outer.disk_bytes if self.rounds is not None else 0
-        self._metric({"event": "start", "outer": outer.to_json(), "fragments": fragments,
+        self.metrics.write({"event": "start", "outer": outer.to_json(), "fragments": fragments,
                       "host_bytes": self.host_bytes, "vector_values": self.vector_values,
                       "outer_disk_bytes": on_disk, "samples_per_step": self.samples_per_step})
         self.log(f"outer: {outer.describe()}; {len(fragments)} fragment(s) of "
@@ -363,16 +288,9 @@ class PeerTrainer:
             self.finished_how = f"joined after the end, state from {meta.get('name', '?')}"
         self.log(f"joined: downloaded the state of round {self.epoch} from peer "
                  f"{meta.get('name', '?')} in {time.monotonic() - t0:.1f} s")
-        self._metric({"event": "joined", **self.joined})
+        self.metrics.write({"event": "joined", **self.joined})
 
     # ---- training ------------------------------------------------------------------------------
-
-    def _metric(self, line: dict[str, Any]) -> None:
-        if self.cfg.metrics_path is None:
-            return
-        line = {"peer": self.cfg.name, "time": time.time(), **line}
-        with open(self.cfg.metrics_path, "a") as f:
-            f.write(json.dumps(line) + "\n")
 
     def _check_time(self) -> None:
         if (self.cfg.max_seconds is not None
@@ -405,12 +323,13 @@ class PeerTrainer:
                 step = self.local_steps
                 t0 = time.monotonic()
                 loss = self.trainer.step(batch_of(step))
-                self.totals["compute_s"] += time.monotonic() - t0
+                self.metrics.totals["compute_s"] += time.monotonic() - t0
                 self.local_steps += 1
                 self.samples += self.samples_per_step
                 self.steps_in_round += 1
                 tr.report_local_progress(self.epoch, self._progress())
-                self._metric({"event": "step", "step": step, "epoch": self.epoch, "loss": loss})
+                self.metrics.write({"event": "step", "step": step, "epoch": self.epoch,
+                                    "loss": loss})
                 if not self._due():
                     continue
             self._at_gate = False
@@ -426,22 +345,9 @@ class PeerTrainer:
                 self.rounds.pending.control.cancel()
                 self.rounds.pending = None
             else:
-                self._record(self.rounds.complete())
+                self.metrics.record(self.rounds.complete())
         self._finish()
-        wall = time.monotonic() - t_train
-        t = self.totals
-        summary = {**t, "wall_s": wall,
-                   "compute_utilization": t["compute_s"] / wall if wall else 0.0,
-                   "bytes_per_round": t["sent_bytes"] / t["rounds"] if t["rounds"] else 0}
-        self.log(f"done: {t['rounds']} rounds, sent {format_bytes(t['sent_bytes'])} "
-                 f"({format_bytes(summary['bytes_per_round'])} a round), received "
-                 f"{format_bytes(t['received_bytes'])}; final rounds sent "
-                 f"{format_bytes(t.get('final_sent_bytes', 0))}; local steps "
-                 f"{summary['compute_utilization']:.0%} of {wall:.0f} s; waited "
-                 f"{t['others_wait_s']:.1f} s for the others and {t['round_wait_s']:.1f} s for "
-                 f"rounds")
-        self._metric({"event": "done", "epoch": self.epoch, "digest": weights_digest(self.trainer),
-                      "how": self.finished_how, **summary})
+        self.metrics.done(time.monotonic() - t_train, self.epoch, self.finished_how)
 
     def _catch_up(self, newer_than: int | None = None, wait_s: float = 0.0) -> bool:
         """Fell behind (stalled, or a round found no group while others went on): take the
@@ -465,7 +371,8 @@ class PeerTrainer:
         self._load(meta, tensors, "a peer's state")
         self.tracker.report_local_progress(self.epoch, self._progress())
         self.log(f"caught up: state of round {self.epoch} from {meta.get('name', '?')}")
-        self._metric({"event": "caught_up", "epoch": self.epoch, "from": meta.get("name", "")})
+        self.metrics.write({"event": "caught_up", "epoch": self.epoch,
+                            "from": meta.get("name", "")})
         return True
 
     def _wait_for_others(self) -> float:
@@ -485,96 +392,29 @@ class PeerTrainer:
             time.sleep(0.02)
         return time.monotonic() - t0
 
-    def _round(self, weight: float, timeout_s: float) -> dict[str, Any]:
-        """One averaging round of the weights with the peers looking for a group now; returns
-        what each member sent along ({} when no group formed or the round failed: the weights
-        stay local)."""
-        flat = round_vector(self.trainer)
-        with self.averager.get_tensors() as tensors:
-            tensors[0].copy_(flat)
-        group = None
-        try:
-            group = self.averager.step(weight=weight,
-                                       gather={"name": self.cfg.name, "epoch": self.epoch},
-                                       timeout=timeout_s, allow_retries=True)
-        except Exception as e:  # noqa: BLE001 - a groupmate died mid-round: keep the local weights
-            self.log(f"round {self.epoch}: averaging failed ({type(e).__name__}: {e})")
-        if not group:
-            return {}
-        with self.averager.get_tensors() as tensors:
-            averaged = tensors[0].clone()
-        set_round_vector(self.trainer, averaged)
-        names = [v.get("name") if isinstance(v, dict) else None for v in group.values()]
-        if self.cfg.name in names:
-            self._last_bytes = round_bytes(
-                [(self.vector_values, None, self.trainer.store.master_dtype.itemsize)],
-                len(group), names.index(self.cfg.name))
-        return {str(v["name"]): int(v["epoch"]) for v in group.values() if isinstance(v, dict)}
-
-    _last_bytes: tuple[int, int] = (0, 0)
-
-    def _record(self, info: dict[str, Any] | RoundInfo, final: bool = False,
-                others_wait_s: float = 0.0) -> None:
-        """A round in the metrics and the log: its group, bytes and waits. `info`: a DiLoCo
-        round's RoundInfo, or a round of the weights (ATOM's averaging, final rounds) as a
-        dict of members, seconds and bytes."""
-        overlapped = False
-        if isinstance(info, RoundInfo):
-            members = info.members
-            overlapped = self.cfg.outer.fragments > 1
-            line = {"epoch": info.epoch, "fragment": info.fragment,
-                    "sent_bytes": info.sent_bytes, "received_bytes": info.received_bytes,
-                    "group_wait_s": info.group_wait_s, "allreduce_s": info.allreduce_s,
-                    "seconds": info.exposed_s, "weight": info.weight,
-                    "round_dtype": self.cfg.outer.round_dtype or "master"}
-        else:
-            members = info["members"]
-            line = {**{k: v for k, v in info.items() if k != "members"}, "round_dtype": "master"}
-        line.update({"event": "round", "group": sorted(members), "ok": bool(members),
-                     "final": final, "others_wait_s": others_wait_s,
-                     "digest": weights_digest(self.trainer)})
-        self.rounds_done.append(line)
-        t = self.totals
-        key = "final_" if final else ""
-        t[f"{key}rounds"] = t.get(f"{key}rounds", 0) + 1
-        t[f"{key}sent_bytes"] = t.get(f"{key}sent_bytes", 0) + line.get("sent_bytes", 0)
-        t[f"{key}received_bytes"] = (t.get(f"{key}received_bytes", 0)
-                                     + line.get("received_bytes", 0))
-        t["round_wait_s"] += line.get("seconds", 0.0)
-        t["others_wait_s"] += others_wait_s
-        self._metric(line)
-        what = f"averaged with {', '.join(sorted(members))}" if members else "no group"
-        frag = (f", fragment {line['fragment'] + 1}/{self.cfg.outer.fragments}"
-                if overlapped else "")
-        if overlapped:
-            took = (f"ran beside the local steps, then {line['seconds']:.1f} s more at the "
-                    f"boundary")
-        else:
-            took = ", ".join(x for x in (
-                f"waited {others_wait_s:.1f} s for the others" if others_wait_s >= 0.05 else "",
-                f"{line['group_wait_s']:.1f} s for the group" if line.get("group_wait_s") else "",
-                f"{line.get('seconds', 0.0):.1f} s in all") if x)
-        self.log(f"{'final ' if final else ''}round {line['epoch']}{frag}: {what} "
-                 f"({line['round_dtype']}): sent {format_bytes(line.get('sent_bytes', 0))}, "
-                 f"received {format_bytes(line.get('received_bytes', 0))}; {took}")
-
     def _average(self) -> None:
         """One round of ATOM's averaging: the weights, with every peer ready now."""
         tr = self.tracker
         waited = self._wait_for_others() if self.cfg.outer.inner_steps is not None else 0.0
         t0 = time.monotonic()
-        self._last_bytes = (0, 0)
         with tr.pause_updates():
-            members = self._round(float(max(self.samples, 1)), self.cfg.averaging_timeout_s)
+            members, (sent, received) = self._round(float(max(self.samples, 1)),
+                                                    self.cfg.averaging_timeout_s)
             epoch = self.epoch
             self.epoch = tr.update_epoch(max(self.epoch + 1, tr.global_epoch))
             self.samples = 0
             self.steps_in_round = 0
-        sent, received = self._last_bytes
-        self._record({"epoch": epoch, "members": members, "seconds": time.monotonic() - t0,
+        self.metrics.record({"epoch": epoch, "members": members, "seconds": time.monotonic() - t0,
                       "allreduce_s": time.monotonic() - t0, "sent_bytes": sent,
                       "received_bytes": received}, others_wait_s=waited)
         self._take_snapshot()
+
+    def _round(self, weight: float, timeout_s: float) -> tuple[dict[str, int], tuple[int, int]]:
+        """One averaging round of the weights with the peers looking for a group now
+        (averaging.average_weights): the members' rounds, and this peer's (sent, received)
+        bytes."""
+        return average_weights(self.averager, self.trainer, name=self.cfg.name, epoch=self.epoch,
+                               weight=weight, timeout_s=timeout_s, log=self.log)
 
     def _outer_round(self) -> None:
         """A DiLoCo round at this boundary: the round in flight (K > 1) is applied first, then
@@ -583,7 +423,7 @@ class PeerTrainer:
         tr, rounds = self.tracker, self.rounds
         if rounds.pending is not None:
             info = rounds.complete()
-            self._record(info)
+            self.metrics.record(info)
             if self._went_alone(info):
                 return  # took a newer state, at its boundary: its round is launched next
             self._take_snapshot(at_gate=True)
@@ -597,12 +437,12 @@ class PeerTrainer:
             self.samples = 0
             self.steps_in_round = 0
         if info is not None:
-            self._record(info, others_wait_s=waited)
+            self.metrics.record(info, others_wait_s=waited)
             if self._went_alone(info):
                 return
             self._take_snapshot()
         else:
-            self.totals["others_wait_s"] += waited
+            self.metrics.totals["others_wait_s"] += waited
 
     def _went_alone(self, info: RoundInfo) -> bool:
         """A round without a group while other peers are alive leaves this peer's outer state
@@ -653,7 +493,7 @@ class PeerTrainer:
         if self.finished_how:  # adopted a finished peer's state already
             self._declare_finished()
             return
-        last = self.rounds_done[-1] if self.rounds_done else None
+        last = self.metrics.rounds_done[-1] if self.metrics.rounds_done else None
         deadline = time.monotonic() + cfg.finish_timeout_s
         while time.monotonic() < deadline:
             alive = self._alive()
@@ -662,10 +502,8 @@ class PeerTrainer:
                 break
             self.tracker.report_local_progress(self.epoch, 0)
             t0 = time.monotonic()
-            self._last_bytes = (0, 0)
-            members = self._round(1.0, max(3.0, 3 * cfg.matchmaking_time_s))
-            sent, received = self._last_bytes
-            self._record({"epoch": self.epoch, "members": members,
+            members, (sent, received) = self._round(1.0, max(3.0, 3 * cfg.matchmaking_time_s))
+            self.metrics.record({"epoch": self.epoch, "members": members,
                           "seconds": time.monotonic() - t0, "allreduce_s": time.monotonic() - t0,
                           "sent_bytes": sent, "received_bytes": received}, final=True)
             self._take_snapshot()
@@ -725,35 +563,6 @@ class PeerTrainer:
         self.trainer.close()
 
 
-def _make_averager(hm: Any, tensors: list[torch.Tensor], dht: Any, cfg: PeerConfig,
-                   current_state: Callable | None, *, prefix: str | None = None,
-                   compression: Any = None) -> Any:
-    """A DecentralizedAverager with atomc peer's settings over `tensors`; it serves
-    `current_state()` to joining peers (None: it shares no state)."""
-    dtype = tensors[0].dtype
-
-    class PeerAverager(hm.averaging.DecentralizedAverager):
-        def get_current_state(self):  # runs in this process when a peer downloads our state
-            return current_state()
-
-        def run(self):  # the averager's own process
-            # hivemind sums every part in a tensor of torch's default dtype (float32): a float64
-            # run's rounds would be float32-exact only; and the round codecs (rounds.py)
-            torch.set_default_dtype(dtype)
-            register_codecs()
-            super().run()
-
-    extra: dict[str, Any] = {} if compression is None else {"compression": compression}
-    if current_state is None:
-        extra["allow_state_sharing"] = False
-    return PeerAverager(tensors, dht, start=True, prefix=prefix or f"{cfg.run_id}_averaging",
-                        min_group_size=2, **extra,
-                        min_matchmaking_time=cfg.matchmaking_time_s,
-                        request_timeout=min(3.0, cfg.matchmaking_time_s / 2),
-                        allreduce_timeout=cfg.averaging_timeout_s, next_chunk_timeout=10.0,
-                        client_mode=False, declare_state_period=2.0)
-
-
 def run_peer(cfg: PeerConfig, batch_of: Callable[[int], Any], *, loss_fn: Callable | None = None,
              initial_state: dict[str, torch.Tensor] | None = None, linger_s: float = 0.0,
              log: Callable[[str], None] = print) -> PeerTrainer:
@@ -768,5 +577,4 @@ def run_peer(cfg: PeerConfig, batch_of: Callable[[int], Any], *, loss_fn: Callab
     return peer
 
 
-__all__ = ["PeerConfig", "PeerTrainer", "round_vector", "run_peer", "set_round_vector",
-           "weights_digest"]
+__all__ = ["PeerTrainer", "run_peer"]
