@@ -172,13 +172,13 @@ def test_bad_world_rank_and_devices(work: dict) -> None:
 
 
 def test_memory_budget_decides_which_stages_swap(work: dict) -> None:
-    from atomc.distributed.runner import plan_resident_bytes
+    from atomc.partition.stagemem import resident_stage_bytes
     from atomc.stages.cut import package_plan
 
     pkg = load_swap_package(work["pkg"])
     view = check_package(pkg, load_layout(work["layouts"][(4, 1)]))
     plan = package_plan(pkg)
-    need = [plan_resident_bytes(plan, a, b, 2) for a, b in view.stage_ranges]
+    need = [resident_stage_bytes(plan, a, b, 2) for a, b in view.stage_ranges]
     params = [sum(s.param_bytes for s in work["plan"].submodels[a:b]) for a, b in view.stage_ranges]
     assert all(n >= 4 * p for n, p in zip(need, params))  # weights, gradients, two AdamW moments
     budget = sorted(need)[1]  # the two smallest stages fit, the others would be swapped
@@ -263,14 +263,14 @@ def test_swapped_stages_in_layout(work: dict) -> None:
     resident. Stage 0 is named; the others swap because the network says how much memory the
     devices have: stage 3 does not fit under 1F1B, so the layout runs GPipe, and stage 2, which
     fits 1F1B's two micro-batches in flight but not GPipe's four, swaps too."""
-    from atomc.distributed.runner import plan_resident_bytes
+    from atomc.partition.stagemem import resident_stage_bytes
 
     plan, ranges = work["plan"], load_layout(work["layouts"][(4, 1)]).stage_ranges
     M = GLOBAL // MICRO
 
     def need(j: int, schedule: str) -> int:
         order = gpipe(M, j, 4) if schedule == "gpipe" else one_f_one_b(M, j, 4)
-        return plan_resident_bytes(plan, *ranges[j], max_in_flight(order))
+        return resident_stage_bytes(plan, *ranges[j], max_in_flight(order))
 
     memory = (need(2, "1f1b") + need(2, "gpipe")) // 2
     assert need(2, "1f1b") <= memory < need(2, "gpipe") and need(3, "1f1b") > memory

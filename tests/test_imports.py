@@ -254,7 +254,6 @@ SHARED_NAMES: dict[str, str] = {
     "check_plan": PENDING,
     "compare": PENDING,
     "model_dtype": PENDING,
-    "ms_to_ns": PENDING,
     "op_name": PENDING,
     "render": PENDING,
     "store_mode": PENDING,

@@ -19,8 +19,9 @@ from atomc.actions import Action, max_in_flight, pipeline_order
 from atomc.actions.orders import swapped_stage_order
 from atomc.codegen import generate
 from atomc.codegen.manual import plan_from_cuts
-from atomc.distributed.runner import DeviceBudget, decide_swaps, device_budget, plan_resident_bytes
+from atomc.distributed.runner import DeviceBudget, decide_swaps, device_budget
 from atomc.errors import UsageError
+from atomc.partition.stagemem import resident_stage_bytes
 from atomc.runtime import micro_batch_rng
 from atomc.trace import trace_model
 from atomc.trace.load import load_model_file
@@ -49,7 +50,7 @@ def bn_pkg(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def _needs(plan: Any, ranges: list[tuple[int, int]], num_micro: int):
     def need(j: int, schedule: str) -> tuple[int, int]:
         flight = max_in_flight(pipeline_order(schedule, num_micro, j, len(ranges)))
-        return plan_resident_bytes(plan, *ranges[j], flight), flight
+        return resident_stage_bytes(plan, *ranges[j], flight), flight
     return need
 
 

@@ -29,18 +29,22 @@ from atomc.distributed.outer import describe_host_bytes
 from atomc.errors import InfeasiblePlanError, UsageError
 from atomc.ir import Plan, Profile
 from atomc.partition import DEFAULT_RESERVE_BYTES, partition, recost
+from atomc.partition.cost import CostParams, optimizer_ns, runtime_params
 from atomc.partition.hostmem import plan_host_memory
+from atomc.partition.stagemem import (
+    RESIDENT_COPIES,
+    RESIDENT_COPIES_NO_UPDATE,
+    boundary_bytes,
+    resident_stage_bytes,
+    swapped_stage_bytes,
+)
 from atomc.simulate.events import StageTimes, copies_on_host, simulate_swap
 from atomc.simulate.plan import stage_times
-from atomc.units import DTYPE_BYTES, FLOAT_BYTES, format_bytes, ms_to_ns
+from atomc.units import DTYPE_BYTES, format_bytes, ms_to_ns
 
 # AdamW on the device moves 28 bytes per fp32 parameter (reads the weight, its gradient and
 # both moments, writes the weight and both moments): memory-bound
 ADAM_BYTES_PER_MASTER_BYTE = 7
-# a resident stage holds its weights, their gradients and AdamW's two moments; without an
-# optimizer step (ATOM Fig. 14's setting) the weights and their gradients
-RESIDENT_COPIES = 4
-RESIDENT_COPIES_NO_UPDATE = 2
 # a CUDA generator's state (atomc.runtime.rng.generators): Philox's seed and offset, two int64
 CUDA_RNG_STATE_BYTES = 16
 
@@ -54,8 +58,6 @@ class Unit:
     fwd_ns: int  # one micro-batch
     bwd_ns: int  # one micro-batch, without recomputation
     param_bytes: int  # weights (and buffers) it reads
-    saved_bytes: int  # activations autograd keeps for its backward, one micro-batch
-    working_bytes: int  # the largest operator's working memory
     params: frozenset[str]  # canonical FQNs of the weights it reads
 
 
@@ -182,23 +184,11 @@ class HardwareModel:
     def stage_memory_bytes(self, start: int, stop: int, in_flight: int,
                            recompute: bool = False) -> int:
         """Device bytes a resident stage over units [start, stop) needs with `in_flight`
-        micro-batches in flight. Keeping graphs (the layout runner's plan_resident_bytes):
-        every micro-batch's activations. Recomputing (GPipe's re-materialisation, Petals'
-        servers): each micro-batch's values at the block cuts, and one block's activations
-        at a time."""
-        units = self.units[start:stop]
-        fqns = set().union(*(u.params for u in units))
+        micro-batches in flight, keeping graphs or recomputing (stagemem.resident_stage_bytes:
+        the layout runner's rule, over the units as a plan)."""
         copies = RESIDENT_COPIES_NO_UPDATE if self.no_update else RESIDENT_COPIES
-        weights = self.param_bytes(fqns) + sum(
-            s.num_bytes for k, s in self.profile.graph.buffers.items()
-            if any(k in u.params for u in units))
-        if recompute:
-            cuts = sum(self.boundary_bytes(i)[0] for i in range(max(start, 1), stop))
-            one = max((u.saved_bytes + u.working_bytes for u in units), default=0)
-            return copies * weights + max(in_flight, 1) * cuts + one
-        acts = sum(u.saved_bytes for u in units)
-        working = max((u.working_bytes for u in units), default=0)
-        return copies * weights + max(in_flight, 1) * acts + working
+        return resident_stage_bytes(self.block_plan, start, stop, in_flight,
+                                    recompute=recompute, copies=copies)
 
     def optimizer_ns(self, fqns: set[str]) -> int:
         """A resident stage's AdamW step over `fqns` on the device (0 without updates)."""
@@ -214,14 +204,8 @@ class HardwareModel:
 
     def boundary_bytes(self, start: int) -> tuple[int, int]:
         """(values, gradients) of one micro-batch crossing the cut before unit `start`: what
-        earlier units made and later ones read; gradients only of floating values."""
-        subs = self.block_plan.submodels
-        produced = {t.name: t for s in subs[:start] for t in s.outputs}
-        needed = {t.name for s in subs[start:] for t in s.inputs}
-        cross = [produced[n] for n in needed if n in produced]
-        values = sum(t.num_bytes for t in cross)
-        grads = sum(t.num_bytes for t in cross if t.dtype in FLOAT_BYTES)
-        return int(values), int(grads)
+        earlier units made and later ones read (stagemem.boundary_bytes)."""
+        return boundary_bytes(self.block_plan, start)
 
     # -- peers ------------------------------------------------------------------------------------
 
@@ -268,7 +252,7 @@ class HardwareModel:
         if host is None:
             host = plan_host_memory(plan, self.profile.graph).total()
         return PeerPlan(plan=plan, step_ns=sim.step_ns, compute_ns=sim.compute_ns,
-                        prefetch_busy_ns=round(sim.timeline.busy_ms("prefetch", step=0) * 1e6),
+                        prefetch_busy_ns=ms_to_ns(sim.timeline.busy_ms("prefetch", step=0)),
                         host_bytes=host)
 
     # -- swapped layout stages ----------------------------------------------------------------
@@ -294,18 +278,9 @@ class HardwareModel:
         return out
 
     def swapped_stage_memory_bytes(self, start: int, stop: int, num_micro: int) -> int:
-        """Device bytes of a swapped layout stage over units [start, stop): the swap runtime's
-        two weight slots and two gradient slots, each as large as the largest unit; the values
-        crossing the stage's cuts (what it receives, what passes between its units, what it
-        sends) for all `num_micro` micro-batches, which stay on the device from the forward to
-        the backward; and one unit's saved activations and working memory (a backward after
-        recomputing one micro-batch)."""
-        units = self.units[start:stop]
-        slot = max(u.param_bytes for u in units)
-        cuts = sum(self.boundary_bytes(i)[0]
-                   for i in range(max(start, 1), min(stop + 1, len(self.units))))
-        one = max(u.saved_bytes + u.working_bytes for u in units)
-        return 4 * slot + num_micro * cuts + one
+        """Device bytes of a swapped layout stage over units [start, stop)
+        (stagemem.swapped_stage_bytes, over the units as a plan)."""
+        return swapped_stage_bytes(self.block_plan, start, stop, num_micro)
 
     def swapped_stage_host_bytes(self, start: int, stop: int, num_micro: int) -> int:
         """Host bytes of a swapped layout stage over units [start, stop): the swap runtime's
@@ -316,14 +291,17 @@ class HardwareModel:
         return plan_host_memory(plan, self.profile.graph).total()
 
     def swapped_stage_optimizer_ns(self, fqns: set[str]) -> int:
-        """A swapped stage's update over `fqns`: CPU AdamW over their fp32 masters at the
-        rate the partitioner takes, without its fixed and per-tensor costs (0 without
-        updates)."""
+        """A swapped stage's update over `fqns`: CPU AdamW over their fp32 masters as the
+        partitioner costs it (partition.cost.optimizer_ns: the rate it takes, and the
+        runtime's fixed and per-tensor costs the profile measured; 0 without updates)."""
         if self.no_update or not fqns:
             return 0
-        nbytes = self.master_bytes_of(fqns)
-        rate = self.cpu_adam[0]
-        return ms_to_ns(nbytes / (rate * 1e9) * 1e3) if rate > 0 else 0
+        g = self.profile.graph
+        frozen = set(g.frozen or ())
+        tensors = sum(1 for f in fqns if f in g.params and f not in frozen)
+        p = CostParams(1, 0, self.profile.h2d_gbps, self.profile.d2h_gbps, self.cpu_adam[0],
+                       "recompute", **runtime_params(self.profile))
+        return int(optimizer_ns(p, self.master_bytes_of(fqns), tensors))
 
 
 def peer_step(times: list[StageTimes], plan: Plan, num_steps: int = 1):
@@ -369,9 +347,6 @@ def hardware_model(name: str, profile: Profile, *, slowdown: float = 1.0,
             fwd_ns=ms_to_ns(sum(c.fwd_ms for c in costs)),
             bwd_ns=ms_to_ns(sum(c.bwd_ms for c in costs)),
             param_bytes=s.param_bytes,
-            saved_bytes=sum(c.saved_bytes for c in costs),
-            working_bytes=max((max(c.peak_fwd_bytes, c.peak_bwd_bytes) for c in costs),
-                              default=0),
             params=frozenset(f for n in nodes for f in (*n.param_fqns, *n.buffer_fqns))))
     return HardwareModel(name=name, profile=profile, units=units, block_plan=plan,
                          slowdown=slowdown, no_update=no_update, given=given)

@@ -61,7 +61,7 @@ from atomc.simulate.network import (
     pipeline_jobs,
     simulate_programs,
 )
-from atomc.units import NS_PER_MS, format_bytes
+from atomc.units import format_bytes, ms_to_ns
 
 LAYOUT_STEPS = 3  # simulated steps of a layout; the last one is reported, so that the first's
 # filling of the links is not in it
@@ -182,18 +182,18 @@ def swapped_step(hm: HardwareModel, start: int, stop: int, micro: int, stage: in
     times = hm.swapped_stage_times(start, stop, micro)
     host = copies_on_host(hm.profile.device)
     sim = simulate_actions(order, times, micro, host_copies=host,
-                           host_gap_ns=round(host_gap_ms(hm.profile) * NS_PER_MS))
+                           host_gap_ns=ms_to_ns(host_gap_ms(hm.profile)))
     # the simulator takes the step's first action to end at 0 (the step before ends with it)
     # and records the next step's first action last: the step is that action's time and the
     # others'. It is a load, but for one sub-model holding the output, whose list has none.
     *events, _ = sim.timeline.events
     first = order[0]
     opening = times[0].load_ns if first.kind == "L" else times[first.index].fwd_ns // micro
-    end = round(max(e.end_ms for e in events if e.lane in ("compute", "offload")) * NS_PER_MS)
-    copies = round(sim.timeline.busy_ms("prefetch", step=0) * NS_PER_MS)
+    end = ms_to_ns(max(e.end_ms for e in events if e.lane in ("compute", "offload")))
+    copies = ms_to_ns(sim.timeline.busy_ms("prefetch", step=0))
     if holds_output:
         return SwappedStep(opening + end, 0, sim.compute_ns, copies)
-    last_forward = round(max(e.end_ms for e in events if e.kind == "forward") * NS_PER_MS)
+    last_forward = ms_to_ns(max(e.end_ms for e in events if e.kind == "forward"))
     return SwappedStep(opening + last_forward, end - last_forward, sim.compute_ns, copies)
 
 

@@ -60,6 +60,7 @@ from atomc.distributed.groups import (
 from atomc.distributed.pipeline import Link, Transport
 from atomc.errors import AtomcError, LayoutError, RuntimeMismatchError, UsageError
 from atomc.ir import Plan
+from atomc.partition.stagemem import resident_stage_bytes
 from atomc.runtime.optim import AdamWConfig
 from atomc.runtime.package import SwapPackage, load_swap_package
 from atomc.runtime.rng import RNG_VALUE
@@ -294,9 +295,7 @@ class LayoutTrainer(TaskletCheckpoints):
 
     def resident_need(self, stage: int, schedule: str) -> tuple[int, int]:
         """(bytes, micro-batches in flight) of stage `stage` kept resident under `schedule`."""
-        flight = max_in_flight(pipeline_order(schedule, self.num_micro, stage, self.layout.pp))
-        spec = self.specs[stage]
-        return plan_resident_bytes(self.plan, spec.start, spec.stop, flight), flight
+        return resident_need(self.plan, self.layout.stage_ranges, self.num_micro, stage, schedule)
 
     @property
     def num_micro(self) -> int:
@@ -480,14 +479,14 @@ class StageIO:
         self.link_in.send_grads(grads, received)
 
 
-def plan_resident_bytes(plan: Plan, start: int, stop: int, in_flight: int) -> int:
-    """Device bytes a resident stage over sub-models [start, stop) needs: weights, gradients
-    and two AdamW moments, plus the activations of the micro-batches in flight (the plan's
-    peaks)."""
-    subs = plan.submodels[start:stop]
-    weights = sum(s.param_bytes for s in subs)
-    acts = sum(max(s.peak_bytes - s.param_bytes, 0) for s in subs) // max(plan.accum, 1)
-    return 4 * weights + acts * max(in_flight, 1)
+def resident_need(plan: Plan, ranges, num_micro: int, stage: int,
+                  schedule: str) -> tuple[int, int]:
+    """(bytes, micro-batches in flight) of stage `stage`, over the plan's sub-models
+    `ranges[stage]`, kept resident under `schedule` with `num_micro` micro-batches
+    (stagemem.resident_stage_bytes: the rule `atomc compare` predicts layouts with)."""
+    flight = max_in_flight(pipeline_order(schedule, num_micro, stage, len(ranges)))
+    start, stop = ranges[stage]
+    return resident_stage_bytes(plan, start, stop, flight), flight
 
 
 @dataclass(frozen=True)
@@ -618,5 +617,6 @@ __all__ = [
     "check_package",
     "decide_swaps",
     "device_budget",
+    "resident_need",
     "run_layout",
 ]

@@ -66,7 +66,6 @@ from atomc.partition.search import (
     search,
 )
 from atomc.partition.tables import (
-    NS_PER_MS,
     NodeFacts,
     RangeTables,
     allowed_cuts,
@@ -78,7 +77,7 @@ from atomc.partition.tables import (
 from atomc.partition.throughput import Candidate, parse_global_batch, sweep_accum
 from atomc.simulate import binding_lane, simulate_plan
 from atomc.simulate.events import copies_on_host, simulate_swap
-from atomc.units import format_bytes, format_ms
+from atomc.units import NS_PER_MS, format_bytes, format_ms
 
 __all__ = ["DEFAULT_MAX_ACCUM", "DEFAULT_RESERVE_BYTES", "POLICIES", "build_plan", "partition",
            "recost"]

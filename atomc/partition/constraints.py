@@ -8,11 +8,12 @@ The search applies the same constraints as masks over all ranges (search.py list
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from atomc.ir import Submodel
 from atomc.partition.cost import RangeCost, first_tail
-from atomc.partition.tables import NS_PER_MS
-from atomc.units import format_bytes
+from atomc.units import NS_PER_MS, format_bytes
 
 # constraint names, and the search tier from which each is relaxed (memory never is)
 MEMORY = "memory"
@@ -23,10 +24,11 @@ OPTIMIZER = "optimizer"
 TIME_CONSTRAINTS = (FORWARD_OVERLAP, BACKWARD_OVERLAP, GRADIENT_OFFLOAD, OPTIMIZER)
 
 
-def slot_bytes(costs: list[RangeCost]) -> int:
+def slot_bytes(costs: Sequence[RangeCost] | Sequence[Submodel]) -> int:
     """Device bytes of the runtime's weight and gradient slots (atomc.runtime.slots): two of
     each (one with one sub-model), each sized for the largest sub-model, and held all step. A
-    plan of uneven sub-models needs more than the pairs of neighbours the search checks."""
+    plan of uneven sub-models needs more than the pairs of neighbours the search checks.
+    `costs`: the sub-models' ranges, or a plan's sub-models (a swapped layout stage's)."""
     return min(2, len(costs)) * 2 * max((c.param_bytes for c in costs), default=0)
 
 

@@ -40,7 +40,8 @@ import numpy as np
 
 from atomc.errors import UsageError
 from atomc.ir import Profile
-from atomc.partition.tables import RangeTables, ms_to_ns
+from atomc.partition.tables import RangeTables
+from atomc.units import ms_to_ns
 
 ACTIVATIONS = ("recompute", "keep")
 # CPU AdamW throughput in GB/s of fp32 master bytes; a vectorised multi-threaded AdamW on a

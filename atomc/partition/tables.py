@@ -24,12 +24,7 @@ import numpy as np
 
 from atomc.errors import IRError
 from atomc.ir import NodeCost, Profile
-
-NS_PER_MS = 1_000_000
-
-
-def ms_to_ns(ms: float) -> int:
-    return round(ms * NS_PER_MS)
+from atomc.units import ms_to_ns
 
 
 @dataclass(frozen=True)

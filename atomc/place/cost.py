@@ -22,6 +22,7 @@ import numpy as np
 
 from atomc.errors import LayoutError
 from atomc.ir import Plan
+from atomc.partition.stagemem import boundary_bytes
 from atomc.place.matching import refined_values
 from atomc.place.network import Network, symmetric
 from atomc.place.tsp import open_loop_tsp, open_loop_tsp_costs
@@ -215,13 +216,6 @@ def stage_ranges(plan: Plan, pp: int) -> tuple[tuple[int, int], ...]:
     return tuple((bounds[k], bounds[k + 1]) for k in range(pp))
 
 
-def boundary_bytes(plan: Plan, start: int) -> int:
-    """Bytes of values made before sub-model `start` and read at or after it (one micro-batch)."""
-    produced = {t.name: t.num_bytes for s in plan.submodels[:start] for t in s.outputs}
-    needed = {t.name for s in plan.submodels[start:] for t in s.inputs}
-    return int(sum(produced[name] for name in needed if name in produced))
-
-
 def plan_message_sizes(plan: Plan, ranges: tuple[tuple[int, int], ...]) -> tuple[int, int]:
     """(c_PP, c_DP) in bytes for stages over `ranges` of the plan's sub-models.
 
@@ -231,7 +225,7 @@ def plan_message_sizes(plan: Plan, ranges: tuple[tuple[int, int], ...]) -> tuple
     c_DP: the largest stage's parameter bytes (its gradients, exchanged in data parallelism).
     One c for all stages as in DT-FM; the largest keeps the model an upper bound.
     """
-    c_pp = max((boundary_bytes(plan, start) for start, _ in ranges[1:]), default=0) * max(
+    c_pp = max((boundary_bytes(plan, start)[0] for start, _ in ranges[1:]), default=0) * max(
         plan.accum, 1
     )
     c_dp = max(sum(s.param_bytes for s in plan.submodels[a:b]) for a, b in ranges)
