@@ -1,7 +1,9 @@
-"""Atomic JSON and text writes, checked JSON reads, and the canonical hash of a JSON document.
+"""Atomic file and directory writes, checked JSON reads, and the canonical hash of a JSON
+document.
 
-Nothing a user wrote or trained is lost: every write goes to a temporary file in the same
-directory and is renamed over the target, so a crash leaves either the old file or the new.
+Nothing a user wrote or trained is lost: every write goes to a temporary file (or directory) in
+the same directory and is renamed over the target, so a crash leaves either the old one or the
+new.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -80,6 +83,26 @@ def replace_dir(tmp: Path, out: Path) -> None:
             raise
         shutil.rmtree(backup, ignore_errors=True)
     _fsync_dir(out.parent)
+
+
+@contextmanager
+def write_dir_atomic(out: Path) -> Iterator[Path]:
+    """A new temporary directory beside `out` to write into. When the block finishes, its files
+    are synced, it gets normal permissions and is renamed into place (see `replace_dir`); when
+    the block raises, it is removed and `out` is left as it was."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        yield tmp
+        for f in tmp.iterdir():
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def umask() -> int:

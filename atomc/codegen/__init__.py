@@ -26,10 +26,7 @@ import hashlib
 import importlib.util
 import itertools
 import json
-import os
-import shutil
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 from types import ModuleType
@@ -40,7 +37,7 @@ import torch
 from atomc import __version__
 from atomc.errors import CodegenError
 from atomc.ir import Plan, Profile
-from atomc.jsonio import replace_dir, umask
+from atomc.jsonio import write_dir_atomic
 
 __all__ = ["emit", "emit_plan", "generate", "load_package", "retrace"]
 
@@ -101,6 +98,45 @@ def generate(plan: Plan, out_dir: str | Path, *, traced: Any = None, profile: Pr
     `traced` (a TracedModel of the plan's model) skips retracing; it must match the plan's graph.
     `profile`, when given, must be the profile the plan was made from.
     """
+    from atomc.codegen.split import split_plan
+    from atomc.trace import dtype_args
+
+    out = Path(out_dir)
+    _check_target(out)
+    traced = _plan_trace(plan, traced, profile, plan_path)
+    plan_hash = plan.content_hash()
+    dtype_args(traced)  # before cutting: it may repair what nodes read (see trace.dtype_args)
+    pieces = split_plan(traced, plan)
+    files, constants = _package_files(plan, plan_hash, traced, pieces)
+    with write_dir_atomic(out) as tmp:
+        for name, text in sorted(files.items()):
+            (tmp / name).write_text(text, encoding="utf-8")
+        if constants:
+            (tmp / CONSTANTS_FILE).write_bytes(_tensor_file(constants))
+        _self_check(tmp, traced, pieces)
+    return out
+
+
+def _plan_trace(plan: Plan, traced: Any, profile: Profile | None,
+                plan_path: str | Path | None) -> Any:
+    """The traced model `generate` cuts: `traced` when given, else the plan's model traced
+    again; either way the graph the plan (and `profile`, when given) was made for."""
+    if profile is not None and profile.content_hash() != plan.profile_hash:
+        raise CodegenError(f"the plan was made from profile {plan.profile_hash}, but the profile "
+                           f"given is {profile.content_hash()}; give the profile the plan was made "
+                           f"from, or partition again")
+    if traced is None:
+        return retrace(plan, plan_path)
+    if traced.graph.structure_hash() != plan.graph_hash:
+        raise CodegenError(f"the traced model has graph {traced.graph.structure_hash()}, but the "
+                           f"plan was made for graph {plan.graph_hash}; trace the plan's model "
+                           f"again")
+    return traced
+
+
+def _package_files(plan: Plan, plan_hash: str, traced: Any,
+                   pieces: list) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """The package's text files (name -> checked source) and the constant tensors it stores."""
     from atomc.codegen.check import check_source, copy_helpers
     from atomc.codegen.literals import py_literal
     from atomc.codegen.names import RESERVED, SourceNames, boundary_names
@@ -111,26 +147,8 @@ def generate(plan: Plan, out_dir: str | Path, *, traced: Any = None, profile: Pr
         render_submodel,
     )
     from atomc.codegen.resolve import Resolver, is_installed
-    from atomc.codegen.split import split_plan
     from atomc.codegen.wrap import wrap_source
-    from atomc.trace import dtype_args
 
-    out = Path(out_dir)
-    _check_target(out)
-    if profile is not None and profile.content_hash() != plan.profile_hash:
-        raise CodegenError(f"the plan was made from profile {plan.profile_hash}, but the profile "
-                           f"given is {profile.content_hash()}; give the profile the plan was made "
-                           f"from, or partition again")
-    if traced is None:
-        traced = retrace(plan, plan_path)
-    elif traced.graph.structure_hash() != plan.graph_hash:
-        raise CodegenError(f"the traced model has graph {traced.graph.structure_hash()}, but the "
-                           f"plan was made for graph {plan.graph_hash}; trace the plan's model "
-                           f"again")
-
-    plan_hash = plan.content_hash()
-    dtype_args(traced)  # before cutting: it may repair what nodes read (see trace.dtype_args)
-    pieces = split_plan(traced, plan)
     resolver = Resolver(traced)
     helper_names = _helper_names(pieces, traced)
     source = SourceNames(traced.gm)
@@ -163,21 +181,7 @@ def generate(plan: Plan, out_dir: str | Path, *, traced: Any = None, profile: Pr
             header=header, atomc_version=__version__,
             names=py_literal(sorted(constants), indent=0))
         files["_constants.py"] = check_source(wrap_source(text), "_constants.py")
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
-        for name, text in sorted(files.items()):
-            (tmp / name).write_text(text, encoding="utf-8")
-        if constants:
-            (tmp / CONSTANTS_FILE).write_bytes(_tensor_file(constants))
-        os.chmod(tmp, 0o777 & ~umask())
-        _self_check(tmp, traced, pieces)
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return files, constants
 
 
 def emit(plan: Plan, out_dir: str | Path, **kwargs: Any) -> Path:

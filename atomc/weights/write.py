@@ -36,9 +36,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +43,7 @@ import torch
 
 from atomc.dtypes import parse_dtype
 from atomc.errors import RuntimeMismatchError, UsageError
-from atomc.jsonio import replace_dir, umask
+from atomc.jsonio import write_dir_atomic
 from atomc.weights.names import ORIGINAL, TRANSFORMERS, ModelNames, package_names
 from atomc.weights.read import SAFETENSORS_INDEX, require
 
@@ -77,10 +74,9 @@ def _save(trainer: Any, names: ModelNames, modules: list[Any], out: Path,
             if names.canonical(n) != n and names.canonical(n) in state}
     state = {n: t for n, t in state.items() if n not in tied}
     written_dtype = cast or trainer.store.master_dtype
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     external = names.external(TRANSFORMERS)
     trained = {e.key for L in trainer.store.layouts for e in L.entries if e.trainable}
-    try:
+    with write_dir_atomic(out) as tmp:
         if names.peft_model is not None:
             kind = "peft adapter"
             _write_adapter(names, state, tmp, cast)
@@ -100,13 +96,8 @@ def _save(trainer: Any, names: ModelNames, modules: list[Any], out: Path,
                   "plan_hash": trainer.package.plan_hash, "step": trainer.step_count,
                   "dtype": str(written_dtype).replace("torch.", ""), "tied": tied}
         (tmp / EXPORT_MARKER).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        _install(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if out.is_dir() and not any(out.iterdir()):  # an empty directory: renamed over, no backup
+            out.rmdir()
     return out
 
 
@@ -192,11 +183,3 @@ def _check_target(out: Path) -> None:
         raise RuntimeMismatchError(f"{out} exists and is not a directory atomc exported (no "
                                    f"{EXPORT_MARKER}); give a new or empty directory")
     out.parent.mkdir(parents=True, exist_ok=True)
-
-
-def _install(tmp: Path, out: Path) -> None:
-    """Rename the finished directory into place; an earlier export there is replaced whole."""
-    os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700
-    if out.is_dir() and not any(out.iterdir()):
-        out.rmdir()
-    replace_dir(tmp, out)
