@@ -258,18 +258,18 @@ def check_source(code: str, filename: str, copied_from: str | None = None) -> st
 # helpers
 
 
-def copy_helpers(model_path: Path, wanted: dict[str, str], is_installed, header: str) -> str:
-    """`_helpers.py`: the model file's top-level definitions `wanted` (name -> who needs it) and
-    everything they read from the model file, in the file's order, with the imports they use.
+@dataclass
+class _TopLevel:
+    """The model file's top-level statements and what links them: which statements bind each
+    name, which statements each one reads from, and which imported names are read."""
+    module: cst.Module
+    body: list[cst.CSTNode]
+    binders: dict[str, list[int]]  # name -> statements that bind it
+    deps: dict[int, set[int]]  # statement -> statements whose names it reads
+    import_names: dict[int, set[str]]  # import statement -> bound names that are read
 
-    `is_installed(module_name)` says whether an import can be kept (stdlib or installed package).
-    """
-    try:
-        source = model_path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise CodegenError(f"cannot read {model_path} to copy its helpers ({e}); keep the model "
-                           f"file next to the plan while generating code") from None
-    module = parse(source, str(model_path))
+
+def _top_level(module: cst.Module) -> _TopLevel:
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
     scopes = wrapper.resolve(ScopeProvider)
     positions = wrapper.resolve(PositionProvider)
@@ -292,7 +292,7 @@ def copy_helpers(model_path: Path, wanted: dict[str, str], is_installed, header:
             continue
         binders.setdefault(assignment.name, []).append(statement_of(assignment.node))
     deps: dict[int, set[int]] = {i: set() for i in range(len(body))}
-    import_names: dict[int, set[str]] = {}  # import statement -> bound names that are read
+    import_names: dict[int, set[str]] = {}
     for scope in all_scopes:
         for access in scope.accesses:
             user = statement_of(access.node)
@@ -305,64 +305,97 @@ def copy_helpers(model_path: Path, wanted: dict[str, str], is_installed, header:
                 deps[user].add(where)
                 if isinstance(ref, ImportAssignment):
                     import_names.setdefault(where, set()).add(ref.name)
+    return _TopLevel(module, body, binders, deps, import_names)
 
+
+def _needed_statements(top: _TopLevel, wanted: dict[str, str],
+                       model_path: Path) -> tuple[set[int], dict[int, str]]:
+    """The statements `wanted` needs, transitively, each with the wanted name that pulled it in;
+    `from __future__` imports always, since they change what the rest means."""
     needed: set[int] = set()
     reason: dict[int, str] = {}
     todo: list[int] = []
     for name, why in sorted(wanted.items()):
-        if name not in binders:
+        if name not in top.binders:
             raise CodegenError(f"{why} uses {name}, which {model_path.name} does not define at the "
                                f"top level in its source; atomc cannot copy it into the generated "
                                f"package")
-        for i in binders[name]:
+        for i in top.binders[name]:
             if i not in needed:
                 needed.add(i)
                 reason[i] = f"{name} (needed by {why})"
                 todo.append(i)
     while todo:
         i = todo.pop()
-        for j in sorted(deps[i]):
+        for j in sorted(top.deps[i]):
             if j not in needed:
                 needed.add(j)
                 reason[j] = reason[i]
                 todo.append(j)
 
-    for i, stmt in enumerate(body):  # `from __future__ import annotations` changes semantics
+    for i, stmt in enumerate(top.body):  # `from __future__ import annotations` changes semantics
         if any(imp.module == "__future__" for imp in _imports_of(stmt) or []):
             needed.add(i)
-            import_names.setdefault(i, set()).update(imp.name for imp in _imports_of(stmt) or [])
+            top.import_names.setdefault(i, set()).update(
+                imp.name for imp in _imports_of(stmt) or [])
+    return needed, reason
+
+
+def _copied_imports(top: _TopLevel, i: int, imports: list[_Import], reason: str,
+                    is_installed) -> list[str]:
+    """The import lines statement `i` contributes: only the names something needed reads, and
+    only from modules the generated package can import on another machine."""
+    out: list[str] = []
+    for imp in imports:
+        bound = imp.asname or imp.name
+        names = {bound, bound.split(".")[0]} if not imp.module and not imp.asname else {bound}
+        if not names & top.import_names.get(i, set()):
+            continue
+        target = imp.module or imp.name
+        if target.startswith("."):
+            raise CodegenError(
+                f"{reason} needs `{top.module.code_for_node(top.body[i]).strip()}`, a relative "
+                f"import that does not resolve outside the model's directory; atomc cannot copy "
+                f"it: import it absolutely from an installed package, or define it in the model "
+                f"file")
+        if target != "__future__" and not is_installed(target):
+            raise CodegenError(
+                f"{reason} needs module {target}, which is neither the model file nor an "
+                f"installed package, so the generated package could not import it on another "
+                f"machine; move what it uses into the model file, or install the module")
+        if imp.module:
+            alias = f" as {imp.asname}" if imp.asname else ""
+            out.append(f"from {imp.module} import {imp.name}{alias}\n")
+        else:
+            out.append(f"import {imp.name}"
+                       + (f" as {imp.asname}" if imp.asname else "") + "\n")
+    return out
+
+
+def copy_helpers(model_path: Path, wanted: dict[str, str], is_installed, header: str) -> str:
+    """`_helpers.py`: the model file's top-level definitions `wanted` (name -> who needs it) and
+    everything they read from the model file, in the file's order, with the imports they use.
+
+    `is_installed(module_name)` says whether an import can be kept (stdlib or installed package).
+    """
+    try:
+        source = model_path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise CodegenError(f"cannot read {model_path} to copy its helpers ({e}); keep the model "
+                           f"file next to the plan while generating code") from None
+    module = parse(source, str(model_path))
+    top = _top_level(module)
+    needed, reason = _needed_statements(top, wanted, model_path)
 
     out: list[str] = []
     for i in sorted(needed):
-        stmt = body[i]
+        stmt = top.body[i]
         imports = _imports_of(stmt)
         if imports is None:
             out.append("\n\n" + module.code_for_node(stmt.with_changes(
                 leading_lines=[ln for ln in stmt.leading_lines if ln.comment is not None])))
             continue
-        for imp in imports:
-            bound = imp.asname or imp.name
-            names = {bound, bound.split(".")[0]} if not imp.module and not imp.asname else {bound}
-            if not names & import_names.get(i, set()):
-                continue
-            target = imp.module or imp.name
-            if target.startswith("."):
-                raise CodegenError(
-                    f"{reason[i]} needs `{module.code_for_node(stmt).strip()}`, a relative import "
-                    f"that does not resolve outside the model's directory; atomc cannot copy it: "
-                    f"import it absolutely from an installed package, or define it in the model "
-                    f"file")
-            if target != "__future__" and not is_installed(target):
-                raise CodegenError(
-                    f"{reason[i]} needs module {target}, which is neither the model file nor an "
-                    f"installed package, so the generated package could not import it on another "
-                    f"machine; move what it uses into the model file, or install the module")
-            if imp.module:
-                alias = f" as {imp.asname}" if imp.asname else ""
-                out.append(f"from {imp.module} import {imp.name}{alias}\n")
-            else:
-                out.append(f"import {imp.name}"
-                           + (f" as {imp.asname}" if imp.asname else "") + "\n")
+        out += _copied_imports(top, i, imports, reason.get(i, ""), is_installed)
     text = f'"""{header}"""\n\n' + "".join(
         line if line.endswith("\n") else line + "\n" for line in out)
     return text

@@ -224,16 +224,10 @@ def _is_torch_function(name: str) -> bool:
     return fn is not None and inspect.isbuiltin(fn)
 
 
-def lower_aten(op: torch._ops.OpOverload, args: tuple, kwargs: dict,
-               ndim: int | None) -> Form | None:
-    """How a person writes `op(*args, **kwargs)`; None: as `torch.ops.aten...` (no such
-    form). `ndim` is the first argument's traced rank."""
-    name = op._schema.name.split("::")[-1]
-    overload = op._overloadname
-    bound = _bound(op, args, kwargs)
-    given = {a.name: v for a, v in bound}
+def _operator_form(name: str, overload: str, args: tuple, kwargs: dict, given: dict,
+                   ndim: int | None) -> Form | None:
+    """`op` as an operator or a subscript (`a + b`, `-x`, `x[:, 1:]`); None: not one of those."""
     first = args[0] if args else None
-
     if name == "alias":
         return Form("same", args=(first,))
     if name in _INFIX and overload in (
@@ -262,6 +256,14 @@ def lower_aten(op: torch._ops.OpOverload, args: tuple, kwargs: dict,
         return Form("index", args=(first,), index=items)
     if name == "sym_size" and overload == "int":
         return Form("index", args=(Attribute(first, "shape"),), index=(given["dim"],))
+    return None
+
+
+def _special_call_form(name: str, overload: str, args: tuple, kwargs: dict,
+                       bound: list[tuple[Any, Any]], given: dict) -> Form | None:
+    """The calls whose Python spelling differs from the ATen schema beyond renamed arguments
+    (copies, splits, embedding, batch norm, padding, ELU, softmax, einsum); None: another op."""
+    first = args[0] if args else None
     if name in ("_to_copy", "lift_fresh_copy", "clone") and not any(
             k not in ("dtype", "device", "layout", "pin_memory", "non_blocking",
                       "memory_format") for k in kwargs):
@@ -304,6 +306,21 @@ def lower_aten(op: torch._ops.OpOverload, args: tuple, kwargs: dict,
     if name == "einsum":
         return Form("function", "torch.einsum", (given["equation"], given["tensors"]),
                     imports=("import torch",))
+    return None
+
+
+def lower_aten(op: torch._ops.OpOverload, args: tuple, kwargs: dict,
+               ndim: int | None) -> Form | None:
+    """How a person writes `op(*args, **kwargs)`; None: as `torch.ops.aten...` (no such
+    form). `ndim` is the first argument's traced rank."""
+    name = op._schema.name.split("::")[-1]
+    bound = _bound(op, args, kwargs)
+    given = {a.name: v for a, v in bound}
+    overload = op._overloadname
+    form = (_operator_form(name, overload, args, kwargs, given, ndim)
+            or _special_call_form(name, overload, args, kwargs, bound, given))
+    if form is not None:
+        return form
     if name in _FUNCTIONAL:
         f_name, renames = _FUNCTIONAL[name]
         return _call_form("function", f"F.{f_name}", bound,

@@ -28,14 +28,49 @@ def plan_from_cuts(source: Profile | TracedModel, cuts: list[int], accum: int = 
         graph, costs, profile = source.graph, None, None
     else:
         raise TypeError(f"expected a Profile or TracedModel, got {type(source).__name__}")
-    nodes = graph.nodes
-    num_nodes = len(nodes)
     if accum < 1:
         raise UsageError(f"accumulation {accum} must be 1 or more")
     if activations not in ("recompute", "keep"):
         raise UsageError(f"activations {activations!r}: expected 'recompute' or 'keep'")
-    last_input = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=-1)
     cuts = list(cuts)
+    ranges = _ranges(graph, cuts)
+    producer = {n.name: i for i, n in enumerate(graph.nodes)}
+    tensor = {n.name: n.outputs[0] for n in graph.nodes if len(n.outputs) == 1}
+    rows = _rows(graph, costs, profile, ranges, accum, activations, producer, tensor)
+
+    pairs = [rows[i]["peak_bytes"] + (rows[i + 1]["param_bytes"] if i + 1 < len(rows) else 0)
+             for i in range(len(rows))]
+    capacity = capacity_bytes if capacity_bytes is not None else max(pairs)
+    subs, binding = _submodels(graph, rows, pairs, capacity, accum, producer, tensor)
+
+    step = 0.0
+    for i, row in enumerate(rows):  # serial estimate: each phase waits for the slower lane
+        step += max(accum * row["fwd_ms"], rows[i + 1]["load_ms"] if i + 1 < len(rows) else 0.0)
+        step += max(accum * row["bwd_ms"], rows[i - 1]["load_ms"] if i > 0 else 0.0,
+                    rows[i + 1]["offload_ms"] if i + 1 < len(rows) else 0.0)
+    compute = accum * sum(r["fwd_ms"] + r["bwd_ms"] for r in rows)
+    total_load = sum(r["load_ms"] for r in rows)
+    total_fwd = sum(r["fwd_ms"] for r in rows)
+    return Plan(
+        profile_hash=profile.content_hash() if profile is not None else "",
+        graph_hash=graph.structure_hash(),
+        model_path=graph.model_path, config=graph.config, batch_size=graph.batch_size,
+        options=dict(graph.options), device=profile.device if profile is not None else "unprofiled",
+        capacity_bytes=capacity, reserve_bytes=0, accum=accum, accum_fixed=True,
+        activations=activations, submodels=tuple(subs),
+        cut_bytes=_cut_bytes(graph, ranges, producer, tensor),
+        predicted_step_ms=step, predicted_utilisation=compute / step if step > 0 else 0.0,
+        physical_bound_accum=total_load / total_fwd if total_fwd > 0 else 0.0,
+        feasible=not binding, binding=binding, atomc_version=__version__,
+        notes=((f"manual plan: cuts at nodes {cuts}; step time is a serial estimate, not a "
+                f"simulation"),),
+    )
+
+
+def _ranges(graph: OpGraph, cuts: list[int]) -> list[tuple[int, int]]:
+    """The sub-models' node ranges for `cuts`, checked: increasing, and after the inputs."""
+    num_nodes = len(graph.nodes)
+    last_input = max((i for i, n in enumerate(graph.nodes) if n.op == "placeholder"), default=-1)
     if sorted(set(cuts)) != cuts:
         raise UsageError(f"cuts {cuts} must be strictly increasing node indices")
     for c in cuts:
@@ -43,16 +78,20 @@ def plan_from_cuts(source: Profile | TracedModel, cuts: list[int], accum: int = 
             raise UsageError(f"cut {c} is outside {last_input + 1}..{num_nodes - 1}: sub-model 0 "
                              f"must hold the model's inputs (nodes 0..{last_input}) and every "
                              f"sub-model at least one node")
-    bounds = [0, *cuts, num_nodes]
-    ranges = list(itertools.pairwise(bounds))
+    return list(itertools.pairwise([0, *cuts, num_nodes]))
 
+
+def _rows(graph: OpGraph, costs: list[NodeCost] | None, profile: Profile | None,
+          ranges: list[tuple[int, int]], accum: int, activations: str,
+          producer: dict[str, int], tensor: dict) -> list[dict]:
+    """Each sub-model's Submodel fields that depend on it alone: nodes, bytes and times."""
+    nodes = graph.nodes
+    num_nodes = len(nodes)
     specs = {**graph.params, **graph.buffers}
     zero = NodeCost("", 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0, 0, "estimated")
     cost = list(costs) if costs is not None else [zero] * num_nodes
     h2d = profile.h2d_gbps if profile is not None else 0.0
     d2h = profile.d2h_gbps if profile is not None else 0.0
-    producer = {n.name: i for i, n in enumerate(nodes)}
-    tensor = {n.name: n.outputs[0] for n in nodes if len(n.outputs) == 1}
 
     def transfer_ms(num_bytes: int, gbps: float) -> float:
         return num_bytes / (gbps * 1e9) * 1e3 if gbps > 0 else 0.0
@@ -85,10 +124,13 @@ def plan_from_cuts(source: Profile | TracedModel, cuts: list[int], accum: int = 
             "fwd_ms": fwd, "bwd_ms": bwd, "load_ms": transfer_ms(param_bytes, h2d),
             "offload_ms": transfer_ms(grad_bytes, d2h), "inputs": tuple(reads),
             "outputs": tuple(writes)})
+    return rows
 
-    pairs = [rows[i]["peak_bytes"] + (rows[i + 1]["param_bytes"] if i + 1 < len(rows) else 0)
-             for i in range(len(rows))]
-    capacity = capacity_bytes if capacity_bytes is not None else max(pairs)
+
+def _submodels(graph: OpGraph, rows: list[dict], pairs: list[int], capacity: int, accum: int,
+               producer: dict[str, int], tensor: dict) -> tuple[list[Submodel], str]:
+    """The Submodels, with the slack each has against its neighbours' transfers and the
+    capacity, and the first slack that is short ("" when none is)."""
     subs = []
     binding = ""
     for i, row in enumerate(rows):
@@ -107,29 +149,7 @@ def plan_from_cuts(source: Profile | TracedModel, cuts: list[int], accum: int = 
                 if i + 1 < len(rows) else ()
         subs.append(Submodel(slack_memory_bytes=slack_memory, slack_fwd_ms=slack_fwd,
                              slack_bwd_ms=slack_bwd, **row))
-
-    step = 0.0
-    for i, row in enumerate(rows):  # serial estimate: each phase waits for the slower lane
-        step += max(accum * row["fwd_ms"], rows[i + 1]["load_ms"] if i + 1 < len(rows) else 0.0)
-        step += max(accum * row["bwd_ms"], rows[i - 1]["load_ms"] if i > 0 else 0.0,
-                    rows[i + 1]["offload_ms"] if i + 1 < len(rows) else 0.0)
-    compute = accum * sum(r["fwd_ms"] + r["bwd_ms"] for r in rows)
-    total_load = sum(r["load_ms"] for r in rows)
-    total_fwd = sum(r["fwd_ms"] for r in rows)
-    return Plan(
-        profile_hash=profile.content_hash() if profile is not None else "",
-        graph_hash=graph.structure_hash(),
-        model_path=graph.model_path, config=graph.config, batch_size=graph.batch_size,
-        options=dict(graph.options), device=profile.device if profile is not None else "unprofiled",
-        capacity_bytes=capacity, reserve_bytes=0, accum=accum, accum_fixed=True,
-        activations=activations, submodels=tuple(subs),
-        cut_bytes=_cut_bytes(graph, ranges, producer, tensor),
-        predicted_step_ms=step, predicted_utilisation=compute / step if step > 0 else 0.0,
-        physical_bound_accum=total_load / total_fwd if total_fwd > 0 else 0.0,
-        feasible=not binding, binding=binding, atomc_version=__version__,
-        notes=((f"manual plan: cuts at nodes {cuts}; step time is a serial estimate, not a "
-                f"simulation"),),
-    )
+    return subs, binding
 
 
 def _reads(graph: OpGraph, start: int, stop: int, producer: dict[str, int],

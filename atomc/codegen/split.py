@@ -146,22 +146,7 @@ def _leaves(structure: Any) -> list[fx.Node]:
 def split_plan(traced: TracedModel, plan: Plan) -> list[Piece]:
     part = assign_nodes(traced, plan)
     num = len(plan.submodels)
-
-    # Work on a copy: the traced graph stays as the profile saw it.
-    with warnings.catch_warnings():  # torch's own pytree spec copy warns about its own API
-        warnings.simplefilter("ignore", FutureWarning)
-        graph = copy.deepcopy(traced.gm.graph)
-    gm = fx.GraphModule(traced.gm, graph, traced.gm.__class__.__name__)
-    values = traced.values
-
-    for node in graph.nodes:  # getitem on a tuple-valued result follows its producer
-        if (node.op == "call_function" and node.target is operator.getitem
-                and isinstance(node.args[0], fx.Node)
-                and _is_container(values.get(node.args[0].name))
-                and node.args[0].op != "placeholder"):
-            part[node.name] = part[node.args[0].name]
-    _drop_dead(graph)
-    graph.lint()
+    gm, graph = _working_graph(traced, part)
 
     output_node = next(n for n in graph.nodes if n.op == "output")
     structure = output_structure(traced.gm, output_node)
@@ -176,9 +161,62 @@ def split_plan(traced: TracedModel, plan: Plan) -> list[Piece]:
     qualnames: dict[str, str] = {}
     split = split_module(gm, traced.model, lambda n: part[n.name], qualname_map=qualnames,
                          keep_original_order=True, keep_original_node_name=True)
+    live = _live_at_cuts(graph, part, output_node, num)
+    cut = _Split(gm, traced.model, split, qualnames, by_name, *_canonical_names(traced.model))
 
-    # The chain: a value is live at cut k (between k and k+1) when produced at or before k and
-    # read after k. Placeholders count as produced by sub-model 0.
+    pieces: list[Piece] = []
+    for k, sub in enumerate(plan.submodels):
+        inputs = tuple(n.name for n in placeholders) if k == 0 else tuple(live[k - 1])
+        is_last = k == num - 1
+        new = fx.Graph()
+        env: dict[str, fx.Node] = {}
+        for name in inputs:
+            env[name] = new.placeholder(name)
+            env[name].meta = dict(cut.by_name[name].meta)
+        piece = Piece(k, sub.start, sub.stop, new, inputs, (), is_last)
+        if hasattr(split, f"submod_{k}"):
+            _copy_submodule(cut, piece, env)
+        if is_last:
+            for leaf in _leaves(structure):  # a parameter returned as it is
+                if leaf.op == "get_attr" and leaf.name not in env:
+                    env[leaf.name] = cut.own_attr(new, piece, leaf.name, str(leaf.target))
+            result = fx.node.map_arg(structure, lambda n, env=env: env[n.name])
+            piece.structure = structure  # map_arg keeps tuples, lists and dicts, not their classes
+            piece.outputs = tuple(n.name for n in _leaves(structure))
+        else:
+            piece.outputs = tuple(live[k])
+            result = tuple(env[name] for name in live[k])
+        new.output(result)
+        new.lint()
+        pieces.append(piece)
+    return pieces
+
+
+def _working_graph(traced: TracedModel, part: dict[str, int]) -> tuple[fx.GraphModule, fx.Graph]:
+    """A copy of the traced graph to cut (the traced graph stays as the profile saw it), with
+    getitems moved to their producers' sub-models in `part` and dead operators dropped."""
+    with warnings.catch_warnings():  # torch's own pytree spec copy warns about its own API
+        warnings.simplefilter("ignore", FutureWarning)
+        graph = copy.deepcopy(traced.gm.graph)
+    gm = fx.GraphModule(traced.gm, graph, traced.gm.__class__.__name__)
+    values = traced.values
+
+    for node in graph.nodes:  # getitem on a tuple-valued result follows its producer
+        if (node.op == "call_function" and node.target is operator.getitem
+                and isinstance(node.args[0], fx.Node)
+                and _is_container(values.get(node.args[0].name))
+                and node.args[0].op != "placeholder"):
+            part[node.name] = part[node.args[0].name]
+    _drop_dead(graph)
+    graph.lint()
+    return gm, graph
+
+
+def _live_at_cuts(graph: fx.Graph, part: dict[str, int], output_node: fx.Node,
+                  num: int) -> list[list[str]]:
+    """The chain: the values that cross each cut, in graph order. A value is live at cut k
+    (between k and k+1) when produced at or before k and read after k. Placeholders count as
+    produced by sub-model 0."""
     order = {n.name: i for i, n in enumerate(graph.nodes)}
     last_use: dict[str, int] = {}
     for node in graph.nodes:
@@ -193,62 +231,58 @@ def split_plan(traced: TracedModel, plan: Plan) -> list[Piece]:
     for k in range(num - 1):
         names = [name for name, last in last_use.items() if part[name] <= k < last]
         live.append(sorted(names, key=order.__getitem__))
+    return live
 
-    canon_params, canon_buffers = _canonical_names(traced.model)
-    pieces: list[Piece] = []
-    for k, sub in enumerate(plan.submodels):
-        inputs = tuple(n.name for n in placeholders) if k == 0 else tuple(live[k - 1])
-        is_last = k == num - 1
-        new = fx.Graph()
-        env: dict[str, fx.Node] = {}
-        for name in inputs:
-            env[name] = new.placeholder(name)
-            env[name].meta = dict(by_name[name].meta)
-        piece = Piece(k, sub.start, sub.stop, new, inputs, (), is_last)
-        submod_name = f"submod_{k}"
-        if hasattr(split, submod_name):
-            submod = getattr(split, submod_name)
-            val_map: dict[fx.Node, fx.Node] = {}
-            for ph in [n for n in submod.graph.nodes if n.op == "placeholder"]:
-                if ph.name in env:
-                    val_map[ph] = env[ph.name]
-                    continue
-                original = by_name[ph.name]
-                if original.op != "get_attr":
-                    raise AssertionError(f"split_module gave {submod_name} an input {ph.name} "
-                                         f"outside the chain")  # a bug in the live-set computation
-                val_map[ph] = _own_attr(new, piece, ph.name, str(original.target), gm, traced.model,
-                                        canon_params, canon_buffers)
-            new.graph_copy(submod.graph, val_map)
-            locals_of: dict[str, str] = {}
-            for node in new.nodes:
-                env.setdefault(node.name, node)
-                if node.op == "call_module":
-                    target = str(node.target)
-                    if target not in locals_of:
-                        fqn = qualnames.get(f"{submod_name}.{target}", target)
-                        locals_of[target] = identifier_for(target, piece)
-                        piece.modules[locals_of[target]] = (fqn, _fetch(submod, target))
-                    node.meta[INPLACE_MODULE] = writes_input(_fetch(submod, target))
-                    node.target = locals_of[target]
-                elif node.op == "get_attr" and str(node.target) not in piece.attrs:
-                    raise CodegenError(f"node {node.name} reads {node.target}, a module attribute "
-                                       f"that is not a tensor; atomc cannot generate code for it")
-        if is_last:
-            for leaf in _leaves(structure):  # a parameter returned as it is
-                if leaf.op == "get_attr" and leaf.name not in env:
-                    env[leaf.name] = _own_attr(new, piece, leaf.name, str(leaf.target), gm,
-                                               traced.model, canon_params, canon_buffers)
-            result = fx.node.map_arg(structure, lambda n, env=env: env[n.name])
-            piece.structure = structure  # map_arg keeps tuples, lists and dicts, not their classes
-            piece.outputs = tuple(n.name for n in _leaves(structure))
-        else:
-            piece.outputs = tuple(live[k])
-            result = tuple(env[name] for name in live[k])
-        new.output(result)
-        new.lint()
-        pieces.append(piece)
-    return pieces
+
+@dataclass
+class _Split:
+    """What every piece is built from: `split_module`'s result, and the names and tensors of
+    the model it was cut from."""
+
+    gm: fx.GraphModule  # the working graph's module
+    model: nn.Module
+    split: fx.GraphModule
+    qualnames: dict[str, str]  # split_module's qualname map: submod_k.target -> original FQN
+    by_name: dict[str, fx.Node]  # the working graph's nodes
+    canon_params: dict[int, str]
+    canon_buffers: dict[int, str]
+
+    def own_attr(self, graph: fx.Graph, piece: Piece, name: str, target: str) -> fx.Node:
+        return _own_attr(graph, piece, name, target, self.gm, self.model, self.canon_params,
+                         self.canon_buffers)
+
+
+def _copy_submodule(cut: _Split, piece: Piece, env: dict[str, fx.Node]) -> None:
+    """Copy split_module's `submod_k` into the piece's graph: its inputs from the chain (`env`)
+    or the piece's own parameters and buffers, its leaf modules under local names."""
+    new = piece.graph
+    submod_name = f"submod_{piece.index}"
+    submod = getattr(cut.split, submod_name)
+    val_map: dict[fx.Node, fx.Node] = {}
+    for ph in [n for n in submod.graph.nodes if n.op == "placeholder"]:
+        if ph.name in env:
+            val_map[ph] = env[ph.name]
+            continue
+        original = cut.by_name[ph.name]
+        if original.op != "get_attr":
+            raise AssertionError(f"split_module gave {submod_name} an input {ph.name} "
+                                 f"outside the chain")  # a bug in the live-set computation
+        val_map[ph] = cut.own_attr(new, piece, ph.name, str(original.target))
+    new.graph_copy(submod.graph, val_map)
+    locals_of: dict[str, str] = {}
+    for node in new.nodes:
+        env.setdefault(node.name, node)
+        if node.op == "call_module":
+            target = str(node.target)
+            if target not in locals_of:
+                fqn = cut.qualnames.get(f"{submod_name}.{target}", target)
+                locals_of[target] = identifier_for(target, piece)
+                piece.modules[locals_of[target]] = (fqn, _fetch(submod, target))
+            node.meta[INPLACE_MODULE] = writes_input(_fetch(submod, target))
+            node.target = locals_of[target]
+        elif node.op == "get_attr" and str(node.target) not in piece.attrs:
+            raise CodegenError(f"node {node.name} reads {node.target}, a module attribute "
+                               f"that is not a tensor; atomc cannot generate code for it")
 
 
 def _drop_dead(graph: fx.Graph) -> None:
