@@ -131,6 +131,64 @@ def check_losses(losses: tuple[float, ...] | list[float]) -> None:
                                f"nothing a plan predicts; fix the run, then calibrate again")
 
 
+class _Tally:
+    """What `summarise` takes from the measured steps' events: per step, each lane's busy time
+    and each sub-model's compute per micro-batch and other work; loads and the bytes copied."""
+
+    def __init__(self, num_submodels: int, accum: int) -> None:
+        k = self.k = num_submodels
+        self.accum = accum
+        self.busy: dict[str, list[float]] = {lane: [] for lane in LANES}
+        self.compute: dict[tuple[int, str], list[float]] = {}
+        self.per_step: dict[tuple[int, str], list[float]] = {}
+        self.loads: list[list[float]] = [[] for _ in range(k)]
+        self.load_bytes = [0] * k
+        self.offload_bytes = [0] * k
+        self.moved = {"h2d": [0, 0.0], "d2h": [0, 0.0]}  # bytes, ms
+
+    def add(self, t: StepTrace) -> None:
+        k = self.k
+        lane_ms = dict.fromkeys(LANES, 0.0)
+        sums: dict[tuple[int, str], float] = {}
+        for e in t.events:
+            d = e.end_ms - e.start_ms
+            if not (math.isfinite(e.start_ms) and math.isfinite(e.end_ms)) or d < 0:
+                raise CalibrationError(f"step {t.step + 1}: event {e.lane}/{e.kind} of "
+                                       f"P{e.submodel} runs from {e.start_ms} to {e.end_ms} ms; "
+                                       f"the trace is damaged: measure again")
+            if e.submodel >= k:
+                raise CalibrationError(f"step {t.step + 1} has events of sub-model {e.submodel}, "
+                                       f"the plan has {k}: the trace is of another package")
+            lane_ms[e.lane] = lane_ms.get(e.lane, 0.0) + d
+            key = (e.submodel, e.kind)
+            sums[key] = sums.get(key, 0.0) + d
+            if e.kind in LOADS:
+                self.loads[e.submodel].append(d)
+                self.load_bytes[e.submodel] = max(self.load_bytes[e.submodel], e.num_bytes)
+            elif e.kind == "offload":
+                self.offload_bytes[e.submodel] = max(self.offload_bytes[e.submodel], e.num_bytes)
+            # bandwidths from the weight and gradient copies the cost model prices by bytes;
+            # checkpoints are many small copies, whose time is mostly latency
+            if e.num_bytes > 0 and e.kind in LOADS:
+                self.moved["h2d"][0] += e.num_bytes
+                self.moved["h2d"][1] += d
+            elif e.num_bytes > 0 and e.kind == "offload":
+                self.moved["d2h"][0] += e.num_bytes
+                self.moved["d2h"][1] += d
+        for i in range(k):
+            for kind in ("forward", "backward"):
+                if (i, kind) not in sums:
+                    raise CalibrationError(
+                        f"step {t.step + 1}'s trace has no {kind} of sub-model {i}: it is not "
+                        f"a step of this plan's schedule; measure the plan's package as "
+                        f"generated")
+                self.compute.setdefault((i, kind), []).append(sums[(i, kind)] / self.accum)
+            for kind in ("checkpoint", "offload", "optimizer", "grad_prepare"):
+                self.per_step.setdefault((i, kind), []).append(sums.get((i, kind), 0.0))
+        for lane in LANES:
+            self.busy[lane].append(lane_ms.get(lane, 0.0))
+
+
 def summarise(traces: list[StepTrace], *, num_submodels: int, accum: int, activations: str,
               device: str, plan_hash: str, package: str = "", warmup_steps: int = 0,
               losses: tuple[float, ...] = (), steps: set[int] | None = None) -> Measurement:
@@ -153,55 +211,11 @@ def summarise(traces: list[StepTrace], *, num_submodels: int, accum: int, activa
     if not pairs:
         raise CalibrationError(f"none of steps {sorted(steps or ())} is followed by a traced "
                                f"step; pick measured steps of the run")
-    measured = [a for a, _ in pairs]
+    tally = _Tally(k, c)
+    for a, _ in pairs:
+        tally.add(a)
+    compute, per_step = tally.compute, tally.per_step
     step_ms = [(b.host_start - a.host_start) * 1e3 for a, b in pairs]
-    busy: dict[str, list[float]] = {lane: [] for lane in LANES}
-    compute: dict[tuple[int, str], list[float]] = {}
-    per_step: dict[tuple[int, str], list[float]] = {}
-    loads: list[list[float]] = [[] for _ in range(k)]
-    load_bytes = [0] * k
-    offload_bytes = [0] * k
-    moved = {"h2d": [0, 0.0], "d2h": [0, 0.0]}
-    for t in measured:
-        lane_ms = dict.fromkeys(LANES, 0.0)
-        sums: dict[tuple[int, str], float] = {}
-        for e in t.events:
-            d = e.end_ms - e.start_ms
-            if not (math.isfinite(e.start_ms) and math.isfinite(e.end_ms)) or d < 0:
-                raise CalibrationError(f"step {t.step + 1}: event {e.lane}/{e.kind} of "
-                                       f"P{e.submodel} runs from {e.start_ms} to {e.end_ms} ms; "
-                                       f"the trace is damaged: measure again")
-            if e.submodel >= k:
-                raise CalibrationError(f"step {t.step + 1} has events of sub-model {e.submodel}, "
-                                       f"the plan has {k}: the trace is of another package")
-            lane_ms[e.lane] = lane_ms.get(e.lane, 0.0) + d
-            key = (e.submodel, e.kind)
-            sums[key] = sums.get(key, 0.0) + d
-            if e.kind in LOADS:
-                loads[e.submodel].append(d)
-                load_bytes[e.submodel] = max(load_bytes[e.submodel], e.num_bytes)
-            elif e.kind == "offload":
-                offload_bytes[e.submodel] = max(offload_bytes[e.submodel], e.num_bytes)
-            # bandwidths from the weight and gradient copies the cost model prices by bytes;
-            # checkpoints are many small copies, whose time is mostly latency
-            if e.num_bytes > 0 and e.kind in LOADS:
-                moved["h2d"][0] += e.num_bytes
-                moved["h2d"][1] += d
-            elif e.num_bytes > 0 and e.kind == "offload":
-                moved["d2h"][0] += e.num_bytes
-                moved["d2h"][1] += d
-        for i in range(k):
-            for kind in ("forward", "backward"):
-                if (i, kind) not in sums:
-                    raise CalibrationError(
-                        f"step {t.step + 1}'s trace has no {kind} of sub-model {i}: it is not "
-                        f"a step of this plan's schedule; measure the plan's package as "
-                        f"generated")
-                compute.setdefault((i, kind), []).append(sums[(i, kind)] / c)
-            for kind in ("checkpoint", "offload", "optimizer", "grad_prepare"):
-                per_step.setdefault((i, kind), []).append(sums.get((i, kind), 0.0))
-        for lane in LANES:
-            busy[lane].append(lane_ms.get(lane, 0.0))
 
     def med(xs: list[float]) -> float:
         return float(statistics.median(xs)) if xs else 0.0
@@ -209,9 +223,9 @@ def summarise(traces: list[StepTrace], *, num_submodels: int, accum: int, activa
     subs = tuple(
         MeasuredSubmodel(
             index=i, fwd_ms=med(compute[(i, "forward")]), bwd_ms=med(compute[(i, "backward")]),
-            load_ms=med(loads[i]), load_bytes=load_bytes[i],
+            load_ms=med(tally.loads[i]), load_bytes=tally.load_bytes[i],
             checkpoint_ms=med(per_step[(i, "checkpoint")]),
-            offload_ms=med(per_step[(i, "offload")]), offload_bytes=offload_bytes[i],
+            offload_ms=med(per_step[(i, "offload")]), offload_bytes=tally.offload_bytes[i],
             optimizer_ms=med([a + b for a, b in zip(per_step[(i, "optimizer")],
                                                     per_step[(i, "grad_prepare")])]))
         for i in range(k))
@@ -222,8 +236,8 @@ def summarise(traces: list[StepTrace], *, num_submodels: int, accum: int, activa
     return Measurement(
         package=package, plan_hash=plan_hash, device=device, accum=c, activations=activations,
         warmup_steps=warmup_steps, step_ms=tuple(step_ms),
-        lane_busy_ms={lane: tuple(v) for lane, v in busy.items()}, losses=tuple(losses),
-        submodels=subs, h2d_gbps=gbps(*moved["h2d"]), d2h_gbps=gbps(*moved["d2h"]))
+        lane_busy_ms={lane: tuple(v) for lane, v in tally.busy.items()}, losses=tuple(losses),
+        submodels=subs, h2d_gbps=gbps(*tally.moved["h2d"]), d2h_gbps=gbps(*tally.moved["d2h"]))
 
 
 def measure_package(package: str | Path, *, steps: int = 20, warmup: int = 3,

@@ -8,7 +8,7 @@ import dataclasses
 
 from atomc.calibrate.measure import Measurement, check_device, check_losses
 from atomc.errors import CalibrationError
-from atomc.ir import Calibration, Plan, Profile, SubmodelCalibration
+from atomc.ir import Calibration, NodeCost, Plan, Profile, SubmodelCalibration
 from atomc.simulate.events import copies_on_host, fit_host_gap_ms
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
@@ -22,7 +22,40 @@ def calibrate(profile: Profile, plan: Plan, measurement: Measurement) -> Profile
     plan's package, of another device than the plan's, with another C or activation rule, or
     with a failed step.
     """
-    from atomc.partition import profile_hash, recost
+    from atomc.partition import recost
+
+    seen, plan_hash = _check_measurement(profile, plan, measurement)
+    costs, scales = _fitted_costs(profile, plan, measurement)
+
+    h2d = measurement.h2d_gbps or profile.h2d_gbps
+    d2h = measurement.d2h_gbps or profile.d2h_gbps
+    scaled = dataclasses.replace(profile, costs=tuple(costs), h2d_gbps=h2d, d2h_gbps=d2h,
+                                 calibration=None)
+    rate = _update_rate(scaled, plan, measurement)
+    gap_ms = 0.0
+    if copies_on_host(plan.device):
+        gap_ms = _host_gap_ms(recost(scaled, plan, cpu_adam_gbps=rate or plan.cpu_adam_gbps),
+                              measurement.median_step_ms)
+    record = Calibration(
+        plan_hash=plan_hash, source_profile_hash=seen, device=measurement.device,
+        num_steps=measurement.num_steps, warmup_steps=measurement.warmup_steps, accum=plan.accum,
+        submodels=tuple(scales), h2d_scale=h2d / profile.h2d_gbps if profile.h2d_gbps else 1.0,
+        d2h_scale=d2h / profile.d2h_gbps if profile.d2h_gbps else 1.0, cpu_adam_gbps=rate,
+        measured_step_ms=measurement.median_step_ms, predicted_step_ms=plan.predicted_step_ms,
+        calibrated_step_ms=0.0, host_gap_ms=gap_ms)
+    after = recost(dataclasses.replace(scaled, calibration=record), plan,
+                   cpu_adam_gbps=rate or plan.cpu_adam_gbps)
+    record = dataclasses.replace(record, calibrated_step_ms=after.predicted_step_ms)
+    note = (f"calibrated to {measurement.num_steps} measured steps of plan {plan_hash} on "
+            f"{measurement.device}: step measured {measurement.median_step_ms:.2f} ms, predicted "
+            f"{plan.predicted_step_ms:.2f} ms before, {after.predicted_step_ms:.2f} ms after")
+    return dataclasses.replace(scaled, notes=(*profile.notes, note), calibration=record)
+
+
+def _check_measurement(profile: Profile, plan: Plan, measurement: Measurement) -> tuple[str, str]:
+    """Refuse a measurement `calibrate` cannot fit `profile` to; the profile's and the plan's
+    hashes."""
+    from atomc.partition import profile_hash
 
     seen = profile_hash(profile)
     if seen != plan.profile_hash:
@@ -48,7 +81,14 @@ def calibrate(profile: Profile, plan: Plan, measurement: Measurement) -> Profile
     if measurement.num_steps < 1:
         raise CalibrationError("the measurement holds no steps; measure 1 or more")
     check_losses(measurement.losses)
+    return seen, plan_hash
 
+
+def _fitted_costs(profile: Profile, plan: Plan, measurement: Measurement,
+                  ) -> tuple[list[NodeCost], list[SubmodelCalibration]]:
+    """The profile's node costs with each sub-model's times fitted to the measured ones, and
+    the fit for each sub-model."""
+    k = len(plan.submodels)
     costs = list(profile.costs)
     recompute = plan.activations != "keep"
     # the runtime's own time per call stays the profile's (the cost model adds it to every
@@ -85,30 +125,7 @@ def calibrate(profile: Profile, plan: Plan, measurement: Measurement) -> Profile
             measured_fwd_ms=m.fwd_ms, measured_bwd_ms=m.bwd_ms, measured_load_ms=m.load_ms,
             measured_checkpoint_ms=m.checkpoint_ms, measured_offload_ms=m.offload_ms,
             measured_optimizer_ms=m.optimizer_ms))
-
-    h2d = measurement.h2d_gbps or profile.h2d_gbps
-    d2h = measurement.d2h_gbps or profile.d2h_gbps
-    scaled = dataclasses.replace(profile, costs=tuple(costs), h2d_gbps=h2d, d2h_gbps=d2h,
-                                 calibration=None)
-    rate = _update_rate(scaled, plan, measurement)
-    gap_ms = 0.0
-    if copies_on_host(plan.device):
-        gap_ms = _host_gap_ms(recost(scaled, plan, cpu_adam_gbps=rate or plan.cpu_adam_gbps),
-                              measurement.median_step_ms)
-    record = Calibration(
-        plan_hash=plan_hash, source_profile_hash=seen, device=measurement.device,
-        num_steps=measurement.num_steps, warmup_steps=measurement.warmup_steps, accum=plan.accum,
-        submodels=tuple(scales), h2d_scale=h2d / profile.h2d_gbps if profile.h2d_gbps else 1.0,
-        d2h_scale=d2h / profile.d2h_gbps if profile.d2h_gbps else 1.0, cpu_adam_gbps=rate,
-        measured_step_ms=measurement.median_step_ms, predicted_step_ms=plan.predicted_step_ms,
-        calibrated_step_ms=0.0, host_gap_ms=gap_ms)
-    after = recost(dataclasses.replace(scaled, calibration=record), plan,
-                   cpu_adam_gbps=rate or plan.cpu_adam_gbps)
-    record = dataclasses.replace(record, calibrated_step_ms=after.predicted_step_ms)
-    note = (f"calibrated to {measurement.num_steps} measured steps of plan {plan_hash} on "
-            f"{measurement.device}: step measured {measurement.median_step_ms:.2f} ms, predicted "
-            f"{plan.predicted_step_ms:.2f} ms before, {after.predicted_step_ms:.2f} ms after")
-    return dataclasses.replace(scaled, notes=(*profile.notes, note), calibration=record)
+    return costs, scales
 
 
 def _host_gap_ms(plan: Plan, measured_step_ms: float) -> float:

@@ -129,35 +129,16 @@ def _median_of_rounds(rounds: list[Measured]) -> Measured:
                                bwd_ms=median(lambda m: m.bwd_ms), issue=issue)
 
 
-def profile_model(traced: TracedModel, *, device: str | None = None, target: str | None = None,
-                  compute_dtype: str | None = None, repeats: int = 5,
-                  progress: bool | None = None, rounds: int | None = None,
-                  runtime_costs: Callable[[torch.device], RuntimeCosts] | None = None) -> Profile:
-    """A measured profile on `device` (`repeats` timed calls per operator, median; on a CPU in
-    CPU_ROUNDS rounds unless `rounds` says) or an estimated one for hardware `target`.
-
-    A measured profile holds the runtime's own costs on `device` when the caller passes
-    `runtime_costs` (atomc.calibrate.measure_runtime_costs: measuring them runs the runtime,
-    a layer above this one); without it they are not measured and plans charge none."""
-    if device is not None and target is not None:
-        raise ProfileError("give either --device (measure) or --target (estimate), not both")
-    hw = load_hardware(target) if target is not None else None
-    dev = parse_device(device, ProfileError) if hw is None else None
-    if hw is not None:
-        compute_dtype = compute_dtype or hw.default_dtype
-        if compute_dtype not in hw.peak_tflops:
-            raise ProfileError(f"hardware profile {hw.name} has no peak for {compute_dtype}; "
-                               f"choose one of {', '.join(hw.peak_tflops)}")
-
+def _measure_operators(traced: TracedModel, unique_sigs: list[str], dev: torch.device | None,
+                       repeats: int, progress: bool | None, rounds: int | None,
+                       ) -> tuple[dict[str, MetaStats], dict[str, Measured], int]:
+    """Each operator signature's shapes and sizes, and on a device its times (the median of
+    `rounds`), from the first node that has it; and the rounds taken."""
     gm, values, graph = traced.gm, traced.values, traced.graph
-    fx_nodes = list(gm.graph.nodes)
     stats_by_sig: dict[str, MetaStats] = {}
     measured: dict[str, Measured] = {}
-    unique_sigs = list(dict.fromkeys(n.signature for n in graph.nodes if n.op in COMPUTE_OPS))
-    copy_timer = CopyTimer(dev) if dev is not None else None
-
     first_node = {}
-    for fx_node, op in zip(fx_nodes, graph.nodes):
+    for fx_node, op in zip(list(gm.graph.nodes), graph.nodes):
         if op.op in COMPUTE_OPS and op.signature not in first_node:
             first_node[op.signature] = fx_node
     bar = tqdm(unique_sigs, desc=f"profiling {len(unique_sigs)} unique operators", unit="op",
@@ -183,7 +164,14 @@ def profile_model(traced: TracedModel, *, device: str | None = None, target: str
                                    f"failed: {type(e).__name__}: {e}") from e
     if dev is not None:
         measured = {sig: _median_of_rounds(ms) for sig, ms in by_round.items()}
+    return stats_by_sig, measured, rounds
 
+
+def _node_costs(graph: Any, stats_by_sig: dict[str, MetaStats], measured: dict[str, Measured],
+                dev: torch.device | None, copy_timer: CopyTimer | None, hw: Any,
+                compute_dtype: str | None) -> list[NodeCost]:
+    """One NodeCost per graph node: measured on `dev`, or estimated for hardware `hw`. A weight
+    is loaded by the first node that reads it; a repeated operator is "reused"."""
     seen: set[str] = set()
     costs: list[NodeCost] = []
     counted: set[str] = set()
@@ -223,21 +211,54 @@ def profile_model(traced: TracedModel, *, device: str | None = None, target: str
             load_ms=node_load_ms, fwd_flops=s.fwd_flops, bwd_flops=s.bwd_flops, source=source,
             issue=issue,
         ))
+    return costs
 
-    loss_note = ""
-    if dev is not None:
-        loss = _loss_costs(traced, dev, repeats)
-        if isinstance(loss, str):
-            loss_note = loss
-        elif loss is not None:
-            # the last sub-model computes the loss in every step: its times and working memory
-            # ride on the output node, which is always there
-            out = max(i for i, n in enumerate(graph.nodes) if n.op == "output")
-            costs[out] = dataclasses.replace(costs[out], fwd_ms=loss[0], bwd_ms=loss[1],
-                                             peak_fwd_bytes=loss[2], peak_bwd_bytes=loss[3])
-            loss_note = (f"loss_fn measured on the output node: forward {loss[0]:.3f} ms, "
-                         f"backward {loss[1]:.3f} ms, working memory "
-                         f"{format_bytes(max(loss[2], loss[3]))}")
+
+def _add_loss_costs(traced: TracedModel, costs: list[NodeCost], dev: torch.device,
+                    repeats: int) -> str:
+    """Measure the model file's loss_fn onto the output node's cost; the profile's note on it
+    ("" without a loss_fn)."""
+    loss = _loss_costs(traced, dev, repeats)
+    if isinstance(loss, str):
+        return loss
+    if loss is None:
+        return ""
+    # the last sub-model computes the loss in every step: its times and working memory ride on
+    # the output node, which is always there
+    out = max(i for i, n in enumerate(traced.graph.nodes) if n.op == "output")
+    costs[out] = dataclasses.replace(costs[out], fwd_ms=loss[0], bwd_ms=loss[1],
+                                     peak_fwd_bytes=loss[2], peak_bwd_bytes=loss[3])
+    return (f"loss_fn measured on the output node: forward {loss[0]:.3f} ms, "
+            f"backward {loss[1]:.3f} ms, working memory {format_bytes(max(loss[2], loss[3]))}")
+
+
+def profile_model(traced: TracedModel, *, device: str | None = None, target: str | None = None,
+                  compute_dtype: str | None = None, repeats: int = 5,
+                  progress: bool | None = None, rounds: int | None = None,
+                  runtime_costs: Callable[[torch.device], RuntimeCosts] | None = None) -> Profile:
+    """A measured profile on `device` (`repeats` timed calls per operator, median; on a CPU in
+    CPU_ROUNDS rounds unless `rounds` says) or an estimated one for hardware `target`.
+
+    A measured profile holds the runtime's own costs on `device` when the caller passes
+    `runtime_costs` (atomc.calibrate.measure_runtime_costs: measuring them runs the runtime,
+    a layer above this one); without it they are not measured and plans charge none."""
+    if device is not None and target is not None:
+        raise ProfileError("give either --device (measure) or --target (estimate), not both")
+    hw = load_hardware(target) if target is not None else None
+    dev = parse_device(device, ProfileError) if hw is None else None
+    if hw is not None:
+        compute_dtype = compute_dtype or hw.default_dtype
+        if compute_dtype not in hw.peak_tflops:
+            raise ProfileError(f"hardware profile {hw.name} has no peak for {compute_dtype}; "
+                               f"choose one of {', '.join(hw.peak_tflops)}")
+
+    graph = traced.graph
+    copy_timer = CopyTimer(dev) if dev is not None else None
+    unique_sigs = list(dict.fromkeys(n.signature for n in graph.nodes if n.op in COMPUTE_OPS))
+    stats_by_sig, measured, rounds = _measure_operators(traced, unique_sigs, dev, repeats,
+                                                        progress, rounds)
+    costs = _node_costs(graph, stats_by_sig, measured, dev, copy_timer, hw, compute_dtype)
+    loss_note = _add_loss_costs(traced, costs, dev, repeats) if dev is not None else ""
 
     num_compute = sum(1 for n in graph.nodes if n.op in COMPUTE_OPS)
     if hw is not None:
