@@ -358,14 +358,8 @@ class SwarmTrainer:
         """One call to some server of stage j, retried on others until one answers."""
         cfg = self.cfg
         avoid = set(avoid or ())
-        payload = dict(values)
-        payload.update({f"{BATCH}{i}": t for i, t in enumerate(batch)})
-        payload.update({f"{GRAD}{n}": t for n, t in (grads or {}).items()})
         samples = int(batch[0].shape[0])
-        meta = {"step": k, "stage": j, "micro": g, "num_micro": total, "samples": samples,
-                "id": f"{self.name}:{k}:{g}", "batch_len": len(batch),
-                "package": self.node.fingerprint, "compress": cfg.compress}
-        request = encode(payload, meta, compress=cfg.compress)
+        request = self._request(j, k, g, batch, total, values, grads)
         deadline = time.monotonic() + cfg.servers_timeout_s
         stale = 0  # calls refused for naming another attempt than the server's
         while True:
@@ -392,60 +386,9 @@ class SwarmTrainer:
             attempt = self.router.attempt(j, peer)
             request.uid = str(attempt)
             try:
-                try:
-                    wait = self.router.banned_for(j, peer, now)
-                    if wait > 0:  # every server of the stage is banned: not faster than 1 s
-                        await asyncio.sleep(min(wait, 1.0))
-                    stub = SwarmServicer.get_stub(self.node.p2p, PeerID.from_base58(peer),
-                                                  namespace=cfg.prefix)
-                    method = stub.rpc_forward if kind == "forward" else stub.rpc_backward
-                    t0 = time.monotonic()
-                    self._stats.calls += 1
-                    response = await asyncio.wait_for(
-                        self._exchange(method, request), cfg.request_timeout_s)
-                finally:  # its place in flight is free, whatever became of the call
-                    self.router.answered(j, peer)
-                    async with self._answered:
-                        self._answered.notify_all()
+                response, t0 = await self._send(j, kind, peer, request, now)
             except Exception as e:  # noqa: BLE001 - any failure of a remote call: route elsewhere
-                self._stats.retries += 1
-                if isinstance(e, Refused) and e.taken:
-                    # the stage has taken the step: nothing of it is left to route (the
-                    # callers say what that means for this call)
-                    raise StepTaken(str(e)) from None
-                if isinstance(e, Refused) and e.elsewhere:
-                    # it moved: not a fault, so no ban; no more calls to it for this stage
-                    # until a record shows it here (`refresh`)
-                    self.router.drop(j, peer)
-                    continue
-                said = e.attempt if isinstance(e, Refused) else None
-                if said is not None and not e.held and stale < STALE_TRIES:
-                    # a trainer excluded an attempt of it: ours names the old one (call again
-                    # at once with its new one), or its next one before it has read that
-                    stale += 1
-                    if said > attempt:
-                        self.router.learn_attempt(j, peer, said)
-                    elif stale % STALE_TRUST == 0:
-                        # still behind after a few ticks: it never read our exclusion (it was
-                        # for a step it had taken already); its own word holds. Safe: a
-                        # gradient it takes under an attempt excluded later is sent again
-                        self.router.learn_attempt(j, peer, said, trust=True)
-                    else:
-                        await asyncio.sleep(STALE_WAIT_S)
-                    continue
-                if isinstance(e, (StreamClosed, P2PDaemonError)):
-                    self._report_gone(peer)
-                span = self.router.ban(j, peer, time.monotonic())
-                self.log(f"stage {j} server ...{peer[-6:]}: {kind} of micro-batch {g} failed "
-                         f"({type(e).__name__}: {str(e).strip()[:160]}); banned for {span:.1f} s")
-                if kind == "backward" and getattr(e, "held", True):
-                    # it may hold this gradient (a call lost on the way, or timed out): nothing
-                    # of that attempt may count; a server that refused says whether it holds it
-                    # (in the attempt it is on, which it names when ours is another)
-                    held_at = attempt if said is None else said
-                    await self._exclude(k, j, peer, held_at)
-                    self.router.learn_attempt(j, peer, held_at + 1)
-                avoid.add(peer)
+                stale = await self._failed(e, j, kind, k, g, peer, attempt, stale, avoid)
                 continue
             self.router.report(j, peer, time.monotonic() - t0, samples)
             self._stats.bytes_sent += message_bytes([request])
@@ -453,6 +396,85 @@ class SwarmTrainer:
             if kind == "backward":
                 self._held[(j, g)] = _Held(peer, attempt, values, grads)
             return decode(response, torch.device("cpu"))
+
+    def _request(self, j: int, k: int, g: int, batch: tuple, total: int, values: dict[str, Any],
+                 grads: dict[str, torch.Tensor] | None) -> Any:
+        """The call's message: the stage's inputs, the batch, the output gradients (backward)
+        and what the server checks the call against."""
+        cfg = self.cfg
+        payload = dict(values)
+        payload.update({f"{BATCH}{i}": t for i, t in enumerate(batch)})
+        payload.update({f"{GRAD}{n}": t for n, t in (grads or {}).items()})
+        samples = int(batch[0].shape[0])
+        meta = {"step": k, "stage": j, "micro": g, "num_micro": total, "samples": samples,
+                "id": f"{self.name}:{k}:{g}", "batch_len": len(batch),
+                "package": self.node.fingerprint, "compress": cfg.compress}
+        return encode(payload, meta, compress=cfg.compress)
+
+    async def _send(self, j: int, kind: str, peer: str, request: Any,
+                    now: float) -> tuple[Any, float]:
+        """The server's answer to `request`, and when it was sent (monotonic seconds)."""
+        try:
+            wait = self.router.banned_for(j, peer, now)
+            if wait > 0:  # every server of the stage is banned: not faster than 1 s
+                await asyncio.sleep(min(wait, 1.0))
+            stub = SwarmServicer.get_stub(self.node.p2p, PeerID.from_base58(peer),
+                                          namespace=self.cfg.prefix)
+            method = stub.rpc_forward if kind == "forward" else stub.rpc_backward
+            t0 = time.monotonic()
+            self._stats.calls += 1
+            response = await asyncio.wait_for(
+                self._exchange(method, request), self.cfg.request_timeout_s)
+        finally:  # its place in flight is free, whatever became of the call
+            self.router.answered(j, peer)
+            async with self._answered:
+                self._answered.notify_all()
+        return response, t0
+
+    async def _failed(self, e: Exception, j: int, kind: str, k: int, g: int, peer: str,
+                      attempt: int, stale: int, avoid: set[str]) -> int:
+        """Route around a call to `peer` that failed with `e` (banning it, or not, as the
+        failure says; `avoid` gains the servers not to call again); StepTaken when the stage
+        has taken the step. Returns the count of refusals for a stale attempt so far."""
+        self._stats.retries += 1
+        if isinstance(e, Refused) and e.taken:
+            # the stage has taken the step: nothing of it is left to route (the callers say
+            # what that means for this call)
+            raise StepTaken(str(e)) from None
+        if isinstance(e, Refused) and e.elsewhere:
+            # it moved: not a fault, so no ban; no more calls to it for this stage until a
+            # record shows it here (`refresh`)
+            self.router.drop(j, peer)
+            return stale
+        said = e.attempt if isinstance(e, Refused) else None
+        if said is not None and not e.held and stale < STALE_TRIES:
+            # a trainer excluded an attempt of it: ours names the old one (call again at once
+            # with its new one), or its next one before it has read that
+            stale += 1
+            if said > attempt:
+                self.router.learn_attempt(j, peer, said)
+            elif stale % STALE_TRUST == 0:
+                # still behind after a few ticks: it never read our exclusion (it was for a
+                # step it had taken already); its own word holds. Safe: a gradient it takes
+                # under an attempt excluded later is sent again
+                self.router.learn_attempt(j, peer, said, trust=True)
+            else:
+                await asyncio.sleep(STALE_WAIT_S)
+            return stale
+        if isinstance(e, (StreamClosed, P2PDaemonError)):
+            self._report_gone(peer)
+        span = self.router.ban(j, peer, time.monotonic())
+        self.log(f"stage {j} server ...{peer[-6:]}: {kind} of micro-batch {g} failed "
+                 f"({type(e).__name__}: {str(e).strip()[:160]}); banned for {span:.1f} s")
+        if kind == "backward" and getattr(e, "held", True):
+            # it may hold this gradient (a call lost on the way, or timed out): nothing of that
+            # attempt may count; a server that refused says whether it holds it (in the
+            # attempt it is on, which it names when ours is another)
+            held_at = attempt if said is None else said
+            await self._exclude(k, j, peer, held_at)
+            self.router.learn_attempt(j, peer, held_at + 1)
+        avoid.add(peer)
+        return stale
 
     @staticmethod
     async def _exchange(method: Any, request: Any) -> Any:

@@ -544,6 +544,14 @@ def simulate_wiring(stage_speeds: Sequence[Sequence[float]], *, num_trainers: in
         e[j] = gamma * ((finish - now) / part) + (1 - gamma) * e[j]
         heapq.heappush(events, (finish, seq, trainer, hop + 1))
         seq += 1
+    return _wiring_result(speeds, log, done_times, inflight, num_microbatches, microbatch_s)
+
+
+def _wiring_result(speeds: list[np.ndarray], log: list[tuple[float, int, int, float, bool]],
+                   done_times: list[float], inflight: int, num_microbatches: int,
+                   microbatch_s: float) -> WiringResult:
+    """Throughput and each server's load over the steady window of a routed run: `log` holds
+    each hop's (arrival, stage, server, work, forward), `done_times` the completions."""
     # the measured window: from the middle completion to the one where the swarm starts to
     # drain (no new micro-batches), so neither the ramp-up nor the drain counts
     first = len(done_times) // 2
