@@ -30,6 +30,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -49,6 +50,14 @@ MEMS = (8, 11, 16, 32)
 TABLES = (("v100-32gb", CONFIGS, "float16"), ("rtx-3090", ("gpt3-175b",), "bfloat16"))
 HEADLINE_GIB = 11
 GIB = 1 << 30
+WIDTH = 96  # the prose's lines; table rows stay one line each
+
+
+def wrap(text: str, first: str = "", rest: str = "") -> str:
+    """`text` as lines of at most WIDTH columns, the first led by `first`, the others by
+    `rest` (a list item's continuation indent)."""
+    return textwrap.fill(text, WIDTH, initial_indent=first, subsequent_indent=rest,
+                         break_long_words=False, break_on_hyphens=False)
 
 
 @dataclasses.dataclass
@@ -244,7 +253,7 @@ def headline(rows: list[Row], work: Path) -> list[str]:
     for row in rows:
         plan = row.plan
         if plan is None:
-            out.append(f"- {row.target}: the command refused: {row.error}")
+            out.append(wrap(f"{row.target}: the command refused: {row.error}", "- ", "  "))
             continue
         profile = Profile.load(profile_path(work, row.config, row.target))
         m = Model.of(profile, plan, width=64)
@@ -257,8 +266,8 @@ def headline(rows: list[Row], work: Path) -> list[str]:
         first, second = costs[0], costs[1]
         tail, _ = first_tail(costs)
         wait = tail - first.offload_ns - first.optimizer_ns
-        out.append(
-            f"- **{row.target}, {row.dtype}**: every constraint met at C = {plan.accum}: "
+        out.append(wrap(
+            f"**{row.target}, {row.dtype}**: every constraint met at C = {plan.accum}: "
             f"{len(costs)} sub-models, {plan.predicted_utilisation:.1%} predicted busy, "
             f"{step_text(plan.predicted_step_ms)} a step{stored_text(plan)}. Sub-model 0 is "
             f"{layers(plan, 0)} ({format_bytes(first.param_bytes)}, little compute: C*t_bwd "
@@ -270,9 +279,9 @@ def headline(rows: list[Row], work: Path) -> list[str]:
             f"The runtime's two weight and two gradient slots of the largest sub-model "
             f"({format_bytes(max(c.param_bytes for c in costs))}) take {format_bytes(slots)} of "
             f"the {format_bytes(usable)} usable; the most working memory beside them is "
-            f"sub-model {big}'s, {format_bytes(working(costs[big]))}.")
-        out.append(
-            f"  At the step boundary sub-model 1 ({layers(plan, 1)}) must send its gradients "
+            f"sub-model {big}'s, {format_bytes(working(costs[big]))}.", "- ", "  "))
+        out.append(wrap(
+            f"At the step boundary sub-model 1 ({layers(plan, 1)}) must send its gradients "
             f"out ({ms(second.offload_ns)}) and have the CPU update it "
             f"({ms(second.optimizer_ns)}) while sub-model 0 runs its backward and sends its "
             f"own gradients ({ms(first.accum_bwd_ns)} + {ms(first.offload_ns)}): sub-model 0's "
@@ -280,7 +289,7 @@ def headline(rows: list[Row], work: Path) -> list[str]:
             f"gradients, update and refresh ({ms(first.offload_ns)} + "
             f"{ms(first.optimizer_ns)} + {ms(first.load_fwd_ns)}); the wait makes that "
             f"{ms(tail + first.load_fwd_ns)}, {wait / (plan.predicted_step_ms * 1e6):.2%} of "
-            f"the step, and the predicted step includes it.")
+            f"the step, and the predicted step includes it.", "  ", "  "))
         # the plan the earlier tables had: the embedding and the first block's attention
         # through its scaled-dot-product attention together in sub-model 0
         sdpa = m.node("scaled_dot_product_attention") + 1
@@ -291,14 +300,14 @@ def headline(rows: list[Row], work: Path) -> list[str]:
         short = min(s.slack_memory_bytes for s in old.submodels)
         worst = min(range(len(old.submodels)), key=lambda i: old.submodels[i].slack_memory_bytes)
         wide_costs = m.costs(wide)
-        out.append(
-            f"  The earlier tables' plan put the embedding and the first block's attention input "
+        out.append(wrap(
+            f"The earlier tables' plan put the embedding and the first block's attention input "
             f"projection together in sub-model 0 ({format_bytes(wide_costs[0].param_bytes)}), "
             f"whose backward then hid sub-model 1's update. The runtime sizes its four slots "
             f"for that sub-model ({format_bytes(slot_bytes(wide_costs))}), and sub-model "
             f"{worst}'s working memory ({format_bytes(working(wide_costs[worst]))}) does not "
             f"fit beside them: short by {format_bytes(-short)} of {format_bytes(usable)}, "
-            f"so it would run out of memory on the GPU.")
+            f"so it would run out of memory on the GPU.", "  ", "  "))
     return out
 
 
@@ -348,7 +357,7 @@ def refusals(rows: list[Row], work: Path) -> list[str]:
                      f"({format_bytes(floor)}): the runtime's four slots take at least "
                      f"{format_bytes(4 * floor)} of the {format_bytes(usable)} usable at "
                      f"C = 1, and at {node.module_fqn or node.op}'s {node.name} {what}.")
-        out.append(line)
+        out.append(wrap(line, "", "  "))
     return out
 
 
@@ -362,10 +371,11 @@ def bindings(rows: list[Row]) -> list[str]:
         pair = [j for j in (i, i + 1) if j < len(r.plan.submodels)]
         named = ", ".join(f"sub-model {j} is {layers(r.plan, j)} "
                           f"({format_bytes(r.plan.submodels[j].param_bytes)})" for j in pair)
-        out.append(f"- {r.config}, {r.target}, {r.weights}, {r.gib} GiB, C = {r.plan.accum} "
-                   f"({len(r.plan.submodels)} sub-models, "
-                   f"{r.plan.predicted_utilisation:.1%} predicted busy): {r.plan.binding}; "
-                   f"{named}. {r.plan.notes[-1][0].upper()}{r.plan.notes[-1][1:]}.")
+        out.append(wrap(f"{r.config}, {r.target}, {r.weights}, {r.gib} GiB, C = {r.plan.accum} "
+                        f"({len(r.plan.submodels)} sub-models, "
+                        f"{r.plan.predicted_utilisation:.1%} predicted busy): {r.plan.binding}; "
+                        f"{named}. {r.plan.notes[-1][0].upper()}{r.plan.notes[-1][1:]}.",
+                        "- ", "  "))
     return out
 
 
@@ -446,27 +456,8 @@ Reading the tables:
 HISTORY = """\
 ## What moved these plans
 
-The README's earlier tables (commit 745e32a, the mixed-precision plans) had GPT-3 175B at
-11 GiB in half precision at C = 3 on both hosts, and with float32 weights a plan of 387
-sub-models at C = 8. Two changes since then moved them, and the tables were not rerun:
-
-1. The planner counts the runtime's slots (7d29b83, after the first H100 run, where plans ran
-   out of memory by up to 433 MiB): two weight and two gradient slots, each the size of the
-   largest sub-model, held all step (`atomc/runtime/slots.py` allocates exactly that). The
-   earlier half-precision plan does not fit them (above): it would run out of memory. With
-   float32 weights nothing fits 11 GiB (below); the earlier row counted no slots.
-2. Without the embedding and the first attention projection together, sub-model 0 is the
-   embedding, whose backward is short, and sub-model 1's offload and CPU update outlast it.
-   The partitioner counted that as a broken constraint and raised C until the embedding's
-   backward was long enough: at ce6da32, C = 11 (489 s a step, 290 sub-models) on the V100
-   host, and no plan meeting every constraint up to C = 64 on the RTX 3090's slower CPU (C =
-   16 kept, 1030 s a step), after minutes of search. That wait falls where the GPU waits for
-   sub-model 0's update and refresh at the step boundary anyway; the step now includes it
-   exactly (the simulator's step, which it always was), and it is no longer a constraint. The
-   plans came back at C = 3, 99.5% busy or more.
-3. C is chosen for tokens a second, not as the smallest feasible one (cf2f4b8): the same cuts
-   at C = 5 on the V100 host (C = 6 on the RTX 3090) spread each load and the CPU update over
-   more tokens. C = 3 still meets every constraint (`--accum min` plans it).
+How these plans differ from the README's earlier tables (commit 745e32a), and which changes
+moved them, is in [bench/RESULTS.md](../bench/RESULTS.md#gpt3-plans-moved).
 """
 
 
@@ -504,13 +495,14 @@ def render(rows: list[Row], work: Path) -> str:
     slow = [r for r in rows if r.cpu_s >= 5.0]
     lines.append("## Partition time\n")
     worst = max(rows, key=lambda r: r.cpu_s)
-    lines.append(f"Every row's whole command took at most {worst.cpu_s:.1f} s of CPU "
-                 f"({worst.config}, {worst.target}, {worst.weights}, {worst.gib} GiB)"
-                 + (f"; {len(slow)} rows took 5 s or more." if slow else
-                    ", under the 5 s goal.") + " About 2 s of each is Python and torch start-up "
-                 "and reading the profile (the gpt3-small rows, whose search takes a tenth of a "
-                 "second, show it). Wall clock is that of the machine that ran the script, "
-                 "shared with other work when it ran slower than the CPU time.\n")
+    lines.append(wrap(f"Every row's whole command took at most {worst.cpu_s:.1f} s of CPU "
+                      f"({worst.config}, {worst.target}, {worst.weights}, {worst.gib} GiB)"
+                      + (f"; {len(slow)} rows took 5 s or more." if slow else
+                         ", under the 5 s goal.") + " About 2 s of each is Python and torch "
+                      "start-up and reading the profile (the gpt3-small rows, whose search takes "
+                      "a tenth of a second, show it). Wall clock is that of the machine that ran "
+                      "the script, shared with other work when it ran slower than the CPU time.")
+                 + "\n")
     lines.extend(timings(rows))
     lines.append("")
     return "\n".join(lines)

@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gpt3_tables import run
+from gpt3_tables import run, wrap
 
 from atomc.ir import Plan, Profile
 from atomc.jsonio import write_atomic
@@ -240,7 +240,7 @@ def lohan_lines(rows: list[Row], params: dict[str, int]) -> list[str]:
                    f"{model_tflops(r.plan, params[r.spec.config]):.1f} model TFLOPS "
                    f"({r.plan.predicted_utilisation:.1%} GPU busy, binding "
                    f"{binding(r.plan)}); LoHan measured {tflops} TFLOPS.")
-    out += ["", ("What differs: atomc's figures are predictions from an estimated profile "
+    out += ["", wrap("What differs: atomc's figures are predictions from an estimated profile "
             "(roofline times at 65% of the card's 165 TFLOPS dense bfloat16 peak with float32 "
             "accumulation), LoHan's are measured; 155.8 TFLOPS is 94% of that peak, so LoHan "
             "counts its FLOPs or accumulates differently (the card computes float16 with "
@@ -285,11 +285,11 @@ def render(rows: list[Row], params: dict[str, int]) -> str:
     worst = max(rows, key=lambda r: r.cpu_s)
     slow = [r for r in rows if r.cpu_s >= 5.0]
     lines += ["## Planning time", "",
-              (f"The slowest command took {worst.cpu_s:.1f} s of CPU ({worst.spec.config} at "
-               f"{worst.spec.gpu_mem}), Python start-up and reading the profile included. "
-               f"{len(slow)} of {len(rows)} commands took 5 s or more, the goal: the search "
-               f"runs again at each C the throughput sweep weighs, over graphs of 1,700-5,400 "
-               f"operators."), ""]
+              wrap(f"The slowest command took {worst.cpu_s:.1f} s of CPU ({worst.spec.config} "
+                   f"at {worst.spec.gpu_mem}), Python start-up and reading the profile included. "
+                   f"{len(slow)} of {len(rows)} commands took 5 s or more, the goal: the search "
+                   f"runs again at each C the throughput sweep weighs, over graphs of "
+                   f"1,700-5,400 operators."), ""]
     return "\n".join(lines)
 
 
