@@ -144,8 +144,10 @@ def test_a_file_system_without_direct_io_goes_through_the_page_cache(tmp_path, m
 
 
 def _store_and_update(tmp_path, transfer, states, kinds, steps=3):
-    from atomc.runtime.optim import AdamWConfig, CpuOptimizer
-    from atomc.runtime.store import HostStore, ParamEntry, SubLayout
+    from atomc.runtime.cpuoptimizer import CpuOptimizer
+    from atomc.runtime.layouts import ParamEntry, SubLayout
+    from atomc.runtime.optim import AdamWConfig
+    from atomc.runtime.store import HostStore
     from atomc.runtime.trace import Tracer
 
     sizes = [3000, 7001, 2500, 4096 * 3 + 5]  # offsets that no alignment matches

@@ -224,16 +224,16 @@ def test_the_real_benchmark_gives_a_finite_positive_rate_quickly():
 def test_the_real_benchmark_runs_the_runtimes_chunked_update(monkeypatch, states, transfer):
     """bfloat16 moments, or masters split beside bfloat16 images: the benchmark times the
     runtime's own chunked update, two warm-up steps and the timed ones."""
-    from atomc.runtime import optim
+    from atomc.runtime import adamw
 
     calls = []
-    original = optim.ChunkedAdamW.step
+    original = adamw.ChunkedAdamW.step
 
     def counted(self, *args, **kwargs):
         calls.append(1)
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(optim.ChunkedAdamW, "step", counted)
+    monkeypatch.setattr(adamw.ChunkedAdamW, "step", counted)
     rate = measure_adam_gbps(num_params=1 << 22, states=states, transfer=transfer)
     assert math.isfinite(rate) and rate > 0
     assert len(calls) == 2 + host.BENCH_STEPS

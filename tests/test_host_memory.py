@@ -98,7 +98,7 @@ def test_split_masters_are_exact_and_their_images_round_to_nearest():
     """A float32 master kept as its bfloat16 image and an int16 residual comes back exactly;
     the image is round-to-nearest (ties away from zero, where .to(bfloat16) breaks them to
     even), over the float32 range and its specials."""
-    from atomc.runtime.store import join_master, split_master
+    from atomc.runtime.masters import join_master, split_master
 
     g = torch.Generator().manual_seed(0)
     values = torch.randn(1 << 16, generator=g) * torch.logspace(-38, 38, 1 << 16)

@@ -20,6 +20,7 @@ from atomc.cli import main as atomc_main
 from atomc.codegen import generate
 from atomc.codegen.manual import plan_from_cuts
 from atomc.errors import ModelFileError, RuntimeMismatchError, UsageError
+from atomc.partition.hostmem import ARENA_ALIGN
 from atomc.runtime import (
     SwapTrainer,
     TrainerConfig,
@@ -28,7 +29,7 @@ from atomc.runtime import (
 )
 from atomc.runtime.checkpoint import load_checkpoint
 from atomc.runtime.package import load_swap_package
-from atomc.runtime.store import ARENA_ALIGN, HostArena
+from atomc.runtime.pinned import HostArena
 from atomc.runtime.trace import replay_residency, to_timeline
 from atomc.simulate import render_timeline_svg
 from atomc.trace import load_model_file, trace_model

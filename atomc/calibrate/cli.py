@@ -86,7 +86,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from atomc.partition import partition, recost
     from atomc.partition.report import render_plan
     from atomc.runtime.package import load_swap_package
-    from atomc.runtime.trainer import check_plan
+    from atomc.runtime.startup import check_plan
 
     package = Path(args.package)
     if not package.is_dir():

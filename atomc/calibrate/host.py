@@ -54,8 +54,10 @@ def _bench_update(size: int, states: str, transfer: str) -> Callable[[], None]:
     buffer. Returns a function that runs one update."""
     import torch
 
-    from atomc.runtime.optim import AdamWConfig, CpuOptimizer
-    from atomc.runtime.store import HostStore, ParamEntry, SubLayout, moment_dtype
+    from atomc.runtime.cpuoptimizer import CpuOptimizer
+    from atomc.runtime.layouts import ParamEntry, SubLayout
+    from atomc.runtime.optim import AdamWConfig
+    from atomc.runtime.store import HostStore, moment_dtype
     from atomc.runtime.trace import Tracer
 
     n = size * BENCH_TENSORS

@@ -54,20 +54,16 @@ import torch
 from torch import nn
 
 from atomc.actions import Action, ActionKind, atom_order
+from atomc.runtime.cpuoptimizer import CpuOptimizer
 from atomc.runtime.hostcopies import CopyLanes
 from atomc.runtime.interpret import boundary_leaf, run_actions
+from atomc.runtime.layouts import SubLayout, plan_layouts, rebind_parameters
 from atomc.runtime.opcache import OpCache
-from atomc.runtime.optim import AdamWConfig, CpuOptimizer, LossScaler
+from atomc.runtime.optim import AdamWConfig, LossScaler
 from atomc.runtime.package import SwapPackage
 from atomc.runtime.slots import WeightSlots
 from atomc.runtime.stash import ActivationStash, Stashed
-from atomc.runtime.store import (
-    HostStore,
-    SubLayout,
-    moment_dtype,
-    plan_layouts,
-    rebind_parameters,
-)
+from atomc.runtime.store import HostStore, moment_dtype
 from atomc.runtime.ties import TiedGrads
 from atomc.runtime.trace import StepTrace, Tracer
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from atomc.runtime.store import HostBuffers
+from atomc.runtime.pinned import HostBuffers
 from atomc.runtime.trace import Tracer
 
 

@@ -41,7 +41,7 @@ from torch.utils.flop_counter import flop_registry
 
 from atomc.errors import AtomcError
 from atomc.runtime.hostcopies import CopyLanes, HostCopies
-from atomc.runtime.store import HostArena
+from atomc.runtime.pinned import HostArena
 
 aten = torch.ops.aten
 _TENSOR = object()  # where a sent output's tree had a tensor

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from atomc.runtime.store import SubLayout
+from atomc.runtime.layouts import SubLayout
 
 
 class WeightSlots:

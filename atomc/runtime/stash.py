@@ -5,7 +5,7 @@ reader is done goes to host memory (offload stream) and comes back when its firs
 reader's backward starts (prefetch stream), so device memory does not hold every
 micro-batch's checkpoints through the forward. The host buffers are reused every step; after
 the first step (or one whose shapes changed) they are views into one arena, pinned on CUDA
-(`atomc.runtime.store.HostBuffers`).
+(`atomc.runtime.pinned.HostBuffers`).
 
 CUDA: the copies run on the executor's streams, ordered with events; tensors that cross
 streams are marked with record_stream. CPU: the same code with no streams.
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from atomc.runtime.hostcopies import HostCopies
-from atomc.runtime.store import HostArena
+from atomc.runtime.pinned import HostArena
 
 
 @dataclass

@@ -19,7 +19,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from atomc.runtime.store import SubLayout
+from atomc.runtime.layouts import SubLayout
 
 
 class TiedGrads:

@@ -204,7 +204,7 @@ def test_arenas_are_page_locked_where_they_lie_with_no_rounding():
     """A host arena page-locked with cudaHostRegister: its buffers are pinned, take exactly
     their bytes (PyTorch's pinned allocator would round 3 MiB + 1 up to 4 MiB), copy to the
     GPU and back without blocking, and the registration ends with the arena."""
-    from atomc.runtime.store import HostArena
+    from atomc.runtime.pinned import HostArena
 
     arena = HostArena([((3 << 18,), torch.float32), ((1,), torch.uint8)], pin=True)
     assert all(b.is_pinned() for b in arena.buffers)
