@@ -32,6 +32,8 @@ parallelism's (every local step all-reducing the fp32 gradients, hivemind's butt
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from atomc.compare.costs import HardwareModel
 from atomc.compare.modes import Machine, ModeResult, Setting, infeasible, link_rows, resources_of
 from atomc.compare.peers import (
@@ -67,17 +69,14 @@ def round_shares(values: int, group: int, round_dtype: str | None, value_bytes: 
 
 def predict_diloco(machines: list[Machine], models: dict[str, HardwareModel], links: Links,
                    setting: Setting) -> ModeResult:
-    names = [m.name for m in machines]
     plans = peer_plans("diloco", machines, models, setting)
     if isinstance(plans, ModeResult):
         return plans
     if not setting.sync:
         return infeasible("diloco", "no rounds without averaging (--no-sync): compare peers")
     n = len(machines)
-    group = list(range(n))
     ref_model = models[machines[0].hardware]
-    ref_plan = plans[0].plan
-    sizes = [w.owned for w in plan_weights(ref_model.profile.graph, ref_plan.submodels,
+    sizes = [w.owned for w in plan_weights(ref_model.profile.graph, plans[0].plan.submodels,
                                            ref_model.profile.graph.dtype)]
     k = setting.fragments
     if k > len(sizes):
@@ -92,28 +91,66 @@ def predict_diloco(machines: list[Machine], models: dict[str, HardwareModel], li
                           setting.averaging_part_bytes)
     samples = [pp.plan.accum * models[m.hardware].micro_batch for m, pp in zip(machines, plans)]
     steps = [max(pp.step_ns, 1) for pp in plans]
-    lag = round(setting.progress_lag_s * 1e9)
-    mm = round(setting.matchmaking_s * 1e9)
     if setting.inner_steps is not None:
         counts = [setting.inner_steps // k] * n
     else:
         counts = local_steps(steps, samples, setting.global_batch, setting.progress_lag_s)
+    cyc = _cycles(links, setting, shares, steps, counts)
+    facts = _Facts(sizes=sizes, fragments=fragments, width=width, master=master,
+                   samples=samples, steps=steps, counts=counts)
+    return _result(machines, models, plans, setting, facts, cyc)
 
-    # one round from its start: the mean over hivemind's group orders (every order for <= 4)
+
+@dataclass(frozen=True)
+class _Facts:
+    """What the rounds are made of: the plan's sub-models' sizes and their fragments, the
+    widest fragment, the master dtype, and each peer's samples, step and local steps."""
+
+    sizes: list[int]
+    fragments: list
+    width: int
+    master: str
+    samples: list[int]
+    steps: list[int]
+    counts: list[int]
+
+
+@dataclass(frozen=True)
+class _Cycle:
+    """The steady pass over the fragments: its length, the last boundary's (slowest ready,
+    start, end), and its rounds' traffic by link."""
+
+    cycle: int
+    last: tuple[int, int, int]
+    link_bytes: dict
+    link_busy: dict
+
+
+def _round_from(leader: int, orders, group: list[int], shares, setting: Setting,
+                links: Links) -> tuple[int, dict, dict]:
+    """One round from its start, led by `leader`: the mean over hivemind's group orders."""
+    ends, link_bytes, link_busy = [], {}, {}
+    for order in orders:
+        jobs = averaging_programs(order, leader, 0, shares, setting.stream_window_bytes)
+        sim = simulate_programs([[*jobs.get(d, []), ("mark", 0)] for d in group], links)
+        ends.append(sim.step_end(0))
+        for lane, nbytes in sim.link_bytes.items():
+            link_bytes[lane] = link_bytes.get(lane, 0) + nbytes / len(orders)
+            link_busy[lane] = link_busy.get(lane, 0) + sim.link_busy_ns[lane] / len(orders)
+    return round(sum(ends) / len(ends)), link_bytes, link_busy
+
+
+def _cycles(links: Links, setting: Setting, shares, steps: list[int],
+            counts: list[int]) -> _Cycle:
+    """The boundaries one after another, CYCLES passes over the fragments: when each device
+    is ready, waits, calls, resumes; the last pass is the steady state."""
+    n = len(steps)
+    group = list(range(n))
+    k = setting.fragments
+    lag = round(setting.progress_lag_s * 1e9)
+    mm = round(setting.matchmaking_s * 1e9)
+    # every order for <= 4 peers
     orders = group_orders(group, setting.seed)
-
-    def round_from(leader: int) -> tuple[int, dict, dict]:
-        ends, link_bytes, link_busy = [], {}, {}
-        for order in orders:
-            jobs = averaging_programs(order, leader, 0, shares, setting.stream_window_bytes)
-            sim = simulate_programs([[*jobs.get(d, []), ("mark", 0)] for d in group], links)
-            ends.append(sim.step_end(0))
-            for lane, nbytes in sim.link_bytes.items():
-                link_bytes[lane] = link_bytes.get(lane, 0) + nbytes / len(orders)
-                link_busy[lane] = link_busy.get(lane, 0) + sim.link_busy_ns[lane] / len(orders)
-        return round(sum(ends) / len(ends)), link_bytes, link_busy
-
-    # the boundaries one after another: when each device is ready, waits, calls, resumes
     resume = [0] * n  # when each device takes its next local step
     done = 0  # when the round in flight ends (K > 1); the last round's end (K = 1)
     calls_at: list[list[int]] = []
@@ -132,7 +169,8 @@ def predict_diloco(machines: list[Machine], models: dict[str, HardwareModel], li
         leader = min(group, key=lambda d: (calls[d], d))
         start = max(calls[leader] + mm, max(calls)) if n > 1 else max(calls)
         if leader not in cache:
-            cache[leader] = round_from(leader) if n > 1 else (0, {}, {})
+            cache[leader] = (_round_from(leader, orders, group, shares, setting, links)
+                             if n > 1 else (0, {}, {}))
         length, lb, lbusy = cache[leader]
         end = start + length
         calls_at.append(calls)
@@ -151,7 +189,18 @@ def predict_diloco(machines: list[Machine], models: dict[str, HardwareModel], li
         cycle = max(calls_at[last]) - max(calls_at[first])
     else:
         cycle = waits[last][2] - waits[first][2]
-    cycle = max(cycle, 1)
+    return _Cycle(max(cycle, 1), waits[last], bytes_cycle, busy_cycle)
+
+
+def _result(machines: list[Machine], models: dict[str, HardwareModel], plans,
+            setting: Setting, f: _Facts, cyc: _Cycle) -> ModeResult:
+    """The steady pass as one global batch at DiLoCo's rate: busy shares, links, phases."""
+    names = [m.name for m in machines]
+    n = len(machines)
+    group = list(range(n))
+    k = setting.fragments
+    counts, steps, samples, cycle = f.counts, f.steps, f.samples, cyc.cycle
+    bytes_cycle, busy_cycle = cyc.link_bytes, cyc.link_busy
     stepping = [k * counts[d] * steps[d] for d in group]
     busy = tuple((names[d], k * counts[d] * plans[d].compute_ns / cycle) for d in group)
     # per global batch at DiLoCo's rate, as every mode is compared (a pass over the fragments
@@ -162,7 +211,7 @@ def predict_diloco(machines: list[Machine], models: dict[str, HardwareModel], li
     prefetch = [(f"host-to-device copies on {names[d]}",
                  k * counts[d] * plans[d].prefetch_busy_ns / cycle) for d in group]
     slowest = max(stepping)
-    ready_last, start_last, end_last = waits[last]
+    ready_last, start_last, end_last = cyc.last
     if k == 1:
         phases = (("local steps", slowest / cycle),
                   ("waiting for one another", (start_last - ready_last) / cycle),
@@ -170,7 +219,7 @@ def predict_diloco(machines: list[Machine], models: dict[str, HardwareModel], li
     else:
         phases = (("local steps", slowest / cycle),
                   ("waiting at the boundaries", (cycle - slowest) / cycle))
-    tokens = tokens_per_sample(ref_model)
+    tokens = tokens_per_sample(models[machines[0].hardware])
     sent = sum(v for v in bytes_cycle.values())
     per_token = sent / (samples_cycle * tokens) if samples_cycle else 0.0
     dp = dp_bytes_per_token(machines, models, samples)
@@ -178,7 +227,7 @@ def predict_diloco(machines: list[Machine], models: dict[str, HardwareModel], li
     rule = (f"H={setting.inner_steps}" if setting.inner_steps is not None
             else f"{max(counts)} local step(s) a global batch")
     config = (f"{n} peer(s), C={'/'.join(map(str, accums))}, {rule}, "
-              f"{setting.round_dtype or master} rounds of {k} fragment(s) of {len(sizes)} "
+              f"{setting.round_dtype or f.master} rounds of {k} fragment(s) of {len(f.sizes)} "
               f"sub-models" + (", each beside the next local steps" if k > 1 else "")
               + f"; every fragment averaged once in {cycle / 1e9:.3f} s ({samples_cycle} "
               f"samples)")
@@ -189,7 +238,7 @@ def predict_diloco(machines: list[Machine], models: dict[str, HardwareModel], li
         detail={"cycle_ns": cycle, "cycle_samples": samples_cycle,
                 "local_step_ns": {names[d]: steps[d] for d in group},
                 "local_steps": {names[d]: k * counts[d] for d in group},
-                "fragments": fragments, "round_values": width,
+                "fragments": f.fragments, "round_values": f.width,
                 "round_bytes_per_peer": {names[d]: sum(v for (a, _), v in bytes_cycle.items()
                                                        if a == d) / k for d in group},
                 "round_ns": end_last - start_last,

@@ -154,33 +154,10 @@ def _swarm_with(ranges: tuple[tuple[int, int], ...], machines, models, links: Li
                 names) -> ModeResult:
     n = len(machines)
     stages = len(ranges)
-    need = [[models[m.hardware].stage_memory_bytes(a, b, 1) for a, b in ranges]
-            for m in machines]
-    table = [[_server_ns(models, links, m, d, trainer, ref, r, j == stages - 1)
-              for j, r in enumerate(ranges)] for d, m in enumerate(machines)]
-    rates = np.array([[1e9 / table[d][s][0] if need[d][s] <= machines[d].memory_bytes else 0.0
-                       for s in range(stages)] for d in range(n)])
-    for s, (a, b) in enumerate(ranges):
-        if not np.any(rates[:, s] > 0):  # no device holds it: name the one that comes closest
-            d = max(range(n), key=lambda i: (machines[i].memory_bytes - need[i][s], -i))
-            m = machines[d]
-            return infeasible("swarm", (
-                f"{stages} stages: stage {s} (blocks {a}..{b - 1}) needs "
-                f"{format_bytes(need[d][s])} ({need[d][s]} bytes) on device {m.name}, which has "
-                f"{format_bytes(m.memory_bytes)} ({m.memory_bytes} bytes)"))
-    assign = assign_servers(rates)
-    members: list[list[int]] = [[d for d in range(n) if assign[d] == s] for s in range(stages)]
-    if any(not x for x in members):
-        return infeasible("swarm", f"{stages} stages for {n} devices leave a stage without "
-                                    f"a server")
-    for d, s in enumerate(assign):
-        if rates[d][s] <= 0:  # Algorithm 2 had nowhere else for it
-            m = machines[d]
-            a, b = ranges[s]
-            return infeasible("swarm", (
-                f"{stages} stages: stage {s} (blocks {a}..{b - 1}) needs "
-                f"{format_bytes(need[d][s])} ({need[d][s]} bytes) on device {m.name}, which has "
-                f"{format_bytes(m.memory_bytes)} ({m.memory_bytes} bytes)"))
+    placed = _servers(ranges, machines, models, links, ref, trainer)
+    if isinstance(placed, ModeResult):
+        return placed
+    table, rates, assign, members = placed
     speeds = [[float(rates[d][s]) for d in members[s]] for s in range(stages)]
     fwd_ref, bwd_ref = ref.stage_compute_ns(0, len(ref.units))
     ratio = (fwd_ref + bwd_ref) / max(fwd_ref, 1)
@@ -193,22 +170,8 @@ def _swarm_with(ranges: tuple[tuple[int, int], ...], machines, models, links: Li
     # the fill: a micro-batch's first trip through the stages, before the flow is steady
     fill_ns = sum(min(1e9 / x for x in s) for s in speeds)
     pipe_ns += round(fill_ns)
-    programs = []
-    commit_ns = pipe_ns + round(setting.swarm_matchmaking_s * 1e9)
-    for d in range(n):
-        s = assign[d]
-        jobs: list[Job] = [("until", pipe_ns)]
-        if setting.sync:
-            a, b = ranges[s]
-            fqns = set().union(*(u.params for u in ref.units[a:b]))
-            if len(members[s]) > 1:
-                jobs += [("until", commit_ns),
-                         *commit_jobs(d, members[s], ref.param_bytes(fqns), ("swarm", s))]
-            opt = models[machines[d].hardware].optimizer_ns(fqns)
-            if opt:
-                jobs.append(("compute", opt, "optimizer"))
-        programs.append(jobs + [("mark", 0)])
-    sim = simulate_programs(programs, links)
+    sim = simulate_programs(_step_programs(ranges, machines, models, ref, setting, assign,
+                                           members, pipe_ns), links)
     span = sim.step_end(0)
     served = {}
     for s in range(stages):
@@ -242,6 +205,64 @@ def _swarm_with(ranges: tuple[tuple[int, int], ...], machines, models, links: Li
                               "throughput_per_s": float(wiring.throughput),
                               "efficiency": float(wiring.efficiency),
                               "pipeline_ns": pipe_ns})
+
+
+def _servers(ranges: tuple[tuple[int, int], ...], machines, models, links: Links,
+             ref: HardwareModel, trainer: int):
+    """(each device's server times per stage, its rates where the stage fits it, the stage
+    each device serves, each stage's servers); or why a stage has no server that holds it."""
+    n = len(machines)
+    stages = len(ranges)
+    need = [[models[m.hardware].stage_memory_bytes(a, b, 1) for a, b in ranges]
+            for m in machines]
+    table = [[_server_ns(models, links, m, d, trainer, ref, r, j == stages - 1)
+              for j, r in enumerate(ranges)] for d, m in enumerate(machines)]
+    rates = np.array([[1e9 / table[d][s][0] if need[d][s] <= machines[d].memory_bytes else 0.0
+                       for s in range(stages)] for d in range(n)])
+
+    def short(d: int, s: int) -> ModeResult:
+        m = machines[d]
+        a, b = ranges[s]
+        return infeasible("swarm", (
+            f"{stages} stages: stage {s} (blocks {a}..{b - 1}) needs "
+            f"{format_bytes(need[d][s])} ({need[d][s]} bytes) on device {m.name}, which has "
+            f"{format_bytes(m.memory_bytes)} ({m.memory_bytes} bytes)"))
+
+    for s in range(stages):
+        if not np.any(rates[:, s] > 0):  # no device holds it: name the one that comes closest
+            return short(max(range(n), key=lambda i: (machines[i].memory_bytes - need[i][s], -i)),
+                         s)
+    assign = assign_servers(rates)
+    members: list[list[int]] = [[d for d in range(n) if assign[d] == s] for s in range(stages)]
+    if any(not x for x in members):
+        return infeasible("swarm", f"{stages} stages for {n} devices leave a stage without "
+                                    f"a server")
+    for d, s in enumerate(assign):
+        if rates[d][s] <= 0:  # Algorithm 2 had nowhere else for it
+            return short(d, s)
+    return table, rates, assign, members
+
+
+def _step_programs(ranges, machines, models, ref: HardwareModel, setting: Setting, assign,
+                   members, pipe_ns: int) -> list[list[Job]]:
+    """Every device's step after the pipeline: with sync, its stage's commit among the
+    stage's servers (after matchmaking) and its optimizer step."""
+    programs = []
+    commit_ns = pipe_ns + round(setting.swarm_matchmaking_s * 1e9)
+    for d in range(len(machines)):
+        s = assign[d]
+        jobs: list[Job] = [("until", pipe_ns)]
+        if setting.sync:
+            a, b = ranges[s]
+            fqns = set().union(*(u.params for u in ref.units[a:b]))
+            if len(members[s]) > 1:
+                jobs += [("until", commit_ns),
+                         *commit_jobs(d, members[s], ref.param_bytes(fqns), ("swarm", s))]
+            opt = models[machines[d].hardware].optimizer_ns(fqns)
+            if opt:
+                jobs.append(("compute", opt, "optimizer"))
+        programs.append(jobs + [("mark", 0)])
+    return programs
 
 
 __all__ = ["EXACT_ASSIGNMENTS", "assign_servers", "input_bytes", "predict_swarm",

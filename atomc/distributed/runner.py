@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from atomc.actions import PIPELINE_ORDERS, max_in_flight, pipeline_order
+from atomc.actions import PIPELINE_ORDERS
 from atomc.distributed.checkpoints import TaskletCheckpoints
 from atomc.distributed.collectives import Collectives
 from atomc.distributed.groups import (
@@ -58,16 +58,14 @@ from atomc.distributed.groups import (
     with_ranges,
 )
 from atomc.distributed.pipeline import Link, Transport
+from atomc.distributed.swapping import DeviceBudget, decide_swaps, device_budget, resident_need
 from atomc.errors import AtomcError, LayoutError, RuntimeMismatchError, UsageError
-from atomc.ir import Plan
-from atomc.partition.stagemem import resident_stage_bytes
 from atomc.runtime.optim import AdamWConfig
 from atomc.runtime.package import SwapPackage, load_swap_package
 from atomc.runtime.rng import RNG_VALUE
 from atomc.stages.base import Stage, stage_dtype
 from atomc.stages.cut import cut_stages, package_plan
 from atomc.stages.make import make_stage
-from atomc.units import format_bytes
 
 TAG_DP = 21
 TAG_TIED = 23
@@ -136,9 +134,31 @@ class LayoutTrainer(TaskletCheckpoints):
 
         self.cfg = cfg
         self.dist = dist
-        self.layout = layout_view(cfg.layout, network=cfg.network)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         world_rank = int(os.environ.get("RANK", "0"))
+        forced = self._read_inputs(world_size, world_rank)
+        self._join(world_size, world_rank)
+        self._decide_stage(world_size, forced, loss_fn)
+        self._connect(world_size, world_rank)
+        self.step_count = 0
+        self.step_ms: list[float] = []
+        self.losses: dict[int, float] = {}
+        self.resumed_from: int | None = None
+        # weights of the initial state that no sub-model holds (the graph never reads them):
+        # the first stage carries them through its checkpoints to the final state, so that
+        # the merged state loads back into the model with strict=True
+        self.unread: dict[str, torch.Tensor] = {}
+        if self.resume() is None:
+            self._load_initial(initial_state)
+
+    # ---- set-up --------------------------------------------------------------------------------
+
+    def _read_inputs(self, world_size: int, world_rank: int) -> tuple[int, ...]:
+        """The layout, the package, the optimizer and the devices' budgets from the network,
+        each checked on every rank before any rendezvous, so that a bad input stops them all
+        with the same line; returns the stages named to run swapped."""
+        cfg = self.cfg
+        self.layout = layout_view(cfg.layout, network=cfg.network)
         check_world(self.layout, world_size, world_rank)  # before any rendezvous: fail fast
         forced = self._forced_swaps()
         if cfg.emulate_delay and not self.layout.delay_ms:
@@ -152,43 +172,53 @@ class LayoutTrainer(TaskletCheckpoints):
         self.plan = package_plan(self.pkg)
         self.reserve = (cfg.memory_reserve_bytes if cfg.memory_reserve_bytes is not None
                         else self.plan.reserve_bytes)
-        # the network's figures, on every rank before any rendezvous: a device the reserve
-        # leaves nothing of stops them all with the same line
+        # a device the reserve leaves nothing of stops every rank with the same line
         in_layout = {d for row in self.layout.devices for d in row}
         self.network_budgets = {
             name: device_budget(name, cfg.memory_budget_bytes, memory,
                                 "memory_bytes in the network", self.reserve)
             for name, memory in sorted(self.layout.memory_bytes.items()) if name in in_layout}
+        return forced
 
+    def _join(self, world_size: int, world_rank: int) -> None:
+        """This rank's device, the process group, its place in the layout, and the same
+        package on every rank."""
+        dist = self.dist
         self.device = self._device()
         if not dist.is_initialized():
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             _loopback_for_gloo()
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+            dist.init_process_group(backend,
+                                    timeout=datetime.timedelta(seconds=self.cfg.timeout_s))
         claims: list[Any] = [None] * world_size
         dist.all_gather_object(claims, device_claim())
         self.place: Placement = assign(self.layout, world_size, world_rank, claims)
         self._agree_on_package()
 
+    def _decide_stage(self, world_size: int, forced: tuple[int, ...], loss_fn) -> None:
+        """The stage's spec and groups, and whether it runs swapped: every rank decides every
+        stage from the budgets of all devices, so that all make the same decision."""
         j = self.place.stage
         self.specs = cut_stages(self.pkg, self.layout.stage_ranges)
         self.spec = self.specs[j]
         tied_sets = self._tied_stage_sets()
         self.groups: Groups = build_groups(self.place, list(tied_sets.values()))
         self.tied_sets = tied_sets  # FQN -> stages holding it
-
-        # every rank decides every stage from the budgets of all devices: the same decision
         budgets: list[Any] = [None] * world_size
-        dist.all_gather_object(budgets, self._device_budget())
+        self.dist.all_gather_object(budgets, self._device_budget())
         by_stage = [[budgets[self.place.world(i, s)] for i in range(self.layout.dp)]
                     for s in range(self.layout.pp)]
-        self.swap = decide_swaps(cfg.schedule, by_stage, forced, self.resident_need)
+        self.swap = decide_swaps(self.cfg.schedule, by_stage, forced, self.resident_need)
         self.schedule_name = self.swap.schedule
         self.stage: Stage = make_stage(j in self.swap.swapped, self.pkg, self.spec,
-                                             self.device, loss_fn, self.opt_cfg, dtype=self.dtype,
-                                             seed=cfg.seed)
+                                       self.device, loss_fn, self.opt_cfg, dtype=self.dtype,
+                                       seed=self.cfg.seed)
         self.params = self.stage.named_parameters()
 
+    def _connect(self, world_size: int, world_rank: int) -> None:
+        """The transport (with the links' delays when emulated), the collectives and the
+        links to the neighbouring stages of this replica."""
+        cfg = self.cfg
         delays = {}
         if cfg.emulate_delay:
             for r in range(world_size):
@@ -198,7 +228,8 @@ class LayoutTrainer(TaskletCheckpoints):
                         else ("p2p" if cfg.emulate_delay else "allreduce"))
         # one process group per link direction (groups.link_groups): see pipeline.py, Ordering
         self.transport = Transport(self.device, delays, links=self.groups.links, rank=world_rank)
-        self.collectives = Collectives(dist, self.device, self.dp_mode, self.transport)
+        self.collectives = Collectives(self.dist, self.device, self.dp_mode, self.transport)
+        j = self.place.stage
         where = f"replica {self.place.replica} stage {j}"
         # every link carries the micro-batch's RNG state besides the boundary values
         # and says which values carry a gradient back (those the model computes with them at
@@ -211,26 +242,19 @@ class LayoutTrainer(TaskletCheckpoints):
                               window=cfg.window, where=where,
                               grads=self.pkg.grads_at(spec.stop))
                          if self.place.next is not None else None)
-        self.step_count = 0
-        self.step_ms: list[float] = []
-        self.losses: dict[int, float] = {}
-        self.resumed_from: int | None = None
-        # weights of the initial state that no sub-model holds (the graph never reads them):
-        # the first stage carries them through its checkpoints to the final state, so that
-        # the merged state loads back into the model with strict=True
-        self.unread: dict[str, torch.Tensor] = {}
-        if self.resume() is None:
-            state = initial_state() if callable(initial_state) else initial_state
-            if state is None:
-                raise UsageError("no initial weights and no checkpoint to resume from; give the "
-                                 "original model's state dict (or a checkpoint directory)")
-            self.stage.load_original(state)
-            if j == 0:
-                self.unread = {k: state[k].detach().cpu().clone()
-                               for k in self.pkg.unread_names(state)
-                               if isinstance(state[k], torch.Tensor)}
 
-    # ---- set-up --------------------------------------------------------------------------------
+    def _load_initial(self, initial_state) -> None:
+        """The original model's weights into the stage (no checkpoint to resume from)."""
+        state = initial_state() if callable(initial_state) else initial_state
+        if state is None:
+            raise UsageError("no initial weights and no checkpoint to resume from; give the "
+                             "original model's state dict (or a checkpoint directory)")
+        self.stage.load_original(state)
+        if self.place.stage == 0:
+            self.unread = {k: state[k].detach().cpu().clone()
+                           for k in self.pkg.unread_names(state)
+                           if isinstance(state[k], torch.Tensor)}
+
 
     def _device(self) -> torch.device:
         if self.cfg.device == "cpu":
@@ -478,98 +502,6 @@ class StageIO:
     def send_grads(self, m: int, grads: dict[str, Any], received: dict[str, Any]) -> None:
         self.link_in.send_grads(grads, received)
 
-
-def resident_need(plan: Plan, ranges, num_micro: int, stage: int,
-                  schedule: str) -> tuple[int, int]:
-    """(bytes, micro-batches in flight) of stage `stage`, over the plan's sub-models
-    `ranges[stage]`, kept resident under `schedule` with `num_micro` micro-batches
-    (stagemem.resident_stage_bytes: the rule `atomc compare` predicts layouts with)."""
-    flight = max_in_flight(pipeline_order(schedule, num_micro, stage, len(ranges)))
-    start, stop = ranges[stage]
-    return resident_stage_bytes(plan, start, stop, flight), flight
-
-
-@dataclass(frozen=True)
-class DeviceBudget:
-    """The device bytes one rank's stage may hold, and where that figure comes from."""
-
-    device: str  # the layout's name of the device
-    bytes: int | None  # None: no figure known
-    source: str
-
-
-def device_budget(device: str, configured: int | None, memory: int | None, source: str,
-                  reserve: int) -> DeviceBudget:
-    """A device's budget: the configured one as it is, else its `memory` (from `source`) less
-    `reserve`; no figure when neither is known. A memory the reserve leaves nothing of is an
-    error."""
-    if configured is not None:
-        return DeviceBudget(device, configured, "the configured memory budget")
-    if memory is None:
-        return DeviceBudget(device, None, "")
-    if memory <= reserve:
-        raise UsageError(f"device {device} has {format_bytes(memory)} ({source}), and "
-                         f"the reserve of {format_bytes(reserve)} leaves nothing of it; give a "
-                         f"smaller reserve (--memory-reserve) or a budget (--memory-budget)")
-    return DeviceBudget(device, memory - reserve, f"{format_bytes(memory)} from {source}, less "
-                                                  f"the reserve of {format_bytes(reserve)}")
-
-
-@dataclass(frozen=True)
-class SwapDecision:
-    """Which stages run swapped, the schedule every stage runs, and why (one line a stage)."""
-
-    swapped: frozenset[int]
-    schedule: str
-    reasons: tuple[str, ...]  # per stage
-
-    def lines(self, configured: str) -> list[str]:
-        out = [f"stage {j} {'swapped' if j in self.swapped else 'resident'}: {why}"
-               for j, why in enumerate(self.reasons)]
-        if self.schedule != configured:
-            out.append(f"schedule {self.schedule} instead of {configured}: a swapped stage runs "
-                       f"every micro-batch through each sub-model in turn, which only GPipe's "
-                       f"neighbours wait for")
-        return out
-
-
-def decide_swaps(schedule: str, budgets: list[list[DeviceBudget]], forced: tuple[int, ...],
-                 need: Callable[[int, str], tuple[int, int]]) -> SwapDecision:
-    """The stages that run swapped and the schedule that runs.
-
-    `budgets[j]`: the budgets of the devices of stage j's replicas; `need(j, schedule)`: the
-    bytes stage j needs resident under `schedule`, and its micro-batches in flight. A stage
-    swaps, on every replica (their gradients are reduced as one flat buffer, in the order its
-    kind of stage keeps them), when `forced` names it or it does not fit one replica's budget.
-    A swapped stage makes the layout run GPipe, where a resident stage holds every micro-batch
-    in flight, more than under 1F1B: the stages are then decided again under GPipe, so that
-    a stage that fits 1F1B but not GPipe swaps too. The swapped set only grows and the
-    schedule changes at most once, so this settles.
-    """
-    why: dict[int, str] = dict.fromkeys(forced, "named in swap_stages")
-    swapped = set(forced)
-    while True:
-        for j, devices in enumerate(budgets):
-            if j in swapped:
-                continue
-            known = [b for b in devices if b.bytes is not None]
-            if not known:
-                names = ", ".join(b.device for b in devices)
-                why[j] = (f"no memory budget for {names} (give --memory-budget, or --network "
-                          f"with the devices' memory_bytes)")
-                continue
-            tight = min(known, key=lambda b: b.bytes)
-            nbytes, flight = need(j, schedule)
-            over = nbytes > tight.bytes
-            if over:
-                swapped.add(j)
-            why[j] = (f"needs {format_bytes(nbytes)} resident with {flight} micro-batch(es) in "
-                      f"flight under {schedule}, {'over' if over else 'within'} {tight.device}'s "
-                      f"budget of {format_bytes(tight.bytes)} ({tight.source})")
-        if not swapped or schedule == "gpipe":
-            return SwapDecision(frozenset(swapped), schedule,
-                                tuple(why[j] for j in range(len(budgets))))
-        schedule = "gpipe"
 
 
 def run_layout(cfg: LayoutConfig, loss_fn: Callable, initial_state: Any,

@@ -152,8 +152,8 @@ def _plan_at(profile, budget: int, transfer_dtype, accum):
     # min_capacity_bytes: searches over budgets of their own, most of the partitioner's time
     # in these searches). The search here finds that budget itself and never reads the
     # advice, so none is made.
-    with (mock.patch("atomc.partition.budget_advice", _no_advice),
-          mock.patch("atomc.partition.min_capacity_bytes", _no_minimum)):
+    with (mock.patch("atomc.partition.advice.budget_advice", _no_advice),
+          mock.patch("atomc.partition.advice.min_capacity_bytes", _no_minimum)):
         return partition(profile, budget, reserve_bytes=0, accum=accum, cpu_adam_gbps=8.0,
                          transfer_dtype=transfer_dtype)
 
