@@ -60,8 +60,9 @@ def test_plan_host_bytes_are_what_the_store_and_optimizer_allocate(traced, packa
                                        optimizer={"lr": 1e-3, "states": states})
     trainer.close()
     if slots is not None:  # the same run with a ring of gradient buffers
-        from atomc.runtime.executor import StepOptions, SwapExecutor
+        from atomc.runtime.executor import SwapExecutor
         from atomc.runtime.optim import AdamWConfig
+        from atomc.runtime.steprun import StepOptions
         from atomc.runtime.trace import Tracer
 
         modules = trainer.package.build_submodels()

@@ -23,9 +23,10 @@ import torch
 from torch import nn
 
 from atomc.calibrate.measure import summarise
-from atomc.runtime.executor import StepOptions, SwapExecutor
+from atomc.runtime.executor import SwapExecutor
 from atomc.runtime.optim import AdamWConfig, updates_on_a_thread
 from atomc.runtime.package import PackagePlan, SwapPackage
+from atomc.runtime.steprun import StepOptions
 from atomc.runtime.trace import Tracer
 from atomc.simulate.events import StageTimes, fit_host_gap_ms
 from atomc.units import ms_to_ns

@@ -37,17 +37,17 @@ updates are waited for and its stashed boundary values come back; its gradient s
 then; values no later forward (or backward) reads are dropped or stashed after the last one.
 
 Parts the executor holds, one each: `WeightSlots` (atomc.runtime.slots: the slot buffers and
-what they hold), `ActivationStash` (atomc.runtime.stash: boundary values in host memory) and
-`TiedGrads` (atomc.runtime.ties: tied_grads="exact"). The executor owns the streams and the
-order of the work on them.
+what they hold), `ActivationStash` (atomc.runtime.stash: boundary values in host memory),
+`TiedGrads` (atomc.runtime.ties: tied_grads="exact") and `Transfers` (atomc.runtime.transfers:
+the loads and gradient copies on the streams). The executor owns the streams and the order of
+the work on them.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -63,9 +63,11 @@ from atomc.runtime.optim import AdamWConfig, LossScaler
 from atomc.runtime.package import SwapPackage
 from atomc.runtime.slots import WeightSlots
 from atomc.runtime.stash import ActivationStash, Stashed
+from atomc.runtime.steprun import WHOLE_MODEL, RunState, StageEnds, StepOptions, StepResult
 from atomc.runtime.store import HostStore, moment_dtype
 from atomc.runtime.ties import TiedGrads
 from atomc.runtime.trace import StepTrace, Tracer
+from atomc.runtime.transfers import Transfers
 
 # ---------------------------------------------------------------------------------------------
 # helpers
@@ -87,78 +89,6 @@ def _handed_on(v: Any, weights: set[int]) -> Any:
         return v
     v = v.detach()
     return v.clone() if v.untyped_storage().data_ptr() in weights else v
-
-
-@dataclass
-class StepResult:
-    loss_sum: torch.Tensor  # sum of the micro-batch losses (float64; a loss-holding stage only)
-    losses: list[torch.Tensor]  # per micro-batch, detached, in micro-batch order
-    offloads: list[Any]  # events of gradient copies to the host (CUDA), to wait for
-
-
-class _Run:
-    """One list's state on the executor: the micro-batches' values and gradients, and where
-    the list stands (the slot the compute reads, the loads waiting for an update, the open
-    compute span)."""
-
-    def __init__(self, ex: SwapExecutor, micro_batches: list[tuple], step: int, caller: Any):
-        self.step = step
-        self.caller = caller  # the caller's CUDA stream (None on the CPU)
-        self.C = len(micro_batches)
-        self.batches = [tuple(ex._to_device(t) for t in mb) for mb in micro_batches]
-        self.envs: list[dict[str, Any]] = [dict(zip(ex.pkg.model_inputs, b))
-                                           for b in self.batches]
-        self.kept: dict[tuple[int, int], Any] = {}
-        self.pending_loss: dict[int, tuple[torch.Tensor, list[Any]]] = {}
-        self.grads: list[dict[str, torch.Tensor]] = [{} for _ in range(self.C)]
-        self.received: dict[int, tuple[str, ...]] = {}
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=ex.device)
-        self.losses: dict[int, torch.Tensor] = {}
-        self.offloads: dict[int, Any] = {}
-        self.all_offloads: list[Any] = []
-        self.unstashed: set[int] = set()
-        self.backwarded: set[int] = set()  # sub-models whose backward began
-        self.deferred: set[int] = set()  # loads waiting for an update of their weights
-        self.active: int | None = None  # sub-model whose slot the compute stream reads
-        self.waited = False
-        self.spans = ExitStack()
-        self.span: tuple[int, str] | None = None  # (sub-model, kind) of the open compute span
-
-    def result(self) -> StepResult:
-        return StepResult(self.loss_sum, [self.losses[m] for m in sorted(self.losses)],
-                          self.all_offloads)
-
-
-# ---------------------------------------------------------------------------------------------
-# executor
-
-
-@dataclass(frozen=True)
-class StepOptions:
-    """How the executor runs each step."""
-
-    accum: int  # micro-batches a step
-    activations: str  # "recompute", "keep" or "auto" (the plan's quotas)
-    offload_activations: bool  # recompute: boundary values to host memory between the passes
-    autocast_dtype: torch.dtype | None
-    loss_fn: Callable[[Any, tuple], torch.Tensor]
-    seed: int  # of each micro-batch's random draws
-    tied_grads: str = "fast"  # or "exact": tied weights' gradients summed on the device
-    early_prefetch: bool = False  # sub-model 1 loads during sub-model 0's update tail
-
-
-@dataclass(frozen=True)
-class StageEnds:
-    """Where a pipeline stage's range meets the rest of the model: whether it ends on the
-    model's output (else on received gradients), and the boundary values it receives and
-    sends (those it receives carry gradients back like its own values)."""
-
-    holds_output: bool = True
-    recv: tuple[str, ...] = ()
-    send: tuple[str, ...] = ()
-
-
-WHOLE_MODEL = StageEnds()
 
 
 class SwapExecutor:
@@ -222,6 +152,7 @@ class SwapExecutor:
             self.compute_stream = self.prefetch_stream = self.offload_stream = None
         lanes = CopyLanes(device, tracer, self.compute_stream, self.prefetch_stream,
                           self.offload_stream)
+        self.transfers = Transfers(lanes, self.slots, store, optimizer)
         self.stash = ActivationStash(lanes)
         # activations="auto": heavy operators' outputs kept or sent per the plan's quotas
         quotas = package.plan.activation_quotas
@@ -234,9 +165,8 @@ class SwapExecutor:
         if step.tied_grads == "exact":  # summed on the device: the store's sums leave them out
             store.exact_keys = set(self.ties.ties)
         self._loss_host = torch.zeros((), dtype=torch.float64, pin_memory=self.cuda)
-        self._last_load = 0  # the direction loads go in: the disk tier reads images ahead
         self._loss_ready: Any = None
-        self._run: _Run | None = None
+        self._run: RunState | None = None
 
     @classmethod
     def assemble(cls, package: SwapPackage, host_modules: list[nn.Module], config: AdamWConfig,
@@ -293,9 +223,12 @@ class SwapExecutor:
 
     def synchronize(self) -> None:
         """Wait for everything queued on this executor's streams (not for steady-state use)."""
-        if self.cuda:
-            for st in (self.compute_stream, self.prefetch_stream, self.offload_stream):
-                st.synchronize()
+        self.transfers.synchronize()
+
+    def wait_loads(self) -> None:
+        """Block the host until every weight load issued so far has finished reading its host
+        image, so that the images may be rewritten (refresh_images)."""
+        self.transfers.wait_loads()
 
     def invalidate_slots(self) -> None:
         """Forget what the slots hold (the weights were replaced): every sub-model loads again."""
@@ -310,138 +243,6 @@ class SwapExecutor:
         """Pinned host memory of the activation stash and of the operator outputs sent to host
         (each 0 before its first step that uses it)."""
         return self.stash.pinned_bytes() + self.opcache.pinned_bytes()
-
-    # ---- slots and streams ---------------------------------------------------------------------
-    #
-    # Stream contract (CUDA): a list runs on the compute stream (`session`), which first waits
-    # for what the caller's stream did (the batch, received values); loads run on the prefetch
-    # stream, each after the compute that last read its slot (`_release` records that), and
-    # the compute waits for a load before its sub-model computes (`_use`); gradient copies run
-    # on the offload stream after the backward, and the slot's next zeroing waits for them.
-    # S and R run on the caller's stream, ordered with the compute by `exchange`. On the CPU
-    # there are no streams or events: every method acts at once.
-
-    def _load(self, i: int, wait: bool = True) -> bool:
-        """Have sub-model i's current weights in slot i % 2 (issued, not necessarily done).
-
-        With wait=False, returns False instead of waiting for a pending optimizer update.
-        """
-        slots = self.slots
-        if slots.current(i):
-            return True
-        deps = self.store.load_deps[i]
-        if not wait and not self.opt.updates_done(deps):
-            return False
-        self.opt.wait_update(deps)
-        s = slots.slot(i)
-        n = self.layouts[i].numel
-        # the image in host memory, or read from disk into the tier's ring (reading the next
-        # ones ahead, in the direction the loads go)
-        step = 1 if i >= self._last_load else -1
-        self._last_load = i
-        source = self.store.load_source(i, (i + step, i + 2 * step),
-                                        lambda j: self.opt.updates_done(self.store.load_deps[j]))
-        nbytes = n * source.element_size()
-        # "refresh": the slot holds the same sub-model, with older weights
-        kind = "refresh" if slots.resident().get(s) == i else "load"
-        # The copy goes through .data, so it does not bump the version counter that the slot
-        # shares with the parameter views. With activations="keep", the autograd graph of a
-        # sub-model kept from its forward saves those views; a load of another sub-model into
-        # the same slot in between would otherwise fail its backward ("modified by an inplace
-        # operation"). It stays correct: before sub-model i's backward, _use(i) has the slot
-        # hold i's weights again, and they are the ones its forward used: its content (its own
-        # epoch and those of the owners of its tied replicas) only changes when one of them is
-        # updated, and in this step those updates come after i's backward (its own, and owners
-        # j < i, whose backward follows i's); the previous step's updates were waited for
-        # before the forward's load. So the saved views read the same values again.
-        if self.cuda:
-            ps = self.prefetch_stream
-            if slots.free[s] is not None:
-                ps.wait_event(slots.free[s])  # the slot's previous sub-model is done computing
-            with torch.cuda.stream(ps), self.tracer.span("prefetch", i, kind, ps, nbytes, s):
-                slots.params[s].data[:n].copy_(source, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(ps)
-            slots.loaded[s] = ev
-            self.store.load_issued(i, ev)
-        else:
-            with self.tracer.span("prefetch", i, kind, None, nbytes, s):
-                slots.params[s].data[:n].copy_(source)
-            self.store.load_issued(i, None)
-        slots.loaded_now(i)
-        return True
-
-    def _use(self, i: int) -> None:
-        """Before computing sub-model i: its current weights in its slot (loaded when the slot
-        holds anything else, after a pending optimizer update of them); the compute stream
-        waits for the load."""
-        self._load(i)
-        loaded = self.slots.loaded[self.slots.slot(i)]
-        if self.cuda and loaded is not None:
-            self.compute_stream.wait_event(loaded)
-
-    def _release(self, i: int) -> None:
-        """After the last computation reading sub-model i's slot was issued on the compute
-        stream: the next load into that slot (on the prefetch stream) waits for it."""
-        if self.cuda:
-            ev = torch.cuda.Event()
-            ev.record(self.compute_stream)
-            self.slots.free[self.slots.slot(i)] = ev
-
-    def _adopt(self, value: Any) -> Any:
-        """Mark a device tensor made on another stream (the caller's: a received value, a batch)
-        as read on the compute stream, so that the caching allocator does not hand its memory
-        out again, once it is freed, before the compute stream's uses of it are done. Returns
-        `value`; anything but a CUDA tensor is left as it is."""
-        if self.cuda and isinstance(value, torch.Tensor) and value.is_cuda:
-            value.record_stream(self.compute_stream)
-        return value
-
-    def _grads_to_host(self, i: int) -> Any:
-        """Copy sub-model i's gradient slot into the host store (store.grad(i)), after the
-        compute issued so far. CUDA: on the offload stream; returns the event after which the
-        host copy is complete; the slot's next zeroing waits for it too. CPU: done, None."""
-        s = self.slots.slot(i)
-        grads = self.slots.grads[s][:self.layouts[i].grad_numel]
-        # a ring's buffer: taken now, given back by the update that consumes it
-        host = self.store.grads.acquire(i, lambda held: self.opt.wait_update([held]))
-        nbytes = grads.numel() * host.element_size()
-        if self.cuda:
-            done = torch.cuda.Event()
-            done.record(self.compute_stream)
-            os_ = self.offload_stream
-            os_.wait_event(done)
-            with torch.cuda.stream(os_), self.tracer.span("offload", i, "offload", os_, nbytes):
-                host.copy_(grads, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(os_)
-            self.slots.grad_free[s] = ready
-            return ready
-        with self.tracer.span("offload", i, "offload", None, nbytes):
-            host.copy_(grads)
-        return None
-
-    def _wait_grad_slot(self, i: int) -> None:
-        """Make the compute stream wait until the previous copy of sub-model i's gradient slot
-        to the host is done (CUDA; nothing to wait for on the CPU)."""
-        s = self.slots.slot(i)
-        if self.cuda and self.slots.grad_free[s] is not None:
-            self.compute_stream.wait_event(self.slots.grad_free[s])
-
-    def _zero_grads(self, i: int) -> None:
-        """Zero sub-model i's gradient slot before its backward (on the compute stream, once the
-        previous copy of that slot to the host is done)."""
-        self._wait_grad_slot(i)
-        self.slots.grads[self.slots.slot(i)][:self.layouts[i].grad_numel].zero_()
-
-    def wait_loads(self) -> None:
-        """Block the host until every weight load issued so far has finished reading its host
-        image, so that the images may be rewritten (refresh_images). One prefetch stream issues
-        all loads in order, so the newest load event of each slot covers the older ones."""
-        if self.cuda:
-            for ev in self.slots.loaded:
-                if ev is not None:
-                    ev.synchronize()
 
     def wait_offloads(self) -> None:
         """Block the host until the last list's gradient copies are on the host (each copy's
@@ -498,7 +299,8 @@ class SwapExecutor:
         caller = torch.cuda.current_stream(self.device) if self.cuda else None
         # the batches go to the device on the caller's stream, which the compute stream then
         # waits for (with what else the caller made before: received values)
-        run = _Run(self, micro_batches, step, caller)
+        batches = [tuple(self.transfers.to_device(t) for t in mb) for mb in micro_batches]
+        run = RunState(batches, self.pkg.model_inputs, step, caller, self.device)
         if self.cuda:
             self.compute_stream.wait_stream(caller)
         self._run = run
@@ -550,7 +352,7 @@ class SwapExecutor:
         run = self._run
         self._before_compute(index, "backward", first_backward=first)
         if first:
-            self._zero_grads(index)  # on the compute stream, after the slot's last copy
+            self.transfers.zero_grads(index)  # on the compute stream, after the slot's last copy
         self._backward(index, micro)
         if last:
             self._free_after_backward(run.envs, index)
@@ -562,17 +364,17 @@ class SwapExecutor:
         a load issued for a first backward, that sub-model's stashed values stream in first."""
         self._between_compute()
         if trailing:
-            self._load(index)
+            self.transfers.load(index)
             return
         if next_first_backward is not None:
             self._unstash(next_first_backward)
-        if not self._load(index, wait=False):
+        if not self.transfers.load(index, wait=False):
             self._run.deferred.add(index)
 
     def offload(self, index: int) -> None:
         """Sub-model `index`'s gradients to the host store (offload stream)."""
         self._between_compute()
-        ready = self._grads_to_host(index)
+        ready = self.transfers.grads_to_host(index)
         self._run.offloads[index] = ready
         self._run.all_offloads.append(ready)
 
@@ -586,13 +388,14 @@ class SwapExecutor:
     def take_values(self, micro: int, values: dict[str, Any]) -> None:
         run = self._run
         for v in values.values():
-            self._adopt(v)  # made on the caller's stream, read (and freed) on the compute stream
+            # made on the caller's stream, read (and freed) on the compute stream
+            self.transfers.adopt(v)
         run.received[micro] = tuple(values)
         run.envs[micro].update(values)
 
     def take_grads(self, micro: int, grads: dict[str, torch.Tensor]) -> None:
         for n, g in grads.items():
-            self._run.grads[micro][n] = self._adopt(g)
+            self._run.grads[micro][n] = self.transfers.adopt(g)
 
     def values_out(self, micro: int) -> dict[str, Any]:
         return {n: self._run.envs[micro][n] for n in self.send_names}
@@ -615,12 +418,12 @@ class SwapExecutor:
         if run.span != (i, kind) or run.deferred:
             self._end_span()
         for j in sorted(run.deferred):
-            if self._load(j, wait=False):
+            if self.transfers.load(j, wait=False):
                 run.deferred.discard(j)
         if run.active != i:
             if run.active is not None:
-                self._release(run.active)
-            self._use(i)
+                self.transfers.release(run.active)
+            self.transfers.use(i)
             run.deferred.discard(i)
             run.active = i
         if first_backward:
@@ -629,7 +432,8 @@ class SwapExecutor:
                 self.opt.wait_step(run.step - 1)  # those updates read the host gradients
                 run.waited = True
             self._unstash(i)
-            self._wait_grad_slot(i)  # so that the compute span starts after that wait (CUDA)
+            # so that the compute span starts after that wait (CUDA)
+            self.transfers.wait_grad_slot(i)
         if run.span is None:
             run.spans.enter_context(self.tracer.span("compute", i, kind, self.compute_stream))
             run.span = (i, kind)
@@ -644,7 +448,7 @@ class SwapExecutor:
         run = self._run
         self._end_span()
         if run.active is not None:
-            self._release(run.active)
+            self.transfers.release(run.active)
             run.active = None
 
     def _unstash(self, i: int) -> None:
@@ -724,23 +528,6 @@ class SwapExecutor:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         self.ties.finish(i)
         self._collect_input_grads(run.grads[m], i, args)
-
-    def _to_device(self, t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        if t.device == self.device:
-            if self.cuda:
-                # Made by the caller on its stream (the compute stream waits for it) and read
-                # on the compute stream until P_0's backward, which is still queued when
-                # run_step returns: the caller freeing it must not let its memory be reused before.
-                t.record_stream(self.compute_stream)
-            return t
-        if t.device.type != "cpu":
-            return t.to(self.device, non_blocking=True)
-        if self.cuda:
-            src = t if t.is_pinned() else t.pin_memory()
-            return src.to(self.device, non_blocking=True)  # on the caller's stream
-        return t
 
     def _value(self, env: dict[str, Any], name: str) -> Any:
         v = env[name]

@@ -24,10 +24,11 @@ from atomc.errors import RuntimeMismatchError, UsageError
 from atomc.ir import Plan
 from atomc.jsonio import canonical_hash, read_json
 from atomc.runtime.config import RunSettings
-from atomc.runtime.executor import StepOptions, SwapExecutor
+from atomc.runtime.executor import SwapExecutor
 from atomc.runtime.layouts import plan_layouts, planned_host_bytes
 from atomc.runtime.optim import LossScaler
 from atomc.runtime.package import SwapPackage
+from atomc.runtime.steprun import StepOptions
 from atomc.runtime.store import HostStore
 from atomc.runtime.trace import Tracer
 from atomc.trace import parameters_on_meta

@@ -25,10 +25,11 @@ from torch import nn
 from atomc.actions import Action, ActionKind
 from atomc.actions.orders import swapped_stage_order
 from atomc.errors import RuntimeMismatchError
-from atomc.runtime.executor import StageEnds, StepOptions, SwapExecutor
+from atomc.runtime.executor import SwapExecutor
 from atomc.runtime.interpret import Links, run_actions
 from atomc.runtime.optim import AdamWConfig
 from atomc.runtime.package import SwapPackage
+from atomc.runtime.steprun import StageEnds, StepOptions
 from atomc.runtime.trace import Tracer
 from atomc.stages.base import StageSpec, named_buffers, original_tensor, tensor_attr
 
