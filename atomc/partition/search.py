@@ -303,7 +303,11 @@ def _find_shift(v: _Suffix, b: int, w_max: int, n: int, period: int):
 
 def _solve_middle(b: int, t: RangeTables, d: CostTables, v: _Suffix, tier: int, m: np.int64,
                   w_max: int) -> None:
-    """V for every state [a, b): try every following range [b, c) of at most w_max nodes."""
+    """V for every state [a, b): try every following range [b, c) of at most w_max nodes.
+
+    Rows are the states L = [a, b), a descending (only the last row can be the first
+    sub-model); columns the following ranges R = [b, c), c ascending (only the last column can
+    be the last sub-model). Each constraint compares a row's figure with a column's."""
     n = t.num_nodes
     wl = np.arange(1, min(w_max, b) + 1)
     al = b - wl
@@ -324,52 +328,78 @@ def _solve_middle(b: int, t: RangeTables, d: CostTables, v: _Suffix, tier: int, 
     def right(x):
         return x[b, wr][None, :]
 
-    f_l, bwd_l = left(d.fwd_ns), left(d.bwd_ns)
-    bwd_r = right(d.bwd_ns)
-    lf_r = right(d.load_fwd_ns)
+    first = al[-1] == 0  # the last row is P_0: its handover to R replaces the forward term
+    f_l, bwd_l, lf_l = left(d.fwd_ns), left(d.bwd_ns), left(d.load_fwd_ns)
+    bwd_r, ckpt_r, lf_r = right(d.bwd_ns), right(d.checkpoint_ns), right(d.load_fwd_ns)
+    mask = right(d.param_bytes) <= m - left(d.mem_fwd_bytes)
+    mask &= left(d.param_bytes) <= m - right(d.mem_bwd_bytes)
+    mask &= right(d.grad_bytes) <= m - left(d.mem_bwd_bytes)
+    if tier <= 1:
+        # R's offload and update against L's backward (P_1's: the handover prices them)
+        off_r = right(d.offload_ns)
+        lanes = off_r <= bwd_l
+        lanes &= off_r + right(d.optimizer_ns) <= bwd_l + left(d.offload_ns)
+        if first:
+            lanes[-1] = True
+        mask &= lanes
     # the H2D lane during R's backward: R's checkpoints, then L's parameters, unless R is the
     # last sub-model (L is then still in its slot from its forward)
-    lb_l = right(d.checkpoint_ns) + np.where((ends == n)[None, :], 0, left(d.load_fwd_ns))
-    mask = left(d.mem_fwd_bytes) + right(d.param_bytes) <= m
-    mask &= right(d.mem_bwd_bytes) + left(d.param_bytes) <= m
-    mask &= left(d.mem_bwd_bytes) + right(d.grad_bytes) <= m
-    # P_1's offload and update against P_0's backward: the handover prices them (first_pair)
-    first = (al == 0)[:, None]
-    if tier <= 1:
-        off_r = right(d.offload_ns)
-        mask &= first | (off_r <= bwd_l)
-        mask &= first | (off_r + right(d.optimizer_ns) <= bwd_l + left(d.offload_ns))
+    last = ends[-1] == n
     if tier == 0:
-        mask &= bwd_r >= lb_l
-    fwd_term = np.maximum(f_l, lf_r)
-    fwd_ok = f_l >= lf_r if tier == 0 else np.ones_like(mask)
-    if al[-1] == 0:  # the first sub-model: its handover to P_1 replaces the forward term
+        hidden = lf_l <= bwd_r - ckpt_r
+        if last:
+            hidden[:, -1] = ckpt_r[0, -1] <= bwd_r[0, -1]
+        mask &= hidden
+        loads = f_l >= lf_r  # R loads while L computes its forward
+        if first:
+            loads[-1] = True  # P_0's handover has overlap rules of its own (first_pair)
+        mask &= loads
+    if first:
         late, late_ok, early, early_ok, pick_early = _first_pair_grid(d, b, wr, n, tier, m)
-        fwd_term = np.broadcast_to(fwd_term, mask.shape).copy()
-        fwd_ok = np.broadcast_to(fwd_ok, mask.shape).copy()
-        fwd_term[-1] = np.where(pick_early, early, late)
-        fwd_ok[-1] = late_ok | early_ok
-    mask &= fwd_ok
-    has = mask.any(axis=1)
-    if not has.any():
-        return
-    step = fwd_term + np.maximum(bwd_r, lb_l) + v.step[ends, wr][None, :]
-    if tier == 2:
-        off_r, off_l = right(d.offload_ns), left(d.offload_ns)
-        step = step + np.where(first, 0, np.maximum(off_r - bwd_l, 0)
-                               + np.maximum(off_r + right(d.optimizer_ns) - bwd_l - off_l, 0))
+        handover = np.where(pick_early, early, late)
+        mask[-1] &= late_ok | early_ok
     # lexicographic minimum per row (step, then bytes crossing cuts, then sub-model count) as one
     # integer: the later keys belong to the column alone, so rank the columns by them once
-    col_cut, col_count = v.cut[ends, wr], v.count[ends, wr]
+    col_cut, col_count, col_v = v.cut[ends, wr], v.count[ends, wr], v.step[ends, wr]
     order = np.lexsort((col_count, col_cut))  # stable: equal keys keep column order
     rank = np.empty(len(order), dtype=np.int64)
     rank[order] = np.arange(len(order))
-    key = np.where(mask, step * len(order) + rank[None, :], INF)
-    pick = key.argmin(axis=1)
-    rows = np.flatnonzero(has)
+    if tier == 0:
+        # every constraint met: the forward term is L's forward (or P_0's handover) and the
+        # backward term R's backward, so a row's best column is the best of the columns' own
+        # sums and no step is formed cell by cell
+        col_step = bwd_r[0] + col_v
+        key = np.where(mask, (col_step * len(order) + rank)[None, :], INF)
+        if first:
+            key[-1] = np.where(mask[-1], (handover + col_step) * len(order) + rank, INF)
+        pick = key.argmin(axis=1)
+        rows = np.flatnonzero(key[np.arange(len(pick)), pick] < INF)
+        picked = f_l[rows, 0] + col_step[pick[rows]]
+        if first and len(rows) and rows[-1] == len(pick) - 1:
+            picked[-1] = handover[pick[-1]] + col_step[pick[-1]]
+    else:
+        fwd_term = np.maximum(f_l, lf_r)
+        lb_l = ckpt_r + np.where(ends[None, :] == n, 0, lf_l)
+        if first:
+            fwd_term = np.broadcast_to(fwd_term, mask.shape).copy()
+            fwd_term[-1] = handover
+        step = fwd_term + np.maximum(bwd_r, lb_l) + col_v[None, :]
+        if tier == 2:
+            off_r, off_l = right(d.offload_ns), left(d.offload_ns)
+            over = (np.maximum(off_r - bwd_l, 0)
+                    + np.maximum(off_r + right(d.optimizer_ns) - bwd_l - off_l, 0))
+            if first:
+                over[-1] = 0
+            step = step + over
+        key = np.where(mask, step * len(order) + rank[None, :], INF)
+        pick = key.argmin(axis=1)
+        rows = np.flatnonzero(key[np.arange(len(pick)), pick] < INF)
+        picked = step[rows, pick[rows]]
+    if not len(rows):
+        return
     pick = pick[rows]
     v.valid[b, wl[rows]] = True
-    v.step[b, wl[rows]] = step[rows, pick]
+    v.step[b, wl[rows]] = picked
     v.cut[b, wl[rows]] = col_cut[pick] + t.cut_bytes[b]
     v.count[b, wl[rows]] = col_count[pick] + 1
     v.next[b, wl[rows]] = ends[pick]
