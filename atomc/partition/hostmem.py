@@ -2,11 +2,11 @@
 
 One formula for the plan (`atomc partition` states and checks it against `--host-mem`), for
 `atomc train`'s check before it pins anything, and for the runtime's own allocations
-(atomc.runtime.store.HostStore, atomc.runtime.optim.CpuOptimizer size their buffers with
+(atomc.runtime.store.HostStore, atomc.runtime.cpuoptimizer.CpuOptimizer size their buffers with
 the functions here), so the plan's figure is what the run takes.
 
 Only AdamW's state lives for the whole step: the masters and the two moments. How the store
-keeps the masters beside the images the GPU loads (atomc.runtime.store.store_mode):
+keeps the masters beside the images the GPU loads (atomc.runtime.masters.store_mode):
 "direct" (the same dtype: the image is the master), "split" (float32 masters, bfloat16 images:
 the image is each master's high half and a 2-byte residual its low half, so a weight costs 4
 bytes for both), "separate" (float16 images: a float32 master of its own).
@@ -109,7 +109,7 @@ def moment_bytes(states: str, master_dtype: str = "float32") -> int:
 
 def store_mode(master_dtype: str, transfer_dtype: str) -> str:
     """"direct", "split" or "separate" (see the module docstring; the runtime's
-    atomc.runtime.store.store_mode, by dtype names)."""
+    atomc.runtime.masters.store_mode, by dtype names)."""
     if master_dtype == transfer_dtype:
         return "direct"
     if master_dtype == "float32" and transfer_dtype == "bfloat16":
@@ -124,7 +124,7 @@ def update_scratch_numel(trainable: Sequence[int]) -> int:
 
 
 def chunked_update(master_dtype: str, transfer_dtype: str, optimizer_states: str) -> bool:
-    """Whether the update runs a chunk at a time in scratch (atomc.runtime.optim.ChunkedAdamW):
+    """Whether the update runs a chunk at a time in scratch (atomc.runtime.adamw.ChunkedAdamW):
     unless masters, gradients and moments are all plain master-dtype tensors."""
     return store_mode(master_dtype, transfer_dtype) != "direct" or optimizer_states != "float32"
 
