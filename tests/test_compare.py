@@ -15,15 +15,15 @@ import pytest
 from atomc.actions import pipeline_order
 from atomc.cli import main
 from atomc.compare import GivenPlan, Setting, compare, hardware_models, machines_of
-from atomc.compare.costs import hardware_model, peer_step
+from atomc.compare.costs import hardware_model
 from atomc.compare.modes import links_of
 from atomc.compare.peers import local_steps
 from atomc.compare.swarm import assign_servers, commit_jobs
 from atomc.ir import Plan, Profile
+from atomc.partition import plan_step
 from atomc.place.network import Device, Network
 from atomc.profile import profile_model
 from atomc.simulate.network import Links, StageCosts, pipeline_jobs, simulate_programs
-from atomc.simulate.plan import stage_times
 from atomc.trace import runs_on_for, trace_model
 
 GPT = Path(__file__).resolve().parents[1] / "examples" / "gpt.py"
@@ -464,7 +464,7 @@ def test_a_plan_is_what_its_peers_train_with(profile, plan_files):
     r = c.results["peers"]
     assert plan.accum == 2 and "C=2," in r.config and "C=2," not in mine.config
     assert c.plans == {"g0": "tiny.plan.json", "g1": "tiny.plan.json"}
-    step = peer_step(stage_times(plan), plan).step_ns
+    step = plan_step(plan).step_ns
     assert r.detail["local_step_ns"] == {"g0": step, "g1": step}
     assert plan.cpu_adam_gbps > 0
     bare = hardware_models([], machines_of(net), no_update=True, plans=[given])[HW]

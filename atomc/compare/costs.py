@@ -28,7 +28,7 @@ from atomc.codegen.manual import plan_from_cuts
 from atomc.distributed.outer import describe_host_bytes
 from atomc.errors import InfeasiblePlanError, UsageError
 from atomc.ir import Plan, Profile
-from atomc.partition import DEFAULT_RESERVE_BYTES, partition, recost
+from atomc.partition import DEFAULT_RESERVE_BYTES, partition, plan_step, recost
 from atomc.partition.cost import CostParams, optimizer_ns, runtime_params
 from atomc.partition.hostmem import plan_host_memory
 from atomc.partition.stagemem import (
@@ -38,8 +38,7 @@ from atomc.partition.stagemem import (
     resident_stage_bytes,
     swapped_stage_bytes,
 )
-from atomc.simulate.events import StageTimes, copies_on_host, simulate_swap
-from atomc.simulate.plan import stage_times
+from atomc.simulate.events import StageTimes
 from atomc.units import DTYPE_BYTES, format_bytes, ms_to_ns
 
 # AdamW on the device moves 28 bytes per fp32 parameter (reads the weight, its gradient and
@@ -245,10 +244,7 @@ class HardwareModel:
         return self._peers[key]
 
     def _simulate_peer(self, plan: Plan, host: int | None = None) -> PeerPlan:
-        times = [dataclasses.replace(t, fwd_ns=round(t.fwd_ns * self.slowdown),
-                                     bwd_ns=round(t.bwd_ns * self.slowdown))
-                 for t in stage_times(plan)]
-        sim = peer_step(times, plan)
+        sim = plan_step(plan, self.slowdown)  # partition's, where it simulated this plan
         if host is None:
             host = plan_host_memory(plan, self.profile.graph).total()
         return PeerPlan(plan=plan, step_ns=sim.step_ns, compute_ns=sim.compute_ns,
@@ -302,14 +298,6 @@ class HardwareModel:
         p = CostParams(1, 0, self.profile.h2d_gbps, self.profile.d2h_gbps, self.cpu_adam[0],
                        "recompute", **runtime_params(self.profile))
         return int(optimizer_ns(p, self.master_bytes_of(fqns), tensors))
-
-
-def peer_step(times: list[StageTimes], plan: Plan, num_steps: int = 1):
-    """One step of the plan's swap schedule as its device runs it (events.simulate_swap)."""
-    return simulate_swap(times, plan.accum, num_steps=num_steps,
-                         early_prefetch=plan.early_prefetch,
-                         host_copies=copies_on_host(plan.device),
-                         host_gap_ns=ms_to_ns(plan.host_gap_ms or 0.0))
 
 
 def block_cuts(profile: Profile) -> list[int]:
@@ -374,4 +362,4 @@ def host_memory_line(device: str, need: int, have: int,
 
 
 __all__ = ["GivenPlan", "HardwareModel", "PeerPlan", "Unit", "block_cuts", "hardware_model",
-           "host_memory_line", "peer_step", "placement_plan"]
+           "host_memory_line", "placement_plan"]

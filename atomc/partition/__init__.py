@@ -22,19 +22,27 @@ import dataclasses
 from atomc.ir import OpGraph, Plan, Profile, SweepPoint
 from atomc.partition.activations import choose_policy
 from atomc.partition.advice import ADVICE_STEP, budget_advice, min_capacity_bytes
-from atomc.partition.build import build_plan, graph_hash, host_gap_ms, profile_hash, recost
+from atomc.partition.build import (
+    build_plan,
+    graph_hash,
+    host_gap_ms,
+    plan_step,
+    profile_hash,
+    recost,
+    same_step,
+)
 from atomc.partition.caps import plan_tables
 from atomc.partition.cost import ACTIVATIONS, DEFAULT_CPU_ADAM_GBPS
 from atomc.partition.hostmem import HostBudget, check_plan_host, disk_times, plan_host_memory
 from atomc.partition.precision import device_view, resolve_precision
 from atomc.partition.weigh import weigh
-from atomc.simulate import binding_lane, simulate_plan
+from atomc.simulate import binding_lane
 from atomc.units import NS_PER_MS, format_bytes, format_ms
 
 __all__ = ["ADVICE_STEP", "DEFAULT_MAX_ACCUM", "DEFAULT_RESERVE_BYTES", "POLICIES",
            "budget_advice", "build_plan", "graph_hash", "host_gap_ms", "min_capacity_bytes",
-           "partition", "plan_tables", "profile_hash", "recost", "sweep_point", "tokens_per_s",
-           "with_disk"]
+           "partition", "plan_step", "plan_tables", "profile_hash", "recost", "sweep_point",
+           "tokens_per_s", "with_disk"]
 
 DEFAULT_RESERVE_BYTES = 1 << 30  # CUDA context, allocator fragmentation, the loss
 DEFAULT_MAX_ACCUM = 64
@@ -99,7 +107,7 @@ def partition(profile: Profile, capacity_bytes: int, reserve_bytes: int = DEFAUL
                  f"from C={smallest.accum}, {tokens_per_s(smallest):,.0f})")
         notes = (*notes, (f"C={best.accum} trains the most tokens a second "
                          f"({tokens_per_s(best):,.0f}); {first}"))
-    return dataclasses.replace(best, sweep=sweep, notes=notes)
+    return same_step(dataclasses.replace(best, sweep=sweep, notes=notes), best)
 
 
 def with_disk(plan: Plan, graph: OpGraph) -> Plan:
@@ -112,7 +120,7 @@ def with_disk(plan: Plan, graph: OpGraph) -> Plan:
     if host is None or host.disk is None or not host.disk_kinds:
         return plan
     timed = disk_times(plan, graph, host)
-    sim = simulate_plan(timed)
+    sim = plan_step(timed)
     step_ms = sim.step_ns / NS_PER_MS
     disk = host.disk
     binding, feasible = plan.binding, plan.feasible
@@ -131,9 +139,10 @@ def with_disk(plan: Plan, graph: OpGraph) -> Plan:
             f"disk: the states' traffic ({format_ms(moved)} a step on {disk.drives} drive(s)) "
             f"outlasts the compute it overlaps: the step grows by "
             f"{format_ms(step_ms - plan.predicted_step_ms)}")
-    return dataclasses.replace(timed, predicted_step_ms=step_ms,
-                               predicted_utilisation=sim.utilisation, feasible=feasible,
-                               binding=binding)
+    out = dataclasses.replace(timed, predicted_step_ms=step_ms,
+                              predicted_utilisation=sim.utilisation, feasible=feasible,
+                              binding=binding)
+    return same_step(out, timed)
 
 
 def tokens_per_s(plan: Plan) -> float:
@@ -143,7 +152,7 @@ def tokens_per_s(plan: Plan) -> float:
 
 def sweep_point(plan: Plan, searched: bool) -> SweepPoint:
     """What `atomc show --sweep` prints of a plan weighed for C."""
-    sim = simulate_plan(plan)
+    sim = plan_step(plan)
     host = plan.host
     over = host is not None and host.limit_bytes and host.total() > host.limit_bytes
     return SweepPoint(accum=plan.accum, step_ms=plan.predicted_step_ms,

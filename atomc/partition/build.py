@@ -3,6 +3,7 @@ step; the same cuts costed on another profile (`recost`); the plan's and profile
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from atomc import __version__
@@ -39,8 +40,9 @@ from atomc.partition.tables import (
     live_sets,
     node_facts,
 )
-from atomc.simulate.events import copies_on_host, simulate_swap
-from atomc.units import NS_PER_MS, format_bytes
+from atomc.simulate.events import Simulation, copies_on_host, simulate_swap
+from atomc.simulate.plan import simulate_plan, stage_times
+from atomc.units import NS_PER_MS, format_bytes, ms_to_ns
 
 
 def recost(profile: Profile, plan: Plan, cpu_adam_gbps: float | None = None,
@@ -72,6 +74,28 @@ def recost(profile: Profile, plan: Plan, cpu_adam_gbps: float | None = None,
                      early_prefetch=plan.early_prefetch, precision=precision, view=view,
                      cpu_adam_source=cpu_adam_source or plan.cpu_adam_source or "given")
     return apply_policy(out, profile, plan) if auto else out
+
+
+def plan_step(plan: Plan, slowdown: float = 1.0) -> Simulation:
+    """The plan's step as its device runs it (simulate.plan.simulate_plan), simulated once
+    per plan: `partition` keeps the step it simulated while weighing C with the plan it
+    returns. With `slowdown`, every forward and backward that many times slower (an emulated
+    device); copies and the CPU update keep their times, so that step is simulated again
+    (stretching the timeline would stretch them too)."""
+    if slowdown == 1.0:
+        return once_per_object(plan, "plan_step", lambda: simulate_plan(plan))
+    times = [dataclasses.replace(t, fwd_ns=round(t.fwd_ns * slowdown),
+                                 bwd_ns=round(t.bwd_ns * slowdown)) for t in stage_times(plan)]
+    return simulate_swap(times, plan.accum, early_prefetch=plan.early_prefetch,
+                         host_copies=copies_on_host(plan.device),
+                         host_gap_ns=ms_to_ns(plan.host_gap_ms or 0.0))
+
+
+def same_step(plan: Plan, like: Plan) -> Plan:
+    """`plan`, whose step is `like`'s (the same sub-models, C and device, other notes): the
+    step simulated for `like` is `plan`'s too."""
+    once_per_object(plan, "plan_step", lambda: plan_step(like))
+    return plan
 
 
 def host_gap_ms(profile: Profile) -> float:
