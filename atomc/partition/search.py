@@ -252,12 +252,7 @@ def search(tables: RangeTables, params: CostParams, tier: int = 0, folding: Fold
     if best is None:
         return None
     (step, cut_bytes, count), b = best
-    cuts = []
-    a = 0
-    while b != n:
-        cuts.append(b)
-        c = int(v.next[b, b - a])
-        a, b = b, c
+    cuts = _cuts(v, b, n)
     early = False
     if cuts:
         end = cuts[1] if len(cuts) > 1 else n
@@ -265,6 +260,15 @@ def search(tables: RangeTables, params: CostParams, tier: int = 0, folding: Fold
             d, cuts[0], np.array([end - cuts[0]]), n, tier, m)
         early = bool(pick_early[0])
     return SearchResult(tuple(cuts), step, cut_bytes, count, tier, folded, early)
+
+
+def _cuts(v: _Suffix, b: int, n: int) -> list[int]:
+    """The cuts of the plan whose first sub-model is [0, b), following each state's choice."""
+    cuts, a = [], 0
+    while b != n:
+        cuts.append(b)
+        a, b = b, int(v.next[b, b - a])
+    return cuts
 
 
 def _first_pair_grid(d: CostTables, b: int, wr: np.ndarray, n: int, tier: int, m: np.int64):
@@ -301,13 +305,27 @@ def _find_shift(v: _Suffix, b: int, w_max: int, n: int, period: int):
     return None
 
 
+class _Grid:
+    """The pairs a middle cut b joins: rows are the states L = [a, b), a descending (only the
+    last row can be the first sub-model); columns the following ranges R = [b, c), c
+    ascending (only the last column can be the last sub-model)."""
+
+    def __init__(self, b: int, n: int, al: np.ndarray, wl: np.ndarray, wr: np.ndarray):
+        self.b, self.n, self.al, self.wl, self.wr = b, n, al, wl, wr
+        self.ends = b + wr
+        self.first = al[-1] == 0  # the last row is P_0: its handover replaces the pair terms
+        self.last = self.ends[-1] == n  # the last column is P_{k-1}
+
+    def left(self, x: np.ndarray) -> np.ndarray:
+        return x[self.al, self.wl][:, None]
+
+    def right(self, x: np.ndarray) -> np.ndarray:
+        return x[self.b, self.wr][None, :]
+
+
 def _solve_middle(b: int, t: RangeTables, d: CostTables, v: _Suffix, tier: int, m: np.int64,
                   w_max: int) -> None:
-    """V for every state [a, b): try every following range [b, c) of at most w_max nodes.
-
-    Rows are the states L = [a, b), a descending (only the last row can be the first
-    sub-model); columns the following ranges R = [b, c), c ascending (only the last column can
-    be the last sub-model). Each constraint compares a row's figure with a column's."""
+    """V for every state [a, b): try every following range [b, c) of at most w_max nodes."""
     n = t.num_nodes
     wl = np.arange(1, min(w_max, b) + 1)
     al = b - wl
@@ -319,87 +337,98 @@ def _solve_middle(b: int, t: RangeTables, d: CostTables, v: _Suffix, tier: int, 
     right_ok = d.ok[b, wr] & v.valid[b + wr, wr]
     if not right_ok.any():
         return
-    wr = wr[right_ok]
-    ends = b + wr
-
-    def left(x):
-        return x[al, wl][:, None]
-
-    def right(x):
-        return x[b, wr][None, :]
-
-    first = al[-1] == 0  # the last row is P_0: its handover to R replaces the forward term
-    f_l, bwd_l, lf_l = left(d.fwd_ns), left(d.bwd_ns), left(d.load_fwd_ns)
-    bwd_r, ckpt_r, lf_r = right(d.bwd_ns), right(d.checkpoint_ns), right(d.load_fwd_ns)
-    mask = right(d.param_bytes) <= m - left(d.mem_fwd_bytes)
-    mask &= left(d.param_bytes) <= m - right(d.mem_bwd_bytes)
-    mask &= right(d.grad_bytes) <= m - left(d.mem_bwd_bytes)
-    if tier <= 1:
-        # R's offload and update against L's backward (P_1's: the handover prices them)
-        off_r = right(d.offload_ns)
-        lanes = off_r <= bwd_l
-        lanes &= off_r + right(d.optimizer_ns) <= bwd_l + left(d.offload_ns)
-        if first:
-            lanes[-1] = True
-        mask &= lanes
-    # the H2D lane during R's backward: R's checkpoints, then L's parameters, unless R is the
-    # last sub-model (L is then still in its slot from its forward)
-    last = ends[-1] == n
-    if tier == 0:
-        hidden = lf_l <= bwd_r - ckpt_r
-        if last:
-            hidden[:, -1] = ckpt_r[0, -1] <= bwd_r[0, -1]
-        mask &= hidden
-        loads = f_l >= lf_r  # R loads while L computes its forward
-        if first:
-            loads[-1] = True  # P_0's handover has overlap rules of its own (first_pair)
-        mask &= loads
-    if first:
-        late, late_ok, early, early_ok, pick_early = _first_pair_grid(d, b, wr, n, tier, m)
-        handover = np.where(pick_early, early, late)
-        mask[-1] &= late_ok | early_ok
+    g = _Grid(b, n, al, wl, wr[right_ok])
+    mask, handover = _pair_mask(g, d, tier, m)
     # lexicographic minimum per row (step, then bytes crossing cuts, then sub-model count) as one
     # integer: the later keys belong to the column alone, so rank the columns by them once
-    col_cut, col_count, col_v = v.cut[ends, wr], v.count[ends, wr], v.step[ends, wr]
+    ends, wr = g.ends, g.wr
+    col_cut, col_count = v.cut[ends, wr], v.count[ends, wr]
     order = np.lexsort((col_count, col_cut))  # stable: equal keys keep column order
     rank = np.empty(len(order), dtype=np.int64)
     rank[order] = np.arange(len(order))
-    if tier == 0:
-        # every constraint met: the forward term is L's forward (or P_0's handover) and the
-        # backward term R's backward, so a row's best column is the best of the columns' own
-        # sums and no step is formed cell by cell
-        col_step = bwd_r[0] + col_v
-        key = np.where(mask, (col_step * len(order) + rank)[None, :], INF)
-        if first:
-            key[-1] = np.where(mask[-1], (handover + col_step) * len(order) + rank, INF)
-        pick = key.argmin(axis=1)
-        rows = np.flatnonzero(key[np.arange(len(pick)), pick] < INF)
-        picked = f_l[rows, 0] + col_step[pick[rows]]
-        if first and len(rows) and rows[-1] == len(pick) - 1:
-            picked[-1] = handover[pick[-1]] + col_step[pick[-1]]
-    else:
-        fwd_term = np.maximum(f_l, lf_r)
-        lb_l = ckpt_r + np.where(ends[None, :] == n, 0, lf_l)
-        if first:
-            fwd_term = np.broadcast_to(fwd_term, mask.shape).copy()
-            fwd_term[-1] = handover
-        step = fwd_term + np.maximum(bwd_r, lb_l) + col_v[None, :]
-        if tier == 2:
-            off_r, off_l = right(d.offload_ns), left(d.offload_ns)
-            over = (np.maximum(off_r - bwd_l, 0)
-                    + np.maximum(off_r + right(d.optimizer_ns) - bwd_l - off_l, 0))
-            if first:
-                over[-1] = 0
-            step = step + over
-        key = np.where(mask, step * len(order) + rank[None, :], INF)
-        pick = key.argmin(axis=1)
-        rows = np.flatnonzero(key[np.arange(len(pick)), pick] < INF)
-        picked = step[rows, pick[rows]]
+    rows, pick, picked = _best_columns(g, d, v.step[ends, wr], tier, mask, handover, rank)
     if not len(rows):
         return
-    pick = pick[rows]
     v.valid[b, wl[rows]] = True
     v.step[b, wl[rows]] = picked
     v.cut[b, wl[rows]] = col_cut[pick] + t.cut_bytes[b]
     v.count[b, wl[rows]] = col_count[pick] + 1
     v.next[b, wl[rows]] = ends[pick]
+
+
+def _pair_mask(g: _Grid, d: CostTables, tier: int, m: np.int64
+               ) -> tuple[np.ndarray, np.ndarray | None]:
+    """Which pairs meet the constraints of `tier`, and P_0's handover term per column (None
+    unless the last row is P_0). Each constraint compares a row's figure with a column's."""
+    left, right = g.left, g.right
+    mask = right(d.param_bytes) <= m - left(d.mem_fwd_bytes)
+    mask &= left(d.param_bytes) <= m - right(d.mem_bwd_bytes)
+    mask &= right(d.grad_bytes) <= m - left(d.mem_bwd_bytes)
+    if tier <= 1:
+        # R's offload and update against L's backward (P_1's: the handover prices them)
+        off_r, bwd_l = right(d.offload_ns), left(d.bwd_ns)
+        lanes = off_r <= bwd_l
+        lanes &= off_r + right(d.optimizer_ns) <= bwd_l + left(d.offload_ns)
+        if g.first:
+            lanes[-1] = True
+        mask &= lanes
+    if tier == 0:
+        # the H2D lane during R's backward: R's checkpoints, then L's parameters, unless R is
+        # the last sub-model (L is then still in its slot from its forward)
+        bwd_r, ckpt_r = right(d.bwd_ns), right(d.checkpoint_ns)
+        hidden = left(d.load_fwd_ns) <= bwd_r - ckpt_r
+        if g.last:
+            hidden[:, -1] = ckpt_r[0, -1] <= bwd_r[0, -1]
+        mask &= hidden
+        loads = left(d.fwd_ns) >= right(d.load_fwd_ns)  # R loads while L computes its forward
+        if g.first:
+            loads[-1] = True  # P_0's handover has overlap rules of its own (first_pair)
+        mask &= loads
+    if not g.first:
+        return mask, None
+    late, late_ok, early, early_ok, pick_early = _first_pair_grid(d, g.b, g.wr, g.n, tier, m)
+    mask[-1] &= late_ok | early_ok
+    return mask, np.where(pick_early, early, late)
+
+
+def _best_columns(g: _Grid, d: CostTables, col_v: np.ndarray, tier: int, mask: np.ndarray,
+                  handover: np.ndarray | None, rank: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rows with a pair, each one's best column, its step): the least step, ties broken by
+    `rank`; `col_v` is each column's suffix step."""
+    left, right = g.left, g.right
+    f_l, bwd_r = left(d.fwd_ns), right(d.bwd_ns)
+    scale = len(rank)
+    if tier == 0:
+        # every constraint met: the forward term is L's forward (or P_0's handover) and the
+        # backward term R's backward, so a row's best column is the best of the columns' own
+        # sums and no step is formed cell by cell
+        col_step = bwd_r[0] + col_v
+        key = np.where(mask, (col_step * scale + rank)[None, :], INF)
+        if handover is not None:
+            key[-1] = np.where(mask[-1], (handover + col_step) * scale + rank, INF)
+        pick = key.argmin(axis=1)
+        rows = np.flatnonzero(key[np.arange(len(pick)), pick] < INF)
+        pick = pick[rows]
+        picked = f_l[rows, 0] + col_step[pick]
+        if handover is not None and len(rows) and rows[-1] == len(key) - 1:
+            picked[-1] = handover[pick[-1]] + col_step[pick[-1]]
+        return rows, pick, picked
+    fwd_term = np.maximum(f_l, right(d.load_fwd_ns))
+    lb_l = right(d.checkpoint_ns) + np.where(g.ends[None, :] == g.n, 0, left(d.load_fwd_ns))
+    if handover is not None:
+        fwd_term = np.broadcast_to(fwd_term, mask.shape).copy()
+        fwd_term[-1] = handover
+    step = fwd_term + np.maximum(bwd_r, lb_l) + col_v[None, :]
+    if tier == 2:
+        off_r, off_l, bwd_l = right(d.offload_ns), left(d.offload_ns), left(d.bwd_ns)
+        over = (np.maximum(off_r - bwd_l, 0)
+                + np.maximum(off_r + right(d.optimizer_ns) - bwd_l - off_l, 0))
+        if g.first:
+            over[-1] = 0
+        step = step + over
+    key = np.where(mask, step * scale + rank[None, :], INF)
+    pick = key.argmin(axis=1)
+    rows = np.flatnonzero(key[np.arange(len(pick)), pick] < INF)
+    pick = pick[rows]
+    return rows, pick, step[rows, pick]

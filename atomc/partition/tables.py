@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -255,23 +256,17 @@ def max_width_for(facts: NodeFacts, usable_bytes: int) -> int:
     return min(width, n)
 
 
-def build_tables(facts: NodeFacts, max_width: int) -> RangeTables:
+def _state_tables(facts: NodeFacts, w_max: int,
+                  span: Callable[[np.ndarray], np.ndarray]) -> list[np.ndarray]:
+    """Parameter, gradient and master bytes and the number of masters of every range.
+
+    Unique state: a tensor's weights and gradients count in [a, a+w) when one of its uses
+    lies there. Count it at its first use after a: the first use overall (prefix sums), or
+    a later use whose previous use lies before a (a few correction rectangles, e.g. a tied
+    LM head). Its master and optimizer state live in its first holder only (runtime.store):
+    the range with its first use overall updates it."""
     n = facts.num_nodes
-    w_max = max(1, min(max_width, n))
-    starts = np.arange(n)[:, None]
     widths = np.arange(w_max + 1)[None, :]
-    ends = np.minimum(starts + widths, n)
-    valid = (widths >= 1) & (starts + widths <= n)
-
-    def span(per_node: np.ndarray) -> np.ndarray:
-        prefix = np.concatenate([[0], np.cumsum(per_node, dtype=np.int64)])
-        return prefix[ends] - prefix[starts]
-
-    # unique state: a tensor's weights and gradients count in [a, a+w) when one of its uses
-    # lies there. Count it at its first use after a: the first use overall (prefix sums), or
-    # a later use whose previous use lies before a (a few correction rectangles, e.g. a tied
-    # LM head). Its master and optimizer state live in its first holder only (runtime.store):
-    # the range with its first use overall updates it.
     state_sums = []
     for attr in ("param_bytes", "grad_bytes", "master_bytes", "num_masters"):
         first = np.zeros(n, dtype=np.int64)
@@ -288,15 +283,27 @@ def build_tables(facts: NodeFacts, max_width: int) -> RangeTables:
                 if len(rows):
                     table[lo:use + 1] += weight * (widths > (use - rows)[:, None])
         state_sums.append(table)
-    param_bytes, grad_bytes, master_bytes, num_masters = state_sums
+    return state_sums
 
+
+def _extra_tables(facts: NodeFacts, w_max: int) -> tuple[np.ndarray, np.ndarray]:
+    """The largest working memory beyond saved values of any operator of each range, forward
+    and backward."""
+    n = facts.num_nodes
     extra_fwd = np.zeros((n, w_max + 1), dtype=np.int64)
     extra_bwd = np.zeros((n, w_max + 1), dtype=np.int64)
     for w in range(1, w_max + 1):
         last = np.minimum(np.arange(n) + w - 1, n - 1)
         extra_fwd[:, w] = np.maximum(extra_fwd[:, w - 1], facts.extra_fwd_bytes[last])
         extra_bwd[:, w] = np.maximum(extra_bwd[:, w - 1], facts.extra_bwd_bytes[last])
+    return extra_fwd, extra_bwd
 
+
+def _boundary_tables(facts: NodeFacts, w_max: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(out_bytes, cut_bytes, in_bytes): the values each range hands on, the values live at
+    each cut, and the values each range reads from before it."""
+    n = facts.num_nodes
     # out_bytes[a, c-a] = sum over j in [a, c) of value_bytes[j] when j is read at c or later
     out_bytes = np.zeros((n, w_max + 1), dtype=np.int64)
     for c in range(1, n + 1):
@@ -325,7 +332,24 @@ def build_tables(facts: NodeFacts, max_width: int) -> RangeTables:
             nxt = users[bisect.bisect_left(users, a)]  # its first reader at a or later
             if nxt - a < w_max:
                 in_bytes[a, nxt - a + 1:] += facts.value_bytes[j]
+    return out_bytes, cut_bytes, in_bytes
 
+
+def build_tables(facts: NodeFacts, max_width: int) -> RangeTables:
+    n = facts.num_nodes
+    w_max = max(1, min(max_width, n))
+    starts = np.arange(n)[:, None]
+    widths = np.arange(w_max + 1)[None, :]
+    ends = np.minimum(starts + widths, n)
+    valid = (widths >= 1) & (starts + widths <= n)
+
+    def span(per_node: np.ndarray) -> np.ndarray:
+        prefix = np.concatenate([[0], np.cumsum(per_node, dtype=np.int64)])
+        return prefix[ends] - prefix[starts]
+
+    param_bytes, grad_bytes, master_bytes, num_masters = _state_tables(facts, w_max, span)
+    extra_fwd, extra_bwd = _extra_tables(facts, w_max)
+    out_bytes, cut_bytes, in_bytes = _boundary_tables(facts, w_max)
     allowed = allowed_cuts(facts)
     start_ok = np.broadcast_to(((np.arange(n) == 0) | allowed[:n])[:, None], valid.shape)
     end_ok = (ends == n) | allowed[ends]
