@@ -52,7 +52,7 @@ import tempfile
 import time
 from pathlib import Path
 
-# as `atomc` sets it (atomc/cli.py): swapped sub-models fragment the default CUDA allocator
+# as `atomc` sets it (atomc.cli.main): swapped sub-models fragment the default CUDA allocator
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch

@@ -22,8 +22,9 @@ Where the order was decided rather than read off the pipeline:
 - the runtime's own costs (`calibrate.runtime_costs`, `calibrate.probe`) are measured by
   running the runtime, so they sit above it; `atomc profile` hands them to profile_model.
 - `place` sits above `calibrate` as in DESIGN's list, though it needs neither.
-- every stage's entry point, `atomc/<package>/cli.py`, belongs to the `cli` layer: it composes
-  its stage with the ones before it (`atomc partition --codegen` writes the package too).
+- `cli`, the `atomc` command (a module per command group, and `atomc/__main__.py`), sits above
+  every stage: a command composes its stage with the ones before it (`atomc partition --emit`
+  writes the package too).
 Packages in one layer do not import each other, and no module imports a private name
 (`_name`) of another package.
 
@@ -110,7 +111,7 @@ def layer(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
         return "atomc"
-    if parts[1] in ("cli", "__main__") or parts[-1] == "cli":
+    if parts[1] == "__main__":  # `python -m atomc`: the command line
         return "cli"
     return parts[1]
 
@@ -233,8 +234,8 @@ def test_the_test_import_reader_sees_test_modules(tmp_path: Path) -> None:
 # public top-level name defined in several modules -> why it still is (and what fixes it)
 PENDING = "pending: runtime redesign (issue 41)"
 SHARED_NAMES: dict[str, str] = {
-    # one meaning, one module each: the command line's entry points until atomc/cli/ holds them
-    "register": "every atomc/<stage>/cli.py adds its subcommand so (issue 41 item 5: atomc/cli/)",
+    # one meaning: what atomc.cli.build_parser calls in each module of the command line
+    "register": "every atomc/cli/ module adds its subcommands to the parser so",
     # in packages being redesigned now; the closing note proposes a name for each
     "ACTIVATIONS": PENDING,
     "BOUND": PENDING,

@@ -27,8 +27,8 @@ by running the runtime (`measure_runtime_costs`; `atomc profile` passes it to pr
 
 Modules: `measure` (a package's traced steps -> Measurement), `scale` (calibrate),
 `report` (the before/after text), `runtime_costs` and `probe` (the runtime's own costs),
-`host` (the runtime's CPU AdamW rate on this machine: `atomc partition --cpu-adam-gbps auto`),
-`cli` (`atomc calibrate`).
+`host` (the runtime's CPU AdamW rate on this machine: `atomc partition --cpu-adam-gbps auto`).
+`atomc calibrate` is atomc.cli.calibrate.
 """
 
 import importlib

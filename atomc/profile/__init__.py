@@ -19,8 +19,8 @@ Operators with equal signatures (target, hyperparameters, shapes, dtypes) are me
 96 identical transformer blocks cost one.
 
 Modules: `model` (profile_model), `ops` (per-operator analysis on meta tensors), `measure`
-and `timing` (timed runs), `estimate` and `hardware` (the roofline), `report` (the summary),
-`cli` (`atomc profile`).
+and `timing` (timed runs), `estimate` and `hardware` (the roofline), `report` (the summary).
+`atomc profile` is atomc.cli.profile.
 """
 
 from atomc.profile.estimate import estimate_ms, load_ms

@@ -1,4 +1,8 @@
-"""`atomc profile MODEL.py` and `atomc profiles`."""
+"""`atomc profile MODEL.py` and `atomc profiles`.
+
+Tracing and profiling import torch: the commands import those stages when they run, so that
+building this parser (`atomc --help`) does not.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import argparse
 from pathlib import Path
 
 from atomc.errors import UsageError
+from atomc.units import format_bytes
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -53,7 +58,6 @@ def run_profile(args: argparse.Namespace) -> int:
 
 def run_profiles(args: argparse.Namespace) -> int:
     from atomc.profile.hardware import hardware_names, load_hardware
-    from atomc.units import format_bytes
 
     for name in hardware_names():
         hw = load_hardware(name)

@@ -4,6 +4,9 @@ Trains the package for a few traced steps with the swap runtime (byte-level text
 train`), scales the profile the plan was made from to the measured sub-models
 (atomc.calibrate.calibrate), writes the calibrated profile, partitions it again with the
 plan's settings, and prints predicted against measured before and after.
+
+Measuring runs the runtime, which imports torch: the command imports it when it runs, so that
+building this parser (`atomc --help`) does not.
 """
 
 from __future__ import annotations
@@ -12,6 +15,10 @@ import argparse
 from pathlib import Path
 
 from atomc.errors import UsageError
+from atomc.ir import Plan, Profile
+from atomc.partition import partition, profile_hash, recost
+from atomc.partition.report import render_plan
+from atomc.simulate import simulate_plan, write_timelines_svg
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -55,12 +62,9 @@ def _stem(path: Path) -> str:
     return path.stem
 
 
-def find_profile(given: str | None, package: Path, profile_hash: str):
+def find_profile(given: str | None, package: Path, wanted: str):
     """The profile the plan was made from: given, or found by its hash beside the package,
     beside the package's folder, or here."""
-    from atomc.ir import Profile
-    from atomc.partition import profile_hash as hash_of
-
     if given:
         return Path(given), Profile.load(given)
     seen: set[Path] = set()
@@ -73,18 +77,15 @@ def find_profile(given: str | None, package: Path, profile_hash: str):
                 profile = Profile.load(path)
             except Exception:  # noqa: BLE001 - any file that is not that profile is skipped
                 continue
-            if hash_of(profile) == profile_hash:
+            if profile_hash(profile) == wanted:
                 return path, profile
-    raise UsageError(f"no profile with hash {profile_hash} (the one the plan was made from) "
+    raise UsageError(f"no profile with hash {wanted} (the one the plan was made from) "
                      f"beside {package} or here; give it with --profile FILE")
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
     from atomc.calibrate import calibrate, measure_package
     from atomc.calibrate.report import render
-    from atomc.ir import Plan
-    from atomc.partition import partition, recost
-    from atomc.partition.report import render_plan
     from atomc.runtime.package import load_swap_package
     from atomc.runtime.startup import check_plan
 
@@ -150,7 +151,6 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 def _draw(traces, plan, calibrated_plan, path: str) -> None:
     from atomc.runtime.trace import to_timeline
-    from atomc.simulate import simulate_plan, write_timelines_svg
 
     k, c = len(plan.submodels), plan.accum
     measured = to_timeline(traces[-3:-1], k, c, label="measured")

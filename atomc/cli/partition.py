@@ -1,16 +1,35 @@
-"""`atomc partition PROFILE --gpu-mem SIZE` and `atomc show PLAN`."""
+"""`atomc partition PROFILE --gpu-mem SIZE` and `atomc show PLAN`.
+
+Both run without torch (its import is seconds of a planning command's time): only `--emit`,
+which generates the package, imports codegen, and it does so when asked.
+"""
 
 from __future__ import annotations
 
 import argparse
+import shutil
+import textwrap
 from pathlib import Path
 
+from atomc.actions import atom_order, format_actions, phases
+from atomc.calibrate.disk import resolve_disk
+from atomc.calibrate.host import resolve_cpu_adam
+from atomc.errors import UsageError
+from atomc.ir import Plan, Profile
+from atomc.partition import DEFAULT_MAX_ACCUM, POLICIES, partition
+from atomc.partition.hostmem import HostBudget, resolve_host_mem
+from atomc.partition.precision import resolve_precision
+from atomc.partition.report import render_plan, sweep_table
+from atomc.simulate import simulate_plan, write_timeline_svg
 from atomc.units import parse_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from atomc.partition import DEFAULT_MAX_ACCUM, POLICIES
+    _add_partition(sub)
+    _add_show(sub)
 
+
+def _add_partition(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "partition", help="cut a profiled model into swappable sub-models",
         description="Cut a profile into consecutive sub-models that swap through GPU memory while "
@@ -46,6 +65,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="compute dtype under torch.autocast: bfloat16, float16 or none (default: "
                         "the transfer dtype when it is half, else an estimated profile's compute "
                         "dtype when that is half)")
+    _add_host_options(p)
+    p.add_argument("--no-fold", action="store_true",
+                   help="do not fold repeated blocks (slower, same plan)")
+    p.add_argument("-o", "--output", help="plan JSON path (default PROFILE with .plan.json)")
+    p.add_argument("--timeline", metavar="SVG", help="also draw the predicted timeline (two steps)")
+    p.add_argument("--all", action="store_true", help="list every sub-model and cut")
+    p.add_argument("--emit", metavar="DIR", help="also generate the sub-model package into DIR")
+    p.set_defaults(func=run_partition)
+
+
+def _add_host_options(p: argparse.ArgumentParser) -> None:
+    """What the host may hold and the drives it may spill model states to."""
     p.add_argument("--host-mem", metavar="SIZE",
                    help="host memory the run may take, e.g. 64GiB (default: this machine's "
                         "available memory for a measured profile; for an estimated one "
@@ -72,14 +103,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "--max-grad-norm): every sub-model's gradients are held on the host "
                         "until the last arrives, not a ring of those in flight (a float16 run's "
                         "loss scaling holds them too)")
-    p.add_argument("--no-fold", action="store_true",
-                   help="do not fold repeated blocks (slower, same plan)")
-    p.add_argument("-o", "--output", help="plan JSON path (default PROFILE with .plan.json)")
-    p.add_argument("--timeline", metavar="SVG", help="also draw the predicted timeline (two steps)")
-    p.add_argument("--all", action="store_true", help="list every sub-model and cut")
-    p.add_argument("--emit", metavar="DIR", help="also generate the sub-model package into DIR")
-    p.set_defaults(func=run_partition)
 
+
+def _add_show(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("show", help="print a plan's table again",
                        description="Print a plan written by `atomc partition`.")
     s.add_argument("plan", help="plan JSON")
@@ -101,14 +127,6 @@ def _default_output(profile_path: str) -> Path:
 
 
 def run_partition(args: argparse.Namespace) -> int:
-    from atomc.calibrate.disk import resolve_disk
-    from atomc.calibrate.host import resolve_cpu_adam
-    from atomc.ir import Profile
-    from atomc.partition import partition
-    from atomc.partition.hostmem import HostBudget, resolve_host_mem
-    from atomc.partition.precision import resolve_precision
-    from atomc.partition.report import render_plan
-
     capacity = parse_size(args.gpu_mem, "--gpu-mem")
     reserve = parse_size(args.reserve, "--reserve")
     profile = Profile.load(args.profile)
@@ -131,7 +149,7 @@ def run_partition(args: argparse.Namespace) -> int:
     if args.timeline:
         _write_timeline(plan, args.timeline)
     if args.emit:
-        from atomc.codegen import emit_plan
+        from atomc.codegen import emit_plan  # torch: imported only when the package is wanted
 
         emit_plan(plan, profile, args.emit)
     return 0
@@ -139,8 +157,6 @@ def run_partition(args: argparse.Namespace) -> int:
 
 def _accum(value: str | None) -> int | str | None:
     """--accum: a number, "min", or nothing (the C of the most tokens a second)."""
-    from atomc.errors import UsageError
-
     if value is None or value.strip().lower() == "min":
         return None if value is None else "min"
     try:
@@ -150,16 +166,11 @@ def _accum(value: str | None) -> int | str | None:
 
 
 def _write_timeline(plan, path: str) -> None:
-    from atomc.simulate import simulate_plan, write_timeline_svg
-
     sim = simulate_plan(plan, num_steps=2)
     print(f"wrote {write_timeline_svg(sim.timeline, path)}")
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from atomc.ir import Plan
-    from atomc.partition.report import render_plan, sweep_table
-
     plan = Plan.load(args.plan)
     print(render_plan(plan, None if args.all else 40))
     if args.sweep:
@@ -176,11 +187,6 @@ def run_show(args: argparse.Namespace) -> int:
 def render_schedule(plan) -> str:
     """One step of the plan's swap schedule (atomc.actions), a sub-model's phase to a line,
     wrapped to the terminal."""
-    import shutil
-    import textwrap
-
-    from atomc.actions import atom_order, format_actions, phases
-
     k = len(plan.submodels)
     order = atom_order(k, plan.accum, early_prefetch=plan.early_prefetch)
     width = max(shutil.get_terminal_size().columns, 40)

@@ -1,6 +1,6 @@
 """`atomc` command line: one subcommand per stage, each reading the previous stage's JSON.
 
-Every stage registers its own subcommand from `atomc/<stage>/cli.py` (a `register(subparsers)`
+Each module of this package adds the subcommands of one stage or two (a `register(subparsers)`
 function that sets `func`). User errors (AtomcError) print one line and exit 2; `--debug`
 shows the traceback instead.
 """
@@ -15,19 +15,20 @@ import sys
 from atomc import __version__
 from atomc.errors import AtomcError
 
-# Stage modules that add subcommands, in the order `atomc --help` lists them, with the commands
-# each adds: a command imports its own module only (most stages import torch, seconds of a
-# command's time that `atomc partition` and `atomc show` do not need)
+# The modules that add subcommands, in the order `atomc --help` lists them, with the commands
+# each adds. Imported by name so that a command imports its own module only: `atomc partition`
+# and `atomc show` run without torch, and the modules whose commands need torch import it when
+# the command runs, not when `atomc --help` builds every parser.
 COMMANDS = {
-    "atomc.profile.cli": ("profile", "profiles"),
-    "atomc.partition.cli": ("partition", "show"),
-    "atomc.codegen.cli": ("codegen",),
-    "atomc.runtime.cli": ("train", "export"),
-    "atomc.calibrate.cli": ("calibrate",),
-    "atomc.place.cli": ("network", "place"),
-    "atomc.distributed.cli": ("launch", "peer"),
-    "atomc.swarm.cli": ("swarm",),
-    "atomc.compare.cli": ("compare",),
+    "atomc.cli.profile": ("profile", "profiles"),
+    "atomc.cli.partition": ("partition", "show"),
+    "atomc.cli.codegen": ("codegen",),
+    "atomc.cli.train": ("train", "export"),
+    "atomc.cli.calibrate": ("calibrate",),
+    "atomc.cli.place": ("network", "place"),
+    "atomc.cli.launch": ("launch", "peer"),
+    "atomc.cli.swarm": ("swarm",),
+    "atomc.cli.compare": ("compare",),
 }
 
 
@@ -75,6 +76,3 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     return int(result or 0)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,6 +8,9 @@ Python API (atomc.runtime.SwapTrainer). `--config run.toml` holds any of the opt
 (`key = value`, the option's name without its dashes); the command line overrides the file.
 `--eval-data` gives a held-out loss, `--log-dir` a record of the run (JSONL, and TensorBoard
 with `--tensorboard`). docs/data.md describes each.
+
+The data readers and the runtime import torch: the commands import them when they run, so
+that building this parser (`atomc --help`) does not.
 """
 
 from __future__ import annotations
@@ -15,7 +18,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from tqdm import tqdm
+
 from atomc.errors import UsageError
+from atomc.jsonio import write_json
+from atomc.simulate import write_timeline_svg
 
 _UNSET = object()
 
@@ -189,56 +196,16 @@ def _initial_weights(args: argparse.Namespace) -> list[str] | None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from atomc.data import (
-        PackedBatches,
-        held_out,
-        load_tokenizer,
-        model_vocabulary,
-        open_source,
-        token_input,
-    )
-    from atomc.data.sources import check_options, used_options
-    from atomc.runtime import SwapTrainer, warmup_cosine
-    from atomc.runtime.evaluate import eval_loss
+    from atomc.data import PackedBatches, held_out, model_vocabulary, token_input
     from atomc.runtime.record import RunRecord, summary_writer_class
-    from atomc.runtime.trace import to_timeline
 
     apply_settings_file(args)
     _check_options(args)
     if args.tensorboard:
         summary_writer_class()  # refused before anything is built when tensorboard is absent
     # the data first: a bad path, tokenizer or token file is refused before the model is built
-    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
-
-    paths = [args.data, *([args.eval_data] if args.eval_data else [])]
-    check_options(paths, args.data_format, {"--data-dtype": args.data_dtype is not None,
-                                            "--tokenizer": tokenizer is not None,
-                                            "--text-field": args.text_field != "text"})
-
-    def source(path: str, role: str) -> Any:
-        # each file with the options its format reads (the other file may read the rest)
-        used = used_options(path, args.data_format)
-        return open_source(path, fmt=args.data_format,
-                           dtype=args.data_dtype if "--data-dtype" in used else None,
-                           tokenizer=tokenizer if "--tokenizer" in used else None,
-                           text_field=args.text_field if "--text-field" in used else "text",
-                           role=role)
-
-    train_source = source(args.data, "train")
-    eval_source = source(args.eval_data, "eval") if args.eval_data else None
-
-    schedule = warmup_cosine(args.warmup, args.steps) if args.warmup else None
-    trainer = SwapTrainer.from_package(
-        args.package, device=args.device, accum=args.accum, seed=args.seed,
-        activations=args.activations,
-        optimizer={"lr": args.lr, "weight_decay": args.weight_decay,
-                   "max_grad_norm": args.max_grad_norm, "lr_schedule": schedule,
-                   "states": args.optimizer_states},
-        transfer_dtype=args.transfer_dtype, autocast=args.autocast, checkpoint=args.resume,
-        weights=_initial_weights(args), trace=bool(args.trace or args.timeline or args.log_dir),
-        offload_dirs=tuple(args.offload_dir))
+    train_source, eval_source = _open_sources(args)
+    trainer = _build_trainer(args)
     record = None
     try:
         _, (micro, seq_len), dtype = token_input(trainer.package)
@@ -266,70 +233,126 @@ def run_train(args: argparse.Namespace) -> int:
                        eval_data=eval_source.description if eval_source else None,
                        start_step=start, steps=args.steps)
             record.start(data.stream.tokens)
-
-        def evaluate(done: int) -> None:
-            loss = sum(eval_loss(trainer, b) for b in held) / len(held)
-            bar.write(f"step {done}: eval loss {loss:.4f}")
-            if record is not None:
-                record.eval(done, loss)
-
-        bar = tqdm(range(start, args.steps), desc="training", unit="step", initial=start,
-                   total=args.steps)
-        for step in bar:
-            batch = data.next()
-            try:
-                loss = trainer.step(batch)
-            except IndexError as e:
-                if vocab is not None:
-                    raise  # the ids were checked against the vocabulary: not the data's fault
-                raise UsageError(
-                    f"{args.package} failed on {train_source.description} at step {step} "
-                    f"(IndexError: {e}); its vocabulary could not be read from the model, and "
-                    f"an id beyond it is the usual cause: give data tokenized for this model "
-                    f"(--debug shows where it failed)") from e
-            trainer.data_position = data.position()
-            done = step + 1
-            bar.set_postfix(loss=f"{loss:.4f}")
-            if record is not None and (done % args.log_every == 0 or done == args.steps):
-                trace = trainer.last_trace()
-                record.train(done, loss=loss, lr=trainer.optimizer.config.lr_at(step),
-                             grad_norm=trainer.optimizer.step_grad_norm(),
-                             tokens=data.stream.tokens,
-                             device_busy=trace.busy_fraction() if trace else None,
-                             step_ms=trace.wall_ms if trace else None)
-            paused = False  # tokens/s counts training time: not evaluations, not checkpoints
-            if held and (done == args.steps or (args.eval_every and done % args.eval_every == 0)):
-                evaluate(done)
-                paused = True
-            if args.checkpoint and args.every and done % args.every == 0:
-                trainer.save_checkpoint(args.checkpoint)
-                paused = True
-            if paused and record is not None:
-                record.start(data.stream.tokens)
-        bar.close()
-        print(f"step {trainer.step_count}: loss {trainer.last_loss:.4f}")
-        if args.checkpoint:
-            print(f"wrote {trainer.save_checkpoint(args.checkpoint)}")
-        if args.log_dir:
-            print(f"wrote the record in {args.log_dir}")
-        if args.trace or args.timeline:
-            traces = list(trainer.traces.values())
-            if args.trace:
-                from atomc.jsonio import write_json
-                write_json(args.trace, {"kind": "atomc.swap-trace",
-                                        "steps": [t.to_json() for t in traces]})
-                print(f"wrote {args.trace}")
-            if args.timeline:
-                from atomc.simulate import write_timeline_svg
-                timeline = to_timeline(traces, len(trainer.store.layouts), trainer.accum,
-                                       label=f"{args.package}: measured on {trainer.device}")
-                write_timeline_svg(timeline, args.timeline)
-                print(f"wrote {args.timeline}")
+        _train_steps(args, trainer, data, held, record, vocab is not None)
+        _write_results(args, trainer)
     finally:
         if record is not None:
             record.close()
         trainer.close()
     return 0
+
+
+def _open_sources(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The training data and the held-out data (None without --eval-data), each opened with
+    the options its format reads."""
+    from atomc.data import load_tokenizer, open_source
+    from atomc.data.sources import check_options, used_options
+
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+
+    paths = [args.data, *([args.eval_data] if args.eval_data else [])]
+    check_options(paths, args.data_format, {"--data-dtype": args.data_dtype is not None,
+                                            "--tokenizer": tokenizer is not None,
+                                            "--text-field": args.text_field != "text"})
+
+    def source(path: str, role: str) -> Any:
+        # each file with the options its format reads (the other file may read the rest)
+        used = used_options(path, args.data_format)
+        return open_source(path, fmt=args.data_format,
+                           dtype=args.data_dtype if "--data-dtype" in used else None,
+                           tokenizer=tokenizer if "--tokenizer" in used else None,
+                           text_field=args.text_field if "--text-field" in used else "text",
+                           role=role)
+
+    return (source(args.data, "train"),
+            source(args.eval_data, "eval") if args.eval_data else None)
+
+
+def _build_trainer(args: argparse.Namespace) -> Any:
+    from atomc.runtime import SwapTrainer, warmup_cosine
+
+    schedule = warmup_cosine(args.warmup, args.steps) if args.warmup else None
+    return SwapTrainer.from_package(
+        args.package, device=args.device, accum=args.accum, seed=args.seed,
+        activations=args.activations,
+        optimizer={"lr": args.lr, "weight_decay": args.weight_decay,
+                   "max_grad_norm": args.max_grad_norm, "lr_schedule": schedule,
+                   "states": args.optimizer_states},
+        transfer_dtype=args.transfer_dtype, autocast=args.autocast, checkpoint=args.resume,
+        weights=_initial_weights(args), trace=bool(args.trace or args.timeline or args.log_dir),
+        offload_dirs=tuple(args.offload_dir))
+
+
+def _train_steps(args: argparse.Namespace, trainer: Any, data: Any, held: list, record: Any,
+                 vocab_known: bool) -> None:
+    """The steps from the trainer's step count to --steps, with their evaluations, records and
+    checkpoints."""
+    from atomc.runtime.evaluate import eval_loss
+
+    def evaluate(done: int) -> None:
+        loss = sum(eval_loss(trainer, b) for b in held) / len(held)
+        bar.write(f"step {done}: eval loss {loss:.4f}")
+        if record is not None:
+            record.eval(done, loss)
+
+    start = trainer.step_count
+    bar = tqdm(range(start, args.steps), desc="training", unit="step", initial=start,
+               total=args.steps)
+    for step in bar:
+        batch = data.next()
+        try:
+            loss = trainer.step(batch)
+        except IndexError as e:
+            if vocab_known:
+                raise  # the ids were checked against the vocabulary: not the data's fault
+            raise UsageError(
+                f"{args.package} failed on {data.source.description} at step {step} "
+                f"(IndexError: {e}); its vocabulary could not be read from the model, and "
+                f"an id beyond it is the usual cause: give data tokenized for this model "
+                f"(--debug shows where it failed)") from e
+        trainer.data_position = data.position()
+        done = step + 1
+        bar.set_postfix(loss=f"{loss:.4f}")
+        if record is not None and (done % args.log_every == 0 or done == args.steps):
+            trace = trainer.last_trace()
+            record.train(done, loss=loss, lr=trainer.optimizer.config.lr_at(step),
+                         grad_norm=trainer.optimizer.step_grad_norm(),
+                         tokens=data.stream.tokens,
+                         device_busy=trace.busy_fraction() if trace else None,
+                         step_ms=trace.wall_ms if trace else None)
+        paused = False  # tokens/s counts training time: not evaluations, not checkpoints
+        if held and (done == args.steps or (args.eval_every and done % args.eval_every == 0)):
+            evaluate(done)
+            paused = True
+        if args.checkpoint and args.every and done % args.every == 0:
+            trainer.save_checkpoint(args.checkpoint)
+            paused = True
+        if paused and record is not None:
+            record.start(data.stream.tokens)
+    bar.close()
+
+
+def _write_results(args: argparse.Namespace, trainer: Any) -> None:
+    """The last loss, and the checkpoint, record, trace and timeline asked for."""
+    from atomc.runtime.trace import to_timeline
+
+    print(f"step {trainer.step_count}: loss {trainer.last_loss:.4f}")
+    if args.checkpoint:
+        print(f"wrote {trainer.save_checkpoint(args.checkpoint)}")
+    if args.log_dir:
+        print(f"wrote the record in {args.log_dir}")
+    if not (args.trace or args.timeline):
+        return
+    traces = list(trainer.traces.values())
+    if args.trace:
+        write_json(args.trace, {"kind": "atomc.swap-trace",
+                                "steps": [t.to_json() for t in traces]})
+        print(f"wrote {args.trace}")
+    if args.timeline:
+        timeline = to_timeline(traces, len(trainer.store.layouts), trainer.accum,
+                               label=f"{args.package}: measured on {trainer.device}")
+        write_timeline_svg(timeline, args.timeline)
+        print(f"wrote {args.timeline}")
 
 
 def register_export(sub: argparse._SubParsersAction) -> None:

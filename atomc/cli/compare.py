@@ -9,6 +9,9 @@ atomc compare gpt.gtx-1080.plan.json --network net.json --global-batch 64
 An input is told by its JSON kind: a profile, or a plan of `atomc partition`, whose profile
 (named by its hash) is one of the inputs or a file beside the plan (where `atomc partition`
 writes it by default); the plan is what the peers of its hardware train with.
+
+The comparison imports torch (through the peer's and the runtime's settings): imported when
+the command runs, so that building this parser (`atomc --help`) does not.
 """
 
 from __future__ import annotations
@@ -17,9 +20,14 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from atomc.errors import AtomcError, UsageError
+from atomc.ir import Plan, Profile
+from atomc.jsonio import read_json, write_json
+from atomc.partition import profile_hash
+from atomc.units import format_bytes
+
 if TYPE_CHECKING:
     from atomc.compare import Comparison, GivenPlan
-    from atomc.ir import Profile
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -79,8 +87,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _ints(text: str | None, what: str) -> tuple[int, ...] | None:
-    from atomc.errors import UsageError
-
     if text is None:
         return None
     try:
@@ -96,10 +102,6 @@ def read_inputs(paths: list[str]) -> tuple[list[Profile], list[GivenPlan], list[
     """The profiles and plans given, told apart by their JSON kind, each plan with the profile
     it was made from; and a line for each plan saying where its profile was found."""
     from atomc.compare import GivenPlan
-    from atomc.errors import UsageError
-    from atomc.ir import Plan, Profile
-    from atomc.jsonio import read_json
-    from atomc.partition import profile_hash
 
     profiles: list[tuple[str, Profile]] = []
     plans: list[tuple[str, Plan]] = []
@@ -137,11 +139,6 @@ def read_inputs(paths: list[str]) -> tuple[list[Profile], list[GivenPlan], list[
 def _profile_beside(plan_path: Path, wanted: str, skip: set[Path]
                     ) -> tuple[str, Profile] | None:
     """The profile of hash `wanted` among the JSON files in the plan's folder."""
-    from atomc.errors import AtomcError
-    from atomc.ir import Profile
-    from atomc.jsonio import read_json
-    from atomc.partition import profile_hash
-
     for path in sorted(plan_path.parent.glob("*.json")):
         if path.resolve() in skip:
             continue
@@ -162,8 +159,6 @@ def _profile_beside(plan_path: Path, wanted: str, skip: set[Path]
 
 def describe_plans(result: Comparison, plans: list[GivenPlan]) -> list[str]:
     """A line per plan: which devices' peers train with it, and on what memory."""
-    from atomc.units import format_bytes
-
     lines = []
     if "peers" not in result.results:
         return lines
@@ -184,7 +179,6 @@ def diloco_options(args: argparse.Namespace, modes: tuple[str, ...]) -> dict:
     """--inner-steps, --round-dtype and --fragments, checked as `atomc peer` checks them; an
     error where they are given without --modes diloco, which alone reads them."""
     from atomc.distributed.outer import OuterConfig
-    from atomc.errors import UsageError
 
     given = [f for f, v in (("--inner-steps", args.inner_steps), ("--round-dtype",
              args.round_dtype), ("--fragments", args.fragments)) if v is not None]
@@ -201,8 +195,6 @@ def run_compare(args: argparse.Namespace) -> int:
     from atomc.compare import Setting, check_modes, compare, read_network, to_data
     from atomc.compare.report import LABELS, render
     from atomc.distributed.peerconfig import PeerConfig
-    from atomc.errors import UsageError
-    from atomc.jsonio import write_json
 
     modes = check_modes(args.modes)
     if args.accum is not None and args.accum < 1:

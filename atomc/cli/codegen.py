@@ -1,9 +1,15 @@
-"""`atomc codegen PLAN.json -o DIR`: write the plan's sub-models as a Python package."""
+"""`atomc codegen PLAN.json -o DIR`: write the plan's sub-models as a Python package.
+
+Code generation traces the model again with torch: imported when the command runs, so that
+building this parser (`atomc --help`) does not.
+"""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+from atomc.ir import Plan, Profile
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,7 +25,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_codegen(args: argparse.Namespace) -> int:
     from atomc.codegen import emit
-    from atomc.ir import Plan, Profile
 
     plan = Plan.load(args.plan)
     profile = Profile.load(args.profile) if args.profile else None

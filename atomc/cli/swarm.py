@@ -1,5 +1,9 @@
 """`atomc swarm serve PACKAGE` (one server of a stage) and `atomc swarm train PACKAGE` (one
-trainer): SWARM parallelism over hivemind (atomc.swarm)."""
+trainer): SWARM parallelism over hivemind (atomc.swarm).
+
+The server, the trainer and their data import torch and hivemind: imported when the command
+runs, so that building this parser (`atomc --help`) does not.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import time
 from typing import Any
 
 from atomc.errors import UsageError
+from atomc.swarm.config import ServeConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -124,7 +129,6 @@ def _addresses(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_swarm_serve(args: argparse.Namespace) -> int:
-    from atomc.swarm.config import ServeConfig
     from atomc.swarm.server import SwarmServer
 
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")

@@ -10,6 +10,12 @@ from __future__ import annotations
 
 import argparse
 
+from atomc.errors import UsageError
+from atomc.ir import Plan
+from atomc.place import build_network, load_network, place, scenario_names
+from atomc.place.network import scenario_data
+from atomc.units import parse_size
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     net = subparsers.add_parser(
@@ -73,10 +79,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_network(args: argparse.Namespace) -> int:
-    from atomc.errors import UsageError
-    from atomc.place import build_network, scenario_names
-    from atomc.place.network import scenario_data
-
     if args.list:
         print("scenarios: " + ", ".join(scenario_names()))
         print("regions:   " + ", ".join(scenario_data()["region_pairs"]["regions"]))
@@ -98,11 +100,6 @@ def run_network(args: argparse.Namespace) -> int:
 
 
 def run_place(args: argparse.Namespace) -> int:
-    from atomc.errors import UsageError
-    from atomc.ir import Plan
-    from atomc.place import load_network, place
-    from atomc.units import parse_size
-
     network = load_network(args.network)
     plan = Plan.load(args.plan) if args.plan else None
     c_pp = parse_size(args.c_pp, "--c-pp") if args.c_pp is not None else None

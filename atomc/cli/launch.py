@@ -1,14 +1,20 @@
 """`atomc launch LAYOUT -- SCRIPT ...` (DT-FM layouts under torchrun) and
-`atomc peer SCRIPT ...` (one ATOM peer on hivemind)."""
+`atomc peer SCRIPT ...` (one ATOM peer on hivemind).
+
+The peer's outer-step options are checked by `atomc.distributed.outer`, which imports torch:
+imported when `atomc peer` runs, so that building this parser (`atomc --help`) does not.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import subprocess
 import sys
 
+from atomc.distributed.launch import build_command, run_command
 from atomc.errors import UsageError
 
 
@@ -117,8 +123,6 @@ def _script(args: argparse.Namespace) -> tuple[str, list[str]]:
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    from atomc.distributed.launch import build_command, run_command
-
     _launch_args(args)
     script, script_args = _script(args)
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else None
@@ -177,8 +181,6 @@ def check_outer(args: argparse.Namespace) -> None:
 
 
 def run_peer_cli(args: argparse.Namespace) -> int:
-    import shlex
-
     check_outer(args)
     env_add = peer_env(args)
     for a in args.initial_peers:
