@@ -41,7 +41,7 @@ python3 -c 'import torch; print("torch", torch.__version__)'
 if [ "${GPU_TESTS:-}" != none ]; then
     # shellcheck disable=SC2086 # GPU_TESTS: several paths
     timeout "${GPU_TESTS_S:-240}" python3 -m pytest -m gpu -q -s -p no:cacheprovider \
-        ${GPU_TESTS:-tests/gpu tests/test_codegen.py tests/test_runtime_costs.py} 2>&1 \
+        ${GPU_TESTS:-tests/gpu tests/codegen/test_codegen.py tests/calibrate/test_runtime_costs.py} 2>&1 \
         | tee "$OUT/gpu_tests.log" \
         | grep -E "passed|failed|error|operators sum|host AdamW|FAILED|Error" | tail -40
 fi

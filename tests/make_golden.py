@@ -11,7 +11,7 @@ Three packages, one per way a model reaches codegen:
 
 Each plan comes from an estimated profile (hardware profile v100-32gb), so its numbers, and
 therefore its hash, are the same on every machine. Each package's own plan.json is the input
-tests/test_codegen.py regenerates it from.
+tests/codegen/test_codegen.py regenerates it from.
 """
 
 from __future__ import annotations

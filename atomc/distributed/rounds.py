@@ -28,7 +28,7 @@ peer's own process and any other hivemind user in it are left alone.
 
 This module imports hivemind only inside `compression_for` and `register_codecs`, so that
 `atomc compare` can size a round without it; the int8 layout's numbers below mirror the codec's
-(tests/test_diloco.py checks them against its messages).
+(tests/distributed/test_diloco.py checks them against its messages).
 """
 
 from __future__ import annotations

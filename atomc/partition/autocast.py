@@ -3,7 +3,7 @@ torch.autocast on a GPU, with weights on the device in a transfer dtype.
 
 The planner sizes activations, boundaries and checkpoints from these dtypes. The graph was
 traced in the model's dtype; what changes under autocast is decided op by op, as CUDA autocast
-decides it (torch/include/ATen/autocast_mode.h; tests/test_precision.py checks these lists
+decides it (torch/include/ATen/autocast_mode.h; tests/partition/test_precision.py checks these lists
 against the installed header):
 
 - LOWER ops (matmuls, convolutions, attention) compute in the autocast dtype;

@@ -15,7 +15,7 @@ min over stages of the sum of the servers' speeds / microbatch_s.
 taken to split each stage's work in proportion to its servers' speeds and the trainers to
 keep the pipeline saturated, so between two events the throughput is constant, the lowest
 stage throughput over the servers that have their stage's state. `simulate_wiring` checks
-the assumption (tests/test_swarm_sim.py: >= 95% of it with enough micro-batches in flight);
+the assumption (tests/swarm/test_swarm_sim.py: >= 95% of it with enough micro-batches in flight);
 a shortfall would scale policy and optimum alike. Events:
 
 - start: the trace's initial peers, assigned by `best_assignment`, serving at t = 0;

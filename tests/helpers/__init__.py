@@ -13,5 +13,5 @@ test file (tests/test_imports.py checks it).
 - `threaded`: layout stages trained on threads of one process, wired by queues
   (test_layout_swap, test_boundary_grads);
 - `torchrun`: launching a layout's training script with torchrun on loopback, bounded in time
-  (test_distributed, test_stages).
+  (test_distributed, test_layouts_equal_plain_training).
 """

@@ -1,6 +1,6 @@
 """A layout's training script (examples/train_layout.py) launched with torchrun on loopback,
 as `atomc launch` builds the command, and run to its end or killed, process tree and all, at
-a time limit (test_distributed, test_stages)."""
+a time limit (test_distributed, test_layouts_equal_plain_training)."""
 
 from __future__ import annotations
 
