@@ -59,7 +59,7 @@ from atomc.distributed.groups import (
 )
 from atomc.distributed.pipeline import Link, Transport
 from atomc.distributed.swapping import DeviceBudget, decide_swaps, device_budget, resident_need
-from atomc.errors import AtomcError, LayoutError, RuntimeMismatchError, UsageError
+from atomc.errors import LayoutError, RuntimeMismatchError, UsageError
 from atomc.runtime.optim import AdamWConfig
 from atomc.runtime.package import SwapPackage, load_swap_package
 from atomc.runtime.rng import RNG_VALUE
@@ -542,13 +542,9 @@ def run_layout(cfg: LayoutConfig, loss_fn: Callable, initial_state: Any,
 
 
 __all__ = [
-    "AtomcError",
     "LayoutConfig",
     "LayoutTrainer",
     "StageIO",
     "check_package",
-    "decide_swaps",
-    "device_budget",
-    "resident_need",
     "run_layout",
 ]

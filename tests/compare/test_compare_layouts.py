@@ -355,7 +355,7 @@ def _agree_with_the_runner(models, network_of, setting, sizes) -> int:
     does not fit) swaps the stages the runner swaps, and 1F1B keeps every stage resident
     exactly where the runner keeps 1F1B. Returns how many stages were decided."""
     from atomc.compare.layouts import _stage_costs
-    from atomc.distributed.runner import decide_swaps, device_budget, resident_need
+    from atomc.distributed.swapping import decide_swaps, device_budget, resident_need
 
     decided = 0
     for memory in sizes:

@@ -19,7 +19,7 @@ from atomc.actions import Action, max_in_flight, pipeline_order
 from atomc.actions.orders import swapped_stage_order
 from atomc.codegen import generate
 from atomc.codegen.manual import plan_from_cuts
-from atomc.distributed.runner import DeviceBudget, decide_swaps, device_budget
+from atomc.distributed.swapping import DeviceBudget, decide_swaps, device_budget
 from atomc.errors import UsageError
 from atomc.partition.stagemem import resident_stage_bytes
 from atomc.runtime import micro_batch_rng
