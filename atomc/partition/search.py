@@ -60,7 +60,9 @@ whichever relaxed plan the simulator predicts faster. Memory is never relaxed.
 
 Speed. For each middle cut b the search evaluates all (a, c) pairs at once with numpy, so a
 run costs O(N * W^2) array work for ranges of at most W nodes (the widest range that may be a
-sub-model: a cap on the largest one's parameters narrows it). Repeated blocks fold the run:
+sub-model: a cap on the largest one's parameters narrows it). In tier 0 most rows need no grid:
+a column's figures (parameters, memory, load and offload times) grow with its width, so a
+row's allowed columns are a prefix found by bisection, O(N * W log W) in all. Repeated blocks fold the run:
 when the tables of every range starting near b equal those starting near b + s (s a multiple
 of the block length) and the suffix values just computed satisfy V(., c) = V(., c + s) + delta
 for a whole window of W cut positions, then every earlier value follows by the same shift
@@ -338,7 +340,6 @@ def _solve_middle(b: int, t: RangeTables, d: CostTables, v: _Suffix, tier: int, 
     if not right_ok.any():
         return
     g = _Grid(b, n, al, wl, wr[right_ok])
-    mask, handover = _pair_mask(g, d, tier, m)
     # lexicographic minimum per row (step, then bytes crossing cuts, then sub-model count) as one
     # integer: the later keys belong to the column alone, so rank the columns by them once
     ends, wr = g.ends, g.wr
@@ -346,7 +347,11 @@ def _solve_middle(b: int, t: RangeTables, d: CostTables, v: _Suffix, tier: int, 
     order = np.lexsort((col_count, col_cut))  # stable: equal keys keep column order
     rank = np.empty(len(order), dtype=np.int64)
     rank[order] = np.arange(len(order))
-    rows, pick, picked = _best_columns(g, d, v.step[ends, wr], tier, mask, handover, rank)
+    if tier == 0:
+        rows, pick, picked = _best_columns_sorted(g, d, v.step[ends, wr], m, rank)
+    else:
+        mask, handover = _pair_mask(g, d, tier, m)
+        rows, pick, picked = _best_columns(g, d, v.step[ends, wr], tier, mask, handover, rank)
     if not len(rows):
         return
     v.valid[b, wl[rows]] = True
@@ -354,6 +359,72 @@ def _solve_middle(b: int, t: RangeTables, d: CostTables, v: _Suffix, tier: int, 
     v.cut[b, wl[rows]] = col_cut[pick] + t.cut_bytes[b]
     v.count[b, wl[rows]] = col_count[pick] + 1
     v.next[b, wl[rows]] = ends[pick]
+
+
+def _best_columns_sorted(g: _Grid, d: CostTables, col_v: np.ndarray, m: np.int64,
+                         rank: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """_best_columns of tier 0 without forming the grid where the constraints allow it.
+
+    Every tier-0 constraint of a middle pair compares a figure of the column with a bound of
+    the row, and a column's figures mostly grow with its width (parameters, memory, load and
+    offload times). Where a figure grows across the columns, the columns a row allows under it
+    are a prefix, found by bisection; the best column of each row within its prefix comes from
+    one running minimum of the columns' keys (unique: the rank breaks ties). That column is the
+    row's answer when it also meets the constraints whose figure does not grow; the rows where
+    it does not, and P_0's row (its handover has rules of its own), take the full grid. The
+    result is the full grid's, cell for cell."""
+    k = len(g.wl) - 1 if g.first else len(g.wl)  # rows that are middle pairs
+    al, wl, b, wr = g.al[:k], g.wl[:k], g.b, g.wr
+
+    def row(x: np.ndarray) -> np.ndarray:
+        return x[al, wl]
+
+    def col(x: np.ndarray) -> np.ndarray:
+        return x[b, wr]
+
+    bwd_r, off_r, fwd_l, bwd_l = col(d.bwd_ns), col(d.offload_ns), row(d.fwd_ns), row(d.bwd_ns)
+    col_step = bwd_r + col_v
+    key = col_step * len(rank) + rank
+    hidden = col(d.checkpoint_ns) - bwd_r
+    if g.last:  # the last sub-model holds its predecessor: only its own checkpoints count
+        hidden[-1] = INF if hidden[-1] > 0 else -INF
+    # (column figure, row bound): the pair is allowed when figure <= bound for every one
+    pairs = [(col(d.param_bytes), m - row(d.mem_fwd_bytes)),
+             (col(d.mem_bwd_bytes), m - row(d.param_bytes)),
+             (col(d.grad_bytes), m - row(d.mem_bwd_bytes)),
+             (off_r, bwd_l),
+             (off_r + col(d.optimizer_ns), bwd_l + row(d.offload_ns)),
+             (col(d.load_fwd_ns), fwd_l),
+             (hidden, -row(d.load_fwd_ns))]
+    allowed = np.full(k, len(key))
+    unsorted = []
+    for figure, bound in pairs:
+        if (figure[1:] >= figure[:-1]).all():
+            allowed = np.minimum(allowed, np.searchsorted(figure, bound, side="right"))
+        else:
+            unsorted.append((figure, bound))
+    running = np.minimum.accumulate(key)
+    best_so_far = np.maximum.accumulate(np.where(key == running, np.arange(len(key)), 0))
+    pick = best_so_far[np.maximum(allowed, 1) - 1]
+    found = allowed > 0
+    done = found.copy()
+    for figure, bound in unsorted:
+        done &= figure[pick] <= bound
+    rest = np.flatnonzero(found & ~done)
+    if g.first:
+        rest = np.append(rest, k)
+    rows = np.flatnonzero(done)
+    pick = pick[rows]
+    picked = fwd_l[rows] + col_step[pick]
+    if len(rest):
+        sub = _Grid(g.b, g.n, g.al[rest], g.wl[rest], g.wr)
+        mask, handover = _pair_mask(sub, d, 0, m)
+        r2, p2, v2 = _best_columns(sub, d, col_v, 0, mask, handover, rank)
+        order = np.argsort(np.concatenate([rows, rest[r2]]), kind="stable")
+        rows = np.concatenate([rows, rest[r2]])[order]
+        pick = np.concatenate([pick, p2])[order]
+        picked = np.concatenate([picked, v2])[order]
+    return rows, pick, picked
 
 
 def _pair_mask(g: _Grid, d: CostTables, tier: int, m: np.int64

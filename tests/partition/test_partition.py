@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -93,6 +94,28 @@ def test_search_matches_brute_force(seed):
             assert "memory" not in kinds
             if tier == 0:
                 assert not kinds
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_tier_0_columns_by_bisection_are_the_full_grid_s(seed):
+    """Tier 0 finds each row's best column by bisection where the constraints allow it (a
+    column figure that grows with the width); the cuts are the ones the full grid gives, on
+    graphs wide enough that rows fall back to the grid and P_0's row is among them."""
+    import atomc.partition.search as search_module
+
+    profile, accum, usable, cpu, activations = _random_case(seed, 40)
+    facts = node_facts(profile)
+    params = CostParams(accum, usable * 4, profile.h2d_gbps, profile.d2h_gbps, cpu, activations)
+    tables = build_tables(facts, facts.num_nodes)
+    fast = search(tables, params, 0)
+
+    def grid(g, d, col_v, m, rank):
+        mask, handover = search_module._pair_mask(g, d, 0, m)
+        return search_module._best_columns(g, d, col_v, 0, mask, handover, rank)
+
+    with mock.patch.object(search_module, "_best_columns_sorted", grid):
+        assert fast == search(tables, params, 0)
 
 
 @settings(max_examples=60, deadline=None)
