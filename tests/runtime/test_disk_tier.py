@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import os
 import signal
 import subprocess
@@ -206,14 +207,21 @@ def test_streamed_segments_update_as_the_host_store_does(tmp_path, small_segment
 # training
 
 
+@functools.cache
+def _traced(name: str):
+    """The model traced once for this module's packages (each cuts it the same way)."""
+    path, config, _, _ = MODELS[name]
+    return trace_model(path, config, MICRO, device="cpu")
+
+
 def _package(tmp_path, name: str, accum: int, states: str = "float32", disk: bool = True,
              transfer: str = ""):
     """A package of the model cut in four, planned for a host cap nothing fits under with one
     drive: every state on disk but a tied output layer's holder's image (it stays on the
     host); `disk` False: the same cuts planned for a host that holds everything;
     `transfer`: the plan's transfer dtype (bfloat16: a split store)."""
-    path, config, seq, vocab = MODELS[name]
-    traced = trace_model(path, config, MICRO, device="cpu")
+    _, _, seq, vocab = MODELS[name]
+    traced = _traced(name)
     n = len(traced.graph.nodes)
     first = 1 + max(i for i, node in enumerate(traced.graph.nodes) if node.op == "placeholder")
     plan = plan_from_cuts(traced, [first + (n - first) * k // 4 for k in range(1, 4)], accum)
