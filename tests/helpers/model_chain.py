@@ -20,7 +20,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from atomc.calibrate import measure_runtime_costs
-from atomc.codegen import generate, load_package, retrace
+from atomc.codegen import generate, load_package
 from atomc.dtypes import cast_floating
 from atomc.errors import InfeasiblePlanError, UsageError
 from atomc.partition import partition
@@ -189,7 +189,7 @@ def _smallest_plan(profile, transfer_dtype, accum=C):
 _CHAINS: dict = {}
 _PROFILES: dict = {}
 _REFERENCES: dict = {}
-_RETRACED: dict = {}
+_TRACES: dict = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,9 +218,10 @@ def chain(name: str, tmp_root: Path, transfer_dtype: str | None = None):
     if key not in _CHAINS:
         path, config = case(name)
         if name not in _PROFILES:
-            meta = trace_model(path, config, MICRO, device="meta")
-            _PROFILES[name] = profile_model(meta, device="cpu", repeats=1, progress=False,
-                                            rounds=PROFILE_ROUNDS, runtime_costs=RUNTIME_COSTS)
+            _TRACES[name] = trace_model(path, config, MICRO, device="meta")
+            _PROFILES[name] = profile_model(_TRACES[name], device="cpu", repeats=1,
+                                            progress=False, rounds=PROFILE_ROUNDS,
+                                            runtime_costs=RUNTIME_COSTS)
         # a bfloat16 plan at the float32 plan's C: the checks give both packages one batch
         accums = (chain(name, tmp_root)[1].accum,) if transfer_dtype else ACCUMS
         plan, profile = three_way_plan(_PROFILES[name], transfer_dtype, accums)
@@ -228,12 +229,12 @@ def chain(name: str, tmp_root: Path, transfer_dtype: str | None = None):
         tag = re.sub(r"[^\w.-]", "_", f"{name}-{transfer_dtype}" if transfer_dtype else name)
         plan_path = tmp_root / f"{tag}.plan.json"
         plan.save(plan_path)
-        if name not in _RETRACED:
-            # the model traced again from the plan alone, as `atomc codegen` does; once per
-            # case: the bfloat16 plan is of the same graph (generate checks that), and the
-            # trace keeps what codegen derives from it (a second trace in another dtype)
-            _RETRACED[name] = retrace(plan, plan_path)
-        out = generate(plan, tmp_root / tag, traced=_RETRACED[name], profile=profile,
+        # generated from the trace the profile measured: the meta trace `atomc codegen` makes
+        # again from the plan alone, the same graph (generate checks its hash) and the same
+        # package (tests/codegen's golden packages are generated from plans alone). Once per
+        # case: the bfloat16 plan is of the same graph, and the trace keeps what codegen
+        # derives from it (a second trace in another dtype)
+        out = generate(plan, tmp_root / tag, traced=_TRACES[name], profile=profile,
                        plan_path=plan_path)
         if name not in _REFERENCES:
             module, model, inputs = build_and_inputs(path, config, MICRO, {}, device="cpu")
