@@ -62,13 +62,13 @@ Speed. For each middle cut b the search evaluates all (a, c) pairs at once with 
 run costs O(N * W^2) array work for ranges of at most W nodes (the widest range that may be a
 sub-model: a cap on the largest one's parameters narrows it). In tier 0 most rows need no grid:
 a column's figures (parameters, memory, load and offload times) grow with its width, so a
-row's allowed columns are a prefix found by bisection, O(N * W log W) in all. Repeated blocks fold the run:
-when the tables of every range starting near b equal those starting near b + s (s a multiple
-of the block length) and the suffix values just computed satisfy V(., c) = V(., c + s) + delta
-for a whole window of W cut positions, then every earlier value follows by the same shift
-(min-plus recurrences commute with adding a constant), so the search copies instead of
-computing until the blocks end. The check is on the numbers themselves, so folding never
-changes the result; turning it off (fold=False) gives the same plan, only slower.
+row's allowed columns are a prefix found by bisection, O(N * W log W) in all. Repeated blocks
+fold the run: when the tables of every range starting near b equal those starting near b + s
+(s a multiple of the block length) and the suffix values just computed satisfy
+V(., c) = V(., c + s) + delta for a whole window of W cut positions, then every earlier value
+follows by the same shift (min-plus recurrences commute with adding a constant), so the search
+copies instead of computing until the blocks end. The check is on the numbers themselves, so
+folding never changes the result; turning it off (fold=False) gives the same plan, only slower.
 """
 
 from __future__ import annotations
