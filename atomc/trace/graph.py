@@ -175,7 +175,7 @@ def build_opgraph(gm: fx.GraphModule, model: nn.Module, values: dict[str, Any], 
                 attr = _fetch(gm, str(node.target))
                 if isinstance(attr, nn.Parameter) or id(attr) in canonical:
                     param_fqns = [canonical[id(attr)]]
-                    if _takes_statistics(node):
+                    if _takes_statistics(node) or _scales_a_statistic(node):
                         standardized.add(param_fqns[0])
                 elif id(attr) in buffer_ids:
                     buffer_fqns = [buffer_ids[id(attr)]]
@@ -255,6 +255,31 @@ def _takes_statistics(node: fx.Node) -> bool:
             return True
         if name in _CARRIES:
             todo.extend(user.users)
+    return False
+
+
+# what scales a weight on its way to a statistic's weight or bias (NFNet's `gain * scale`)
+_SCALES = {"mul", "div", "truediv", "add", "sub", "neg"}
+
+
+def _scales_a_statistic(node: fx.Node) -> bool:
+    """Whether `node`'s value, through views, casts and scaling, is the weight or bias of a
+    statistic (a functional norm's affine parameters; NFNet's gains scale its standardized
+    convolution weights). Such a parameter is a norm weight, full precision as a norm layer's
+    are: torch's CPU norms take a bfloat16 input with float32 affine parameters, not the
+    other way round."""
+    todo, seen = [(node, user) for user in node.users], set()
+    while todo:
+        source, user = todo.pop()
+        if (source, user) in seen:
+            continue
+        seen.add((source, user))
+        name = _op_name(user)
+        if name in _STATISTICS:
+            if any(a is source for a in (*user.args[1:], *user.kwargs.values())):
+                return True
+        elif name in _CARRIES or name in _SCALES:
+            todo.extend((user, u) for u in user.users)
     return False
 
 

@@ -24,6 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from atomc.cli import main as atomc_main
+from atomc.codegen import generate
+from atomc.codegen.manual import plan_from_cuts
 from atomc.errors import InfeasiblePlanError, UsageError
 from atomc.partition import partition
 from atomc.partition.autocast import FP32, LOWER, device_dtypes
@@ -33,6 +35,7 @@ from atomc.partition.precision import Precision, device_view, resolve_precision
 from atomc.partition.search import search
 from atomc.partition.tables import build_tables, node_facts
 from atomc.profile import profile_model
+from atomc.runtime import SwapTrainer
 from atomc.trace import trace_model
 
 from helpers.brute_force import brute_force
@@ -388,11 +391,18 @@ from torch import nn
 
 
 class StandardizedConv(nn.Conv2d):
-    """BiT's convolution: its weight standardized per output channel by a batch norm."""
+    """BiT's convolution: its weight standardized per output channel by a batch norm; NFNet's
+    also scales it by a gain, the batch norm's weight."""
+
+    def __init__(self, *args, gain=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gain = nn.Parameter(torch.ones(self.out_channels, 1, 1, 1)) if gain else None
 
     def forward(self, x):
+        scale = None if self.gain is None else (self.gain * 0.5).view(-1)
         w = F.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None,
-                         training=True, momentum=0.0, eps=1e-8).reshape_as(self.weight)
+                         weight=scale, training=True, momentum=0.0,
+                         eps=1e-8).reshape_as(self.weight)
         return F.conv2d(x, w, self.bias, padding=1)
 
 
@@ -400,11 +410,12 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv = StandardizedConv(3, 8, 3, padding=1)
+        self.scaled = StandardizedConv(8, 8, 3, padding=1, gain=True)
         self.plain = nn.Conv2d(8, 8, 3, padding=1)
         self.classes = nn.Parameter(torch.randn(10, 8))  # a cosine classifier's
 
     def forward(self, x):
-        h = self.plain(torch.relu(self.conv(x))).mean((2, 3))
+        h = self.plain(torch.relu(self.scaled(torch.relu(self.conv(x))))).mean((2, 3))
         return F.normalize(h, dim=-1) @ F.normalize(self.classes.t().contiguous(), dim=0)
 
 
@@ -424,5 +435,24 @@ def test_weights_the_graph_takes_statistics_of_stay_float32(tmp_path):
     path = tmp_path / "stats.py"
     path.write_text(STATISTICS_OF_WEIGHTS)
     wide = set(trace_model(path, None, 2, device="cpu").graph.full_precision)
-    assert {"conv.weight", "classes"} <= wide
-    assert not wide & {"conv.bias", "plain.weight", "plain.bias"}
+    assert {"conv.weight", "classes", "scaled.weight", "scaled.gain"} <= wide
+    assert not wide & {"conv.bias", "scaled.bias", "plain.weight", "plain.bias"}
+
+
+def test_a_bfloat16_package_standardizes_weights_scaled_by_their_gain(tmp_path):
+    """NFNet's convolutions in a bfloat16 plan: the standardized weight and the gain that
+    scales it meet in one float32 batch norm (a bfloat16 gain stopped the CPU's)."""
+    path = tmp_path / "stats.py"
+    path.write_text(STATISTICS_OF_WEIGHTS)
+    traced = trace_model(path, None, 2, device="cpu")
+    n = len(traced.graph.nodes)
+    plan = dataclasses.replace(plan_from_cuts(traced, [n // 3, 2 * n // 3]),
+                               transfer_dtype="bfloat16", autocast="bfloat16")
+    pkg = generate(plan, tmp_path / "pkg", traced=traced)
+    torch.manual_seed(0)
+    trainer = SwapTrainer.from_package(pkg, device="cpu",
+                                       state_dict=traced.module.build_model().state_dict(),
+                                       loss_fn=lambda out, batch: out.float().pow(2).mean())
+    loss = trainer.step((torch.randn(2, 3, 8, 8),))
+    assert torch.isfinite(torch.tensor(loss))
+    trainer.close()
