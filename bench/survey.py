@@ -206,14 +206,21 @@ def _casts_to_float32(package: Path) -> bool:
 
 def _eager_runs_in(mc, reference, dtype) -> bool:
     """Whether the eager model's forward, loss and backward run in `dtype` (some of
-    transformers' kernels have no float64 CPU version)."""
+    transformers' kernels have no float64 CPU version) and give finite outputs (CANINE's
+    float64 forward gives NaN where it masks with float32's most negative value)."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
     model = mc.original(reference, dtype)
     inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in reference.inputs)
     try:
-        reference.module.loss_fn(model(*inputs), inputs).backward()
+        outputs = model(*inputs)
+        loss = reference.module.loss_fn(outputs, inputs)
+        loss.backward()
     except RuntimeError:
         return False
-    return True
+    return all(torch.isfinite(x).all() for x in (*tree_leaves(outputs), loss)
+               if isinstance(x, torch.Tensor) and x.is_floating_point())
 
 
 def _refusal(message: str) -> dict:
