@@ -9,7 +9,7 @@ alone (codegen traces the model again, as `atomc codegen` does), and then:
 - SwapTrainer gives plain torch.optim.AdamW's weights and buffers after 3 steps;
 - a plan made for bfloat16 weights (half-precision device copies, autocast) trains by default
   in bfloat16, refuses float32, and starts within 1% of the float32 plan's loss (or within
-  what eager bfloat16 autocast moves that model's loss, measured on the same batch).
+  1.5 times what bfloat16 rounding moves that model's eager loss, measured on the same batch).
 
 The families: eight Hugging Face causal LMs (examples/hf.py's tiny presets), Hugging Face BERT
 and DeBERTa-v2 encoders returning their own ModelOutput, a ResNet-style CNN with BatchNorm

@@ -241,7 +241,16 @@ def render_package_init(subs: list[SubmodelSource], traced: TracedModel, plan: P
         aliases=py_literal(aliases),
         original_names=py_literal(tuple(original_names)),
         full_precision=py_literal(tuple(full_precision)),
+        state_dict_versions=py_literal(_state_dict_versions(traced.model)),
     )
+
+
+def _state_dict_versions(model: nn.Module) -> dict[str, int]:
+    """The modules whose state-dict format is not version 1 (torchvision's MNASNet refuses a
+    state dict without its version), as torch's state_dict() records them."""
+    metadata = getattr(model.state_dict(keep_vars=True), "_metadata", {})
+    return {prefix: m["version"] for prefix, m in metadata.items()
+            if m.get("version", 1) != 1}
 
 
 def _state_dict_names(model: nn.Module) -> list[tuple[str, Any]]:

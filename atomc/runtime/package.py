@@ -103,6 +103,9 @@ class SwapPackage:
     export_state_dict: Callable[..., dict]
     original_names: tuple[str, ...] = ()  # the original state-dict names, in the model's order
     full_precision: tuple[str, ...] = ()  # weights kept float32 in half-precision runs (norms)
+    # names -> torch's state-dict `_metadata` (module format versions); None in packages from
+    # before atomc recorded them
+    state_dict_metadata: Callable[..., dict] | None = None
 
     @functools.cached_property
     def _grad_inputs(self) -> tuple[frozenset[str], ...]:
@@ -281,4 +284,5 @@ def load_swap_package(path: str | Path) -> SwapPackage:
         export_state_dict=module.export_state_dict,
         original_names=tuple(getattr(module, "ORIGINAL_NAMES", ())),
         full_precision=tuple(getattr(module, "FULL_PRECISION", ())),
+        state_dict_metadata=getattr(module, "state_dict_metadata", None),
     )

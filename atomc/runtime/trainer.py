@@ -17,6 +17,7 @@ was made for (PLAN["batch_size"]): memory was planned for them.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -270,11 +271,15 @@ class SwapTrainer:
                                         for e in L.entries}, requires_grad=False)
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
-        """The trained weights by the original model's names (tied names included), on the CPU."""
+        """The trained weights by the original model's names (tied names included), on the CPU,
+        with the module format versions torch's state_dict() gives (`_metadata`)."""
         with self.weights_in_host_modules() as modules:
             state = self.package.export_state_dict(modules)
-            return {**{k: v.clone() for k, v in self.unread.items()},
-                    **{k: v.detach().clone() for k, v in state.items()}}
+            out = OrderedDict({**{k: v.clone() for k, v in self.unread.items()},
+                               **{k: v.detach().clone() for k, v in state.items()}})
+        if self.package.state_dict_metadata is not None:
+            out._metadata = self.package.state_dict_metadata(out)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resume needs (copies): weights, optimizer state, step, loss scale."""

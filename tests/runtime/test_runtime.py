@@ -291,7 +291,8 @@ def test_a_stashed_value_keeps_its_memory_order_for_the_recomputation(tmp_path):
 def test_weights_the_graph_never_reads_survive_checkpoints_and_export(tmp_path):
     """An unused layer, parameter and buffer of the original model, and a layer whose result
     is unused: not trained, but carried through a checkpoint and back into
-    export_state_dict(), which loads with strict=True."""
+    export_state_dict(), which loads with strict=True into modules that require their
+    state-dict format versions."""
     pkg, mf = fixture_package(tmp_path, "unread_weights_model", [2, 4], 2)
     torch.manual_seed(0)
     ref = mf.build_model()
@@ -308,7 +309,9 @@ def test_weights_the_graph_never_reads_survive_checkpoints_and_export(tmp_path):
     exported = resumed.export_state_dict()
     assert_same(exported, ref.state_dict())  # the spares as they were, the rest as trained
     assert torch.equal(exported["spare_stats"], torch.arange(4.0))
-    mf.build_model().load_state_dict(exported)  # strict
+    mf.build_model().load_state_dict(exported)  # strict, with the modules' format versions
+    with pytest.raises(ValueError, match="format 2, not None"):
+        mf.build_model().load_state_dict(dict(exported))  # which a plain dict lacks
     # the unused head's weights: held, not trained (a gradient of zeros would decay them)
     assert not any(p.requires_grad for sub in resumed.host_modules
                    for n, p in sub.named_parameters() if "side" in n)

@@ -24,7 +24,8 @@ PARAM_NAMES[i] maps sub-model i's parameter and buffer names to the original mod
 order). `build_submodels()` initialises weights as their constructors do (parameters read
 directly, not through a layer, are left uninitialised); load the original weights with
 `load_original_state_dict(submodels, model.state_dict())`, and get them back under the
-original names with `export_state_dict(submodels)`.
+original names with `export_state_dict(submodels)`, a state dict that loads into the original
+model as its own state_dict() does (with the modules' format versions).
 
 Tensors no state dict carries (non-persistent buffers such as position ids, and constants the
 tracer lifted out of forward) are not in PARAM_NAMES: when there are any, `_constants.py` holds
@@ -39,6 +40,8 @@ after `build_submodels()`:
   copy per original name, sums the gradients of all holders into it before the optimizer
   step, and loads the updated value into every holder.
 """
+
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -160,6 +163,10 @@ FULL_PRECISION = ('h.0.ln_1.bias',
  'ln_f.bias',
  'ln_f.weight')
 
+# Modules of the original model whose state-dict format has a version other than 1: the
+# `_version` their `_load_from_state_dict` reads, which torch's state_dict() records.
+STATE_DICT_VERSIONS = {}
+
 
 def build_submodels(device=None) -> list[nn.Module]:
     """One instance of every sub-model; load weights next (load_original_state_dict)."""
@@ -225,7 +232,19 @@ def export_state_dict(submodels: list[nn.Module]) -> dict[str, torch.Tensor]:
             elif not torch.equal(values[name], tensor.to(values[name].device)):
                 raise ValueError(f"tied weight {name} differs between sub-models {holder[name]} "
                                  f"and {index}; update every holder alike (see TIED)")
-    return {name: values[ALIASES.get(name, name)] for name in ORIGINAL_NAMES}
+    state = OrderedDict((name, values[ALIASES.get(name, name)]) for name in ORIGINAL_NAMES)
+    state._metadata = state_dict_metadata(state)
+    return state
+
+
+def state_dict_metadata(names) -> OrderedDict:
+    """The `_metadata` torch's state_dict() gives a state dict with `names`: each module's
+    format version, which a module's `_load_from_state_dict` may require."""
+    prefixes = {""} | set(STATE_DICT_VERSIONS)
+    for name in names:
+        parts = name.split(".")[:-1]
+        prefixes.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return OrderedDict((p, {"version": STATE_DICT_VERSIONS.get(p, 1)}) for p in sorted(prefixes))
 
 
 def tie_parameters(submodels: list[nn.Module]) -> list[nn.Module]:
