@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gpt3_tables import run, wrap
+from gpt3_tables import TIMING_RUNS, run, wrap
 
 from atomc.ir import Plan, Profile
 from atomc.jsonio import write_atomic
@@ -129,7 +129,7 @@ def plan_row(work: Path, spec: Spec, reuse: bool) -> Row:
                    got["wall_s"])
     prof = profile_path(work, spec)
     out.unlink(missing_ok=True)
-    done, wall, cpu = run(["partition", str(prof), *spec.options(), "-o", str(out)])
+    done, wall, cpu = run(["partition", str(prof), *spec.options(), "-o", str(out)], TIMING_RUNS)
     if done.returncode == 0:
         row = Row(spec, Plan.load(out), "", cpu, wall)
     elif done.returncode == 2 and done.stderr.startswith("atomc partition: error: "):
@@ -225,7 +225,8 @@ gradient ring, activation stash and disk staging), "disk bytes" the states the p
 the drives. Model TFLOPS is 6 x parameters x tokens a second (recomputation not counted).
 The drive: {drive}. The CPU AdamW rate is the hardware profile's host figure (rtx-4090: a
 Core i9-13900K desktop, 9.3 GB/s of fp32 masters; rtx-3090: 5.3 GB/s). The last column is
-the whole command's CPU time.
+the whole command's CPU time, the least of {runs} runs (the machine below lends its cores to
+other work, which adds time to a run).
 """
 
 
@@ -256,7 +257,7 @@ def render(rows: list[Row], params: dict[str, int]) -> str:
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     machine = f"{platform.machine()}, Python {platform.python_version()}"
     lines = [INTRO.format(date=date, machine=machine, gbps=DRIVE_GBPS, size=DRIVE_SIZE,
-                          drive=DRIVE)]
+                          drive=DRIVE, runs=TIMING_RUNS)]
     sections = [
         ("llama-3-8b", "Llama-3-8B full fine-tuning on a 128 GiB desktop, no drive"),
         ("llama-2-70b", "Llama-2-70B on the same desktop with 1, 2 and 4 drives"),

@@ -46,14 +46,15 @@ def plan_tables(facts: NodeFacts, usable_bytes: int, activations: str = "recompu
     the whole graph, whose memory no C changes but kept activations' (C = 1 is the least).
     The search's work grows with the square of the width."""
     n = facts.num_nodes
+    narrow = max_width_for(facts, usable_bytes // 2)
     if max_width_for(facts, usable_bytes) >= n:
         tables = build_tables(facts, n)
         whole = range_cost(tables, CostParams(1, usable_bytes, 1.0, 1.0, 0.0, activations), 0, n)
         work = max(whole.mem_fwd_bytes - whole.param_bytes,
                    whole.mem_bwd_bytes - whole.param_bytes - whole.grad_bytes)
-        if 2 * whole.param_bytes + work <= usable_bytes:
+        if 2 * whole.param_bytes + work <= usable_bytes or narrow >= n:
             return tables
-    return build_tables(facts, max_width_for(facts, usable_bytes // 2))
+    return build_tables(facts, narrow)
 
 
 def folding_of(view: Profile, tables: RangeTables, fold: bool) -> Folding | None:

@@ -40,6 +40,7 @@ import numpy as np
 
 from atomc.errors import UsageError
 from atomc.ir import Profile
+from atomc.partition.memo import once_per_object
 from atomc.partition.tables import RangeTables
 from atomc.units import ms_to_ns
 
@@ -146,9 +147,17 @@ def one_micro_batch(p: CostParams, fwd, bwd, is_last):
     return fwd + p.call_fwd_ns, back + p.call_bwd_ns
 
 
+def link_costs(p: CostParams, params, grads, master, masters) -> tuple:
+    """(load, offload, update) ns of ranges: what no C changes."""
+    return (transfer_ns(params, p.h2d_gbps), transfer_ns(grads, p.d2h_gbps),
+            optimizer_ns(p, master, masters))
+
+
 def derive_values(p: CostParams, *, fwd, bwd, saved, params, grads, master, masters, inb, outb,
-                  extra_fwd, extra_bwd, cut_start, saved_before, is_last) -> CostTables:
-    """The C-dependent formulas, shared by the whole-table and the single-range paths."""
+                  extra_fwd, extra_bwd, cut_start, saved_before, is_last,
+                  links: tuple | None = None) -> CostTables:
+    """The C-dependent formulas, shared by the whole-table and the single-range paths
+    (`links`: link_costs of the same ranges, where the caller holds them)."""
     c = np.int64(p.accum)
     one_fwd, one_bwd = one_micro_batch(p, fwd, bwd, is_last)
     fwd_c, bwd_c = c * one_fwd, c * one_bwd
@@ -164,9 +173,7 @@ def derive_values(p: CostParams, *, fwd, bwd, saved, params, grads, master, mast
         mem_fwd = params + boundary + extra_fwd
         mem_bwd = params + grads + boundary + saved + extra_bwd
         checkpoint = np.where(is_last, 0, c * inb)
-    load_fwd = transfer_ns(params, p.h2d_gbps)
-    offload = transfer_ns(grads, p.d2h_gbps)
-    optimizer = optimizer_ns(p, master, masters)
+    load_fwd, offload, optimizer = links or link_costs(p, params, grads, master, masters)
     return CostTables(
         fwd_ns=fwd_c, bwd_ns=bwd_c, load_fwd_ns=load_fwd,
         checkpoint_ns=transfer_ns(checkpoint, p.h2d_gbps),
@@ -179,15 +186,19 @@ def derive_values(p: CostParams, *, fwd, bwd, saved, params, grads, master, mast
 def derive(tables: RangeTables, p: CostParams) -> CostTables:
     t = tables
     cut_start = t.cut_bytes[:-1, None]
+    # what no C changes, once per tables: a partition derives them at several C
+    links = once_per_object(
+        t, ("links", p.h2d_gbps, p.d2h_gbps, p.cpu_adam_gbps, p.update_ns, p.update_tensor_ns),
+        lambda: link_costs(p, t.param_bytes, t.grad_bytes, t.master_bytes, t.num_masters))
+    is_last = once_per_object(t, "is_last", lambda: (
+        np.arange(t.num_nodes)[:, None] + np.arange(t.max_width + 1)[None, :] == t.num_nodes))
+    may_cut = once_per_object(t, "may_cut", lambda: t.valid & t.start_ok & t.end_ok)
     d = derive_values(p, fwd=t.fwd_ns, bwd=t.bwd_ns, saved=t.saved_bytes, params=t.param_bytes,
                       grads=t.grad_bytes, master=t.master_bytes, masters=t.num_masters,
                       inb=t.in_bytes, outb=t.out_bytes,
                       extra_fwd=t.extra_fwd_bytes, extra_bwd=t.extra_bwd_bytes, cut_start=cut_start,
-                      saved_before=t.saved_prefix[:-1, None],
-                      is_last=(np.arange(t.num_nodes)[:, None] + np.arange(t.max_width + 1)[None, :]
-                               == t.num_nodes))
-    ok = (t.valid & t.start_ok & t.end_ok & (d.mem_fwd_bytes <= p.usable_bytes)
-          & (d.mem_bwd_bytes <= p.usable_bytes))
+                      saved_before=t.saved_prefix[:-1, None], is_last=is_last, links=links)
+    ok = may_cut & (d.mem_fwd_bytes <= p.usable_bytes) & (d.mem_bwd_bytes <= p.usable_bytes)
     work = np.maximum(d.mem_fwd_bytes - d.param_bytes,
                       d.mem_bwd_bytes - d.param_bytes - d.grad_bytes)
     # the runtime holds two weight and two gradient slots; with one sub-model, one of each

@@ -204,6 +204,7 @@ def search(tables: RangeTables, params: CostParams, tier: int = 0, folding: Fold
     widths = np.flatnonzero(ok[:, :n].any(axis=0))
     w_max = min(t.max_width, int(widths[-1])) if len(widths) else 0
     v = _Suffix(n, w_max)
+    lines = _Lines(t.max_width, w_max)
 
     # base: the last sub-model [N - w, N) adds its forward (it stays for its backward)
     for w in range(1, min(w_max, n) + 1):
@@ -220,7 +221,7 @@ def search(tables: RangeTables, params: CostParams, tier: int = 0, folding: Fold
         if b % 32 == 0 and not v.valid[b + 1:b + 1 + w_max].any():
             break  # nothing earlier can reach a valid state: no plan of two or more
         if t.allowed[b]:
-            _solve_middle(b, t, d, v, tier, m, w_max)
+            _solve_middle(b, t, d, v, tier, m, w_max, lines)
         stable = None
         if folding and b % folding.period == 0:
             stable = _find_shift(v, b, w_max, n, folding.period)
@@ -241,6 +242,7 @@ def search(tables: RangeTables, params: CostParams, tier: int = 0, folding: Fold
             hi = first - 1
         b = lo
 
+    _first_states(t, d, v, tier, m, w_max)
     # the first sub-model [0, b) adds its backward (the step's tail is in the first pair's term)
     for w in range(1, min(w_max, n - 1) + 1):
         if not (v.valid[w, w] and ok[0, w]):
@@ -308,14 +310,13 @@ def _find_shift(v: _Suffix, b: int, w_max: int, n: int, period: int):
 
 
 class _Grid:
-    """The pairs a middle cut b joins: rows are the states L = [a, b), a descending (only the
-    last row can be the first sub-model); columns the following ranges R = [b, c), c
-    ascending (only the last column can be the last sub-model)."""
+    """The pairs a middle cut b joins: rows are the states L = [a, b) with a > 0, a descending
+    (the first sub-model's states [0, b) are _first_states'); columns the following ranges
+    R = [b, c), c ascending (only the last column can be the last sub-model)."""
 
     def __init__(self, b: int, n: int, al: np.ndarray, wl: np.ndarray, wr: np.ndarray):
         self.b, self.n, self.al, self.wl, self.wr = b, n, al, wl, wr
         self.ends = b + wr
-        self.first = al[-1] == 0  # the last row is P_0: its handover replaces the pair terms
         self.last = self.ends[-1] == n  # the last column is P_{k-1}
 
     def left(self, x: np.ndarray) -> np.ndarray:
@@ -325,33 +326,123 @@ class _Grid:
         return x[self.b, self.wr][None, :]
 
 
-def _solve_middle(b: int, t: RangeTables, d: CostTables, v: _Suffix, tier: int, m: np.int64,
-                  w_max: int) -> None:
-    """V for every state [a, b): try every following range [b, c) of at most w_max nodes."""
+class _Lines:
+    """The states and ranges one middle cut b joins, read as strided views instead of gathers.
+
+    A table x[a, w] (range [a, a + w), `x_width` + 1 columns) holds the states ending at b,
+    [b - w, b) for w = 1, 2, ..., on one line of its flattened array (step -x_width), and the
+    ranges starting at b on row b; V (by end c and width, `v_width` + 1 columns) holds the
+    states [b, b + w) on another line (step v_width + 2). Slices of the flattened arrays are
+    views, so a middle cut costs no copy of a table's figures unless a mask thins them."""
+
+    def __init__(self, x_width: int, v_width: int):
+        self.x_width, self.v_width = x_width, v_width
+
+    def ending_at(self, x: np.ndarray, b: int, k: int) -> np.ndarray:
+        """x[b - w, w] for w = 1..k (k <= b)."""
+        step = self.x_width
+        start = b * (step + 1) - step
+        stop = start - k * step
+        return x.reshape(-1)[start:stop if stop >= 0 else None:-step]
+
+    def states_from(self, v: np.ndarray, b: int, k: int) -> np.ndarray:
+        """V's v[b + w, w] for w = 1..k (b + k <= N)."""
+        step = self.v_width + 2
+        start = b * (self.v_width + 1) + step
+        return v.reshape(-1)[start:start + k * step:step]
+
+
+def _first_states(t: RangeTables, d: CostTables, v: _Suffix, tier: int, m: np.int64,
+                  w_max: int, chunk: int = 256) -> None:
+    """V for the first sub-model's states [0, b): the handover with the range after it
+    (cost.first_pair) replaces the pair terms (P_1's offload and update lanes are priced, its
+    load rules are the handover's). No middle reads these states, so they are solved after
+    the middles, many b at once, as a grid of rows b and following widths."""
     n = t.num_nodes
-    wl = np.arange(1, min(w_max, b) + 1)
-    al = b - wl
-    left_ok = d.ok[al, wl]
-    if not left_ok.any():
+    top = min(w_max, n - 1)
+    if top < 1:
         return
-    wl, al = wl[left_ok], al[left_ok]
-    wr = np.arange(1, min(w_max, n - b) + 1)
-    right_ok = d.ok[b, wr] & v.valid[b + wr, wr]
-    if not right_ok.any():
+    firsts = np.arange(1, top + 1)
+    # a folded copy may have written these cells with a middle state's value
+    v.valid[firsts, firsts] = False
+    v.step[firsts, firsts] = v.cut[firsts, firsts] = v.count[firsts, firsts] = INF
+    v.next[firsts, firsts] = -1
+    firsts = firsts[t.allowed[firsts] & d.ok[0, firsts]]
+    wr = np.arange(1, w_max + 1)[None, :]
+    for lo in range(0, len(firsts), chunk):
+        b = firsts[lo:lo + chunk, None]
+        ends = np.minimum(b + wr, n)  # past the graph's end: masked below
+        p0, p1 = PairSide.of_tables(d, 0, b), PairSide.of_tables(d, b, wr)
+        mask = (wr <= n - b) & d.ok[b, wr] & v.valid[ends, wr]
+        mask &= p1.param_bytes <= m - d.mem_fwd_bytes[0, b]
+        mask &= p0.param_bytes <= m - d.mem_bwd_bytes[b, wr]
+        mask &= p1.grad_bytes <= m - d.mem_bwd_bytes[0, b]
+        last = b + wr == n
+        if tier == 0:
+            # the H2D lane during P_1's backward, as for a middle pair (_pair_mask)
+            mask &= np.where(last, p1.checkpoint_ns <= p1.bwd_ns,
+                             p0.load_ns <= p1.bwd_ns - p1.checkpoint_ns)
+            back = p1.bwd_ns
+        else:
+            back = np.maximum(p1.bwd_ns, p1.checkpoint_ns + np.where(last, 0, p0.load_ns))
+        late, late_ok, early, early_ok = first_pair(p0, p1, last1=last, tier=tier,
+                                                    usable_bytes=m)
+        mask &= late_ok | early_ok
+        handover = np.where(early_ok & ~(late_ok & (late <= early)), early, late)
+        step = np.where(mask, handover + back + v.step[ends, wr], INF)
+        # the least step, then bytes crossing cuts, then sub-models, then the narrower P_1
+        best = step.min(axis=1)
+        tie = step == best[:, None]
+        cut = np.where(tie, v.cut[ends, wr], INF)
+        tie &= cut == cut.min(axis=1)[:, None]
+        count = np.where(tie, v.count[ends, wr], INF)
+        tie &= count == count.min(axis=1)[:, None]
+        rows = np.flatnonzero(best < INF)
+        pick = tie[rows].argmax(axis=1)
+        at = b[rows, 0]
+        v.valid[at, at] = True
+        v.step[at, at] = best[rows]
+        v.cut[at, at] = cut[rows, pick] + t.cut_bytes[at]
+        v.count[at, at] = count[rows, pick] + 1
+        v.next[at, at] = at + pick + 1
+
+
+def _solve_middle(b: int, t: RangeTables, d: CostTables, v: _Suffix, tier: int, m: np.int64,
+                  w_max: int, lines: _Lines) -> None:
+    """V for every state [a, b) with a > 0: try every following range [b, c) of at most w_max
+    nodes."""
+    n = t.num_nodes
+    kl, kr = min(w_max, b - 1), min(w_max, n - b)
+    left_ok = lines.ending_at(d.ok, b, kl)
+    right_ok = d.ok[b, 1:kr + 1] & lines.states_from(v.valid, b, kr)
+    if not left_ok.any() or not right_ok.any():
         return
-    g = _Grid(b, n, al, wl, wr[right_ok])
+    wl, wr = np.arange(1, kl + 1), np.arange(1, kr + 1)
+    # all rows and columns allowed (the common case): views; else the allowed ones
+    rows_at = slice(None) if left_ok.all() else left_ok
+    cols_at = slice(None) if right_ok.all() else right_ok
+    wl, wr = wl[rows_at], wr[cols_at]
+    g = _Grid(b, n, b - wl, wl, wr)
+
+    def row(x: np.ndarray) -> np.ndarray:
+        return lines.ending_at(x, b, kl)[rows_at]
+
+    def col(x: np.ndarray) -> np.ndarray:
+        return x[b, 1:kr + 1][cols_at]
+
     # lexicographic minimum per row (step, then bytes crossing cuts, then sub-model count) as one
     # integer: the later keys belong to the column alone, so rank the columns by them once
-    ends, wr = g.ends, g.wr
-    col_cut, col_count = v.cut[ends, wr], v.count[ends, wr]
+    ends = g.ends
+    col_cut = lines.states_from(v.cut, b, kr)[cols_at]
+    col_count = lines.states_from(v.count, b, kr)[cols_at]
+    col_v = lines.states_from(v.step, b, kr)[cols_at]
     order = np.lexsort((col_count, col_cut))  # stable: equal keys keep column order
     rank = np.empty(len(order), dtype=np.int64)
     rank[order] = np.arange(len(order))
     if tier == 0:
-        rows, pick, picked = _best_columns_sorted(g, d, v.step[ends, wr], m, rank)
+        rows, pick, picked = _best_columns_sorted(g, d, col_v, m, rank, row, col)
     else:
-        mask, handover = _pair_mask(g, d, tier, m)
-        rows, pick, picked = _best_columns(g, d, v.step[ends, wr], tier, mask, handover, rank)
+        rows, pick, picked = _best_columns(g, d, col_v, tier, _pair_mask(g, d, tier, m), rank)
     if not len(rows):
         return
     v.valid[b, wl[rows]] = True
@@ -362,7 +453,8 @@ def _solve_middle(b: int, t: RangeTables, d: CostTables, v: _Suffix, tier: int, 
 
 
 def _best_columns_sorted(g: _Grid, d: CostTables, col_v: np.ndarray, m: np.int64,
-                         rank: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                         rank: np.ndarray, row, col
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """_best_columns of tier 0 without forming the grid where the constraints allow it.
 
     Every tier-0 constraint of a middle pair compares a figure of the column with a bound of
@@ -371,17 +463,9 @@ def _best_columns_sorted(g: _Grid, d: CostTables, col_v: np.ndarray, m: np.int64
     are a prefix, found by bisection; the best column of each row within its prefix comes from
     one running minimum of the columns' keys (unique: the rank breaks ties). That column is the
     row's answer when it also meets the constraints whose figure does not grow; the rows where
-    it does not, and P_0's row (its handover has rules of its own), take the full grid. The
-    result is the full grid's, cell for cell."""
-    k = len(g.wl) - 1 if g.first else len(g.wl)  # rows that are middle pairs
-    al, wl, b, wr = g.al[:k], g.wl[:k], g.b, g.wr
-
-    def row(x: np.ndarray) -> np.ndarray:
-        return x[al, wl]
-
-    def col(x: np.ndarray) -> np.ndarray:
-        return x[b, wr]
-
+    it does not take the full grid. The result is the full grid's, cell for cell. `row(x)`
+    and `col(x)` read a table's figures of the grid's rows and columns."""
+    k = len(g.wl)
     bwd_r, off_r, fwd_l, bwd_l = col(d.bwd_ns), col(d.offload_ns), row(d.fwd_ns), row(d.bwd_ns)
     col_step = bwd_r + col_v
     key = col_step * len(rank) + rank
@@ -411,15 +495,12 @@ def _best_columns_sorted(g: _Grid, d: CostTables, col_v: np.ndarray, m: np.int64
     for figure, bound in unsorted:
         done &= figure[pick] <= bound
     rest = np.flatnonzero(found & ~done)
-    if g.first:
-        rest = np.append(rest, k)
     rows = np.flatnonzero(done)
     pick = pick[rows]
     picked = fwd_l[rows] + col_step[pick]
     if len(rest):
         sub = _Grid(g.b, g.n, g.al[rest], g.wl[rest], g.wr)
-        mask, handover = _pair_mask(sub, d, 0, m)
-        r2, p2, v2 = _best_columns(sub, d, col_v, 0, mask, handover, rank)
+        r2, p2, v2 = _best_columns(sub, d, col_v, 0, _pair_mask(sub, d, 0, m), rank)
         order = np.argsort(np.concatenate([rows, rest[r2]]), kind="stable")
         rows = np.concatenate([rows, rest[r2]])[order]
         pick = np.concatenate([pick, p2])[order]
@@ -427,22 +508,18 @@ def _best_columns_sorted(g: _Grid, d: CostTables, col_v: np.ndarray, m: np.int64
     return rows, pick, picked
 
 
-def _pair_mask(g: _Grid, d: CostTables, tier: int, m: np.int64
-               ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Which pairs meet the constraints of `tier`, and P_0's handover term per column (None
-    unless the last row is P_0). Each constraint compares a row's figure with a column's."""
+def _pair_mask(g: _Grid, d: CostTables, tier: int, m: np.int64) -> np.ndarray:
+    """Which pairs meet the constraints of `tier`. Each constraint compares a row's figure with
+    a column's."""
     left, right = g.left, g.right
     mask = right(d.param_bytes) <= m - left(d.mem_fwd_bytes)
     mask &= left(d.param_bytes) <= m - right(d.mem_bwd_bytes)
     mask &= right(d.grad_bytes) <= m - left(d.mem_bwd_bytes)
     if tier <= 1:
-        # R's offload and update against L's backward (P_1's: the handover prices them)
+        # R's offload and update against L's backward
         off_r, bwd_l = right(d.offload_ns), left(d.bwd_ns)
-        lanes = off_r <= bwd_l
-        lanes &= off_r + right(d.optimizer_ns) <= bwd_l + left(d.offload_ns)
-        if g.first:
-            lanes[-1] = True
-        mask &= lanes
+        mask &= off_r <= bwd_l
+        mask &= off_r + right(d.optimizer_ns) <= bwd_l + left(d.offload_ns)
     if tier == 0:
         # the H2D lane during R's backward: R's checkpoints, then L's parameters, unless R is
         # the last sub-model (L is then still in its slot from its forward)
@@ -451,52 +528,34 @@ def _pair_mask(g: _Grid, d: CostTables, tier: int, m: np.int64
         if g.last:
             hidden[:, -1] = ckpt_r[0, -1] <= bwd_r[0, -1]
         mask &= hidden
-        loads = left(d.fwd_ns) >= right(d.load_fwd_ns)  # R loads while L computes its forward
-        if g.first:
-            loads[-1] = True  # P_0's handover has overlap rules of its own (first_pair)
-        mask &= loads
-    if not g.first:
-        return mask, None
-    late, late_ok, early, early_ok, pick_early = _first_pair_grid(d, g.b, g.wr, g.n, tier, m)
-    mask[-1] &= late_ok | early_ok
-    return mask, np.where(pick_early, early, late)
+        mask &= left(d.fwd_ns) >= right(d.load_fwd_ns)  # R loads while L computes its forward
+    return mask
 
 
 def _best_columns(g: _Grid, d: CostTables, col_v: np.ndarray, tier: int, mask: np.ndarray,
-                  handover: np.ndarray | None, rank: np.ndarray
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  rank: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(rows with a pair, each one's best column, its step): the least step, ties broken by
     `rank`; `col_v` is each column's suffix step."""
     left, right = g.left, g.right
     f_l, bwd_r = left(d.fwd_ns), right(d.bwd_ns)
     scale = len(rank)
     if tier == 0:
-        # every constraint met: the forward term is L's forward (or P_0's handover) and the
-        # backward term R's backward, so a row's best column is the best of the columns' own
-        # sums and no step is formed cell by cell
+        # every constraint met: the forward term is L's forward and the backward term R's
+        # backward, so a row's best column is the best of the columns' own sums and no step
+        # is formed cell by cell
         col_step = bwd_r[0] + col_v
         key = np.where(mask, (col_step * scale + rank)[None, :], INF)
-        if handover is not None:
-            key[-1] = np.where(mask[-1], (handover + col_step) * scale + rank, INF)
         pick = key.argmin(axis=1)
         rows = np.flatnonzero(key[np.arange(len(pick)), pick] < INF)
         pick = pick[rows]
-        picked = f_l[rows, 0] + col_step[pick]
-        if handover is not None and len(rows) and rows[-1] == len(key) - 1:
-            picked[-1] = handover[pick[-1]] + col_step[pick[-1]]
-        return rows, pick, picked
+        return rows, pick, f_l[rows, 0] + col_step[pick]
     fwd_term = np.maximum(f_l, right(d.load_fwd_ns))
     lb_l = right(d.checkpoint_ns) + np.where(g.ends[None, :] == g.n, 0, left(d.load_fwd_ns))
-    if handover is not None:
-        fwd_term = np.broadcast_to(fwd_term, mask.shape).copy()
-        fwd_term[-1] = handover
     step = fwd_term + np.maximum(bwd_r, lb_l) + col_v[None, :]
     if tier == 2:
         off_r, off_l, bwd_l = right(d.offload_ns), left(d.offload_ns), left(d.bwd_ns)
         over = (np.maximum(off_r - bwd_l, 0)
                 + np.maximum(off_r + right(d.optimizer_ns) - bwd_l - off_l, 0))
-        if g.first:
-            over[-1] = 0
         step = step + over
     key = np.where(mask, step * scale + rank[None, :], INF)
     pick = key.argmin(axis=1)

@@ -5,6 +5,7 @@ candidate as a Plan (partition.build)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -33,6 +34,7 @@ from atomc.partition.constraints import (
 from atomc.partition.cost import (
     ACTIVATIONS,
     CostParams,
+    CostTables,
     derive,
     plan_costs,
     range_stage_times,
@@ -87,7 +89,8 @@ def weigh(profile: Profile, capacity_bytes: int, reserve_bytes: int, accum: int 
                        result.early_prefetch, result.tier, result)
     if sweep:
         candidates = sweep_accum(
-            first, lambda c, base: _at(w.tables, profile, w.params_for(c), base, w.folding),
+            first, lambda c, base: _at(w.tables, profile, w.params_for(c),
+                                       lambda: w.derived(c), base, w.folding),
             lambda c: _best_at(w.tables, profile, w.params_for(c), w.run(c)), stop, w.tokens)
     else:
         candidates = [first]
@@ -150,6 +153,7 @@ class _Weighing:
     cpu_adam_gbps: float
     cpu_adam_source: str
     accum_fixed: bool
+    _derived: dict[int, CostTables] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, profile: Profile, capacity_bytes: int, reserve_bytes: int, activations: str,
@@ -182,12 +186,18 @@ class _Weighing:
         return CostParams(c, self.usable, profile.h2d_gbps, profile.d2h_gbps,
                           self.cpu_adam_gbps, self.activations, **runtime_params(profile))
 
+    def derived(self, c: int) -> CostTables:
+        """The range tables' costs at C (derived once per C: every cap and tier shares them)."""
+        if c not in self._derived:
+            self._derived[c] = derive(self.tables, self.params_for(c))
+        return self._derived[c]
+
     def run(self, c: int) -> Outcome:
         """C weighed: whether it is feasible needs one plan under one cap; the best over the
         caps is only wanted at the C kept."""
         tables, folding = self.tables, self.folding
         p = self.params_for(c)
-        d = derive(tables, p)
+        d = self.derived(c)
         done: dict = {}  # searches by (tier, cap), shared by the questions asked of this C
 
         def best(tier: int, score):
@@ -210,7 +220,7 @@ class _Weighing:
         if o.feasible:
             return result
         p = self.params_for(o.accum)
-        d = derive(self.tables, p)
+        d = self.derived(o.accum)
         tier1 = search(self.tables, p, 1, self.folding,
                        with_slot_cap(d, largest_params(self.tables, p, result), self.usable))
         if tier1 is not None and plan_utilisation(self.tables, p, tier1) >= o.utilisation:
@@ -259,10 +269,12 @@ def _candidate(tables: RangeTables, profile: Profile, p: CostParams, cuts, early
                      tier=tier if result is not None else (0 if feasible else 1), result=result)
 
 
-def _at(tables: RangeTables, profile: Profile, p: CostParams, base: Candidate,
+def _at(tables: RangeTables, profile: Profile, p: CostParams,
+        derived: Callable[[], CostTables], base: Candidate,
         folding: Folding | None) -> Candidate | None:
-    """A plan at `p`'s C: `base`'s cuts costed again where their memory still fits, else the
-    first plan a search finds (every constraint, else memory alone); None when none fits."""
+    """A plan at `p`'s C (`derived()`: its cost tables): `base`'s cuts costed again where their
+    memory still fits, else the first plan a search finds (every constraint, else memory
+    alone); None when none fits."""
     costs = plan_costs(tables, p, list(base.cuts))
     slacks = plan_slacks(costs, p.usable_bytes, base.early_prefetch)
     if all(s.slack >= 0 for s in slacks if s.constraint == MEMORY):
@@ -271,13 +283,13 @@ def _at(tables: RangeTables, profile: Profile, p: CostParams, base: Candidate,
             return again
         # cuts made for a smaller C where the GPU waited (a CPU update or the links bound
         # it) need not suit this C: a search here may find cuts of more tokens a second
-        found = over_caps(tables, p, derive(tables, p), folding, 0, first=True)
+        found = over_caps(tables, p, derived(), folding, 0, first=True)
         if found is None:
             return again
         searched = _candidate(tables, profile, p, found.cuts, found.early_prefetch,
                               found.tier, found)
         return min((again, searched), key=lambda c: (not c.feasible, c.sim.step_ns))
-    d = derive(tables, p)
+    d = derived()
     for tier in (0, 2):
         found = over_caps(tables, p, d, folding, tier, first=True)
         if found is not None:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -101,7 +102,7 @@ def test_search_matches_brute_force(seed):
 def test_tier_0_columns_by_bisection_are_the_full_grid_s(seed):
     """Tier 0 finds each row's best column by bisection where the constraints allow it (a
     column figure that grows with the width); the cuts are the ones the full grid gives, on
-    graphs wide enough that rows fall back to the grid and P_0's row is among them."""
+    graphs wide enough that rows fall back to the grid."""
     import atomc.partition.search as search_module
 
     profile, accum, usable, cpu, activations = _random_case(seed, 40)
@@ -110,9 +111,9 @@ def test_tier_0_columns_by_bisection_are_the_full_grid_s(seed):
     tables = build_tables(facts, facts.num_nodes)
     fast = search(tables, params, 0)
 
-    def grid(g, d, col_v, m, rank):
-        mask, handover = search_module._pair_mask(g, d, 0, m)
-        return search_module._best_columns(g, d, col_v, 0, mask, handover, rank)
+    def grid(g, d, col_v, m, rank, row, col):
+        return search_module._best_columns(g, d, col_v, 0, search_module._pair_mask(g, d, 0, m),
+                                           rank)
 
     with mock.patch.object(search_module, "_best_columns_sorted", grid):
         assert fast == search(tables, params, 0)
@@ -626,3 +627,20 @@ def test_uneven_sub_models_are_capped_to_fit_the_runtimes_slots():
     short = dataclasses.replace(plan, capacity_bytes=plan.capacity_bytes - min(
         s.slack_memory_bytes for s in plan.submodels) - (1 << 20))
     assert any("in the slots" in v.message for v in check_plan(profile, short))
+
+
+@pytest.mark.parametrize("x_width, v_width", [(7, 7), (7, 4), (12, 12)])
+def test_the_search_s_strided_lines_read_what_gathers_read(x_width, v_width):
+    """The states ending at a middle cut and V's states starting there, read as views of the
+    flattened tables, are the elements index arrays would gather, for every cut."""
+    from atomc.partition.search import _Lines
+
+    n = 12
+    x = np.arange(n * (x_width + 1)).reshape(n, x_width + 1)
+    v = np.arange((n + 1) * (v_width + 1)).reshape(n + 1, v_width + 1)
+    lines = _Lines(x_width, v_width)
+    for b in range(1, n):
+        wl = np.arange(1, min(v_width, b) + 1)
+        wr = np.arange(1, min(v_width, n - b) + 1)
+        assert np.array_equal(lines.ending_at(x, b, len(wl)), x[b - wl, wl])
+        assert np.array_equal(lines.states_from(v, b, len(wr)), v[b + wr, wr])
