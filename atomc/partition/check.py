@@ -42,6 +42,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from atomc.ir import Plan, Profile, Submodel
 from atomc.partition.cost import runtime_params
 from atomc.partition.precision import Precision, device_view, model_dtype
@@ -106,7 +108,8 @@ class Checker:
                 self.readers[src].append(i)
         self.value_bytes = {n.name: sum(o.num_bytes for o in n.outputs) for n in g.nodes}
         self.last_read = {name: max(rs, default=-1) for name, rs in self.readers.items()}
-        self._last_reads = [(n.name, self.last_read[n.name]) for n in g.nodes]
+        self._names = [n.name for n in g.nodes]
+        self._last_reads = np.array([self.last_read[n.name] for n in g.nodes], dtype=np.int64)
         self.params = g.params
         self.buffers = g.buffers
         self.frozen = set(g.frozen or ())
@@ -127,7 +130,7 @@ class Checker:
 
     def crossing(self, q: int) -> list[str]:
         """Values produced before node q and read at q or later."""
-        return [name for name, last in self._last_reads[:q] if last >= q]
+        return [self._names[i] for i in np.flatnonzero(self._last_reads[:q] >= q)]
 
     def range_facts(self, start: int, stop: int) -> RangeFacts:
         c = self.accum
