@@ -187,7 +187,11 @@ def survey_one(path: Path, config: str) -> dict:
             row["weight_diff"] = f"{weight:.3g}"
             _log_time("swap", start)
             step = "bfloat16 plan"
-            mc.check_bfloat16_plan_trains_within_one_percent(Path(root), name)
+            drift = mc.check_bfloat16_plan_trains_within_one_percent(Path(root), name)
+            if 1.5 * drift > 0.01:
+                row["note"] = "; ".join(filter(None, [row.get("note"), (
+                    f"bfloat16's first loss held to {1.5 * drift:.0%} of float32's: bfloat16 "
+                    f"rounding moves the eager loss {drift:.0%} by itself")]))
             _log_time("bfloat16", start)
         row.update(status="pass", reason=row.pop("note", ""))
     except AtomcError as e:
