@@ -353,7 +353,7 @@ class _Lines:
 
 
 def _first_states(t: RangeTables, d: CostTables, v: _Suffix, tier: int, m: np.int64,
-                  w_max: int, chunk: int = 256) -> None:
+                  w_max: int, cells: int = 1 << 18) -> None:
     """V for the first sub-model's states [0, b): the handover with the range after it
     (cost.first_pair) replaces the pair terms (P_1's offload and update lanes are priced, its
     load rules are the handover's). No middle reads these states, so they are solved after
@@ -369,6 +369,7 @@ def _first_states(t: RangeTables, d: CostTables, v: _Suffix, tier: int, m: np.in
     v.next[firsts, firsts] = -1
     firsts = firsts[t.allowed[firsts] & d.ok[0, firsts]]
     wr = np.arange(1, w_max + 1)[None, :]
+    chunk = max(1, cells // w_max)  # rows at a time: a few MB per temporary
     for lo in range(0, len(firsts), chunk):
         b = firsts[lo:lo + chunk, None]
         ends = np.minimum(b + wr, n)  # past the graph's end: masked below
