@@ -31,12 +31,13 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
-from torch.utils._pytree import tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from atomc.errors import CodegenError
 from atomc.ir import Plan
 from atomc.profile.ops import INPLACE_MODULE, is_inplace, writes_input
 from atomc.trace import TracedModel
+from atomc.trace.frontends import OUTPUT_SPEC
 
 
 @dataclass
@@ -127,13 +128,18 @@ def output_structure(gm: fx.GraphModule, output: fx.Node) -> Any:
     """The model's output as the original forward returns it, with fx Nodes as leaves.
 
     torch.export graphs return a flat list and rebuild the structure with a pytree spec;
-    symbolic traces return the structure itself.
+    symbolic traces return the structure itself, its dicts made plain: the tracer recorded
+    the classes (an OrderedDict, a dict class of the model's) in the module's meta.
     """
     value = output.args[0]
     info = getattr(gm.graph._codegen, "pytree_info", None)
     if info is not None and info.out_spec is not None:
         leaves = list(value) if isinstance(value, (tuple, list)) else [value]
         return tree_unflatten(leaves, info.out_spec)
+    spec = gm.meta.get(OUTPUT_SPEC)
+    leaves = tree_flatten(value)[0]
+    if spec is not None and spec.num_leaves == len(leaves):
+        return tree_unflatten(leaves, spec)
     return value
 
 

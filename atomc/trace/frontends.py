@@ -24,6 +24,7 @@ from unittest import mock
 import torch
 from torch import fx, nn
 from torch.nn.utils import parametrize
+from torch.utils._pytree import TreeSpec, tree_structure
 
 from atomc.errors import TraceError
 from atomc.trace.dynamic import (
@@ -63,6 +64,10 @@ def _sizes_as_tuple(factory: Callable) -> Callable:
     return call
 
 
+# GraphModule.meta key of a symbolic trace's output structure (LeafTracer.output_spec)
+OUTPUT_SPEC = "atomc_output_spec"
+
+
 class LeafTracer(fx.Tracer):
     """symbolic_trace's tracer with user-given module types kept whole, and torch.nn's own
     layers whole only when they have no sub-modules."""
@@ -77,6 +82,20 @@ class LeafTracer(fx.Tracer):
     def __init__(self, leaf_types: tuple[type, ...] = ()):
         super().__init__()
         self.leaf_types = leaf_types
+        # the forward's result with its container classes (an OrderedDict, a dict class of the
+        # model's): fx's output node keeps the structure but makes every dict a plain one
+        self.output_spec: TreeSpec | None = None
+        self._outer: object = None
+        self._depth = 0
+
+    def create_arg(self, a):
+        if self._depth == 0:
+            self._outer = a
+        self._depth += 1
+        try:
+            return super().create_arg(a)
+        finally:
+            self._depth -= 1
 
     def trace(self, root, concrete_args=None):
         # buffer tensor -> the value the forward assigned to it, for the rest of this trace
@@ -120,6 +139,8 @@ class LeafTracer(fx.Tracer):
         torch.export's regions are once inlined (atomc.trace.normalise.MODES): symbolic tracing
         runs the region's `with` but records nothing of it, and the generated code, the
         profile and which values carry gradients must know."""
+        if kind == "output":  # fx converts the forward's result just before this node
+            self.output_spec = tree_structure(self._outer)
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         if not torch.is_grad_enabled() and kind not in ("placeholder", "output"):
             node.meta[MODES] = (("grad", False),)
@@ -208,7 +229,9 @@ def trace_fx(model: nn.Module, leaf_types: tuple[type, ...], given: int,
     for node in reversed(list(graph.nodes)):
         if node in bound and not node.users:
             graph.erase_node(node)
-    return fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+    gm = fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+    gm.meta[OUTPUT_SPEC] = tracer.output_spec
+    return gm
 
 
 @contextlib.contextmanager

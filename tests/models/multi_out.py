@@ -1,5 +1,9 @@
 """Two inputs (one read only at the end), an in-place update whose result nothing reads, and a
-nested output: a dict with a tuple inside, one entry computed in the first sub-model."""
+nested output: an OrderedDict (as torchvision's segmentation models return; symbolic tracing
+makes every dict a plain one, and the package must give the class back) with a tuple inside,
+one entry computed in the first sub-model."""
+
+from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +23,8 @@ class MultiOut(nn.Module):
         h.mul_(0.5)  # in place, its result unused: must not be dropped as dead code
         g = F.gelu(h)
         logits = self.head(g) * scale  # `scale` is read only here
-        return {"logits": logits, "features": features,
-                "stats": (g.mean(dim=-1), logits.amax(dim=-1))}
+        return OrderedDict(logits=logits, features=features,
+                           stats=(g.mean(dim=-1), logits.amax(dim=-1)))
 
 
 def build_model(config: str | None = None) -> nn.Module:
