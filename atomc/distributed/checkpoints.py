@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -134,17 +135,22 @@ def _truncate_metrics(path: Path, step: int) -> None:
 def final_state(final_dir: str | Path, num_stages: int, buffers: dict | None = None
                 ) -> tuple[dict[str, torch.Tensor], dict[int, float]]:
     """Merge the stages' final weights (and the last stage's losses) written by `run_layout`;
-    `buffers`, a dict, receives the stages' buffers by FQN."""
-    params: dict[str, torch.Tensor] = {}
+    `buffers`, a dict, receives the stages' buffers by FQN. The weights carry torch's
+    `_metadata` (the modules' state-dict format versions), as `model.state_dict()` does:
+    add the buffers to them (`params.update(buffers)`) to load both."""
+    params: dict[str, torch.Tensor] = OrderedDict()
     losses: dict[int, float] = {}
+    metadata: dict[str, dict] = {}
     for j in range(num_stages):
         st = load_checkpoint(Path(final_dir) / f"final_stage_{j}.pt")
         for k, v in {**st.get("unread", {}), **st["params"]}.items():
             params.setdefault(k, v)
         if buffers is not None:
             buffers.update(st.get("buffers", {}))
+        metadata.update(st.get("metadata", {}))
         if st["losses"]:
             losses = {int(k): float(v) for k, v in st["losses"].items()}
+    params._metadata = OrderedDict(sorted(metadata.items()))  # type: ignore[attr-defined]
     return params, losses
 
 

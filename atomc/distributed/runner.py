@@ -528,13 +528,18 @@ def run_layout(cfg: LayoutConfig, loss_fn: Callable, initial_state: Any,
             if trainer.place.replica == 0:
                 from atomc.runtime.checkpoint import save_checkpoint
 
+                params = trainer.stage_state_dict()
+                buffers = {k: b.detach().cpu().clone()
+                           for k, b in trainer.stage.buffers().items()}
+                metadata = trainer.pkg.state_dict_metadata
                 save_checkpoint(d / f"final_stage_{trainer.place.stage}.pt",
-                                {"params": trainer.stage_state_dict(),
-                                 "unread": trainer.unread,
-                                 "buffers": {k: b.detach().cpu().clone()
-                                             for k, b in trainer.stage.buffers().items()},
+                                {"params": params, "unread": trainer.unread, "buffers": buffers,
                                  "losses": {str(k): v for k, v in trainer.losses.items()},
-                                 "step_ms": trainer.step_ms})
+                                 "step_ms": trainer.step_ms,
+                                 # the modules' state-dict format versions (final_state)
+                                 "metadata": dict(metadata([*params, *trainer.unread,
+                                                            *buffers]))
+                                 if metadata is not None else {}})
         trainer.dist.barrier()
     finally:
         trainer.close()
