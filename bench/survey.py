@@ -183,15 +183,15 @@ def survey_one(path: Path, config: str) -> dict:
                 weight, note = _float32_amplifies_rounding(mc, run32,
                                                            mc.three_steps(Path(root), name,
                                                                           torch.float64))
-                row["note"] = "; ".join(filter(None, [row.get("note"), note]))
+                _add_note(row, note)
             row["weight_diff"] = f"{weight:.3g}"
             _log_time("swap", start)
             step = "bfloat16 plan"
             drift = mc.check_bfloat16_plan_trains_within_one_percent(Path(root), name)
-            if 1.5 * drift > 0.01:
-                row["note"] = "; ".join(filter(None, [row.get("note"), (
-                    f"bfloat16's first loss held to {1.5 * drift:.0%} of float32's: bfloat16 "
-                    f"rounding moves the eager loss {drift:.0%} by itself")]))
+            held = mc.bfloat16_tolerance(drift)
+            if held > mc.bfloat16_tolerance(0.0):
+                _add_note(row, f"bfloat16's first loss held to {held:.0%} of float32's: "
+                               f"bfloat16 rounding moves the eager loss {drift:.0%} by itself")
             _log_time("bfloat16", start)
         row.update(status="pass", reason=row.pop("note", ""))
     except AtomcError as e:
@@ -207,6 +207,10 @@ def survey_one(path: Path, config: str) -> dict:
                                          f"{_where(e)}")
     row["seconds"] = f"{time.perf_counter() - start:.0f}"
     return row
+
+
+def _add_note(row: dict, note: str) -> None:
+    row["note"] = "; ".join(filter(None, [row.get("note"), note]))
 
 
 def _float32_amplifies_rounding(mc, run32, run64) -> tuple[float, str]:

@@ -137,9 +137,10 @@ def output_structure(gm: fx.GraphModule, output: fx.Node) -> Any:
         leaves = list(value) if isinstance(value, (tuple, list)) else [value]
         return tree_unflatten(leaves, info.out_spec)
     spec = gm.meta.get(OUTPUT_SPEC)
-    leaves = tree_flatten(value)[0]
-    if spec is not None and spec.num_leaves == len(leaves):
-        return tree_unflatten(leaves, spec)
+    if spec is not None:
+        leaves = tree_flatten(value)[0]
+        if spec.num_leaves == len(leaves):
+            return tree_unflatten(leaves, spec)
     return value
 
 

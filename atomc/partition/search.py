@@ -259,10 +259,10 @@ def search(tables: RangeTables, params: CostParams, tier: int = 0, folding: Fold
     cuts = _cuts(v, b, n)
     early = False
     if cuts:
-        end = cuts[1] if len(cuts) > 1 else n
-        _, _, _early_term, _early_ok, pick_early = _first_pair_grid(
-            d, cuts[0], np.array([end - cuts[0]]), n, tier, m)
-        early = bool(pick_early[0])
+        b, end = cuts[0], cuts[1] if len(cuts) > 1 else n
+        _, _, early = _handover(PairSide.of_tables(d, 0, b), PairSide.of_tables(d, b, end - b),
+                                end == n, tier, m)
+        early = bool(early)
     return SearchResult(tuple(cuts), step, cut_bytes, count, tier, folded, early)
 
 
@@ -275,13 +275,12 @@ def _cuts(v: _Suffix, b: int, n: int) -> list[int]:
     return cuts
 
 
-def _first_pair_grid(d: CostTables, b: int, wr: np.ndarray, n: int, tier: int, m: np.int64):
-    """Handover terms for P_0 = [0, b) followed by each [b, b + wr) of a graph of n nodes."""
-    late, late_ok, early, early_ok = first_pair(
-        PairSide.of_tables(d, 0, b), PairSide.of_tables(d, b, wr), last1=b + wr == n,
-        tier=tier, usable_bytes=m)
+def _handover(p0: PairSide, p1: PairSide, last1, tier: int, m: np.int64):
+    """(term, allowed, early) of P_0's handover to P_1 (cost.first_pair): the early way where
+    only it is allowed or it is cheaper. Elementwise on arrays."""
+    late, late_ok, early, early_ok = first_pair(p0, p1, last1=last1, tier=tier, usable_bytes=m)
     pick_early = early_ok & ~(late_ok & (late <= early))
-    return late, late_ok, early, early_ok, pick_early
+    return np.where(pick_early, early, late), late_ok | early_ok, pick_early
 
 
 def _copy_rows(v: _Suffix, lo: int, hi: int, s: int, delta: tuple[int, int, int]) -> None:
@@ -386,10 +385,8 @@ def _first_states(t: RangeTables, d: CostTables, v: _Suffix, tier: int, m: np.in
             back = p1.bwd_ns
         else:
             back = np.maximum(p1.bwd_ns, p1.checkpoint_ns + np.where(last, 0, p0.load_ns))
-        late, late_ok, early, early_ok = first_pair(p0, p1, last1=last, tier=tier,
-                                                    usable_bytes=m)
-        mask &= late_ok | early_ok
-        handover = np.where(early_ok & ~(late_ok & (late <= early)), early, late)
+        handover, allowed, _ = _handover(p0, p1, last, tier, m)
+        mask &= allowed
         step = np.where(mask, handover + back + v.step[ends, wr], INF)
         # the least step, then bytes crossing cuts, then sub-models, then the narrower P_1
         best = step.min(axis=1)
