@@ -1,11 +1,14 @@
 """The hivemind plumbing that peers (atomc.distributed.peer) and SWARM (atomc.swarm) share:
-importing hivemind with an error that says how to install it, a DHT node started with every
-wait bounded, and a training state as one byte tensor for hivemind's p2p messages.
+importing hivemind with an error that says how to install it and its log in one line per
+record, a DHT node started with every wait bounded, and a training state as one byte tensor for
+hivemind's p2p messages.
 """
 
 from __future__ import annotations
 
 import io
+import logging
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -21,7 +24,23 @@ def import_hivemind() -> Any:
     except ImportError as e:  # pragma: no cover - installed with atomc's peers extra
         raise PeerError(f"hivemind is not installed ({e}); install it from its wheel: "
                         f"pip install --only-binary=hivemind hivemind") from None
+    if os.environ.get("HIVEMIND_LOGLEVEL", "").upper() != "DEBUG":
+        for handler in logging.getLogger("hivemind").handlers:
+            if not any(isinstance(f, _OneLine) for f in handler.filters):
+                handler.addFilter(_OneLine())
     return hivemind
+
+
+class _OneLine(logging.Filter):
+    """hivemind logs a failure it recovers from with its traceback (a state download cut short
+    by a peer that left, tried again with the next peer). The record's message already names
+    the exception, so the user reads one line; HIVEMIND_LOGLEVEL=DEBUG keeps the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info = None
+        record.exc_text = None
+        record.stack_info = None
+        return True
 
 
 def state_bytes(state: dict[str, Any]) -> torch.Tensor:
