@@ -203,29 +203,3 @@ def test_peer_cli_checks_addresses(tmp_path: Path, capsys: pytest.CaptureFixture
     assert ("ATOMC_PEER_RUN_ID=r1" in out and "ATOMC_PEER_TARGET_BATCH_SIZE=64" in out
             and "--package x" in out)
 
-
-HIVEMIND_FAILURE = """
-from atomc.distributed.hive import import_hivemind
-import_hivemind()
-from hivemind.utils.logging import get_logger
-try:
-    raise RuntimeError("shape '[275241]' is invalid for input of size 65536")
-except RuntimeError as e:
-    get_logger("hivemind.averaging.averager").exception(f"Failed to download state - {e!r}")
-"""
-
-
-@pytest.mark.parametrize("level", ["ERROR", "DEBUG"])
-def test_a_failure_hivemind_recovers_from_is_one_line_unless_debugging(level: str) -> None:
-    """hivemind logs a state download cut short (the next peer is tried) with its traceback; a
-    peer's user reads it as one line naming the exception, HIVEMIND_LOGLEVEL=DEBUG keeps it."""
-    env = {**_env(), "HIVEMIND_LOGLEVEL": level}
-    out = subprocess.run([sys.executable, "-c", HIVEMIND_FAILURE], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    lines = [x for x in out.stderr.splitlines() if x.strip()]
-    assert "Failed to download state - RuntimeError(" in lines[0], out.stderr
-    if level == "DEBUG":
-        assert "Traceback" in out.stderr, out.stderr
-    else:
-        assert len(lines) == 1, out.stderr
