@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import re
 import traceback
 from collections.abc import Callable, Iterator
@@ -36,14 +37,23 @@ class CustomBackward(TraceError):
 FINAL = (RandomSkip, CustomBackward)
 
 
-_INTERNAL = (*(str(Path(m.__file__).resolve().parent) for m in (torch, contextlib)),
-             str(Path(__file__).resolve().parents[1]))  # torch, the standard library, atomc
+_INTERNAL = (str(Path(torch.__file__).resolve().parent), str(Path(__file__).resolve().parents[1]))
+# the standard library's folder, which holds the site-packages of a Python built from source
+_STDLIB = str(Path(contextlib.__file__).resolve().parent)
+_INSTALLED = ("site-packages", "dist-packages")
 
 
 def is_internal(filename: str) -> bool:
     """A frame of torch, of the standard library or of atomc: not the model's own code (nor
-    a library's it calls, such as transformers)."""
-    return filename.startswith("<") or str(Path(filename).resolve()).startswith(_INTERNAL)
+    a library's it calls, such as transformers or torchvision, whose folder's name begins
+    with torch's)."""
+    if filename.startswith("<"):
+        return True
+    path = os.path.realpath(filename)
+    if any(path.startswith(root + os.sep) for root in _INTERNAL):
+        return True
+    return path.startswith(_STDLIB + os.sep) and not any(
+        part in _INSTALLED for part in Path(path[len(_STDLIB):]).parts)
 
 
 def caller() -> str:

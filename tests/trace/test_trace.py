@@ -650,3 +650,25 @@ def test_named_results_of_operators_survive_the_autograd_run(tmp_path):
     traced = trace_model(path, None, 2, device="meta")
     values = grad_values(traced)
     assert values and any(values.values())
+
+
+def test_a_library_beside_torch_is_the_models_code_not_torchs() -> None:
+    """A refusal names the line of a library the model calls (torchvision's box matching,
+    transformers' attention), and a frame of torch, atomc or the standard library is not one:
+    torchvision's folder begins with torch's name, and a Python built from source keeps its
+    site-packages inside the standard library's folder."""
+    import contextlib
+    import os
+
+    import atomc
+    from atomc.trace.dynamic import is_internal
+
+    torch_dir = os.path.dirname(os.path.realpath(torch.__file__))
+    stdlib = os.path.dirname(os.path.realpath(contextlib.__file__))
+    assert is_internal(os.path.join(torch_dir, "nn", "functional.py"))
+    assert is_internal(os.path.join(os.path.dirname(atomc.__file__), "trace", "dynamic.py"))
+    assert is_internal(os.path.join(stdlib, "contextlib.py"))
+    assert is_internal("<string>")
+    assert not is_internal(torch_dir + "vision/models/detection/transform.py")
+    assert not is_internal(os.path.dirname(atomc.__file__) + "_zoo/model.py")
+    assert not is_internal(os.path.join(stdlib, "site-packages", "transformers", "x.py"))
