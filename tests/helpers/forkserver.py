@@ -35,8 +35,10 @@ from pathlib import Path
 ENV = "ATOMC_TEST_FORKSERVER"  # the server's socket in every child's environment; "0": off
 # what the children import, once: torch, hivemind, and the atomc modules the tests' commands,
 # peers, SWARM servers and layout ranks run (the checkout's, as the children import it; with
-# PYTHONDONTWRITEBYTECODE set each child would compile them again, about 1 s of CPU)
-PRELOAD = ("torch", "torch.distributed.run", "hivemind", "numpy", "atomc.cli",
+# PYTHONDONTWRITEBYTECODE set each child would compile them again, about 1 s of CPU).
+# torch._dynamo too: torch imports it on the first call of a function it keeps out of
+# compilation (an optimizer's constructor, a meta tensor's normal_), 2-3 s of CPU a child
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "hivemind", "numpy", "atomc.cli",
            "atomc.distributed.peer", "atomc.distributed.runner", "atomc.swarm.server",
            "atomc.swarm.client", "atomc.runtime.trainer")
 _HEADER = struct.Struct("!I")
