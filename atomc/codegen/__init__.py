@@ -26,6 +26,7 @@ import hashlib
 import importlib.util
 import itertools
 import json
+import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -114,6 +115,8 @@ def generate(plan: Plan, out_dir: str | Path, *, traced: Any = None, profile: Pr
         if constants:
             (tmp / CONSTANTS_FILE).write_bytes(_tensor_file(constants))
         _self_check(tmp, traced, pieces)
+        # the check's import compiled the files: the package holds only what was written
+        shutil.rmtree(tmp / "__pycache__", ignore_errors=True)
     return out
 
 

@@ -48,7 +48,10 @@ def load_model_file(path: str | Path) -> ModuleType:
     if folder not in sys.path:
         sys.path.insert(0, folder)
     try:
-        spec.loader.exec_module(module)
+        # compiled from its source every time, never from cached bytecode: Python trusts a
+        # cache whose source has the same size and modification second, and a model file
+        # edited within the second it was last loaded (one number changed) would run as before
+        exec(compile(p.read_bytes(), str(p), "exec", dont_inherit=True), module.__dict__)
     except SyntaxError as e:
         del sys.modules[name]
         raise ModelFileError(f"{p}:{e.lineno}: syntax error: {e.msg}; fix the file and run "

@@ -672,3 +672,25 @@ def test_a_library_beside_torch_is_the_models_code_not_torchs() -> None:
     assert not is_internal(torch_dir + "vision/models/detection/transform.py")
     assert not is_internal(os.path.dirname(atomc.__file__) + "_zoo/model.py")
     assert not is_internal(os.path.join(stdlib, "site-packages", "transformers", "x.py"))
+
+
+def test_a_model_file_edited_within_its_second_loads_as_edited(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    """Python trusts cached bytecode whose source has the same size and modification second:
+    a model file is compiled from its source every time it is loaded."""
+    import os
+
+    from atomc.trace.load import load_model_file
+
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    path = tmp_path / "width.py"
+    path.write_text(HEADER + "WIDTH = 32\ndef build_model(config=None):\n    return nn.Linear("
+                    "WIDTH, 2)\ndef example_inputs(model, batch_size):\n    return (torch.randn("
+                    "batch_size, WIDTH),)\n")
+    stat = path.stat()
+    assert load_model_file(path).WIDTH == 32
+    path.write_text(path.read_text().replace("WIDTH = 32", "WIDTH = 48"))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert load_model_file(path).WIDTH == 48
+    assert not (tmp_path / "__pycache__").exists()
