@@ -309,3 +309,23 @@ def test_the_name_reader_sees_definitions_not_imports(tmp_path: Path) -> None:
                    "try:\n    import w\nexcept ImportError:\n    w = None\n"
                    "if True:\n    g, (h, i) = 1, (2, 3)\n")
     assert top_level_names(src) == {"A", "B", "c", "f", "K", "w", "g", "h", "i"}
+
+
+# a module a newcomer reads in one sitting, a function that fits on a screen
+MODULE_LINES = 600
+FUNCTION_LINES = 80
+
+
+def test_modules_and_functions_stay_readable() -> None:
+    long_modules, long_functions = [], []
+    for module, path in sorted(modules().items()):
+        text = path.read_text()
+        if len(text.splitlines()) > MODULE_LINES:
+            long_modules.append(f"{module} ({len(text.splitlines())} lines)")
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > FUNCTION_LINES:
+                    long_functions.append(f"{module}.{node.name} ({lines} lines)")
+    assert long_modules == [], f"split these modules where their jobs split: {long_modules}"
+    assert long_functions == [], f"split these functions: {long_functions}"

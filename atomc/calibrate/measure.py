@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 
 from atomc.device import describe_device
 from atomc.errors import AtomcError, CalibrationError, UsageError
-from atomc.ir import Document
+from atomc.ir.documents import Document
 from atomc.runtime.trace import LANES, StepTrace
 
 LOADS = ("load", "refresh")

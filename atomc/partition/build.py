@@ -8,7 +8,8 @@ import itertools
 
 from atomc import __version__
 from atomc.errors import UsageError
-from atomc.ir import SCHEMA_VERSION, CutTensor, OpGraph, Plan, Profile, Submodel
+from atomc.ir import CutTensor, OpGraph, Plan, Profile, Submodel
+from atomc.ir.documents import SCHEMA_VERSION
 from atomc.jsonio import canonical_hash
 from atomc.partition.accum import (
     physical_bound_accum,

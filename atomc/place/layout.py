@@ -19,7 +19,8 @@ from typing import ClassVar
 import numpy as np
 
 from atomc.errors import LayoutError
-from atomc.ir import Document, Plan
+from atomc.ir import Plan
+from atomc.ir.documents import Document
 from atomc.place.cost import Cost, CostModel
 from atomc.place.matching import bottleneck_matching
 from atomc.place.network import Network

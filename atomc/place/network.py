@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from atomc.errors import IRError, NetworkError
-from atomc.ir import SCHEMA_VERSION, Document
+from atomc.ir.documents import SCHEMA_VERSION, Document
 from atomc.jsonio import read_json
 
 # The paper's intra-region link for individual GPUs in one cloud region (cases 4 and 5).

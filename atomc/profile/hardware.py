@@ -6,7 +6,8 @@ import json
 from importlib import resources
 
 from atomc.errors import ProfileError
-from atomc.ir import HardwareProfile, from_data
+from atomc.ir import HardwareProfile
+from atomc.ir.documents import from_data
 
 
 def _files():

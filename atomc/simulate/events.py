@@ -47,7 +47,7 @@ from typing import ClassVar
 
 from atomc.actions import Action, Run, atom_runs, runs
 from atomc.device import names_cpu
-from atomc.ir import Document
+from atomc.ir.documents import Document
 from atomc.units import NS_PER_MS
 
 LANES = ("compute", "prefetch", "offload", "optimizer", "disk")

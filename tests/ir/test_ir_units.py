@@ -7,7 +7,8 @@ import json
 import pytest
 
 from atomc.errors import IRError, UsageError
-from atomc.ir import SCHEMA_VERSION, OpGraph, Profile
+from atomc.ir import OpGraph, Profile
+from atomc.ir.documents import SCHEMA_VERSION
 from atomc.profile import profile_model
 from atomc.trace import trace_model
 from atomc.units import format_bytes, parse_size
