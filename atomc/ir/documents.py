@@ -141,8 +141,7 @@ def _sequence_reader(item: Any) -> _Reader:
     r = _reader(item)
 
     def read(data, w):
-        if not isinstance(data, list):
-            raise IRError(f"{_where(w)}: expected a list, got {type(data).__name__}")
+        _expect(data, list, "a list", w)
         return tuple(r(x, (w, i)) for i, x in enumerate(data))
     return read
 
@@ -151,8 +150,7 @@ def _fixed_tuple_reader(args: tuple) -> _Reader:
     readers = [_reader(a) for a in args]
 
     def read(data, w):
-        if not isinstance(data, list):
-            raise IRError(f"{_where(w)}: expected a list, got {type(data).__name__}")
+        _expect(data, list, "a list", w)
         if len(readers) != len(data):
             raise IRError(f"{_where(w)}: expected {len(readers)} items, got {len(data)}")
         return tuple(r(x, (w, i)) for i, (r, x) in enumerate(zip(readers, data)))
@@ -163,10 +161,14 @@ def _dict_reader(value: Any) -> _Reader:
     r = _reader(value)
 
     def read(data, w):
-        if not isinstance(data, dict):
-            raise IRError(f"{_where(w)}: expected an object, got {type(data).__name__}")
+        _expect(data, dict, "an object", w)
         return {k: r(v, (w, str(k))) for k, v in data.items()}
     return read
+
+
+def _expect(data: Any, kind: type, what: str, w: _Where) -> None:
+    if not isinstance(data, kind):
+        raise IRError(f"{_where(w)}: expected {what}, got {type(data).__name__}")
 
 
 class Document:
