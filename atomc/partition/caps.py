@@ -76,8 +76,8 @@ def folding_of(view: Profile, tables: RangeTables, fold: bool) -> Folding | None
 def over_caps(tables: RangeTables, p: CostParams, d: CostTables, folding: Folding | None,
                tier: int, score=None, first: bool = False,
                cache: dict | None = None) -> SearchResult | None:
-    """The best plan of `tier` by `score` over caps on the largest sub-model's parameters (or,
-    with `first`, the first plan found).
+    """The best plan of `tier` by `score` (None: the search's own objective) over caps on the
+    largest sub-model's parameters (or, with `first`, the first plan found).
 
     Every cap worth trying is the size of a range that fits beside its own slots
     (cost.slot_fits), at least the largest single operator's. They are tried from the largest
@@ -85,7 +85,13 @@ def over_caps(tables: RangeTables, p: CostParams, d: CostTables, folding: Foldin
     found jumps the descent to below its own largest sub-model (every cap between gives it
     again). Smaller caps mean more sub-models, more cuts and more recomputation, so once a
     plan is found the descent stops at the first cap that does no better. Searches at one C
-    share `d` (a cap only narrows its ranges) and `cache`, by tier and cap."""
+    share `d` (a cap only narrows its ranges) and `cache`, by tier and cap.
+
+    A smaller cap admits no range of more parameters, and more working memory beside its
+    smaller slots: where that admits no range the best plan's cap did not, the search would
+    choose among fewer ranges under the same pair constraints, and its objective cannot do
+    better, so it is not run (a score other than the objective, such as a simulated step,
+    could)."""
     fits = slot_fits(d, p.usable_bytes)
     floor = int(tables.param_bytes[:, 1].max()) if tables.max_width >= 1 else 0
     sizes = np.unique(d.param_bytes[fits])
@@ -105,6 +111,8 @@ def over_caps(tables: RangeTables, p: CostParams, d: CostTables, folding: Foldin
         # whether memory allows any plan: the smallest cap leaves the most working memory and
         # the narrowest ranges (the cheapest search) first
         return next((r for cap in _descending(sizes)[::-1] if (r := attempt(cap))), None)
+    by_objective = score is None
+    score = score or (lambda r: r.objective)
     best = None
     cap = int(sizes[-1])
     while True:
@@ -112,16 +120,25 @@ def over_caps(tables: RangeTables, p: CostParams, d: CostTables, folding: Foldin
         if r is not None and first:
             return r
         if r is not None and (best is None or score(r) < best[0]):
-            best = (score(r), r)
+            best = (score(r), r, cap)
             cap = min(cap, largest_params(tables, p, r))
         elif best is not None:
             break
         below = sizes[sizes <= int(cap * _CAP_STEP)]
         nxt = int(below[-1]) if len(below) else int(sizes[0])
-        if nxt >= cap:
+        if nxt >= cap or (by_objective and best is not None
+                          and not _admits_more(d, nxt, best[2], p.usable_bytes)):
             break
         cap = nxt
     return None if best is None else best[1]
+
+
+def _admits_more(d: CostTables, cap: int, than: int, usable_bytes: int) -> bool:
+    """Whether slot cap `cap` (below `than`) admits a range that `than` does not: one whose
+    working memory fits only beside the smaller slots."""
+    room = d.work_bytes + d.slots_per_cap * np.int64(cap) <= usable_bytes
+    before = d.work_bytes + d.slots_per_cap * np.int64(than) <= usable_bytes
+    return bool((d.ok & (d.param_bytes <= cap) & room & ~before).any())
 
 
 def _descending(sizes: np.ndarray) -> list[int]:

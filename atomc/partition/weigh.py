@@ -205,7 +205,7 @@ class _Weighing:
             return found, (0.0 if found is None else plan_utilisation(tables, p, found))
 
         if over_caps(tables, p, d, folding, 0, first=True, cache=done) is not None:
-            return Outcome(c, True, relax=lambda: best(0, lambda r: r.objective))
+            return Outcome(c, True, relax=lambda: best(0, None))
         # memory alone decides whether a larger C can still help; tier 2 also gives a plan
         # (its step an estimate: the simulator's step decides between the caps)
         return Outcome(c, False, relax=lambda: best(2, lambda r: simulated_score(tables, p, r)),

@@ -644,3 +644,34 @@ def test_the_search_s_strided_lines_read_what_gathers_read(x_width, v_width):
         wr = np.arange(1, min(v_width, n - b) + 1)
         assert np.array_equal(lines.ending_at(x, b, len(wl)), x[b - wl, wl])
         assert np.array_equal(lines.states_from(v, b, len(wr)), v[b + wr, wr])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_a_cap_that_admits_no_new_range_is_not_searched(seed):
+    """The descent over slot caps skips a smaller cap under which every admitted range was
+    admitted already: the plan is the one searching it gives."""
+    from atomc.partition import caps
+    from atomc.partition.cost import derive
+
+    profile, accum, usable, cpu, activations = _random_case(seed, max_nodes=14)
+    facts = node_facts(profile)
+    params = CostParams(accum, usable, profile.h2d_gbps, profile.d2h_gbps, cpu, activations)
+    tables = build_tables(facts, facts.num_nodes)
+    d = derive(tables, params)
+    calls = []
+
+    def counted(*args):
+        calls.append(args)
+        return search(*args)
+
+    with mock.patch.object(caps, "search", counted):
+        skipping = caps.over_caps(tables, params, d, None, 0)
+        skipped = len(calls)
+        calls.clear()
+        with mock.patch.object(caps, "_admits_more", lambda *a: True):
+            searching = caps.over_caps(tables, params, d, None, 0)
+    assert skipped <= len(calls)
+    assert (skipping.cuts if skipping else None) == (searching.cuts if searching else None)
+    assert (skipping.objective if skipping else None) == \
+        (searching.objective if searching else None)
