@@ -7,6 +7,7 @@ converts itself in its forward changes anything. Used by the frontends while the
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import re
@@ -43,6 +44,7 @@ _STDLIB = str(Path(contextlib.__file__).resolve().parent)
 _INSTALLED = ("site-packages", "dist-packages")
 
 
+@functools.lru_cache(maxsize=4096)  # a stack's files repeat: one realpath each
 def is_internal(filename: str) -> bool:
     """A frame of torch, of the standard library or of atomc: not the model's own code (nor
     a library's it calls, such as transformers or torchvision, whose folder's name begins
@@ -140,8 +142,8 @@ def functions_checked() -> Iterator[None]:
     seen: dict[type, tuple[str, tuple, dict]] = {}  # the first call's line and arguments
 
     def apply(cls, *args, **kwargs):
-        if _custom(cls):
-            seen.setdefault(cls, (caller(), args, kwargs))
+        if _custom(cls) and cls not in seen:  # the stack walked once per Function
+            seen[cls] = (caller(), args, kwargs)
         return _torch_apply(cls, *args, **kwargs)
 
     with _apply_patched(apply):
