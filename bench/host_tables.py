@@ -225,8 +225,9 @@ gradient ring, activation stash and disk staging), "disk bytes" the states the p
 the drives. Model TFLOPS is 6 x parameters x tokens a second (recomputation not counted).
 The drive: {drive}. The CPU AdamW rate is the hardware profile's host figure (rtx-4090: a
 Core i9-13900K desktop, 9.3 GB/s of fp32 masters; rtx-3090: 5.3 GB/s). The last column is
-the whole command's CPU time, the least of {runs} runs (the machine, a VM, shares its cores
-with other work, which adds time to a run).
+the whole command's CPU time, the least of {runs} runs, with atomc's bytecode written as an
+installed atomc has it (the machine, a VM, shares its cores with other work, which adds time
+to a run).
 """
 
 

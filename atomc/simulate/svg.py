@@ -9,11 +9,13 @@ from __future__ import annotations
 import importlib.resources
 import math
 from pathlib import Path
-
-import jinja2
+from typing import TYPE_CHECKING
 
 from atomc.jsonio import write_atomic
 from atomc.simulate.events import LANES, Timeline
+
+if TYPE_CHECKING:
+    import jinja2
 
 LANE_TITLES = {"compute": "GPU compute", "prefetch": "host to device", "offload": "device to host",
                "optimizer": "CPU optimizer", "disk": "disk"}
@@ -31,6 +33,10 @@ CHAR_PX = 6.5  # label width per character at font-size 11
 
 
 def _template() -> jinja2.Template:
+    # imported here: `atomc partition` imports this module and draws only with --timeline, and
+    # jinja2 is a tenth of its start-up
+    import jinja2
+
     text = importlib.resources.files("atomc.templates").joinpath("timeline.svg.jinja").read_text()
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=True,
                              trim_blocks=True, lstrip_blocks=True)
