@@ -258,11 +258,10 @@ def search(tables: RangeTables, params: CostParams, tier: int = 0, folding: Fold
     (step, cut_bytes, count), b = best
     cuts = _cuts(v, b, n)
     early = False
-    if cuts:
-        b, end = cuts[0], cuts[1] if len(cuts) > 1 else n
-        _, _, early = _handover(PairSide.of_tables(d, 0, b), PairSide.of_tables(d, b, end - b),
-                                end == n, tier, m)
-        early = bool(early)
+    if cuts:  # the first cut is b
+        end = cuts[1] if len(cuts) > 1 else n
+        early = bool(_handover(PairSide.of_tables(d, 0, b), PairSide.of_tables(d, b, end - b),
+                               end == n, tier, m)[2])
     return SearchResult(tuple(cuts), step, cut_bytes, count, tier, folded, early)
 
 
